@@ -1,0 +1,1 @@
+//! Pure functions on tensors: log-probs, losses, advantage and KL estimators, reductions.

@@ -1,0 +1,1 @@
+//! The `oxrl` command line.

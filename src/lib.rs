@@ -1,0 +1,16 @@
+//! oxrl: an LLM post-training engine (SFT and RL) for decoder-only transformers in the
+//! Hugging Face format.
+//!
+//! The modules follow the layers of DESIGN.md; each may use only the layers above it here:
+//! - [`model`]: architectures, HF I/O, LoRA, training forward, KV-cache decode.
+//! - [`algo`]: pure functions on tensors (losses, advantages, KL, reductions).
+//! - [`rollout`]: sampling.
+//! - [`cli`]: the `oxrl` command line.
+
+pub mod algo;
+pub mod cli;
+pub mod error;
+pub mod model;
+pub mod rollout;
+
+pub use error::{Error, Result};

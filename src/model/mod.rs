@@ -1,0 +1,1 @@
+//! Decoder-only transformers (Llama, Qwen2, Qwen3) in the Hugging Face format.
