@@ -1,1 +1,15 @@
 //! Decoder-only transformers (Llama, Qwen2, Qwen3) in the Hugging Face format.
+
+pub mod config;
+pub mod kv_cache;
+pub mod linear;
+pub mod logprobs;
+pub mod rope;
+pub mod transformer;
+pub mod weights;
+
+pub use config::{Arch, ModelConfig};
+pub use kv_cache::KvCache;
+pub use transformer::Transformer;
+pub mod tokenizer;
+pub mod chat_template;

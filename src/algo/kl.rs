@@ -1,0 +1,81 @@
+//! KL estimators between the learner and a reference policy, per token, from log-probs only.
+//!
+//! With `Δ = lp − ref` (log-probs of the sampled token):
+//! - `k1 = Δ`
+//! - `abs = |Δ|`
+//! - `k2 = ½ Δ²`
+//! - `k3`: `x = clamp(−Δ, −20, 20)`, `k3 = clamp(eˣ − x − 1, −10, 10)` (Schulman's low-variance
+//!   unbiased estimator, clamped for stability).
+//!
+//! Masked positions yield exactly 0, even if an input there is NaN (see [`super::masking`]).
+//! [`KlEstimator::per_token`] works on tensors (differentiable in `lp`, for a KL loss term);
+//! [`KlEstimator::estimate`] on one pair of f64 (for a KL penalty in rewards).
+
+use candle_core::Tensor;
+
+use super::config::unknown_name;
+use super::masking::zero_where_masked;
+use crate::Result;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KlEstimator {
+    K1,
+    K2,
+    K3,
+    Abs,
+}
+
+impl KlEstimator {
+    pub const NAMES: [&'static str; 4] = ["k1", "k2", "k3", "abs"];
+
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "k1" => Ok(Self::K1),
+            "k2" => Ok(Self::K2),
+            "k3" => Ok(Self::K3),
+            "abs" => Ok(Self::Abs),
+            _ => Err(unknown_name("KL estimator", name, &Self::NAMES)),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::K1 => "k1",
+            Self::K2 => "k2",
+            Self::K3 => "k3",
+            Self::Abs => "abs",
+        }
+    }
+
+    /// The estimate at every token, 0 where `mask` (u8) is 0. Any shape; `lp`, `ref_lp`, `mask`
+    /// of the same shape; the result has `lp`'s dtype.
+    pub fn per_token(self, lp: &Tensor, ref_lp: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let lp = zero_where_masked(lp, mask)?;
+        let ref_lp = zero_where_masked(&ref_lp.to_dtype(lp.dtype())?, mask)?;
+        let delta = (lp - ref_lp)?;
+        let kl = match self {
+            Self::K1 => delta,
+            Self::Abs => delta.abs()?,
+            Self::K2 => (delta.sqr()? * 0.5)?,
+            Self::K3 => {
+                let x = delta.neg()?.clamp(-20f64, 20f64)?;
+                ((x.exp()? - x)? - 1.0)?.clamp(-10f64, 10f64)?
+            }
+        };
+        zero_where_masked(&kl, mask)
+    }
+
+    /// The estimate for one token.
+    pub fn estimate(self, lp: f64, ref_lp: f64) -> f64 {
+        let delta = lp - ref_lp;
+        match self {
+            Self::K1 => delta,
+            Self::Abs => delta.abs(),
+            Self::K2 => 0.5 * delta * delta,
+            Self::K3 => {
+                let x = (-delta).clamp(-20.0, 20.0);
+                (x.exp() - x - 1.0).clamp(-10.0, 10.0)
+            }
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! `config.json` of a Hugging Face decoder-only model, for the Llama, Qwen2 and Qwen3 families.
+//!
+//! The three families share one shape (pre-norm blocks of GQA attention with RoPE and a SwiGLU
+//! MLP); they differ only in details captured here as flags:
+//! - Llama: optional `attention_bias` / `mlp_bias`, optional Llama-3 `rope_scaling`;
+//! - Qwen2: biases on the q/k/v projections (never on o_proj);
+//! - Qwen3: per-head RMSNorm on q and k before RoPE, and an explicit `head_dim`.
+//!
+//! Fields we do not model (dropout, initializer range, ...) are ignored; fields whose value would
+//! change the computation and that we do not support (another activation, sliding windows,
+//! quantisation, an unknown rope scaling) are errors that name the field.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::{Error, Result};
+
+/// The supported model families.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Arch {
+    pub fn parse(name: &str) -> Option<Arch> {
+        match name.to_ascii_lowercase().as_str() {
+            "llama" | "llamaforcausallm" => Some(Arch::Llama),
+            "qwen2" | "qwen2forcausallm" => Some(Arch::Qwen2),
+            "qwen3" | "qwen3forcausallm" => Some(Arch::Qwen3),
+            _ => None,
+        }
+    }
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+}
+
+/// Rotary-embedding frequency scaling.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3's piecewise rescaling of the inverse frequencies.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+/// Everything the model code needs from `config.json`.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// Defaults to `num_attention_heads` (no GQA).
+    pub num_key_value_heads: usize,
+    /// Defaults to `hidden_size / num_attention_heads`.
+    pub head_dim: usize,
+    /// Default 1e-6.
+    pub rms_norm_eps: f64,
+    /// Default 10000.
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    /// Default 2048.
+    pub max_position_embeddings: usize,
+    /// Default false (the HF default for all three families).
+    pub tie_word_embeddings: bool,
+    /// Bias on q/k/v (Qwen2 always; Llama/Qwen3 per `attention_bias`, default false).
+    pub qkv_bias: bool,
+    /// Bias on o_proj (Llama/Qwen3 `attention_bias`; never for Qwen2).
+    pub o_bias: bool,
+    /// Bias on the MLP projections (Llama `mlp_bias`, default false).
+    pub mlp_bias: bool,
+    /// Qwen3's RMSNorm on q and k.
+    pub qk_norm: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+    /// The file as read, so that saving writes back every field transformers expects.
+    pub raw: Value,
+}
+
+struct Fields<'a> {
+    path: &'a Path,
+    map: &'a Map<String, Value>,
+}
+
+impl Fields<'_> {
+    fn err(&self, field: &str, msg: impl std::fmt::Display) -> Error {
+        Error::field(self.path, field, msg)
+    }
+    fn get(&self, field: &str) -> Option<&Value> {
+        self.map.get(field).filter(|v| !v.is_null())
+    }
+    fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, got {v}"))),
+        }
+    }
+    fn usize(&self, field: &str) -> Result<usize> {
+        let v = self.usize_opt(field)?.ok_or_else(|| self.err(field, "missing (required)"))?;
+        if v == 0 {
+            return Err(self.err(field, "must be positive"));
+        }
+        Ok(v)
+    }
+    fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(self.err(field, format!("expected a finite number, got {v}"))),
+            },
+        }
+    }
+    fn bool_opt(&self, field: &str) -> Result<Option<bool>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.err(field, format!("expected true or false, got {v}"))),
+        }
+    }
+    fn ids(&self, field: &str) -> Result<Vec<u32>> {
+        match self.get(field) {
+            None => Ok(vec![]),
+            Some(Value::Array(xs)) => xs
+                .iter()
+                .map(|x| x.as_u64().map(|x| x as u32).ok_or_else(|| self.err(field, format!("expected token ids, got {x}"))))
+                .collect(),
+            Some(v) => v.as_u64().map(|x| vec![x as u32]).ok_or_else(|| self.err(field, format!("expected a token id, got {v}"))),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Reads `DIR/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        Self::from_file(&dir.join("config.json"))
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+        let raw: Value = serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
+        Self::from_value(raw, path)
+    }
+
+    /// Parses a config JSON value; `path` is only used in error messages.
+    pub fn from_value(raw: Value, path: &Path) -> Result<Self> {
+        let map = raw.as_object().ok_or_else(|| Error::file(path, "expected a JSON object"))?;
+        let f = Fields { path, map };
+
+        let arch = match f.get("model_type") {
+            Some(Value::String(t)) => Arch::parse(t).ok_or_else(|| {
+                f.err("model_type", format!("unsupported architecture `{t}` (supported: llama, qwen2, qwen3)"))
+            })?,
+            Some(v) => return Err(f.err("model_type", format!("expected a string, got {v}"))),
+            None => match f.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str()) {
+                Some(t) => Arch::parse(t).ok_or_else(|| {
+                    f.err("architectures", format!("unsupported architecture `{t}` (supported: llama, qwen2, qwen3)"))
+                })?,
+                None => return Err(f.err("model_type", "missing (required to know the architecture)")),
+            },
+        };
+
+        let hidden_size = f.usize("hidden_size")?;
+        let num_attention_heads = f.usize("num_attention_heads")?;
+        let num_key_value_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("{num_key_value_heads} must divide num_attention_heads = {num_attention_heads}"),
+            ));
+        }
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(f.err("head_dim", "missing, and hidden_size is not divisible by num_attention_heads"));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim % 2 != 0 || head_dim == 0 {
+            return Err(f.err("head_dim", format!("{head_dim} must be even and positive (RoPE rotates pairs)")));
+        }
+
+        if let Some(act) = f.get("hidden_act").or_else(|| f.get("hidden_activation")) {
+            if act.as_str() != Some("silu") {
+                return Err(f.err("hidden_act", format!("unsupported activation {act} (only \"silu\")")));
+            }
+        }
+        if f.bool_opt("use_sliding_window")?.unwrap_or(false) {
+            return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
+        }
+        if f.get("quantization_config").is_some() {
+            return Err(f.err("quantization_config", "quantised checkpoints are not supported"));
+        }
+        if f.usize_opt("pretraining_tp")?.unwrap_or(1) != 1 {
+            return Err(f.err("pretraining_tp", "only 1 is supported"));
+        }
+
+        let rope_scaling = parse_rope_scaling(&f)?;
+        let attention_bias = f.bool_opt("attention_bias")?;
+        let (qkv_bias, o_bias) = match arch {
+            Arch::Qwen2 => (true, false),
+            _ => {
+                let b = attention_bias.unwrap_or(false);
+                (b, b)
+            }
+        };
+        let rms_norm_eps = f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
+        if rms_norm_eps <= 0.0 {
+            return Err(f.err("rms_norm_eps", "must be positive"));
+        }
+        let rope_theta = f.f64_opt("rope_theta")?.unwrap_or(10000.0);
+        if rope_theta <= 0.0 {
+            return Err(f.err("rope_theta", "must be positive"));
+        }
+
+        Ok(ModelConfig {
+            arch,
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize("intermediate_size")?,
+            num_hidden_layers: f.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            mlp_bias: f.bool_opt("mlp_bias")?.unwrap_or(false),
+            qk_norm: arch == Arch::Qwen3,
+            bos_token_id: f.ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.ids("eos_token_id")?,
+            pad_token_id: f.ids("pad_token_id")?.first().copied(),
+            raw: raw.clone(),
+        })
+    }
+
+    /// A fresh config of the given shape, with the fields transformers needs to load it.
+    pub fn new_json(arch: Arch, shape: &ModelShape) -> Value {
+        let mut v = serde_json::json!({
+            "architectures": [arch.hf_class()],
+            "model_type": arch.model_type(),
+            "vocab_size": shape.vocab_size,
+            "hidden_size": shape.hidden_size,
+            "intermediate_size": shape.intermediate_size,
+            "num_hidden_layers": shape.num_layers,
+            "num_attention_heads": shape.num_heads,
+            "num_key_value_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": shape.rope_theta,
+            "rope_scaling": null,
+            "max_position_embeddings": shape.max_position_embeddings,
+            "tie_word_embeddings": shape.tie_word_embeddings,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "bos_token_id": 0,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            "use_cache": true,
+            "torch_dtype": "float32",
+        });
+        if arch == Arch::Qwen2 {
+            v["use_sliding_window"] = Value::Bool(false);
+            v.as_object_mut().unwrap().remove("attention_bias");
+        }
+        if arch == Arch::Llama {
+            v["mlp_bias"] = Value::Bool(false);
+        }
+        v
+    }
+
+    pub fn dir_path(dir: &Path) -> PathBuf {
+        dir.join("config.json")
+    }
+
+    /// Number of query heads per key/value head.
+    pub fn gqa_groups(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+}
+
+/// The free dimensions of a model, for `oxrl init-model`.
+#[derive(Debug, Clone)]
+pub struct ModelShape {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+}
+
+fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
+    let Some(v) = f.get("rope_scaling") else { return Ok(RopeScaling::None) };
+    let m = v.as_object().ok_or_else(|| f.err("rope_scaling", format!("expected an object or null, got {v}")))?;
+    let kind = m.get("rope_type").or_else(|| m.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+    let num = |key: &str| -> Result<f64> {
+        m.get(key)
+            .and_then(|x| x.as_f64())
+            .ok_or_else(|| f.err(&format!("rope_scaling.{key}"), "missing or not a number"))
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        }),
+        other => Err(f.err(
+            "rope_scaling.rope_type",
+            format!("unsupported rope scaling `{other}` (supported: default, linear, llama3)"),
+        )),
+    }
+}

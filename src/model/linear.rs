@@ -1,0 +1,62 @@
+//! A linear projection `y = x·Wᵀ + b`, optionally with a LoRA adapter `+ s·(x·Aᵀ)·Bᵀ`.
+//!
+//! W has the PyTorch layout [out, in]. The input is flattened to 2-D so that one matmul serves
+//! any batch shape. The adapter's scale s is alpha/r (or alpha/√r for rsLoRA); dropout on the
+//! adapter input is not applied (LoRA dropout is a regulariser we leave out for now).
+
+use candle_core::Tensor;
+
+use crate::Result;
+
+#[derive(Debug, Clone)]
+pub struct LoraPair {
+    /// [r, in]
+    pub a: Tensor,
+    /// [out, r]
+    pub b: Tensor,
+    pub scale: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// [out, in]
+    pub weight: Tensor,
+    /// [out]
+    pub bias: Option<Tensor>,
+    pub lora: Option<LoraPair>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear { weight, bias, lora: None }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let in_dim = *dims.last().expect("linear input has at least one dimension");
+        let x2 = x.reshape(((), in_dim))?;
+        let mut y = x2.matmul(&self.weight.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(l) = &self.lora {
+            let delta = x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+            y = (y + (delta * l.scale)?)?;
+        }
+        let mut out_dims = dims;
+        *out_dims.last_mut().unwrap() = self.weight.dim(0)?;
+        Ok(y.reshape(out_dims)?)
+    }
+
+    /// W + s·B·A: the adapter folded into the base weight, for export.
+    pub fn merged_weight(&self) -> Result<Tensor> {
+        match &self.lora {
+            None => Ok(self.weight.clone()),
+            Some(l) => {
+                let dt = self.weight.dtype();
+                let delta = (l.b.to_dtype(candle_core::DType::F32)?.matmul(&l.a.to_dtype(candle_core::DType::F32)?)? * l.scale)?;
+                Ok((self.weight.to_dtype(candle_core::DType::F32)? + delta)?.to_dtype(dt)?)
+            }
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! Rotary position embeddings, in the "rotate half" layout of Hugging Face transformers.
+//!
+//! For a head vector x = [x1, x2] (two halves of length d/2) at position p:
+//!   rope(x) = [x1·cos − x2·sin, x2·cos + x1·sin],  angle_i = p · inv_freq_i,
+//!   inv_freq_i = theta^(−2i/d), optionally rescaled (linear, or Llama 3's piecewise rule).
+//! Built only from differentiable primitives (narrow, mul, cat), so gradients flow through it.
+//! Tables are computed in f64 and stored in f32 (transformers computes them in f32; the
+//! difference is far below the 1e-4 tolerance against it).
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::config::{ModelConfig, RopeScaling};
+use crate::{Error, Result};
+
+/// cos/sin tables of shape [max_position_embeddings, head_dim / 2].
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    max_positions: usize,
+}
+
+pub fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
+    let d = cfg.head_dim;
+    let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d as f64)).collect();
+    match cfg.rope_scaling {
+        RopeScaling::None | RopeScaling::Linear { .. } => base,
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } => {
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.into_iter()
+                .map(|freq| {
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    if wavelen < high_wavelen {
+                        freq
+                    } else if wavelen > low_wavelen {
+                        freq / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig, device: &Device) -> Result<Self> {
+        let inv_freq = inverse_frequencies(cfg);
+        let pos_scale = match cfg.rope_scaling {
+            RopeScaling::Linear { factor } => 1.0 / factor,
+            _ => 1.0,
+        };
+        let n = cfg.max_position_embeddings;
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for &f in &inv_freq {
+                let angle = p as f64 * pos_scale * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Ok(Rope {
+            cos: Tensor::from_vec(cos, (n, half), device)?,
+            sin: Tensor::from_vec(sin, (n, half), device)?,
+            max_positions: n,
+        })
+    }
+
+    /// cos and sin for `positions` ([B, T], u32), each [B, 1, T, head_dim/2] in `dtype`.
+    pub fn tables(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let (b, t) = positions.dims2()?;
+        let max = positions.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
+        if max >= self.max_positions {
+            return Err(Error::input(format!(
+                "position {max} is beyond max_position_embeddings = {} of the model config",
+                self.max_positions
+            )));
+        }
+        let flat = positions.flatten_all()?;
+        let gather = |table: &Tensor| -> Result<Tensor> {
+            Ok(table.index_select(&flat, 0)?.reshape((b, 1, t, ()))?.to_dtype(dtype)?)
+        };
+        Ok((gather(&self.cos)?, gather(&self.sin)?))
+    }
+}
+
+/// Applies the rotation to x of shape [B, heads, T, head_dim] with tables from [`Rope::tables`].
+pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let b = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Ok(Tensor::cat(&[a, b], D::Minus1)?)
+}

@@ -1,0 +1,437 @@
+//! The decoder-only transformer shared by Llama, Qwen2 and Qwen3.
+//!
+//! ```text
+//! h = embed(tokens)
+//! for each block:  h = h + o_proj(attn(rope(q), rope(k), v))   with q,k,v from rms_norm(h)
+//!                  h = h + down(silu(gate(x)) * up(x))          with x = rms_norm(h)
+//! logits = lm_head(rms_norm(h))                                (lm_head = embed when tied)
+//! ```
+//! Attention is causal and masks padded keys (left or right padding), with per-row position ids.
+//! Grouped-query attention is computed without copying keys/values: the query heads that share a
+//! key/value head are folded into the row dimension of one matmul. Softmax and RMSNorm run in
+//! f32 whatever the run dtype, as in transformers.
+//!
+//! One forward serves training and decoding: with a [`KvCache`] the new tokens attend to the
+//! cached positions too, so prefill + one-token steps give the same logits as the full forward.
+//! Everything is built from differentiable candle primitives: gradients reach every parameter.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use super::config::ModelConfig;
+use super::kv_cache::KvCache;
+use super::linear::Linear;
+use super::rope::{self, Rope};
+use super::weights::{self, LoadedWeights};
+use crate::{Error, Result};
+
+/// A large negative bias for masked attention scores; finite so that no NaN can appear.
+const MASKED: f32 = -1e30;
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    /// Qwen3 only: RMSNorm weights over head_dim.
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub input_layernorm: Tensor,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: Tensor,
+    pub mlp: Mlp,
+}
+
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    pub config: ModelConfig,
+    pub embed_tokens: Tensor,
+    pub layers: Vec<Block>,
+    pub norm: Tensor,
+    /// Its weight is `embed_tokens` when the embeddings are tied.
+    pub lm_head: Linear,
+    pub rope: Rope,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+/// RMSNorm over the last dimension, computed in f32: x / sqrt(mean(x²) + eps) · w.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let normed = x.broadcast_mul(&inv_rms)?.to_dtype(dtype)?;
+    Ok(normed.broadcast_mul(weight)?)
+}
+
+/// Softmax over the last dimension with the max subtracted first (detached: it cancels).
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Additive attention bias [B, 1, 1, T, S]: query i (at cache offset `past`) sees key j iff
+/// j ≤ past + i and key j is real. A query always sees itself, so that padded queries (whose
+/// outputs are discarded) never have an empty row.
+fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
+    let b = key_mask.len();
+    let s = past + t;
+    let mut bias = vec![0f32; b * t * s];
+    for (row, mask) in key_mask.iter().enumerate() {
+        for i in 0..t {
+            let q = past + i;
+            let out = &mut bias[(row * t + i) * s..(row * t + i + 1) * s];
+            for (j, slot) in out.iter_mut().enumerate() {
+                let visible = j == q || (j < q && mask[j] != 0);
+                if !visible {
+                    *slot = MASKED;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(bias, (b, 1, 1, t, s), device)?)
+}
+
+impl Attention {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cfg: &ModelConfig,
+        cos_sin: &(Tensor, Tensor),
+        bias: &Tensor,
+        cache: Option<(&mut KvCache, usize)>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kvh, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let rep = h / kvh;
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, d))?.transpose(1, 2)?) };
+        let mut q = heads(self.q_proj.forward(x)?, h)?;
+        let mut k = heads(self.k_proj.forward(x)?, kvh)?;
+        let v = heads(self.v_proj.forward(x)?, kvh)?.contiguous()?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = rms_norm(&q, qn, cfg.rms_norm_eps)?;
+            k = rms_norm(&k, kn, cfg.rms_norm_eps)?;
+        }
+        let q = rope::apply(&q, &cos_sin.0, &cos_sin.1)?;
+        let k = rope::apply(&k, &cos_sin.0, &cos_sin.1)?.contiguous()?;
+        let (k, v) = match cache {
+            Some((c, layer)) => c.append(layer, &k, &v)?,
+            None => (k, v),
+        };
+        let s = k.dim(2)?;
+        // Fold the `rep` query heads sharing a kv head into rows: [B, kvh, rep·T, d].
+        let qg = q.contiguous()?.reshape((b, kvh, rep * t, d))?;
+        let scores = (qg.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+        let scores = scores.reshape((b, kvh, rep, t, s))?.to_dtype(DType::F32)?.broadcast_add(bias)?;
+        let probs = softmax_last_dim(&scores)?.to_dtype(x.dtype())?.reshape((b, kvh, rep * t, s))?;
+        let out = probs.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        self.o_proj.forward(&out)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+fn linear(
+    source: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+    name: &str,
+    out: usize,
+    inp: usize,
+    bias: bool,
+) -> Result<Linear> {
+    let w = source(&format!("{name}.weight"), &[out, inp])?;
+    let b = if bias { Some(source(&format!("{name}.bias"), &[out])?) } else { None };
+    Ok(Linear::new(w, b))
+}
+
+/// Validation of a [B, T] batch of token ids.
+fn check_token_ids(ids: &[Vec<u32>], vocab: usize) -> Result<()> {
+    for (row, r) in ids.iter().enumerate() {
+        for (pos, &id) in r.iter().enumerate() {
+            if id as usize >= vocab {
+                return Err(Error::input(format!(
+                    "token id {id} at row {row}, position {pos} is out of range for vocab_size {vocab}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Transformer {
+    /// Loads `DIR/config.json` and the weights, in `dtype` on `device`.
+    pub fn load(dir: &std::path::Path, dtype: DType, device: &Device) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let mut w = weights::load_dir(dir, device)?;
+        Self::build(config, dtype, device, &mut |name, shape| w.take(name, shape, dtype)).and_then(|m| {
+            check_no_leftover(&w, &m)?;
+            Ok(m)
+        })
+    }
+
+    /// Builds the model, asking `source` for each parameter by HF name and shape.
+    pub fn build(
+        config: ModelConfig,
+        dtype: DType,
+        device: &Device,
+        source: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let c = &config;
+        let (hd, h, kvh, d, im) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
+        let embed_tokens = source("model.embed_tokens.weight", &[c.vocab_size, hd])?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let mut lin = |name: &str, out: usize, inp: usize, bias: bool| linear(source, &format!("{p}.{name}"), out, inp, bias);
+            let mut self_attn = Attention {
+                q_proj: lin("self_attn.q_proj", h * d, hd, c.qkv_bias)?,
+                k_proj: lin("self_attn.k_proj", kvh * d, hd, c.qkv_bias)?,
+                v_proj: lin("self_attn.v_proj", kvh * d, hd, c.qkv_bias)?,
+                o_proj: lin("self_attn.o_proj", hd, h * d, c.o_bias)?,
+                q_norm: None,
+                k_norm: None,
+            };
+            let mlp = Mlp {
+                gate_proj: lin("mlp.gate_proj", im, hd, c.mlp_bias)?,
+                up_proj: lin("mlp.up_proj", im, hd, c.mlp_bias)?,
+                down_proj: lin("mlp.down_proj", hd, im, c.mlp_bias)?,
+            };
+            if c.qk_norm {
+                self_attn.q_norm = Some(source(&format!("{p}.self_attn.q_norm.weight"), &[d])?);
+                self_attn.k_norm = Some(source(&format!("{p}.self_attn.k_norm.weight"), &[d])?);
+            }
+            layers.push(Block {
+                input_layernorm: source(&format!("{p}.input_layernorm.weight"), &[hd])?,
+                self_attn,
+                post_attention_layernorm: source(&format!("{p}.post_attention_layernorm.weight"), &[hd])?,
+                mlp,
+            });
+        }
+        let norm = source("model.norm.weight", &[hd])?;
+        let lm_head = if c.tie_word_embeddings {
+            Linear::new(embed_tokens.clone(), None)
+        } else {
+            Linear::new(source("lm_head.weight", &[c.vocab_size, hd])?, None)
+        };
+        let rope = Rope::new(c, device)?;
+        Ok(Transformer { config, embed_tokens, layers, norm, lm_head, rope, dtype, device: device.clone() })
+    }
+
+    /// Visits every base parameter with its HF name (the tied lm_head is not listed twice).
+    pub fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        f("model.embed_tokens.weight", &mut self.embed_tokens)?;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            f(&format!("{p}.input_layernorm.weight"), &mut l.input_layernorm)?;
+            for (name, lin) in l.linears_mut() {
+                f(&format!("{p}.{name}.weight"), &mut lin.weight)?;
+                if let Some(b) = lin.bias.as_mut() {
+                    f(&format!("{p}.{name}.bias"), b)?;
+                }
+            }
+            if let Some(w) = l.self_attn.q_norm.as_mut() {
+                f(&format!("{p}.self_attn.q_norm.weight"), w)?;
+            }
+            if let Some(w) = l.self_attn.k_norm.as_mut() {
+                f(&format!("{p}.self_attn.k_norm.weight"), w)?;
+            }
+            f(&format!("{p}.post_attention_layernorm.weight"), &mut l.post_attention_layernorm)?;
+        }
+        f("model.norm.weight", &mut self.norm)?;
+        if self.config.tie_word_embeddings {
+            self.lm_head.weight = self.embed_tokens.clone();
+        } else {
+            f("lm_head.weight", &mut self.lm_head.weight)?;
+        }
+        Ok(())
+    }
+
+    /// Every base parameter by HF name, sorted by name.
+    pub fn named_params(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![];
+        let mut copy = self.clone();
+        copy.visit_params_mut(&mut |name, t| {
+            out.push((name.to_string(), t.clone()));
+            Ok(())
+        })
+        .expect("collecting parameters cannot fail");
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Every projection of the model by module name (`model.layers.0.self_attn.q_proj`, `lm_head`).
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = vec![];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            for (name, lin) in l.linears_mut() {
+                out.push((format!("model.layers.{i}.{name}"), lin));
+            }
+        }
+        out.push(("lm_head".to_string(), &mut self.lm_head));
+        out
+    }
+
+    /// Turns every base parameter into a trainable variable and returns them by HF name.
+    pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        let mut vars = vec![];
+        self.visit_params_mut(&mut |name, t| {
+            let var = Var::from_tensor(t)?;
+            *t = var.as_tensor().clone();
+            vars.push((name.to_string(), var));
+            Ok(())
+        })?;
+        Ok(vars)
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.named_params().iter().map(|(_, t)| t.elem_count()).sum()
+    }
+
+    /// Final hidden states [B, T, hidden] for `input_ids` [B, T] at `positions` [B, T] with the
+    /// key mask `mask` [B][T] (1 = real token). With a cache, the tokens are appended after the
+    /// cached ones and attend to them.
+    pub fn forward_hidden(
+        &self,
+        input_ids: &[Vec<u32>],
+        positions: &[Vec<u32>],
+        mask: &[Vec<u8>],
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let b = input_ids.len();
+        if b == 0 {
+            return Err(Error::input("empty batch"));
+        }
+        let t = input_ids[0].len();
+        for (name, rows) in [("positions", positions.len()), ("mask", mask.len())] {
+            if rows != b {
+                return Err(Error::input(format!("{name} has {rows} rows, input_ids has {b}")));
+            }
+        }
+        for r in 0..b {
+            if input_ids[r].len() != t || positions[r].len() != t || mask[r].len() != t {
+                return Err(Error::input(format!("row {r}: input_ids, positions and mask must all have length {t}")));
+            }
+        }
+        if let Some(c) = cache.as_ref() {
+            if c.seq_len() > 0 && c.key_mask().len() != b {
+                return Err(Error::input(format!("cache holds {} rows, batch has {b}", c.key_mask().len())));
+            }
+        }
+        check_token_ids(input_ids, self.config.vocab_size)?;
+        let dev = &self.device;
+        let ids = Tensor::from_vec(input_ids.concat(), (b, t), dev)?;
+        let pos = Tensor::from_vec(positions.concat(), (b, t), dev)?;
+        let cos_sin = self.rope.tables(&pos, self.dtype)?;
+
+        let past = cache.as_ref().map_or(0, |c| c.seq_len());
+        let full_mask: Vec<Vec<u8>> = match cache.as_ref() {
+            Some(c) if past > 0 => c.key_mask().iter().zip(mask).map(|(a, m)| [a.as_slice(), m].concat()).collect(),
+            _ => mask.to_vec(),
+        };
+        let bias = attention_bias(&full_mask, past, t, dev)?;
+        if let Some(c) = cache.as_deref_mut() {
+            c.extend_mask(mask);
+        }
+
+        let mut h = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?;
+        let eps = self.config.rms_norm_eps;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let x = rms_norm(&h, &layer.input_layernorm, eps)?;
+            let a = layer.self_attn.forward(&x, &self.config, &cos_sin, &bias, cache.as_deref_mut().map(|c| (c, i)))?;
+            h = (h + a)?;
+            let x = rms_norm(&h, &layer.post_attention_layernorm, eps)?;
+            h = (h + layer.mlp.forward(&x)?)?;
+        }
+        rms_norm(&h, &self.norm, eps)
+    }
+
+    /// Logits in f32 for hidden states [..., hidden].
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// Full-vocabulary logits [B, T, V] in f32.
+    pub fn forward(
+        &self,
+        input_ids: &[Vec<u32>],
+        positions: &[Vec<u32>],
+        mask: &[Vec<u8>],
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let h = self.forward_hidden(input_ids, positions, mask, cache)?;
+        self.logits(&h)
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_hidden_layers)
+    }
+
+    /// Writes config.json and model.safetensors (in `dtype`) to `dir`, in the HF layout.
+    pub fn save(&self, dir: &std::path::Path, dtype: DType) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
+        let mut tensors = vec![];
+        for (name, t) in self.named_params() {
+            tensors.push((name, t.to_dtype(dtype)?));
+        }
+        weights::save_file(&tensors, &dir.join(weights::SINGLE_FILE), None)?;
+        let mut cfg = self.config.raw.clone();
+        cfg["torch_dtype"] = serde_json::Value::String(weights::dtype_name(dtype).into());
+        if cfg.get("dtype").is_some() {
+            cfg["dtype"] = serde_json::Value::String(weights::dtype_name(dtype).into());
+        }
+        write_json(&dir.join("config.json"), &cfg)
+    }
+}
+
+impl Block {
+    /// The projections of one block by their name inside it.
+    pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        [
+            ("self_attn.q_proj", &mut a.q_proj),
+            ("self_attn.k_proj", &mut a.k_proj),
+            ("self_attn.v_proj", &mut a.v_proj),
+            ("self_attn.o_proj", &mut a.o_proj),
+            ("mlp.gate_proj", &mut m.gate_proj),
+            ("mlp.up_proj", &mut m.up_proj),
+            ("mlp.down_proj", &mut m.down_proj),
+        ]
+    }
+}
+
+/// Tensors left over after loading are a sign of a mismatched config; only buffers that
+/// transformers itself ignores are allowed.
+fn check_no_leftover(w: &LoadedWeights, m: &Transformer) -> Result<()> {
+    for (name, (_, path)) in &w.tensors {
+        let ignorable = name.ends_with("rotary_emb.inv_freq") || (name == "lm_head.weight" && m.config.tie_word_embeddings);
+        if !ignorable {
+            return Err(Error::tensor(path, name, "unexpected tensor: not part of this model's config"));
+        }
+    }
+    Ok(())
+}
+
+/// Writes pretty JSON through a temporary file renamed into place.
+pub fn write_json(path: &std::path::Path, value: &serde_json::Value) -> Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    let text = serde_json::to_string_pretty(value).map_err(|e| Error::file(path, e))?;
+    std::fs::write(&tmp, text + "\n").map_err(|e| Error::file(&tmp, format!("cannot write: {e}")))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::file(path, format!("cannot rename into place: {e}")))?;
+    Ok(())
+}

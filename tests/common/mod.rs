@@ -1,0 +1,82 @@
+//! Helpers shared by the integration tests: fixture paths and the golden tensors.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+
+pub const ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+pub fn fixture_dir(arch: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(arch)
+}
+
+pub struct Golden {
+    pub tensors: HashMap<String, Tensor>,
+    pub json: serde_json::Value,
+}
+
+impl Golden {
+    pub fn load(arch: &str) -> Golden {
+        let dir = fixture_dir(arch);
+        let tensors = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+        let json = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        Golden { tensors, json }
+    }
+    pub fn get(&self, name: &str) -> &Tensor {
+        self.tensors.get(name).unwrap_or_else(|| panic!("golden tensor {name} missing"))
+    }
+    pub fn i64_2d(&self, name: &str) -> Vec<Vec<i64>> {
+        self.get(name).to_dtype(DType::I64).unwrap().to_vec2().unwrap()
+    }
+    pub fn f32_2d(&self, name: &str) -> Vec<Vec<f32>> {
+        self.get(name).to_dtype(DType::F32).unwrap().to_vec2().unwrap()
+    }
+    /// The padded batch: ids, positions (pads at 0), mask, next-token targets, valid, weights.
+    pub fn batch(&self) -> Batch {
+        let ids = self.i64_2d("input_ids");
+        let mask = self.i64_2d("attention_mask");
+        let pos = self.i64_2d("position_ids");
+        let ids_u: Vec<Vec<u32>> = ids.iter().map(|r| r.iter().map(|&x| x as u32).collect()).collect();
+        let targets = ids_u.iter().map(|r| r[1..].iter().copied().chain([0]).collect()).collect();
+        Batch {
+            ids: ids_u,
+            positions: pos.iter().map(|r| r.iter().map(|&x| x.max(0) as u32).collect()).collect(),
+            mask: mask.iter().map(|r| r.iter().map(|&x| x as u8).collect()).collect(),
+            targets,
+            valid: self.f32_2d("valid"),
+            weights: self.f32_2d("weights"),
+        }
+    }
+}
+
+pub struct Batch {
+    pub ids: Vec<Vec<u32>>,
+    pub positions: Vec<Vec<u32>>,
+    pub mask: Vec<Vec<u8>>,
+    pub targets: Vec<Vec<u32>>,
+    pub valid: Vec<Vec<f32>>,
+    pub weights: Vec<Vec<f32>>,
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    (a - b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// ‖a − b‖ / ‖b‖
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
+    let den = b.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
+    num / den.max(1e-30)
+}
+
+/// Masks `t` [B, T] with `valid` (where not valid: 0).
+pub fn masked(t: &Tensor, valid: &[Vec<f32>]) -> Tensor {
+    let v = Tensor::new(valid.to_vec().concat(), &Device::Cpu).unwrap().reshape(t.dims()).unwrap();
+    (t.to_dtype(DType::F32).unwrap() * v).unwrap()
+}
