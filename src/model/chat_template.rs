@@ -12,7 +12,8 @@
 //! Simplifications, where the output can differ from jinja2 on unusual templates:
 //! - Map keys are iterated in sorted order, not Python insertion order (minijinja and serde_json
 //!   are built without `preserve_order`), which shows in `tojson` of dicts and in `.items()`.
-//! - `{{ none }}` / `{{ true }}` print minijinja's `none` / `true`, not Python's `None` / `True`.
+//! - A printed list or dict quotes its strings with `"` (`[1, "a", None]`) where Python's repr
+//!   uses `'`; scalars print as in Python (`None`, `True`, `1.0`).
 //! - `strftime_now` formats the current time in UTC (transformers uses local time), and knows
 //!   the common `%` directives only.
 //! - `{% generation %}` blocks (used only for assistant-token masks) are rendered as plain
@@ -37,12 +38,18 @@ pub struct TemplateOrigin {
 impl TemplateOrigin {
     /// A template stored as a whole file (e.g. `chat_template.jinja`).
     pub fn file(path: impl Into<PathBuf>) -> Self {
-        TemplateOrigin { path: path.into(), field: None }
+        TemplateOrigin {
+            path: path.into(),
+            field: None,
+        }
     }
 
     /// A template stored in a JSON field (e.g. `tokenizer_config.json` field `chat_template`).
     pub fn field(path: impl Into<PathBuf>, field: impl Into<String>) -> Self {
-        TemplateOrigin { path: path.into(), field: Some(field.into()) }
+        TemplateOrigin {
+            path: path.into(),
+            field: Some(field.into()),
+        }
     }
 
     /// An error naming this origin.
@@ -98,7 +105,12 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(name.clone(), strip_generation_tags(&source))
             .map_err(|e| origin.error(format!("invalid chat template: {}", describe(&e))))?;
-        Ok(ChatTemplate { env, name, source, origin })
+        Ok(ChatTemplate {
+            env,
+            name,
+            source,
+            origin,
+        })
     }
 
     /// Reads and compiles a template file (e.g. `chat_template.jinja`).
@@ -131,9 +143,15 @@ impl ChatTemplate {
     ) -> Result<String> {
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("messages".into(), Value::from_serialize(messages));
-        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
         // transformers passes `tools=None` / `documents=None` rather than leaving them undefined.
-        ctx.insert("tools".into(), tools.map(Value::from_serialize).unwrap_or(Value::from(())));
+        ctx.insert(
+            "tools".into(),
+            tools.map(Value::from_serialize).unwrap_or(Value::from(())),
+        );
         ctx.insert("documents".into(), Value::from(()));
         let tokens = [
             ("bos_token", &special.bos),
@@ -151,18 +169,21 @@ impl ChatTemplate {
                 ctx.insert(k.clone(), Value::from_serialize(v));
             }
         }
-        let template = self
-            .env
-            .get_template(&self.name)
-            .map_err(|e| self.origin.error(format!("invalid chat template: {}", describe(&e))))?;
+        let template = self.env.get_template(&self.name).map_err(|e| {
+            self.origin
+                .error(format!("invalid chat template: {}", describe(&e)))
+        })?;
         template.render(ctx).map_err(|e| {
             if e.kind() == ErrorKind::InvalidOperation && is_raised(&e) {
                 self.origin.error(format!(
                     "chat template raised an exception: {}",
-                    e.detail().unwrap_or_default().trim_start_matches(RAISED_PREFIX)
+                    e.detail()
+                        .unwrap_or_default()
+                        .trim_start_matches(RAISED_PREFIX)
                 ))
             } else {
-                self.origin.error(format!("cannot render chat template: {}", describe(&e)))
+                self.origin
+                    .error(format!("cannot render chat template: {}", describe(&e)))
             }
         })
     }
@@ -187,7 +208,10 @@ fn describe(e: &minijinja::Error) -> String {
 
 /// `raise_exception(msg)`: aborts rendering with `msg` (transformers raises `TemplateError`).
 fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
-    Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("{RAISED_PREFIX}{message}")))
+    Err(minijinja::Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{RAISED_PREFIX}{message}"),
+    ))
 }
 
 /// minijinja has no custom tags, so `{% generation %}` / `{% endgeneration %}` (transformers'
@@ -237,12 +261,22 @@ struct JsonOptions {
     sort_keys: bool,
 }
 
-fn tojson_filter(value: &Value, args: Rest<Value>) -> std::result::Result<String, minijinja::Error> {
+fn tojson_filter(
+    value: &Value,
+    args: Rest<Value>,
+) -> std::result::Result<String, minijinja::Error> {
     let mut args = args.0;
-    let kwargs = if args.last().is_some_and(Value::is_kwargs) { args.pop() } else { None };
+    let kwargs = if args.last().is_some_and(Value::is_kwargs) {
+        args.pop()
+    } else {
+        None
+    };
     let names = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if args.len() > names.len() {
-        return Err(minijinja::Error::new(ErrorKind::TooManyArguments, "tojson takes at most 4 arguments"));
+        return Err(minijinja::Error::new(
+            ErrorKind::TooManyArguments,
+            "tojson takes at most 4 arguments",
+        ));
     }
     let mut given: BTreeMap<&str, Value> = names.iter().copied().zip(args).collect();
     if let Some(kwargs) = kwargs {
@@ -294,7 +328,12 @@ fn tojson_filter(value: &Value, args: Rest<Value>) -> std::result::Result<String
     Ok(out)
 }
 
-fn write_json(out: &mut String, v: &Value, o: &JsonOptions, depth: usize) -> std::result::Result<(), minijinja::Error> {
+fn write_json(
+    out: &mut String,
+    v: &Value,
+    o: &JsonOptions,
+    depth: usize,
+) -> std::result::Result<(), minijinja::Error> {
     match v.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Undefined => {
@@ -410,10 +449,18 @@ fn python_float_repr(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+        return if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
     }
     if f == 0.0 {
-        return if f.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
+        return if f.is_sign_negative() {
+            "-0.0".into()
+        } else {
+            "0.0".into()
+        };
     }
     // Rust's `{:e}` gives the shortest round-trip digits, e.g. "1.5e-7" or "-1e16".
     let sci = format!("{f:e}");
@@ -429,7 +476,10 @@ fn python_float_repr(f: f64) -> String {
         if point <= 0 {
             format!("{sign}0.{}{digits}", "0".repeat((-point) as usize))
         } else if point as usize >= digits.len() {
-            format!("{sign}{digits}{}.0", "0".repeat(point as usize - digits.len()))
+            format!(
+                "{sign}{digits}{}.0",
+                "0".repeat(point as usize - digits.len())
+            )
         } else {
             let (a, b) = digits.split_at(point as usize);
             format!("{sign}{a}.{b}")
@@ -453,10 +503,28 @@ fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error>
 }
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September",
-    "October", "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
-const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
 
 /// Formats Unix time `secs` (UTC) with the common `strftime` directives; others are copied.
 pub(crate) fn strftime(format: &str, secs: i64) -> String {

@@ -13,3 +13,5 @@ pub use kv_cache::KvCache;
 pub use transformer::Transformer;
 pub mod tokenizer;
 pub mod chat_template;
+pub mod init;
+pub mod lora;

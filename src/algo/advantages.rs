@@ -1,0 +1,83 @@
+//! Advantage estimators by name, for trainer configs.
+//!
+//! | name | config | computes |
+//! |---|---|---|
+//! | `grpo` | `norm_by_std` (bool, default true) | [`grpo_advantages`] of the sequence scores, broadcast over the mask |
+//! | `rloo` | — | [`rloo_advantages`], broadcast over the mask |
+//! | `reinforce++` | `gamma` (1.0) | [`reinforce_plus_plus`] |
+//! | `gae` | `gamma` (1.0), `lambda` (1.0) | [`gae`] (needs values) |
+//!
+//! For the outcome estimators (`grpo`, `rloo`) the returns are the advantages.
+
+use std::hash::Hash;
+
+use serde_json::Value;
+
+use super::config::{unknown_name, ConfigObject};
+use super::discounted_returns::{gae, reinforce_plus_plus, AdvantagesAndReturns};
+use super::group_advantages::{broadcast_over_mask, grpo_advantages, rloo_advantages, sequence_scores};
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AdvantageEstimator {
+    Grpo { norm_by_std: bool },
+    Rloo,
+    ReinforcePlusPlus { gamma: f32 },
+    Gae { gamma: f32, lambda: f32 },
+}
+
+impl AdvantageEstimator {
+    pub const NAMES: [&'static str; 4] = ["grpo", "rloo", "reinforce++", "gae"];
+
+    pub fn from_config(name: &str, config: &Value) -> Result<Self> {
+        let owner = format!("advantage estimator `{name}`");
+        match name {
+            "grpo" => {
+                let c = ConfigObject::new(owner, config, &["norm_by_std"])?;
+                let norm_by_std = match config.get("norm_by_std") {
+                    None | Some(Value::Null) => true,
+                    Some(Value::Bool(b)) => *b,
+                    Some(other) => return Err(c.invalid("norm_by_std", format!("must be a boolean, got {other}"))),
+                };
+                Ok(Self::Grpo { norm_by_std })
+            }
+            "rloo" => {
+                ConfigObject::new(owner, config, &[])?;
+                Ok(Self::Rloo)
+            }
+            "reinforce++" => {
+                let c = ConfigObject::new(owner, config, &["gamma"])?;
+                Ok(Self::ReinforcePlusPlus { gamma: c.f64_or("gamma", 1.0)? as f32 })
+            }
+            "gae" => {
+                let c = ConfigObject::new(owner, config, &["gamma", "lambda"])?;
+                Ok(Self::Gae { gamma: c.f64_or("gamma", 1.0)? as f32, lambda: c.f64_or("lambda", 1.0)? as f32 })
+            }
+            _ => Err(unknown_name("advantage estimator", name, &Self::NAMES)),
+        }
+    }
+
+    /// Advantages and returns for a batch: token rewards, critic values (GAE only), mask, and
+    /// one group id per sequence (GRPO, RLOO).
+    pub fn compute<G: Eq + Hash>(
+        &self,
+        token_rewards: &[Vec<f32>],
+        values: Option<&[Vec<f32>]>,
+        mask: &[Vec<f32>],
+        groups: &[G],
+    ) -> Result<AdvantagesAndReturns> {
+        let outcome = |per_sequence: Vec<f32>| -> Result<AdvantagesAndReturns> {
+            let advantages = broadcast_over_mask(&per_sequence, mask)?;
+            Ok(AdvantagesAndReturns { returns: advantages.clone(), advantages })
+        };
+        match *self {
+            Self::Grpo { norm_by_std } => outcome(grpo_advantages(&sequence_scores(token_rewards), groups, norm_by_std)?),
+            Self::Rloo => outcome(rloo_advantages(&sequence_scores(token_rewards), groups)?),
+            Self::ReinforcePlusPlus { gamma } => reinforce_plus_plus(token_rewards, mask, gamma),
+            Self::Gae { gamma, lambda } => {
+                let values = values.ok_or_else(|| Error::input("advantage estimator `gae` needs critic values"))?;
+                gae(token_rewards, values, mask, gamma, lambda)
+            }
+        }
+    }
+}

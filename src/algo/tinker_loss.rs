@@ -1,0 +1,118 @@
+//! The Tinker API's losses (server names), per token, before the weight `w`.
+//!
+//! `q` = `loss_fn_inputs.logprobs` (passed as [`LossInputs::old_logprobs`]), `r = exp(lp − q)`:
+//!
+//! | name | per-token loss | config |
+//! |---|---|---|
+//! | `cross_entropy` | `−lp` (times `w`, any real, gives Tinker's `−lp·w`) | — |
+//! | `importance_sampling` | `−r·A` | — |
+//! | `ppo` | `−min(r·A, clamp(r, lo, hi)·A)` | `clip_low_threshold` = 0.8, `clip_high_threshold` = 1.2 |
+//! | `cispo` | `−sg(clamp(r, lo, hi))·lp·A` | same thresholds |
+//! | `dro` | `−(lp·A − ½·β·(lp − q)²)` | `beta` (required) |
+//!
+//! The worker multiplies by the weights (default 1 on RL datums) and sums. Metrics:
+//! `importance_ratio:mean` (the ratio losses), `clip_fraction:mean` (`ppo`, `cispo`).
+//! The ratio is a plain `exp`, as in Tinker: no clamping of `lp − q`.
+
+use serde_json::Value;
+
+use super::config::{unknown_name, ConfigObject};
+use super::loss::{LossInputs, LossOutput, MaskedInputs};
+use super::surrogate::{clipped_ratio_policy_gradient, clipped_surrogate, RatioBand};
+use crate::Result;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum TinkerLoss {
+    CrossEntropy,
+    ImportanceSampling,
+    Ppo { band: RatioBand },
+    Cispo { band: RatioBand },
+    Dro { beta: f64 },
+}
+
+const THRESHOLD_KEYS: [&str; 2] = ["clip_low_threshold", "clip_high_threshold"];
+
+impl TinkerLoss {
+    pub const NAMES: [&'static str; 5] = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"];
+
+    /// The loss `name` with its `loss_fn_config` (a JSON object or null), validated.
+    pub fn from_config(name: &str, config: &Value) -> Result<Self> {
+        let owner = format!("loss `{name}`");
+        match name {
+            "cross_entropy" => {
+                ConfigObject::new(owner, config, &[])?;
+                Ok(Self::CrossEntropy)
+            }
+            "importance_sampling" => {
+                ConfigObject::new(owner, config, &[])?;
+                Ok(Self::ImportanceSampling)
+            }
+            "ppo" => Ok(Self::Ppo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
+            "cispo" => Ok(Self::Cispo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
+            "dro" => Ok(Self::Dro { beta: ConfigObject::new(owner, config, &["beta"])?.required_f64("beta")? }),
+            _ => Err(unknown_name("loss", name, &Self::NAMES)),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::CrossEntropy => "cross_entropy",
+            Self::ImportanceSampling => "importance_sampling",
+            Self::Ppo { .. } => "ppo",
+            Self::Cispo { .. } => "cispo",
+            Self::Dro { .. } => "dro",
+        }
+    }
+
+    pub fn compute(&self, inputs: &LossInputs) -> Result<LossOutput> {
+        let mut x = MaskedInputs::new(self.name(), inputs, &inputs.logprobs)?;
+        let lp = x.required("logprobs", &inputs.logprobs)?;
+        let loss = match self {
+            Self::CrossEntropy => lp.neg()?,
+            Self::ImportanceSampling => {
+                let (ratio, adv) = ratio_and_advantages(&x, inputs, &lp)?;
+                x.mean_metric("importance_ratio", &ratio)?;
+                (ratio * adv)?.neg()?
+            }
+            Self::Ppo { band } => {
+                let (ratio, adv) = ratio_and_advantages(&x, inputs, &lp)?;
+                let (loss, clip_active) = clipped_surrogate(&ratio, &adv, *band)?;
+                x.mean_metric("importance_ratio", &ratio)?;
+                x.mean_metric("clip_fraction", &clip_active)?;
+                loss
+            }
+            Self::Cispo { band } => {
+                let (ratio, adv) = ratio_and_advantages(&x, inputs, &lp)?;
+                let (loss, clip_active) = clipped_ratio_policy_gradient(&ratio, &lp, &adv, *band)?;
+                x.mean_metric("importance_ratio", &ratio)?;
+                x.mean_metric("clip_fraction", &clip_active)?;
+                loss
+            }
+            Self::Dro { beta } => {
+                let q = x.required("old_logprobs", &inputs.old_logprobs)?;
+                let adv = x.required("advantages", &inputs.advantages)?;
+                let penalty = ((&lp - q)?.sqr()? * (0.5 * beta))?;
+                ((&lp * adv)? - penalty)?.neg()?
+            }
+        };
+        x.finish(&loss)
+    }
+}
+
+fn thresholds(config: &ConfigObject) -> Result<RatioBand> {
+    RatioBand::new(
+        config.f64_or("clip_low_threshold", 0.8)?,
+        config.f64_or("clip_high_threshold", 1.2)?,
+    )
+}
+
+/// `(r = exp(lp − q), A)`, both masked.
+fn ratio_and_advantages(
+    x: &MaskedInputs,
+    inputs: &LossInputs,
+    lp: &candle_core::Tensor,
+) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+    let q = x.required("old_logprobs", &inputs.old_logprobs)?;
+    let adv = x.required("advantages", &inputs.advantages)?;
+    Ok(((lp - q)?.exp()?, adv))
+}

@@ -1,0 +1,49 @@
+//! The critic's clipped value loss, per token, before the weight `w`.
+//!
+//! `v` critic prediction (differentiable), `v_old` prediction when the batch was generated,
+//! `R` return, `ε` = `value_clip` (default 0.2, ≥ 0):
+//! `loss = ½ · max((v − R)², (clamp(v, v_old − ε, v_old + ε) − R)²)`.
+//! Metrics: `value_clip_fraction:mean` (tokens where the clipped term is strictly larger) and
+//! `values:mean`.
+
+use serde_json::Value;
+
+use super::config::ConfigObject;
+use super::loss::{LossInputs, LossOutput, MaskedInputs};
+use crate::Result;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValueLoss {
+    pub value_clip: f64,
+}
+
+impl ValueLoss {
+    /// The config: `{"value_clip": ε}` (or null for the default 0.2).
+    pub fn from_config(config: &Value) -> Result<Self> {
+        let c = ConfigObject::new("value loss", config, &["value_clip"])?;
+        let value_clip = c.f64_or("value_clip", 0.2)?;
+        if value_clip < 0.0 {
+            return Err(c.invalid("value_clip", format!("must be ≥ 0, got {value_clip}")));
+        }
+        Ok(ValueLoss { value_clip })
+    }
+
+    pub fn compute(&self, inputs: &LossInputs) -> Result<LossOutput> {
+        let mut x = MaskedInputs::new("value", inputs, &inputs.values)?;
+        let values = x.required("values", &inputs.values)?;
+        let old_values = x.required("old_values", &inputs.old_values)?;
+        let returns = x.required("returns", &inputs.returns)?;
+
+        let low = (&old_values - self.value_clip)?;
+        let high = (&old_values + self.value_clip)?;
+        let clipped_values = values.maximum(&low)?.minimum(&high)?;
+        let unclipped_error = (&values - &returns)?.sqr()?;
+        let clipped_error = (clipped_values - &returns)?.sqr()?;
+        let clip_active = clipped_error.detach().gt(&unclipped_error.detach())?;
+        let loss = (unclipped_error.maximum(&clipped_error)? * 0.5)?;
+
+        x.mean_metric("value_clip_fraction", &clip_active)?;
+        x.mean_metric("values", &values)?;
+        x.finish(&loss)
+    }
+}

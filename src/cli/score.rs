@@ -1,0 +1,110 @@
+//! `oxrl score`: per-token log-probs of JSONL sequences, in input order.
+//!
+//! Input lines are `{"tokens": [...]}` or `{"text": "..."}`; output lines are
+//! `{"tokens": [...], "logprobs": [null, lp1, ...]}` with lp_i = log p(tokens[i] | tokens[..i]).
+//! Sequences are scored in right-padded batches of `--batch-size`.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_core::Tensor;
+
+use crate::model::{logprobs::target_logprobs, tokenizer::Tokenizer, Transformer};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    model: PathBuf,
+    /// A PEFT LoRA adapter directory to apply.
+    #[arg(long)]
+    lora: Option<PathBuf>,
+    /// JSONL input file; `-` for standard input.
+    #[arg(long)]
+    input: PathBuf,
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Run dtype: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+/// log p(seq[i] | seq[..i]) for each sequence; the first entry of each is None.
+pub fn score_sequences(model: &Transformer, seqs: &[Vec<u32>]) -> crate::Result<Vec<Vec<Option<f32>>>> {
+    let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+    let dev = &model.device;
+    let pad = |s: &Vec<u32>, fill: u32| -> Vec<u32> { s.iter().copied().chain(std::iter::repeat(fill).take(t - s.len())).collect() };
+    let ids: Vec<Vec<u32>> = seqs.iter().map(|s| pad(s, 0)).collect();
+    let pos: Vec<Vec<u32>> = seqs.iter().map(|_| (0..t as u32).collect()).collect();
+    let mask: Vec<Vec<u8>> = seqs.iter().map(|s| (0..t).map(|i| (i < s.len()) as u8).collect()).collect();
+    let logits = model.forward(&ids, &pos, &mask, None)?;
+    if t < 2 {
+        return Ok(seqs.iter().map(|s| vec![None; s.len()]).collect());
+    }
+    let targets: Vec<u32> = ids.iter().flat_map(|r| r[1..].to_vec()).collect();
+    let targets = Tensor::from_vec(targets, (seqs.len(), t - 1), dev)?;
+    let lp: Vec<Vec<f32>> = target_logprobs(&logits.narrow(1, 0, t - 1)?, &targets)?.to_vec2()?;
+    Ok(seqs
+        .iter()
+        .zip(lp)
+        .map(|(s, row)| std::iter::once(None).chain(row[..s.len().saturating_sub(1)].iter().map(|&x| Some(x))).collect())
+        .collect())
+}
+
+fn parse_line(line: &str, n: usize, tok: &mut Option<Tokenizer>, model_dir: &std::path::Path) -> anyhow::Result<Vec<u32>> {
+    let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("line {n}: invalid JSON"))?;
+    let tokens = if let Some(ts) = v.get("tokens") {
+        let ts = ts.as_array().with_context(|| format!("line {n}: `tokens` must be an array of token ids"))?;
+        ts.iter()
+            .map(|x| x.as_u64().filter(|&x| x <= u32::MAX as u64).map(|x| x as u32))
+            .collect::<Option<Vec<u32>>>()
+            .with_context(|| format!("line {n}: `tokens` must hold non-negative integers"))?
+    } else if let Some(text) = v.get("text") {
+        let text = text.as_str().with_context(|| format!("line {n}: `text` must be a string"))?;
+        if tok.is_none() {
+            *tok = Some(Tokenizer::from_dir(model_dir)?);
+        }
+        tok.as_ref().unwrap().encode(text, true)?
+    } else {
+        anyhow::bail!("line {n}: expected an object with `tokens` or `text`");
+    };
+    anyhow::ensure!(!tokens.is_empty(), "line {n}: empty sequence");
+    Ok(tokens)
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(a.batch_size > 0, "--batch-size must be positive");
+    let model = super::load_model(&a.model, a.lora.as_deref(), &a.dtype)?;
+    let reader: Box<dyn BufRead> = if a.input.as_os_str() == "-" {
+        Box::new(std::io::stdin().lock())
+    } else {
+        Box::new(std::io::BufReader::new(
+            std::fs::File::open(&a.input).with_context(|| format!("{}: cannot open", a.input.display()))?,
+        ))
+    };
+    let mut tok = None;
+    let mut seqs = vec![];
+    for (i, line) in reader.lines().enumerate() {
+        let line = line.with_context(|| format!("{}: read error", a.input.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let tokens = parse_line(&line, i + 1, &mut tok, &a.model).with_context(|| a.input.display().to_string())?;
+        seqs.push((i + 1, tokens));
+    }
+    let limit = model.config.max_position_embeddings;
+    for (n, s) in &seqs {
+        anyhow::ensure!(s.len() <= limit, "{}: line {n}: {} tokens exceed max_position_embeddings {limit}", a.input.display(), s.len());
+        if let Some(bad) = s.iter().find(|&&x| x as usize >= model.config.vocab_size) {
+            anyhow::bail!("{}: line {n}: token id {bad} is out of range for vocab_size {}", a.input.display(), model.config.vocab_size);
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    for chunk in seqs.chunks(a.batch_size) {
+        let batch: Vec<Vec<u32>> = chunk.iter().map(|(_, s)| s.clone()).collect();
+        for (s, lp) in batch.iter().zip(score_sequences(&model, &batch)?) {
+            writeln!(out, "{}", serde_json::json!({"tokens": s, "logprobs": lp}))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,49 @@
+//! Seeded random initialisation, for `oxrl init-model`, fresh LoRA adapters and tests.
+//!
+//! Weights ~ N(0, 0.02²) (transformers' `initializer_range`), norm weights = 1, biases = 0.
+//! Normal samples come from Box–Muller over a seeded `StdRng`, so the same seed gives the same
+//! model on every machine.
+
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::config::ModelConfig;
+use super::transformer::Transformer;
+use crate::Result;
+
+pub const INITIALIZER_RANGE: f64 = 0.02;
+
+pub fn normal(rng: &mut StdRng, shape: &[usize], std: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+        let u2: f64 = rng.random();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let th = 2.0 * std::f64::consts::PI * u2;
+        v.push((r * th.cos() * std) as f32);
+        v.push((r * th.sin() * std) as f32);
+    }
+    v.truncate(n);
+    Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
+}
+
+pub fn uniform(rng: &mut StdRng, shape: &[usize], bound: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| ((rng.random::<f64>() * 2.0 - 1.0) * bound) as f32).collect();
+    Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
+}
+
+/// A randomly initialised model of the given config.
+pub fn random_model(config: ModelConfig, seed: u64, dtype: DType, device: &Device) -> Result<Transformer> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Transformer::build(config, dtype, device, &mut |name, shape| {
+        if name.ends_with("norm.weight") {
+            Ok(Tensor::ones(shape, dtype, device)?)
+        } else if name.ends_with(".bias") {
+            Ok(Tensor::zeros(shape, dtype, device)?)
+        } else {
+            normal(&mut rng, shape, INITIALIZER_RANGE, dtype, device)
+        }
+    })
+}

@@ -1,0 +1,263 @@
+//! LoRA adapters (Hu et al. 2021) in the PEFT layout.
+//!
+//! A targeted projection y = x·Wᵀ becomes y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A [r, in], B [out, r] and
+//! s = alpha / r (alpha / √r with rsLoRA). Fresh adapters start with A ~ U(±1/√in) (PEFT's
+//! kaiming-uniform with a = √5) and B = 0, so the model is unchanged at step 0. The base stays
+//! frozen (plain tensors); only A and B are variables. Targets are module names matched as PEFT
+//! does: a name equal to the target or ending in ".target"; "all-linear" means every projection
+//! but lm_head. Files: `adapter_config.json` + `adapter_model.safetensors` with tensors named
+//! `base_model.model.<module>.lora_{A,B}.weight`. Unsupported PEFT options (DoRA, per-layer rank
+//! patterns, trained biases, modules_to_save) are refused by name rather than silently ignored.
+
+use std::path::Path;
+
+use candle_core::{DType, Tensor, Var};
+use rand::{rngs::StdRng, SeedableRng};
+use serde_json::{json, Value};
+
+use super::init::uniform;
+use super::linear::LoraPair;
+use super::transformer::{write_json, Transformer};
+use super::weights;
+use crate::{Error, Result};
+
+pub const CONFIG_FILE: &str = "adapter_config.json";
+pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+const PREFIX: &str = "base_model.model.";
+
+/// The projection names a LoRA may target.
+pub const TARGETABLE: [&str; 8] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"];
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    /// Rank r.
+    pub rank: usize,
+    /// Scale numerator; s = alpha / r.
+    pub alpha: f64,
+    /// Projection names (see [`TARGETABLE`]) or "all-linear".
+    pub target_modules: Vec<String>,
+    /// s = alpha / √r instead.
+    pub use_rslora: bool,
+}
+
+impl LoraConfig {
+    pub fn new(rank: usize, alpha: f64, target_modules: &[&str]) -> Self {
+        LoraConfig { rank, alpha, target_modules: target_modules.iter().map(|s| s.to_string()).collect(), use_rslora: false }
+    }
+
+    pub fn scale(&self) -> f64 {
+        if self.use_rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.rank == 0 {
+            return Err(Error::input("LoRA rank must be positive"));
+        }
+        if self.target_modules.is_empty() {
+            return Err(Error::input("LoRA target_modules is empty"));
+        }
+        for t in &self.target_modules {
+            if t != "all-linear" && !TARGETABLE.contains(&t.as_str()) {
+                return Err(Error::input(format!("unknown LoRA target module `{t}` (valid: {}, all-linear)", TARGETABLE.join(", "))));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the module (full name, e.g. `model.layers.0.self_attn.q_proj`) is targeted.
+    pub fn targets(&self, module: &str) -> bool {
+        self.target_modules.iter().any(|t| {
+            if t == "all-linear" {
+                module != "lm_head"
+            } else {
+                module == t || module.ends_with(&format!(".{t}"))
+            }
+        })
+    }
+
+    /// Reads a PEFT `adapter_config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
+        let field = |k: &str| v.get(k).filter(|x| !x.is_null());
+        if let Some(t) = field("peft_type") {
+            if t.as_str() != Some("LORA") {
+                return Err(Error::field(path, "peft_type", format!("{t} is not supported (only LORA)")));
+            }
+        }
+        let rank = field("r").and_then(|x| x.as_u64()).ok_or_else(|| Error::field(path, "r", "missing or not an integer"))? as usize;
+        let alpha = field("lora_alpha").and_then(|x| x.as_f64()).ok_or_else(|| Error::field(path, "lora_alpha", "missing or not a number"))?;
+        let target_modules = match field("target_modules") {
+            Some(Value::Array(xs)) => xs
+                .iter()
+                .map(|x| x.as_str().map(String::from).ok_or_else(|| Error::field(path, "target_modules", "expected strings")))
+                .collect::<Result<Vec<_>>>()?,
+            Some(Value::String(s)) if s == "all-linear" => vec![s.clone()],
+            Some(other) => return Err(Error::field(path, "target_modules", format!("{other} is not supported (a list of names or \"all-linear\")"))),
+            None => return Err(Error::field(path, "target_modules", "missing")),
+        };
+        let refuse_truthy = |k: &str| -> Result<()> {
+            match field(k) {
+                None | Some(Value::Bool(false)) => Ok(()),
+                Some(Value::Object(m)) if m.is_empty() => Ok(()),
+                Some(Value::Array(a)) if a.is_empty() => Ok(()),
+                Some(x) => Err(Error::field(path, k, format!("{x} is not supported"))),
+            }
+        };
+        for k in ["use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "lora_bias"] {
+            refuse_truthy(k)?;
+        }
+        if let Some(b) = field("bias") {
+            if b.as_str() != Some("none") {
+                return Err(Error::field(path, "bias", format!("{b} is not supported (only \"none\")")));
+            }
+        }
+        let use_rslora = field("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
+        let cfg = LoraConfig { rank, alpha, target_modules, use_rslora };
+        cfg.validate().map_err(|e| Error::file(path, e))?;
+        Ok(cfg)
+    }
+
+    pub fn to_peft_json(&self, base_model_class: &str) -> Value {
+        json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": self.target_modules,
+            "use_rslora": self.use_rslora,
+            "use_dora": false,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "modules_to_save": null,
+            "base_model_name_or_path": null,
+            "auto_mapping": {"base_model_class": base_model_class, "parent_library": "transformers"},
+            "revision": null,
+        })
+    }
+}
+
+fn a_name(module: &str) -> String {
+    format!("{PREFIX}{module}.lora_A.weight")
+}
+fn b_name(module: &str) -> String {
+    format!("{PREFIX}{module}.lora_B.weight")
+}
+
+/// Attaches adapters to every targeted projection, asking `source(module, out, in)` for (A, B).
+fn attach_with(
+    model: &mut Transformer,
+    cfg: &LoraConfig,
+    trainable: bool,
+    source: &mut dyn FnMut(&str, usize, usize) -> Result<(Tensor, Tensor)>,
+) -> Result<Vec<(String, Var)>> {
+    cfg.validate()?;
+    let mut vars = vec![];
+    let mut attached = 0;
+    for (module, lin) in model.linears_mut() {
+        if !cfg.targets(&module) {
+            continue;
+        }
+        let (out, inp) = lin.weight.dims2()?;
+        let (mut a, mut b) = source(&module, out, inp)?;
+        if trainable {
+            let (va, vb) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+            a = va.as_tensor().clone();
+            b = vb.as_tensor().clone();
+            vars.push((a_name(&module), va));
+            vars.push((b_name(&module), vb));
+        }
+        lin.lora = Some(LoraPair { a, b, scale: cfg.scale() });
+        attached += 1;
+    }
+    if attached == 0 {
+        return Err(Error::input(format!("LoRA target_modules {:?} match no projection of the model", cfg.target_modules)));
+    }
+    Ok(vars)
+}
+
+/// Fresh trainable adapters (A uniform, B zero): returns the variables by PEFT name.
+pub fn attach_new(model: &mut Transformer, cfg: &LoraConfig, seed: u64) -> Result<Vec<(String, Var)>> {
+    let (dtype, device) = (model.dtype, model.device.clone());
+    let mut rng = StdRng::seed_from_u64(seed);
+    attach_with(model, cfg, true, &mut |_, out, inp| {
+        let a = uniform(&mut rng, &[cfg.rank, inp], 1.0 / (inp as f64).sqrt(), dtype, &device)?;
+        Ok((a, Tensor::zeros((out, cfg.rank), dtype, &device)?))
+    })
+}
+
+/// Loads a PEFT adapter directory onto the model; with `trainable` the adapters are variables.
+pub fn load_peft(model: &mut Transformer, dir: &Path, trainable: bool) -> Result<(LoraConfig, Vec<(String, Var)>)> {
+    let cfg = LoraConfig::from_file(&dir.join(CONFIG_FILE))?;
+    let path = dir.join(WEIGHTS_FILE);
+    let mut tensors = weights::load_file(&path, &model.device)?;
+    let dtype = model.dtype;
+    let r = cfg.rank;
+    let mut take = |name: String, shape: [usize; 2]| -> Result<Tensor> {
+        let t = tensors.remove(&name).ok_or_else(|| Error::tensor(&path, &name, "missing from the adapter"))?;
+        if t.dims() != shape {
+            return Err(Error::tensor(&path, &name, format!("has shape {:?}, expected {:?}", t.dims(), shape)));
+        }
+        Ok(t.to_dtype(dtype)?)
+    };
+    let vars = attach_with(model, &cfg, trainable, &mut |module, out, inp| {
+        Ok((take(a_name(module), [r, inp])?, take(b_name(module), [out, r])?))
+    })?;
+    if let Some(name) = tensors.keys().next() {
+        return Err(Error::tensor(&path, name, "unexpected tensor: not a target of adapter_config.json"));
+    }
+    Ok((cfg, vars))
+}
+
+/// The adapter tensors by PEFT name.
+pub fn adapter_tensors(model: &mut Transformer) -> Vec<(String, Tensor)> {
+    let mut out = vec![];
+    for (module, lin) in model.linears_mut() {
+        if let Some(l) = &lin.lora {
+            out.push((a_name(&module), l.a.clone()));
+            out.push((b_name(&module), l.b.clone()));
+        }
+    }
+    out
+}
+
+/// Writes the adapters in the PEFT layout (f32 tensors).
+pub fn save_peft(model: &mut Transformer, cfg: &LoraConfig, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
+    let class = model.config.arch.hf_class();
+    let tensors = adapter_tensors(model)
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?)))
+        .collect::<Result<Vec<_>>>()?;
+    if tensors.is_empty() {
+        return Err(Error::input("the model has no LoRA adapters to save"));
+    }
+    weights::save_file(&tensors, &dir.join(WEIGHTS_FILE), None)?;
+    write_json(&dir.join(CONFIG_FILE), &cfg.to_peft_json(class))
+}
+
+/// Folds every adapter into its base weight (W + s·B·A) and removes the adapters.
+pub fn merge(model: &mut Transformer) -> Result<()> {
+    let tied = model.config.tie_word_embeddings;
+    let mut new_embed = None;
+    for (module, lin) in model.linears_mut() {
+        if lin.lora.is_some() {
+            lin.weight = lin.merged_weight()?;
+            lin.lora = None;
+            if module == "lm_head" && tied {
+                new_embed = Some(lin.weight.clone());
+            }
+        }
+    }
+    if let Some(e) = new_embed {
+        model.embed_tokens = e;
+    }
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! Drawing one token from a row of logits: temperature, top-k, top-p, greedy.
+//!
+//! The distribution drawn from is p ∝ exp(z / T) restricted to the k most likely tokens and then
+//! to the smallest prefix (by decreasing probability) whose mass reaches top_p, renormalised.
+//! The returned log-prob is log p(token) under exactly that distribution, so with T = 1 and no
+//! truncation it equals the trainer's log-prob of the same token. T = 0 is greedy (argmax, ties to
+//! the lowest id), and reports the model's untempered log-prob.
+
+use rand::{rngs::StdRng, Rng};
+
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Number of new tokens at most.
+    pub max_tokens: usize,
+    /// 0 = greedy. Default 1.
+    pub temperature: f64,
+    /// Keep the k most likely tokens; 0 = all. Default 0.
+    pub top_k: usize,
+    /// Nucleus mass in (0, 1]; 1 = all. Default 1.
+    pub top_p: f64,
+    /// Seed of the per-sequence random stream; None draws one from the OS.
+    pub seed: Option<u64>,
+    /// Token ids that end generation (in addition to the model's EOS unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop at the model's EOS ids.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { max_tokens: 16, temperature: 1.0, top_k: 0, top_p: 1.0, seed: None, stop_token_ids: vec![], ignore_eos: false }
+    }
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(Error::input(format!("temperature must be finite and >= 0, got {}", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::input(format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        Ok(())
+    }
+}
+
+/// Returns (token, log-prob under the distribution drawn from).
+pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u32, f32)> {
+    if logits.iter().any(|x| x.is_nan()) {
+        return Err(Error::Other("the model produced NaN logits".into()));
+    }
+    if p.temperature == 0.0 {
+        let (mut best, mut best_z) = (0usize, f32::NEG_INFINITY);
+        for (i, &z) in logits.iter().enumerate() {
+            if z > best_z {
+                best = i;
+                best_z = z;
+            }
+        }
+        return Ok((best as u32, log_softmax_at(logits, best, 1.0) as f32));
+    }
+    let t = p.temperature;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    // (id, unnormalised probability) sorted by decreasing probability.
+    let mut probs: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &z)| (i as u32, ((z as f64 - max) / t).exp())).collect();
+    let truncate = p.top_k > 0 && p.top_k < probs.len() || p.top_p < 1.0;
+    if truncate {
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 && p.top_k < probs.len() {
+            probs.truncate(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            let total: f64 = probs.iter().map(|x| x.1).sum();
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, x) in probs.iter().enumerate() {
+                acc += x.1 / total;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+        }
+    }
+    let total: f64 = probs.iter().map(|x| x.1).sum();
+    let mut u = rng.random::<f64>() * total;
+    let mut chosen = probs[probs.len() - 1];
+    for &x in &probs {
+        if u < x.1 {
+            chosen = x;
+            break;
+        }
+        u -= x.1;
+    }
+    Ok((chosen.0, (chosen.1 / total).ln() as f32))
+}
+
+/// log softmax(z / t)[i], computed in f64.
+pub fn log_softmax_at(logits: &[f32], i: usize, t: f64) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = logits.iter().map(|&z| ((z as f64 - max) / t).exp()).sum::<f64>().ln();
+    (logits[i] as f64 - max) / t - lse
+}

@@ -1,0 +1,253 @@
+//! KV-cache decode, greedy generation, LoRA, save/load and sharded checkpoints.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use oxrl::model::{logprobs::target_logprobs, lora, Transformer};
+use oxrl::rollout::{generate, SamplingParams, StopReason};
+
+fn load(arch: &str) -> Transformer {
+    Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap()
+}
+
+fn golden_logprobs(m: &Transformer, b: &Batch) -> Tensor {
+    let logits = m.forward(&b.ids, &b.positions, &b.mask, None).unwrap();
+    let targets = Tensor::new(b.targets.concat(), &Device::Cpu).unwrap().reshape((b.ids.len(), ())).unwrap();
+    masked(&target_logprobs(&logits, &targets).unwrap(), &b.valid)
+}
+
+fn cols(rows: &[Vec<u32>], from: usize, to: usize) -> Vec<Vec<u32>> {
+    rows.iter().map(|r| r[from..to].to_vec()).collect()
+}
+
+#[test]
+fn kv_cache_decode_equals_full_forward() {
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let b = g.batch();
+        let m = load(arch);
+        let full = m.forward(&b.ids, &b.positions, &b.mask, None).unwrap();
+        let t = b.ids[0].len();
+        let prefill = 9;
+        let mut cache = m.new_cache();
+        let mask_cols = |from: usize, to: usize| -> Vec<Vec<u8>> { b.mask.iter().map(|r| r[from..to].to_vec()).collect() };
+        let mut pieces = vec![m
+            .forward(&cols(&b.ids, 0, prefill), &cols(&b.positions, 0, prefill), &mask_cols(0, prefill), Some(&mut cache))
+            .unwrap()];
+        for i in prefill..t {
+            pieces.push(m.forward(&cols(&b.ids, i, i + 1), &cols(&b.positions, i, i + 1), &mask_cols(i, i + 1), Some(&mut cache)).unwrap());
+        }
+        assert_eq!(cache.seq_len(), t);
+        let inc = Tensor::cat(&pieces, 1).unwrap();
+        // Compare at real positions only (padded query positions are unspecified).
+        let valid: Vec<Vec<f32>> = b.mask.iter().map(|r| r.iter().map(|&x| x as f32).collect()).collect();
+        let v = Tensor::new(valid.concat(), &Device::Cpu).unwrap().reshape((3, t, 1)).unwrap();
+        let err = max_abs_diff(&full.broadcast_mul(&v).unwrap(), &inc.broadcast_mul(&v).unwrap());
+        assert!(err < 1e-5, "{arch}: incremental decode differs from full forward by {err}");
+    }
+}
+
+#[test]
+fn greedy_tokens_equal_transformers() {
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let prompt: Vec<u32> = g.get("greedy_prompt").to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
+        let want: Vec<u32> = g.get("greedy_tokens").to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
+        let m = load(arch);
+        let p = SamplingParams { max_tokens: want.len(), temperature: 0.0, ignore_eos: true, ..Default::default() };
+        let out = generate(&m, &[prompt], &p, &[2]).unwrap();
+        assert_eq!(out[0].tokens, want, "{arch}");
+        assert_eq!(out[0].stop_reason, StopReason::Length);
+    }
+}
+
+#[test]
+fn greedy_logprobs_equal_forward_logprobs_and_batch_does_not_change_rows() {
+    let m = load("qwen3");
+    let prompts = vec![vec![5, 6, 7, 8, 9], vec![40, 41], vec![100, 3, 17, 250]];
+    let p = SamplingParams { max_tokens: 6, temperature: 0.0, ignore_eos: true, ..Default::default() };
+    let batched = generate(&m, &prompts, &p, &[2]).unwrap();
+    for (prompt, g) in prompts.iter().zip(&batched) {
+        let solo = generate(&m, &[prompt.clone()], &p, &[2]).unwrap();
+        assert_eq!(solo[0].tokens, g.tokens);
+        // Score prompt + completion with the training forward.
+        let seq: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+        let n = seq.len();
+        let logits = m.forward(&[seq.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
+        let targets = Tensor::new(&seq[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let lp: Vec<f32> = target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+        for (i, &x) in g.logprobs.iter().enumerate() {
+            let y = lp[prompt.len() - 1 + i];
+            assert!((x - y).abs() < 1e-5, "token {i}: sampler {x} vs forward {y}");
+        }
+    }
+}
+
+/// The shipped golden `lora.target_logprobs` is not reproduced by the shipped adapter under
+/// PEFT's formula for any per-module scale (max error 0.28–0.52, measured), while the base
+/// log-probs, gradients and AdamW step all match to < 5e-6. Kept to show the discrepancy;
+/// `lora_adapter_equals_an_independent_merge` pins the LoRA math instead.
+#[test]
+#[ignore = "fixture lora.target_logprobs disagrees with fixture adapter; see the note on issue 2"]
+fn lora_adapter_logprobs_match_peft_fixture() {
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let b = g.batch();
+        let mut m = load(arch);
+        lora::load_peft(&mut m, &fixture_dir(arch).join("lora"), false).unwrap();
+        let err = max_abs_diff(&golden_logprobs(&m, &b), &masked(g.get("lora.target_logprobs"), &b.valid));
+        assert!(err < 1e-4, "{arch}: LoRA log-probs differ by {err}");
+    }
+}
+
+/// LoRA applied on the fly equals the base with W + (alpha/r)·B·A folded in by hand in f64
+/// (independent of `lora::merge`), and `lora::merge` gives the same model again.
+#[test]
+fn lora_adapter_equals_an_independent_merge() {
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let b = g.batch();
+        let dir = fixture_dir(arch);
+        let mut m = load(arch);
+        let (cfg, vars) = lora::load_peft(&mut m, &dir.join("lora"), false).unwrap();
+        assert!(vars.is_empty());
+        assert_eq!((cfg.rank, cfg.alpha), (4, 8.0));
+        let with = golden_logprobs(&m, &b);
+        let base = golden_logprobs(&load(arch), &b);
+        assert!(max_abs_diff(&with, &base) > 1e-2, "{arch}: the adapter changed nothing");
+
+        let adapter = candle_core::safetensors::load(dir.join("lora/adapter_model.safetensors"), &Device::Cpu).unwrap();
+        let mut hand = load(arch);
+        let mut folded = 0;
+        hand.visit_params_mut(&mut |name, w| {
+            let module = name.trim_end_matches(".weight");
+            if let (Some(a), Some(bm)) = (
+                adapter.get(&format!("base_model.model.{module}.lora_A.weight")),
+                adapter.get(&format!("base_model.model.{module}.lora_B.weight")),
+            ) {
+                let f = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+                let delta = (f(bm).matmul(&f(a)).unwrap() * 2.0).unwrap();
+                *w = (f(w) + delta).unwrap().to_dtype(DType::F32).unwrap();
+                folded += 1;
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(folded, 6, "{arch}: q, v and up of two layers");
+        let err = max_abs_diff(&golden_logprobs(&hand, &b), &with);
+        assert!(err < 1e-5, "{arch}: on-the-fly LoRA differs from the hand merge by {err}");
+
+        lora::merge(&mut m).unwrap();
+        let err = max_abs_diff(&golden_logprobs(&m, &b), &with);
+        assert!(err < 1e-5, "{arch}: merged model differs by {err}");
+    }
+}
+
+#[test]
+fn lora_is_the_only_trainable_part_and_gets_gradients() {
+    let g = Golden::load("qwen2");
+    let b = g.batch();
+    let mut m = load("qwen2");
+    let cfg = lora::LoraConfig::new(2, 4.0, &["q_proj", "down_proj", "lm_head"]);
+    let vars = lora::attach_new(&mut m, &cfg, 7).unwrap();
+    assert_eq!(vars.len(), 2 * (2 * 2 + 1));
+    // B = 0: a fresh adapter does not change the model.
+    let base = golden_logprobs(&load("qwen2"), &b);
+    assert!(max_abs_diff(&golden_logprobs(&m, &b), &base) == 0.0);
+    let loss = golden_logprobs(&m, &b).sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    for (name, v) in &vars {
+        assert!(grads.get(v.as_tensor()).is_some(), "{name} has no gradient");
+    }
+    // Base weights are frozen: no gradient reaches them.
+    for (name, t) in m.named_params() {
+        assert!(grads.get(&t).is_none(), "frozen {name} got a gradient");
+    }
+}
+
+#[test]
+fn save_then_load_is_bit_exact() {
+    for arch in ARCHS {
+        let m = load(arch);
+        let dir = tempfile::tempdir().unwrap();
+        m.save(dir.path(), DType::F32).unwrap();
+        let m2 = Transformer::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+        let (a, b) = (m.named_params(), m2.named_params());
+        assert_eq!(a.len(), b.len());
+        for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            assert_eq!(ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(), tb.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{arch}: {na}");
+        }
+        // Tied embeddings are not written twice, as transformers expects.
+        let saved = candle_core::safetensors::load(dir.path().join("model.safetensors"), &Device::Cpu).unwrap();
+        assert_eq!(saved.contains_key("lm_head.weight"), !m.config.tie_word_embeddings, "{arch}");
+    }
+}
+
+#[test]
+fn lora_save_then_load_is_bit_exact() {
+    let mut m = load("llama");
+    let cfg = lora::LoraConfig::new(3, 6.0, &["k_proj", "o_proj", "gate_proj"]);
+    lora::attach_new(&mut m, &cfg, 1).unwrap();
+    // Make B non-zero so the round trip is meaningful.
+    for (_, lin) in m.linears_mut() {
+        if let Some(l) = lin.lora.as_mut() {
+            l.b = (l.a.sum_all().unwrap().broadcast_add(&Tensor::ones(l.b.dims(), DType::F32, &Device::Cpu).unwrap())).unwrap();
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    lora::save_peft(&mut m, &cfg, dir.path()).unwrap();
+    let mut m2 = load("llama");
+    let (cfg2, _) = lora::load_peft(&mut m2, dir.path(), true).unwrap();
+    assert_eq!(cfg, cfg2);
+    let (a, b) = (lora::adapter_tensors(&mut m), lora::adapter_tensors(&mut m2));
+    assert_eq!(a.len(), 12);
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert_eq!(ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(), tb.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+}
+
+#[test]
+fn sharded_checkpoint_loads_like_single_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture_dir("qwen3");
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let all = candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<_> = all.keys().cloned().collect();
+    names.sort();
+    let mut map = serde_json::Map::new();
+    for (k, chunk) in names.chunks(names.len() / 2 + 1).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", k + 1);
+        // Store the second shard in bf16 to exercise conversion.
+        let dtype = if k == 0 { DType::F32 } else { DType::BF16 };
+        let part: std::collections::HashMap<String, Tensor> =
+            chunk.iter().map(|n| (n.clone(), all[n].to_dtype(dtype).unwrap())).collect();
+        candle_core::safetensors::save(&part, dir.path().join(&file)).unwrap();
+        for n in chunk {
+            map.insert(n.clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    std::fs::write(dir.path().join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    let sharded = Transformer::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+    let single = load("qwen3");
+    for ((n, a), (_, b)) in single.named_params().iter().zip(sharded.named_params().iter()) {
+        let expect = if names.chunks(names.len() / 2 + 1).next().unwrap().contains(n) {
+            a.clone()
+        } else {
+            a.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap()
+        };
+        assert_eq!(expect.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{n}");
+    }
+}
+
+#[test]
+fn bf16_run_is_close_to_f32() {
+    let g = Golden::load("llama");
+    let b = g.batch();
+    let m = Transformer::load(&fixture_dir("llama"), DType::BF16, &Device::Cpu).unwrap();
+    let lp = golden_logprobs(&m, &b);
+    let err = max_abs_diff(&lp, g.get("target_logprobs"));
+    assert!(err < 0.1, "bf16 log-probs differ by {err}");
+}
