@@ -68,7 +68,12 @@ fn grpo_spec_vector_and_std_normalisation() {
     assert_vec(&grpo_advantages(&[2.0], &[7], true).unwrap(), &[2.0 / (1.0 + 1e-6)], 1e-7, "grpo single");
     assert_vec(&grpo_advantages(&[2.0], &[7], false).unwrap(), &[2.0], 1e-7, "grpo single no std");
     // Groups need not be contiguous.
-    assert_vec(&grpo_advantages(&[6.0, 9.0, 3.0, 12.0], &[0, 1, 0, 1], false).unwrap(), &[1.5, -1.5, -1.5, 1.5], 1e-6, "interleaved");
+    assert_vec(
+        &grpo_advantages(&[6.0, 9.0, 3.0, 12.0], &[0, 1, 0, 1], false).unwrap(),
+        &[1.5, -1.5, -1.5, 1.5],
+        1e-6,
+        "interleaved",
+    );
     assert!(grpo_advantages(&scores, &groups[..3], true).is_err());
 }
 
@@ -144,7 +149,12 @@ fn advantage_estimators_by_name() {
     let out = grpo.compute(&rewards, None, &mask, &[0, 0]).unwrap();
     assert_rows(&out.advantages, &[&[1.5, 1.5], &[-1.5, 0.0]], 1e-6, "grpo");
     let rloo = AdvantageEstimator::from_config("rloo", &json!(null)).unwrap();
-    assert_rows(&rloo.compute(&rewards, None, &mask, &[0, 0]).unwrap().advantages, &[&[3.0, 3.0], &[-3.0, 0.0]], 1e-6, "rloo");
+    assert_rows(
+        &rloo.compute(&rewards, None, &mask, &[0, 0]).unwrap().advantages,
+        &[&[3.0, 3.0], &[-3.0, 0.0]],
+        1e-6,
+        "rloo",
+    );
     let gae_estimator = AdvantageEstimator::from_config("gae", &json!({"gamma": 1.0, "lambda": 1.0})).unwrap();
     assert!(gae_estimator.compute(&rewards, None, &mask, &[0, 0]).is_err());
     let e = AdvantageEstimator::from_config("grpoo", &json!({})).unwrap_err().to_string();
@@ -199,7 +209,9 @@ fn token_mean_weights_make_the_loss_invariant_to_splitting() {
 
 // ---- off-policy correction ----
 
-fn off_policy_example() -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+type Rows = Vec<Vec<f32>>;
+
+fn off_policy_example() -> (Rows, Rows, Rows) {
     // log ρ = old − roll = [0, 0.5, −0.1] | [0, masked 50 → clamped 20].
     let old = vec![vec![0.0, 0.0, 0.0], vec![0.0, 0.0]];
     let roll = vec![vec![0.0, -0.5, 0.1], vec![0.0, -50.0]];
@@ -217,10 +229,25 @@ fn off_policy_masks_and_truncated_is() {
     assert_vec(&outlier_sequence_mask(&old, &roll, &mask, 0.92, 2.0).unwrap(), &[0.0, 1.0], 0.0, "outlier low");
     assert_vec(&outlier_sequence_mask(&old, &roll, &mask, 0.5, 2.0).unwrap(), &[1.0, 1.0], 0.0, "no outlier");
     // 2. Token mask [0.95, 1.5].
-    assert_rows(&ratio_token_mask(&old, &roll, &mask, 0.95, 1.5).unwrap(), &[&[1.0, 0.0, 0.0], &[1.0, 0.0]], 0.0, "token mask");
+    assert_rows(
+        &ratio_token_mask(&old, &roll, &mask, 0.95, 1.5).unwrap(),
+        &[&[1.0, 0.0, 0.0], &[1.0, 0.0]],
+        0.0,
+        "token mask",
+    );
     // 3. Truncated IS.
-    assert_rows(&token_truncated_is(&old, &roll, &mask, 2.0).unwrap(), &[&[1.0, e05, em01], &[1.0, 0.0]], 1e-6, "tis token");
-    assert_rows(&token_truncated_is(&old, &roll, &mask, 1.2).unwrap(), &[&[1.0, 1.2, em01], &[1.0, 0.0]], 1e-6, "tis cap");
+    assert_rows(
+        &token_truncated_is(&old, &roll, &mask, 2.0).unwrap(),
+        &[&[1.0, e05, em01], &[1.0, 0.0]],
+        1e-6,
+        "tis token",
+    );
+    assert_rows(
+        &token_truncated_is(&old, &roll, &mask, 1.2).unwrap(),
+        &[&[1.0, 1.2, em01], &[1.0, 0.0]],
+        1e-6,
+        "tis cap",
+    );
     let e04 = 0.4f64.exp();
     assert_vec(&sequence_truncated_is(&old, &roll, &mask, 5.0).unwrap(), &[e04, 1.0], 1e-6, "tis seq");
     assert_vec(&sequence_truncated_is(&old, &roll, &mask, 1.2).unwrap(), &[1.2, 1.0], 1e-6, "tis seq cap");
@@ -236,8 +263,10 @@ fn off_policy_masks_and_truncated_is() {
 #[test]
 fn off_policy_correction_from_config() {
     let (old, roll, mask) = off_policy_example();
-    let off = OffPolicyCorrection::from_config(&json!({"token_mask_low": 0.95, "token_mask_high": 1.5, "tis_level": "token"}))
-        .unwrap();
+    let off = OffPolicyCorrection::from_config(
+        &json!({"token_mask_low": 0.95, "token_mask_high": 1.5, "tis_level": "token"}),
+    )
+    .unwrap();
     let out = off.apply(&old, &roll, &mask).unwrap();
     assert_rows(&out.mask, &[&[1.0, 0.0, 0.0], &[1.0, 0.0]], 0.0, "mask");
     assert_rows(&out.is_weights, &[&[1.0, 0.0, 0.0], &[1.0, 0.0]], 1e-6, "is weights");

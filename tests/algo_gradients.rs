@@ -54,7 +54,10 @@ fn finite_difference(loss: &Loss, make: impl Fn(Tensor) -> LossInputs, x0: &[f64
 fn assert_gradients(name: &str, actual: &[f64], expected: &[f64]) {
     for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
         let tol = 1e-6 * e.abs().max(1e-3);
-        assert!((a - e).abs() <= tol, "{name}: d/dx[{i}] autograd {a} vs expected {e} (all: {actual:?} vs {expected:?})");
+        assert!(
+            (a - e).abs() <= tol,
+            "{name}: d/dx[{i}] autograd {a} vs expected {e} (all: {actual:?} vs {expected:?})"
+        );
     }
     assert_eq!(actual[3].to_bits(), 0f64.to_bits(), "{name}: masked token must get exactly 0, got {}", actual[3]);
 }
@@ -135,7 +138,8 @@ fn clamp(x: f64, lo: f64, hi: f64) -> f64 {
 #[test]
 fn stop_gradient_losses_have_the_hand_derived_gradient() {
     let ratio = |anchor: &[f64; 5], i: usize| (LP[i] - anchor[i]).exp();
-    let at_valid = |f: &dyn Fn(usize) -> f64| -> Vec<f64> { (0..5).map(|i| if i == 3 { 0.0 } else { W[i] * f(i) }).collect() };
+    let at_valid =
+        |f: &dyn Fn(usize) -> f64| -> Vec<f64> { (0..5).map(|i| if i == 3 { 0.0 } else { W[i] * f(i) }).collect() };
 
     // Tinker cispo: d/dlp [−sg(clamp(r, 0.8, 1.2))·lp·A] = −clamp(r)·A.
     let loss = Loss::tinker("cispo", &json!({})).unwrap();
@@ -154,7 +158,11 @@ fn stop_gradient_losses_have_the_hand_derived_gradient() {
     let loss = Loss::policy("rollout_is", &json!({})).unwrap();
     let expected = at_valid(&|i| {
         let r = ratio(&ROLL, i);
-        if r > 0.8 && r < 1.2 { -r * ADV[i] } else { 0.0 }
+        if r > 0.8 && r < 1.2 {
+            -r * ADV[i]
+        } else {
+            0.0
+        }
     });
     let grad = autograd(&loss, inputs, &LP);
     assert!(grad[2] == 0.0 && grad[0] != 0.0, "{grad:?}");
@@ -174,7 +182,11 @@ fn gspo_gradient_is_token_level_with_the_sequence_ratio() {
             let r: f64 = f64::exp(s[i]);
             let unclipped = r * ADV[i];
             let clipped = clamp(r, 0.8, 1.2) * ADV[i];
-            if clipped < unclipped { 0.0 } else { -W[i] * r * ADV[i] }
+            if clipped < unclipped {
+                0.0
+            } else {
+                -W[i] * r * ADV[i]
+            }
         })
         .collect();
     let loss = Loss::policy("gspo", &json!({})).unwrap();

@@ -337,11 +337,11 @@ fn qwen_style_template_uses_python_methods() {
     let text = t
         .render(&[sys, user("hi")], true, Some(&tools), &special, None)
         .unwrap();
-    // Python's json.dumps(ensure_ascii=False) spacing; keys come out sorted (see module docs).
+    // Python's json.dumps(ensure_ascii=False) spacing; keys keep their insertion order, as in Python.
     assert_eq!(
         text,
         "<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n\
-         {\"function\": {\"name\": \"add\", \"parameters\": {\"a\": 1.5, \"ok\": true, \"s\": \"é\\\"<\"}}, \"type\": \"function\"}\n\
+         {\"type\": \"function\", \"function\": {\"name\": \"add\", \"parameters\": {\"a\": 1.5, \"ok\": true, \"s\": \"é\\\"<\"}}}\n\
          </tools><|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
 }
@@ -362,7 +362,7 @@ fn jinja2_whitespace_and_filters() {
     // tojson with indent, as Python's json.dumps(indent=2).
     assert_eq!(
         render("{{ messages[0] | tojson(indent=2) }}", None),
-        "{\n  \"content\": \"a\",\n  \"role\": \"user\"\n}"
+        "{\n  \"role\": \"user\",\n  \"content\": \"a\"\n}"
     );
     // Extra variables (e.g. Qwen3's enable_thinking) and tools=None; booleans print as Python's.
     let extra = json!({"enable_thinking": false})

@@ -71,7 +71,9 @@ impl AdvantageEstimator {
             Ok(AdvantagesAndReturns { returns: advantages.clone(), advantages })
         };
         match *self {
-            Self::Grpo { norm_by_std } => outcome(grpo_advantages(&sequence_scores(token_rewards), groups, norm_by_std)?),
+            Self::Grpo { norm_by_std } => {
+                outcome(grpo_advantages(&sequence_scores(token_rewards), groups, norm_by_std)?)
+            }
             Self::Rloo => outcome(rloo_advantages(&sequence_scores(token_rewards), groups)?),
             Self::ReinforcePlusPlus { gamma } => reinforce_plus_plus(token_rewards, mask, gamma),
             Self::Gae { gamma, lambda } => {

@@ -22,11 +22,7 @@ impl<'a> ConfigObject<'a> {
         let entries = match config {
             Value::Null => None,
             Value::Object(map) => Some(map),
-            other => {
-                return Err(Error::input(format!(
-                    "{owner}: config must be a JSON object, got {other}"
-                )))
-            }
+            other => return Err(Error::input(format!("{owner}: config must be a JSON object, got {other}"))),
         };
         if let Some(map) = entries {
             for key in map.keys() {
@@ -52,8 +48,7 @@ impl<'a> ConfigObject<'a> {
 
     /// A finite number that must be present.
     pub fn required_f64(&self, key: &str) -> Result<f64> {
-        self.optional_f64(key)?
-            .ok_or_else(|| Error::input(format!("{}: config key `{key}` is required", self.owner)))
+        self.optional_f64(key)?.ok_or_else(|| Error::input(format!("{}: config key `{key}` is required", self.owner)))
     }
 
     /// A finite number, or `None` when the key is absent or null.
@@ -61,19 +56,17 @@ impl<'a> ConfigObject<'a> {
         let Some(value) = self.value(key) else { return Ok(None) };
         match value.as_f64() {
             Some(x) if x.is_finite() => Ok(Some(x)),
-            _ => Err(Error::input(format!(
-                "{}: config key `{key}` must be a finite number, got {value}",
-                self.owner
-            ))),
+            _ => Err(Error::input(format!("{}: config key `{key}` must be a finite number, got {value}", self.owner))),
         }
     }
 
     /// A string, or `None` when the key is absent or null.
     pub fn optional_str(&self, key: &str) -> Result<Option<&'a str>> {
         let Some(value) = self.value(key) else { return Ok(None) };
-        value.as_str().map(Some).ok_or_else(|| {
-            Error::input(format!("{}: config key `{key}` must be a string, got {value}", self.owner))
-        })
+        value
+            .as_str()
+            .map(Some)
+            .ok_or_else(|| Error::input(format!("{}: config key `{key}` must be a string, got {value}", self.owner)))
     }
 
     /// An error about the value of `key`, prefixed with the owner.

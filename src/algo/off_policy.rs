@@ -47,7 +47,8 @@ fn check_inputs(old: &[Vec<f32>], roll: &[Vec<f32>], mask: &[Vec<f32>]) -> Resul
 }
 
 fn check_band(what: &str, low: f64, high: f64) -> Result<()> {
-    if !(low <= high) {
+    // Written so that a NaN bound is rejected too.
+    if low.partial_cmp(&high).is_none_or(|order| order.is_gt()) {
         return Err(Error::input(format!("{what}: low {low} must not exceed high {high}")));
     }
     Ok(())
@@ -70,7 +71,11 @@ pub fn outlier_sequence_mask(
                 let lr = log_ratio(old[i][t], roll[i][t]);
                 is_valid(mask[i][t]) && (lr > log_high || lr < log_low)
             });
-            if outlier { 0.0 } else { 1.0 }
+            if outlier {
+                0.0
+            } else {
+                1.0
+            }
         })
         .collect())
 }
@@ -98,9 +103,7 @@ pub fn token_truncated_is(old: &[Vec<f32>], roll: &[Vec<f32>], mask: &[Vec<f32>]
 /// `min(exp(Σ_t m_t log ρ_t), cap)` per sequence.
 pub fn sequence_truncated_is(old: &[Vec<f32>], roll: &[Vec<f32>], mask: &[Vec<f32>], cap: f64) -> Result<Vec<f32>> {
     check_inputs(old, roll, mask)?;
-    Ok((0..mask.len())
-        .map(|i| sequence_log_ratio(&old[i], &roll[i], &mask[i]).0.exp().min(cap) as f32)
-        .collect())
+    Ok((0..mask.len()).map(|i| sequence_log_ratio(&old[i], &roll[i], &mask[i]).0.exp().min(cap) as f32).collect())
 }
 
 /// Which sequence statistic of ρ the sequence mask bounds, with its bounds.
@@ -127,7 +130,11 @@ pub fn sequence_ratio_mask(
                 SequenceMaskMetric::GeometricMean { low, high } => (sum / count.max(1.0), low, high),
                 SequenceMaskMetric::Product { low, high } => (sum, low, high),
             };
-            if statistic >= low.ln() && statistic <= high.ln() { 1.0 } else { 0.0 }
+            if statistic >= low.ln() && statistic <= high.ln() {
+                1.0
+            } else {
+                0.0
+            }
         })
         .collect())
 }

@@ -100,10 +100,7 @@ impl TinkerLoss {
 }
 
 fn thresholds(config: &ConfigObject) -> Result<RatioBand> {
-    RatioBand::new(
-        config.f64_or("clip_low_threshold", 0.8)?,
-        config.f64_or("clip_high_threshold", 1.2)?,
-    )
+    RatioBand::new(config.f64_or("clip_low_threshold", 0.8)?, config.f64_or("clip_high_threshold", 1.2)?)
 }
 
 /// `(r = exp(lp − q), A)`, both masked.

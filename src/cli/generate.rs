@@ -24,12 +24,12 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     temperature: f64,
     /// 0 = no top-k truncation.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f64,
     #[arg(long)]
     seed: Option<u64>,

@@ -10,8 +10,8 @@
 //! (`.strip()`, `.startswith()`, `.items()`, ...) come from minijinja-contrib's pycompat callback.
 //!
 //! Simplifications, where the output can differ from jinja2 on unusual templates:
-//! - Map keys are iterated in sorted order, not Python insertion order (minijinja and serde_json
-//!   are built without `preserve_order`), which shows in `tojson` of dicts and in `.items()`.
+//! - Map keys keep their insertion order as in Python (minijinja and serde_json are built with
+//!   `preserve_order`), so `tojson` of tool schemas matches transformers.
 //! - A printed list or dict quotes its strings with `"` (`[1, "a", None]`) where Python's repr
 //!   uses `'`; scalars print as in Python (`None`, `True`, `1.0`).
 //! - `strftime_now` formats the current time in UTC (transformers uses local time), and knows

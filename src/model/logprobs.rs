@@ -22,7 +22,8 @@ pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
 
 /// log p(targets) for logits [B, T, V] and target ids [B, T] (u32); returns [B, T] in f32.
 pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let logits = logits.to_dtype(DType::F32)?;
-    let picked = logits.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?;
+    // gather needs contiguous operands; callers often pass a narrowed view of the logits.
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let picked = logits.gather(&targets.contiguous()?.unsqueeze(D::Minus1)?, D::Minus1)?;
     Ok((picked - logsumexp_keepdim(&logits)?)?.squeeze(D::Minus1)?)
 }

@@ -318,6 +318,9 @@ impl Transformer {
             return Err(Error::input("empty batch"));
         }
         let t = input_ids[0].len();
+        if t == 0 {
+            return Err(Error::input("input_ids rows are empty (sequence length 0)"));
+        }
         for (name, rows) in [("positions", positions.len()), ("mask", mask.len())] {
             if rows != b {
                 return Err(Error::input(format!("{name} has {rows} rows, input_ids has {b}")));

@@ -82,6 +82,10 @@ pub fn load_dir(dir: &Path, device: &Device) -> Result<LoadedWeights> {
     }
     for (file, names) in shards {
         let path = dir.join(&file);
+        if !path.exists() {
+            let more = if names.len() > 1 { format!(" and {} more", names.len() - 1) } else { String::new() };
+            return Err(Error::file(&path, format!("no such file (named in {INDEX_FILE} for `{}`{more})", names[0])));
+        }
         let mut tensors = load_file(&path, device)?;
         for name in names {
             let t = tensors
