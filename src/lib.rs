@@ -4,6 +4,7 @@
 //! The modules follow the layers of DESIGN.md; each may use only the layers above it here:
 //! - [`model`]: architectures, HF I/O, LoRA, training forward, KV-cache decode.
 //! - [`algo`]: pure functions on tensors (losses, advantages, KL, reductions).
+//! - [`worker`]: one data-parallel rank (forward_backward, optim_step, checkpoints).
 //! - [`rollout`]: sampling.
 //! - [`cli`]: the `oxrl` command line.
 
@@ -12,5 +13,6 @@ pub mod cli;
 pub mod error;
 pub mod model;
 pub mod rollout;
+pub mod worker;
 
 pub use error::{Error, Result};

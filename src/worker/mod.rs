@@ -1,0 +1,1 @@
+//! One data-parallel rank: parameters, optimizer state, gradient accumulators.
