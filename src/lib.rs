@@ -5,14 +5,17 @@
 //! - [`model`]: architectures, HF I/O, LoRA, training forward, KV-cache decode.
 //! - [`algo`]: pure functions on tensors (losses, advantages, KL, reductions).
 //! - [`worker`]: one data-parallel rank (forward_backward, optim_step, checkpoints).
+//! - [`dispatch`]: worker groups per role over a data-parallel mesh, colocation.
 //! - [`rollout`]: sampling.
 //! - [`cli`]: the `oxrl` command line.
 
 pub mod algo;
 pub mod cli;
+pub mod dispatch;
 pub mod error;
 pub mod model;
 pub mod rollout;
+pub mod trainer;
 pub mod worker;
 
 pub use error::{Error, Result};

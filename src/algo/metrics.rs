@@ -1,10 +1,11 @@
 //! Scalar metrics that merge exactly across micro-batches, calls and data-parallel ranks.
 //!
-//! Keys are `name:reduction` (DESIGN.md), with reduction `sum` or `mean`. Every metric is kept
-//! as a pair `(sum, count)`: merging two `Metrics` adds sums and counts key by key, so the
-//! mean of a whole mini-batch is `Σ sums / Σ counts` however it was split — not the mean of
-//! per-micro-batch means. For a `:sum` metric the count is the number of contributions and is
-//! ignored by [`Metrics::reduce`]. A `:mean` with count 0 reduces to 0 (JSON has no NaN).
+//! Keys are `name:reduction` (DESIGN.md), with reduction `sum`, `mean`, `max` or `min`. Every
+//! metric is kept as a pair `(sum, count)`: merging two `Metrics` adds sums and counts key by
+//! key, so the mean of a whole mini-batch is `Σ sums / Σ counts` however it was split — not the
+//! mean of per-micro-batch means. For a `:sum` metric the count is the number of contributions
+//! and is ignored by [`Metrics::reduce`]; for `:max` / `:min` the "sum" holds the extreme so far
+//! and merging takes the max / min. A `:mean` with count 0 reduces to 0 (JSON has no NaN).
 //!
 //! Losses compute their metric sums as 0-d tensors and copy them to the host in one transfer
 //! ([`PendingMetrics`]), so a loss costs one device→host synchronisation, not one per metric.
@@ -43,11 +44,37 @@ impl Metrics {
         self.add(format!("{name}:mean"), MetricValue { sum, count });
     }
 
+    /// Adds `value` to the metric `name:max` (the largest value wins).
+    pub fn add_max(&mut self, name: &str, value: f64) {
+        self.add(format!("{name}:max"), MetricValue { sum: value, count: 1.0 });
+    }
+
+    /// Adds `value` to the metric `name:min` (the smallest value wins).
+    pub fn add_min(&mut self, name: &str, value: f64) {
+        self.add(format!("{name}:min"), MetricValue { sum: value, count: 1.0 });
+    }
+
     /// Adds a `(sum, count)` pair under a full key `name:reduction`.
     pub fn add(&mut self, key: String, value: MetricValue) {
-        let entry = self.entries.entry(key).or_default();
-        entry.sum += value.sum;
-        entry.count += value.count;
+        let extreme = if key.ends_with(":max") {
+            Some(f64::max as fn(f64, f64) -> f64)
+        } else if key.ends_with(":min") {
+            Some(f64::min as fn(f64, f64) -> f64)
+        } else {
+            None
+        };
+        match self.entries.get_mut(&key) {
+            None => {
+                self.entries.insert(key, value);
+            }
+            Some(entry) => {
+                entry.sum = match extreme {
+                    Some(pick) => pick(entry.sum, value.sum),
+                    None => entry.sum + value.sum,
+                };
+                entry.count += value.count;
+            }
+        }
     }
 
     /// Adds every metric of `other` into `self` (sums and counts add).
