@@ -7,9 +7,14 @@
 //! for the batch-size multiple it needs ([`lcm_dp_size`]).
 
 pub mod collective;
+pub mod group;
 pub mod mesh;
 pub mod residency;
+pub mod roles;
 pub mod split;
+
+pub use group::WorkerGroup;
+pub use roles::Dispatch;
 
 /// The roles a trainer may run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -1,0 +1,70 @@
+//! `cargo bench --bench dispatch`: forward_backward throughput at dp = 2 against dp = 1, same
+//! global batch (16 × 128 tokens), qwen3-shaped 4-layer d256 model (as in benches/model.rs).
+//! Each data-parallel rank is a thread; run with RAYON_NUM_THREADS=1 so each rank's matmuls use
+//! one core (dp = 2 then uses both cores), and with 2 to compare against dp = 1 using both cores
+//! inside its matmuls.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use oxrl::dispatch::mesh::MeshShape;
+use oxrl::dispatch::{Role, WorkerGroup};
+use oxrl::model::config::{Arch, ModelConfig, ModelShape};
+use oxrl::model::init;
+use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+use serde_json::json;
+
+fn build_worker() -> oxrl::Result<Worker> {
+    let shape = ModelShape {
+        vocab_size: 4096,
+        hidden_size: 256,
+        intermediate_size: 1024,
+        num_layers: 4,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        rope_theta: 10000.0,
+        max_position_embeddings: 1024,
+        tie_word_embeddings: false,
+    };
+    let cfg = ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref())?;
+    Worker::new(init::random_model(cfg, 0, DType::F32, &Device::Cpu)?, WorkerConfig { micro_batch_size: Some(8), ..Default::default() })
+}
+
+fn batch(n: usize, t: usize) -> Vec<Datum> {
+    (0..n)
+        .map(|r| {
+            let seq: Vec<u32> = (0..t).map(|i| ((r * 977 + i * 131) % 4096) as u32).collect();
+            let targets: Vec<u32> = seq[1..].iter().copied().chain([0]).collect();
+            Datum::supervised(seq, targets, vec![1.0 / (n * t) as f32; t])
+        })
+        .collect()
+}
+
+fn main() {
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
+    let data = batch(16, 128);
+    let tokens = (16 * 128) as f64;
+    let mut base = None;
+    for dp in [1usize, 2] {
+        let g = WorkerGroup::new(Role::Policy, MeshShape::dp(dp), Arc::new(|_| build_worker())).unwrap();
+        let run = || {
+            g.forward_backward(&data, "cross_entropy", &json!({}), false).unwrap();
+            g.optim_step(&AdamParams::default()).unwrap();
+        };
+        run(); // warm-up
+        let mut times: Vec<f64> = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                run();
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(|a, b| a.total_cmp(b));
+        let t = times[1];
+        let speedup = base.map(|b: f64| b / t).unwrap_or(1.0);
+        base.get_or_insert(t);
+        println!("threads={threads} dp={dp}: {:.0} ms per step (fwd+bwd+adam, 16x128), {:.0} tokens/s, {speedup:.2}x vs dp=1", t * 1e3, tokens / t);
+    }
+}
