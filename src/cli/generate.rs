@@ -1,9 +1,10 @@
-//! `oxrl generate`: sample continuations of one prompt, one JSON line per sample.
+//! `oxrl generate`: sample continuations of one prompt, one JSON line per sample, on the rollout
+//! engine (sample i draws from the stream seeded with seed + i).
 
 use std::path::PathBuf;
 
 use crate::model::tokenizer::Tokenizer;
-use crate::rollout::{generate, SamplingParams};
+use crate::rollout::{EngineConfig, EngineCore, Request, SamplingParams};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -71,10 +72,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top_p: a.top_p,
         seed: a.seed,
         stop_token_ids: vec![],
+        stop_strings: vec![],
         ignore_eos: a.ignore_eos,
     };
-    let prompts = vec![prompt; a.n];
-    for g in generate(&model, &prompts, &params, &eos)? {
+    let mut engine = EngineCore::new(model, EngineConfig { max_batch: a.n, eos_token_ids: eos, ..Default::default() })?;
+    engine.add_request(Request { num_samples: a.n, ..Request::new(prompt, params) })?;
+    let (_, out) = engine.run_until_idle()?.pop().expect("one request was added");
+    for g in out.samples {
         let text = match &tok {
             Ok(t) => t.decode(&g.tokens, true)?,
             Err(_) => String::new(),

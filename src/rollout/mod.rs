@@ -1,7 +1,29 @@
-//! Sampling from a model.
+//! Rollout: sampling engines and the client over them.
+//!
+//! - [`sampler`]: one token from a row of logits (temperature, top-k, top-p, greedy).
+//! - [`request`]: what a request asks for and gets back (tokens, log-probs, weight versions).
+//! - [`engine_core`]: continuous batching over the KV-cache decode, stepped by its owner;
+//!   pause (`abort` / `keep`), resume, versioned weight updates.
+//! - [`weights`]: applying a full or LoRA-only weight update.
+//! - [`engine`]: an engine core on its own thread, driven through channels.
+//! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all.
+//! - [`chat`]: messages in, the assistant's reply out (with the tokens the trainer needs).
+//! - [`generate`]: every prompt through a private engine in one call (`oxrl generate`).
 
+pub mod chat;
+pub mod client;
+pub mod engine;
+pub mod engine_core;
 pub mod generate;
+pub mod request;
 pub mod sampler;
+pub mod weights;
 
-pub use generate::{generate, Generation, StopReason};
+pub use chat::{chat, ChatReply};
+pub use client::EngineClient;
+pub use engine::{Engine, EngineHealth};
+pub use engine_core::{EngineConfig, EngineCore, EngineStats, PauseMode, RequestId};
+pub use generate::generate;
+pub use request::{Generation, Request, RequestOutput, StopReason};
 pub use sampler::SamplingParams;
+pub use weights::WeightUpdate;

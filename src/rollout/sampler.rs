@@ -24,13 +24,16 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Token ids that end generation (in addition to the model's EOS unless `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation once the decoded completion contains one (the token that
+    /// completed it is kept). Needs an engine with a tokenizer.
+    pub stop_strings: Vec<String>,
     /// Do not stop at the model's EOS ids.
     pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { max_tokens: 16, temperature: 1.0, top_k: 0, top_p: 1.0, seed: None, stop_token_ids: vec![], ignore_eos: false }
+        SamplingParams { max_tokens: 16, temperature: 1.0, top_k: 0, top_p: 1.0, seed: None, stop_token_ids: vec![], stop_strings: vec![], ignore_eos: false }
     }
 }
 
@@ -41,6 +44,9 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::input(format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if self.stop_strings.iter().any(|s| s.is_empty()) {
+            return Err(Error::input("a stop string is empty"));
         }
         Ok(())
     }

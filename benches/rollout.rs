@@ -1,0 +1,123 @@
+//! `cargo bench --bench rollout`: the sampling engine's decode throughput and weight-swap time.
+//!
+//! Model: qwen3-shaped, hidden 256, 4 layers, 4 heads of 64 (2 kv heads), MLP 1024, vocab 4096,
+//! f32 on CPU (as benches/model.rs). Measures (median of several runs):
+//! - decoding with the engine at 1, 16 and 64 concurrent requests (prompt 16 tokens, 32 new
+//!   tokens each, greedy, continuous batching: requests admitted in the first step), against
+//!   recomputing the full forward of the whole sequence at every step (no cache), same run;
+//! - swapping weights in a running engine: a full update (every parameter copied in) and a
+//!   LoRA-only update (rank 8, all linear projections), on the core and through the engine
+//!   thread (channel round trip included).
+//! Threads: set RAYON_NUM_THREADS (candle's CPU matmul uses it).
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use oxrl::model::config::{Arch, ModelConfig, ModelShape};
+use oxrl::model::lora::{self, LoraConfig};
+use oxrl::model::{init, Transformer};
+use oxrl::rollout::{Engine, EngineConfig, EngineCore, PauseMode, Request, SamplingParams, WeightUpdate};
+
+const PROMPT: usize = 16;
+const NEW: usize = 32;
+
+fn model(seed: u64) -> Transformer {
+    let shape = ModelShape {
+        vocab_size: 4096,
+        hidden_size: 256,
+        intermediate_size: 1024,
+        num_layers: 4,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        rope_theta: 10000.0,
+        max_position_embeddings: 1024,
+        tie_word_embeddings: false,
+    };
+    let cfg = ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref()).unwrap();
+    init::random_model(cfg, seed, DType::F32, &Device::Cpu).unwrap()
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[xs.len() / 2]
+}
+
+fn time<F: FnMut()>(reps: usize, mut f: F) -> f64 {
+    f(); // warm-up
+    median((0..reps).map(|_| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    }).collect())
+}
+
+fn prompt(r: usize) -> Vec<u32> {
+    (0..PROMPT).map(|i| ((r * 977 + i * 131 + 7) % 4096) as u32).collect()
+}
+
+fn engine_decode(m: &Transformer, c: usize) {
+    let mut e = EngineCore::new(m.clone(), EngineConfig { max_batch: c, ..Default::default() }).unwrap();
+    let p = SamplingParams { max_tokens: NEW, temperature: 0.0, ignore_eos: true, ..Default::default() };
+    for r in 0..c {
+        e.add_request(Request::new(prompt(r), p.clone())).unwrap();
+    }
+    let outs = e.run_until_idle().unwrap();
+    assert!(outs.iter().all(|(_, o)| o.samples[0].tokens.len() == NEW));
+}
+
+/// Greedy decoding that recomputes the whole sequence each step.
+fn uncached_decode(m: &Transformer, c: usize) {
+    let mut ids: Vec<Vec<u32>> = (0..c).map(prompt).collect();
+    for _ in 0..NEW {
+        let n = ids[0].len();
+        let pos: Vec<Vec<u32>> = (0..c).map(|_| (0..n as u32).collect()).collect();
+        let logits = m.forward(&ids, &pos, &vec![vec![1; n]; c], None).unwrap();
+        let next: Vec<u32> = logits.narrow(1, n - 1, 1).unwrap().squeeze(1).unwrap().argmax(1).unwrap().to_vec1().unwrap();
+        for (row, x) in ids.iter_mut().zip(next) {
+            row.push(x);
+        }
+    }
+}
+
+fn main() {
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
+    let m = model(0);
+    for c in [1, 16, 64] {
+        let cached = time(3, || engine_decode(&m, c));
+        let uncached = time(1, || uncached_decode(&m, c));
+        let toks = (c * NEW) as f64;
+        println!(
+            "threads={threads} decode {c:>2} concurrent: engine {:.0} tokens/s, no cache {:.0} tokens/s ({:.1}x)",
+            toks / cached,
+            toks / uncached,
+            uncached / cached
+        );
+    }
+
+    let new = model(1);
+    let full = WeightUpdate::Full(new.named_params());
+    let mut with = new.clone();
+    let cfg = LoraConfig::new(8, 16.0, &["all-linear"]);
+    lora::attach_new(&mut with, &cfg, 3).unwrap();
+    let lora_update = WeightUpdate::Lora { config: cfg, tensors: lora::adapter_tensors(&mut with) };
+    let mut e = EngineCore::new(m.clone(), EngineConfig::default()).unwrap();
+    let mut v = 0;
+    for (name, u) in [("full", &full), ("lora r8", &lora_update)] {
+        let t = time(10, || {
+            v += 1;
+            e.update_weights(u, v).unwrap()
+        });
+        println!("threads={threads} weight swap ({name}) on the core: {:.2} ms", t * 1e3);
+    }
+    let engine = Engine::start(m.clone(), EngineConfig::default()).unwrap();
+    let t = time(10, || {
+        v += 1;
+        engine.pause(PauseMode::Keep).unwrap();
+        engine.update_weights(full.clone(), v).unwrap();
+        engine.resume().unwrap();
+    });
+    println!("threads={threads} weight swap (full) through the engine thread, pause keep + update + resume: {:.2} ms", t * 1e3);
+    let params: usize = m.named_params().iter().map(|(_, t)| t.elem_count()).sum();
+    println!("(model: {:.1} M parameters, {:.1} MB in f32)", params as f64 / 1e6, params as f64 * 4.0 / 1e6);
+}

@@ -1,0 +1,461 @@
+//! The sampling engine: continuous batching over the model's KV-cache decode, driven one step
+//! at a time by its owner (a test, the CLI, or the [`super::engine::Engine`] thread).
+//!
+//! ```text
+//! step():  admit waiting requests while the batch and the KV budget allow:
+//!            prefill prompt[..L-1] alone (once for all its samples, and once for identical
+//!            prompts admitted together), fan the cache row out to the n samples, and append
+//!            the rows to the running cache with left padding;
+//!          one batched forward of each row's pending token (the last prompt token, then the
+//!            last sampled one) at its own position;
+//!          sample each row with its own seeded stream; finished rows leave the cache by row
+//!            selection, and columns that only they used are trimmed.
+//! ```
+//! Because a new request is prefilled alone and each row samples from its own stream, a seeded
+//! request gives the same tokens whatever else is running (up to float summation order, which
+//! left padding does not change in practice: padded keys get exactly zero weight).
+//!
+//! KV budget: the cache is a dense [rows, S] block, S ≤ the longest running row's
+//! prompt + max_tokens, so a request is admitted only while rows × that length stays within
+//! `kv_cache_tokens`; one that could not fit even alone is refused at `add_request`.
+//! Simplifications: no paged attention and no prefix cache across steps (the dense padded cache
+//! is what the model's forward takes); FIFO admission (a large request at the head waits for
+//! room rather than being overtaken).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::request::{Generation, Request, RequestOutput, StopReason};
+use super::sampler::sample;
+use super::weights::{updated, WeightUpdate};
+use crate::model::logprobs::target_logprobs;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{KvCache, Transformer};
+use crate::{Error, Result};
+
+pub type RequestId = u64;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Rows (samples) decoded together at most.
+    pub max_batch: usize,
+    /// KV-cache budget in token slots (row × position); None = max_batch × max_position_embeddings.
+    pub kv_cache_tokens: Option<usize>,
+    /// Ids that end a sample unless its params say `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    /// Needed for stop strings.
+    pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { max_batch: 64, kv_cache_tokens: None, eos_token_ids: vec![], tokenizer: None }
+    }
+}
+
+/// How a pause treats requests in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseMode {
+    /// Running requests end now with what they have, stop reason `abort`.
+    Abort,
+    /// Running requests freeze (KV cache kept) and continue after `resume`.
+    Keep,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EngineStats {
+    pub version: u64,
+    pub paused: bool,
+    pub running_requests: usize,
+    pub running_rows: usize,
+    pub waiting_requests: usize,
+    /// Columns of the running cache.
+    pub cached_positions: usize,
+    pub kv_cache_tokens: usize,
+    pub kv_bytes_per_token: usize,
+}
+
+/// One sample being decoded.
+struct Row {
+    id: RequestId,
+    sample: usize,
+    /// Fed at the next step: the last prompt token, then each sampled token.
+    next_token: u32,
+    next_pos: u32,
+    rng: StdRng,
+    gen: Generation,
+}
+
+/// An admitted request: its samples as they finish.
+struct Active {
+    req: Request,
+    stops: Vec<u32>,
+    samples: Vec<Option<Generation>>,
+    prompt_logprobs: Option<Vec<f32>>,
+    left: usize,
+}
+
+pub struct EngineCore {
+    model: Transformer,
+    config: EngineConfig,
+    budget: usize,
+    version: u64,
+    paused: bool,
+    cache: KvCache,
+    rows: Vec<Row>,
+    waiting: VecDeque<(RequestId, Request)>,
+    active: HashMap<RequestId, Active>,
+    /// Outputs ready for the next `step` to return (aborts, max_tokens = 0).
+    ready: Vec<(RequestId, RequestOutput)>,
+    next_id: RequestId,
+}
+
+impl EngineCore {
+    pub fn new(model: Transformer, config: EngineConfig) -> Result<Self> {
+        if config.max_batch == 0 {
+            return Err(Error::input("engine max_batch must be positive"));
+        }
+        let budget = config.kv_cache_tokens.unwrap_or(config.max_batch * model.config.max_position_embeddings);
+        if budget == 0 {
+            return Err(Error::input("engine kv_cache_tokens must be positive"));
+        }
+        let cache = model.new_cache();
+        Ok(EngineCore {
+            model,
+            config,
+            budget,
+            version: 0,
+            paused: false,
+            cache,
+            rows: vec![],
+            waiting: VecDeque::new(),
+            active: HashMap::new(),
+            ready: vec![],
+            next_id: 0,
+        })
+    }
+
+    pub fn model(&self) -> &Transformer {
+        &self.model
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Bytes of K and V per cached token of one row.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let c = &self.model.config;
+        2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.size_in_bytes()
+    }
+
+    /// Checks the request and queues it; it is admitted by a later `step`.
+    pub fn add_request(&mut self, mut req: Request) -> Result<RequestId> {
+        self.validate(&req)?;
+        // Fix the seed now so that every sample's stream is known (and a continuation can
+        // resume it).
+        req.params.seed.get_or_insert_with(rand::random);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back((id, req));
+        Ok(id)
+    }
+
+    fn validate(&self, req: &Request) -> Result<()> {
+        let p = &req.params;
+        p.validate()?;
+        let c = &self.model.config;
+        if req.num_samples == 0 {
+            return Err(Error::input("num_samples must be positive"));
+        }
+        if req.prompt.is_empty() {
+            return Err(Error::input("the prompt is empty"));
+        }
+        if let Some((pos, &id)) = req.prompt.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
+            return Err(Error::input(format!("token id {id} at prompt position {pos} is out of range for vocab_size {}", c.vocab_size)));
+        }
+        let limit = c.max_position_embeddings;
+        let len = req.prompt.len();
+        if len + p.max_tokens > limit {
+            return Err(Error::input(format!(
+                "prompt length {len} + max_tokens {} exceeds max_position_embeddings {limit}",
+                p.max_tokens
+            )));
+        }
+        if req.num_samples > self.config.max_batch {
+            return Err(Error::input(format!("num_samples {} exceeds the engine's max_batch {}", req.num_samples, self.config.max_batch)));
+        }
+        let need = req.num_samples * (len + p.max_tokens);
+        if need > self.budget {
+            return Err(Error::input(format!(
+                "the request needs {need} KV-cache slots ({} samples × (prompt length {len} + max_tokens {}), {} bytes) \
+                 but the engine's budget is {} slots ({} bytes): it can never fit",
+                req.num_samples,
+                p.max_tokens,
+                need * self.kv_bytes_per_token(),
+                self.budget,
+                self.budget * self.kv_bytes_per_token()
+            )));
+        }
+        if !p.stop_strings.is_empty() && self.config.tokenizer.is_none() {
+            return Err(Error::input("stop strings need an engine with a tokenizer"));
+        }
+        Ok(())
+    }
+
+    /// Whether a `step` would do anything.
+    pub fn has_work(&self) -> bool {
+        !self.ready.is_empty() || (!self.paused && (!self.rows.is_empty() || !self.waiting.is_empty()))
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            version: self.version,
+            paused: self.paused,
+            running_requests: self.active.len(),
+            running_rows: self.rows.len(),
+            waiting_requests: self.waiting.len(),
+            cached_positions: self.cache.seq_len(),
+            kv_cache_tokens: self.budget,
+            kv_bytes_per_token: self.kv_bytes_per_token(),
+        }
+    }
+
+    /// Stops intake and decoding. `Abort` ends every running request now (returned here, with
+    /// stop reason `abort`); `Keep` freezes them. Waiting requests stay queued either way.
+    pub fn pause(&mut self, mode: PauseMode) -> Vec<(RequestId, RequestOutput)> {
+        self.paused = true;
+        if mode == PauseMode::Abort {
+            let mut ids: Vec<RequestId> = self.active.keys().copied().collect();
+            ids.sort();
+            for id in ids {
+                let out = self.abort_active(id);
+                self.ready.push((id, out));
+            }
+            self.rows.clear();
+            self.cache = self.model.new_cache();
+        }
+        std::mem::take(&mut self.ready)
+    }
+
+    /// Drops every request, running or waiting, without output (after a failed step, whose
+    /// state cannot be trusted).
+    pub fn reset(&mut self) {
+        self.rows.clear();
+        self.active.clear();
+        self.waiting.clear();
+        self.ready.clear();
+        self.cache = self.model.new_cache();
+    }
+
+    pub fn resume(&mut self) {
+        self.paused = false;
+    }
+
+    /// Swaps in new weights; tokens sampled from now on carry `version`. Running requests keep
+    /// their KV cache (computed by the old weights), as `keep` mode intends.
+    pub fn update_weights(&mut self, update: &WeightUpdate, version: u64) -> Result<()> {
+        self.model = updated(&self.model, update)?;
+        self.version = version;
+        Ok(())
+    }
+
+    /// Ends one request now (waiting or running) with what it has; None if unknown.
+    pub fn abort(&mut self, id: RequestId) -> Result<Option<RequestOutput>> {
+        if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
+            let (_, req) = self.waiting.remove(i).expect("index is in range");
+            let g = Generation { stop_reason: StopReason::Abort, ..Generation::empty() };
+            return Ok(Some(RequestOutput { samples: vec![g; req.num_samples], prompt_logprobs: None }));
+        }
+        if !self.active.contains_key(&id) {
+            return Ok(None);
+        }
+        let out = self.abort_active(id);
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|&i| self.rows[i].id != id).collect();
+        self.cache = self.cache.select_rows(&keep)?;
+        self.rows.retain(|r| r.id != id);
+        Ok(Some(out))
+    }
+
+    /// The output of `id` with its running rows ended as `abort` (the caller removes the rows
+    /// and fixes up the cache).
+    fn abort_active(&mut self, id: RequestId) -> RequestOutput {
+        let mut a = self.active.remove(&id).expect("request is active");
+        for r in self.rows.iter_mut().filter(|r| r.id == id) {
+            let mut g = std::mem::replace(&mut r.gen, Generation::empty());
+            g.stop_reason = StopReason::Abort;
+            a.samples[r.sample] = Some(g);
+        }
+        let samples = a.samples.into_iter().map(|s| s.unwrap_or_else(|| Generation { stop_reason: StopReason::Abort, ..Generation::empty() }));
+        RequestOutput { samples: samples.collect(), prompt_logprobs: a.prompt_logprobs }
+    }
+
+    /// One engine step: admit, decode one token for every running row, retire finished rows.
+    /// Returns the requests that completed.
+    pub fn step(&mut self) -> Result<Vec<(RequestId, RequestOutput)>> {
+        if self.paused {
+            return Ok(std::mem::take(&mut self.ready));
+        }
+        self.admit()?;
+        if !self.rows.is_empty() {
+            self.decode()?;
+        }
+        Ok(std::mem::take(&mut self.ready))
+    }
+
+    /// Runs steps until nothing is running or waiting; the outputs in request-id order.
+    pub fn run_until_idle(&mut self) -> Result<Vec<(RequestId, RequestOutput)>> {
+        if self.paused && (!self.waiting.is_empty() || !self.rows.is_empty()) {
+            return Err(Error::input("the engine is paused"));
+        }
+        let mut out = vec![];
+        while self.has_work() {
+            out.extend(self.step()?);
+        }
+        out.sort_by_key(|(id, _)| *id);
+        Ok(out)
+    }
+
+    fn admit(&mut self) -> Result<()> {
+        // Prefills of this round by prompt: identical prompts share one.
+        let mut prefilled: HashMap<Vec<u32>, (KvCache, Option<Vec<f32>>)> = HashMap::new();
+        let mut longest = self.rows.iter().map(|r| self.active[&r.id].final_len()).max().unwrap_or(0);
+        while let Some((_, req)) = self.waiting.front() {
+            let n = req.num_samples;
+            let len = req.prompt.len() + req.params.max_tokens;
+            let rows = self.rows.len() + n;
+            if rows > self.config.max_batch || rows * longest.max(len) > self.budget {
+                break;
+            }
+            let (id, req) = self.waiting.pop_front().expect("front exists");
+            longest = longest.max(len);
+            let key = req.prompt.clone();
+            if !prefilled.contains_key(&key) || (req.prompt_logprobs && prefilled[&key].1.is_none()) {
+                let p = self.prefill(&req.prompt, req.prompt_logprobs)?;
+                prefilled.insert(key.clone(), p);
+            }
+            let (one, plp) = &prefilled[&key];
+            let mut stops = req.params.stop_token_ids.clone();
+            if !req.params.ignore_eos {
+                stops.extend_from_slice(&self.config.eos_token_ids);
+            }
+            let mut active =
+                Active { samples: vec![None; n], prompt_logprobs: plp.clone().filter(|_| req.prompt_logprobs), left: n, stops, req };
+            if active.req.params.max_tokens == 0 {
+                active.samples = vec![Some(Generation::empty()); n];
+                self.ready.push((id, active.into_output()));
+                continue;
+            }
+            self.cache.append_rows(&one.select_rows(&vec![0; n])?)?;
+            let p = &active.req.params;
+            let base = p.seed.expect("seed fixed at add_request");
+            for sample in 0..n {
+                let mut rng = StdRng::seed_from_u64(base.wrapping_add(sample as u64));
+                if p.temperature > 0.0 {
+                    // The sampler draws one number per non-greedy token.
+                    for _ in 0..active.req.rng_skip {
+                        rng.random::<f64>();
+                    }
+                }
+                let last = active.req.prompt.len() - 1;
+                self.rows.push(Row { id, sample, next_token: active.req.prompt[last], next_pos: last as u32, rng, gen: Generation::empty() });
+            }
+            self.active.insert(id, active);
+        }
+        Ok(())
+    }
+
+    /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs.
+    fn prefill(&self, prompt: &[u32], logprobs: bool) -> Result<(KvCache, Option<Vec<f32>>)> {
+        let n = prompt.len() - 1;
+        if n == 0 {
+            return Ok((KvCache::with_empty_rows(self.model.config.num_hidden_layers, 1), logprobs.then(Vec::new)));
+        }
+        let mut cache = self.model.new_cache();
+        let ids = [prompt[..n].to_vec()];
+        let pos = [(0..n as u32).collect::<Vec<_>>()];
+        let mask = [vec![1u8; n]];
+        // Without prompt log-probs the lm_head (the largest matmul here) is skipped.
+        let hidden = self.model.forward_hidden(&ids, &pos, &mask, Some(&mut cache))?;
+        let lp = if logprobs {
+            let logits = self.model.logits(&hidden)?;
+            let targets = Tensor::new(&prompt[1..], &self.model.device)?.unsqueeze(0)?;
+            Some(target_logprobs(&logits, &targets)?.squeeze(0)?.to_device(&Device::Cpu)?.to_vec1()?)
+        } else {
+            None
+        };
+        Ok((cache, lp))
+    }
+
+    fn decode(&mut self) -> Result<()> {
+        let ids: Vec<Vec<u32>> = self.rows.iter().map(|r| vec![r.next_token]).collect();
+        let pos: Vec<Vec<u32>> = self.rows.iter().map(|r| vec![r.next_pos]).collect();
+        let mask = vec![vec![1u8]; self.rows.len()];
+        let logits = self.model.forward(&ids, &pos, &mask, Some(&mut self.cache))?;
+        let logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_device(&Device::Cpu)?.to_vec2()?;
+        let mut finished = vec![];
+        for (i, (row, z)) in self.rows.iter_mut().zip(&logits).enumerate() {
+            let a = &self.active[&row.id];
+            let p = &a.req.params;
+            let (tok, lp) = sample(z, p, &mut row.rng)?;
+            row.gen.tokens.push(tok);
+            row.gen.logprobs.push(lp);
+            row.gen.versions.push(self.version);
+            row.next_token = tok;
+            row.next_pos += 1;
+            let stop = a.stops.contains(&tok) || stop_string_hit(self.config.tokenizer.as_deref(), &p.stop_strings, &row.gen.tokens)?;
+            if stop || row.gen.tokens.len() >= p.max_tokens {
+                row.gen.stop_reason = if stop { StopReason::Stop } else { StopReason::Length };
+                finished.push(i);
+            }
+        }
+        if finished.is_empty() {
+            return Ok(());
+        }
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !finished.contains(i)).collect();
+        self.cache = self.cache.select_rows(&keep)?;
+        let mut rows = std::mem::take(&mut self.rows).into_iter().map(Some).collect::<Vec<_>>();
+        for &i in &finished {
+            let row = rows[i].take().expect("finished once");
+            let a = self.active.get_mut(&row.id).expect("row's request is active");
+            a.samples[row.sample] = Some(row.gen);
+            a.left -= 1;
+            if a.left == 0 {
+                let a = self.active.remove(&row.id).expect("present");
+                self.ready.push((row.id, a.into_output()));
+            }
+        }
+        self.rows = rows.into_iter().flatten().collect();
+        Ok(())
+    }
+}
+
+impl Active {
+    fn final_len(&self) -> usize {
+        self.req.prompt.len() + self.req.params.max_tokens
+    }
+
+    fn into_output(self) -> RequestOutput {
+        RequestOutput { samples: self.samples.into_iter().map(|s| s.expect("every sample finished")).collect(), prompt_logprobs: self.prompt_logprobs }
+    }
+}
+
+/// Whether the decoded completion contains a stop string.
+fn stop_string_hit(tok: Option<&Tokenizer>, stops: &[String], tokens: &[u32]) -> Result<bool> {
+    if stops.is_empty() {
+        return Ok(false);
+    }
+    let tok = tok.ok_or_else(|| Error::input("stop strings need an engine with a tokenizer"))?;
+    // The whole completion is decoded: a token's text can depend on its neighbours (byte-level
+    // pieces of one character), so decoding only the new token would miss some matches.
+    let text = tok.decode(tokens, false)?;
+    Ok(stops.iter().any(|s| text.contains(s.as_str())))
+}

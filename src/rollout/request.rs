@@ -1,0 +1,74 @@
+//! What a sampling request asks for and what it gets back.
+//!
+//! A request is one prompt and `num_samples` completions of it. Sample j draws from its own
+//! random stream seeded with `seed + j`, so a seeded request gives the same tokens whatever else
+//! the engine is running. Every sampled token carries its log-prob under the distribution it
+//! was drawn from and the version of the weights that produced it.
+
+use super::sampler::SamplingParams;
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StopReason {
+    /// A stop or EOS token was generated, or a stop string completed (the token is included).
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The engine was paused in `abort` mode (or the request aborted): the tokens so far.
+    Abort,
+}
+
+/// One completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    /// log p(token) under the distribution it was drawn from (the model's own when greedy).
+    pub logprobs: Vec<f32>,
+    /// The weight version that produced each token.
+    pub versions: Vec<u64>,
+    pub stop_reason: StopReason,
+}
+
+impl Generation {
+    pub fn empty() -> Self {
+        Generation { tokens: vec![], logprobs: vec![], versions: vec![], stop_reason: StopReason::Length }
+    }
+
+    /// Appends a continuation: its tokens, log-probs and versions; its stop reason wins.
+    pub fn append(&mut self, next: Generation) {
+        self.tokens.extend(next.tokens);
+        self.logprobs.extend(next.logprobs);
+        self.versions.extend(next.versions);
+        self.stop_reason = next.stop_reason;
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Completions of the prompt (they share its prefill). Default 1.
+    pub num_samples: usize,
+    /// Also return log p(prompt[i] | prompt[..i]) for i ≥ 1.
+    pub prompt_logprobs: bool,
+    /// Requests of one group (e.g. the n prompts of a GRPO group) go to the same engine.
+    pub group: Option<u64>,
+    /// Random draws to skip before sampling: a continuation after an abort passes the number of
+    /// tokens it already has, so a seeded sample continues its own stream.
+    pub rng_skip: usize,
+}
+
+impl Request {
+    pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
+        Request { prompt, params, num_samples: 1, prompt_logprobs: false, group: None, rng_skip: 0 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutput {
+    /// One per sample, in sample order.
+    pub samples: Vec<Generation>,
+    /// One per prompt token after the first, when asked for.
+    pub prompt_logprobs: Option<Vec<f32>>,
+}
