@@ -1,5 +1,6 @@
 //! The `oxrl` command line: one subcommand per file, each a thin layer over the library.
 
+mod config;
 mod generate;
 mod init_model;
 mod score;
@@ -24,6 +25,8 @@ enum Command {
     Score(score::Args),
     /// Sample a continuation of a prompt.
     Generate(generate::Args),
+    /// Run configs: `config show` prints the resolved config as TOML.
+    Config(config::Args),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -41,6 +44,7 @@ pub fn main() -> i32 {
         Command::InitModel(a) => init_model::run(a),
         Command::Score(a) => score::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::Config(a) => config::run(a),
     };
     match result {
         Ok(()) => 0,

@@ -66,10 +66,20 @@ pub struct Transformer {
     pub device: Device,
 }
 
-/// RMSNorm over the last dimension, computed in f32: x / sqrt(mean(x²) + eps) · w.
+/// The dtype softmax and RMSNorm run in: f32, or f64 for an f64 model (so that f64 runs,
+/// e.g. finite-difference checks, are f64 throughout).
+pub fn norm_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// RMSNorm over the last dimension, computed in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    let x = x.to_dtype(DType::F32)?;
+    let x = x.to_dtype(norm_dtype(dtype))?;
     let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
     let normed = x.broadcast_mul(&inv_rms)?.to_dtype(dtype)?;
     Ok(normed.broadcast_mul(weight)?)
@@ -134,7 +144,7 @@ impl Attention {
         // Fold the `rep` query heads sharing a kv head into rows: [B, kvh, rep·T, d].
         let qg = q.contiguous()?.reshape((b, kvh, rep * t, d))?;
         let scores = (qg.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-        let scores = scores.reshape((b, kvh, rep, t, s))?.to_dtype(DType::F32)?.broadcast_add(bias)?;
+        let scores = scores.reshape((b, kvh, rep, t, s))?.to_dtype(norm_dtype(x.dtype()))?.broadcast_add(&bias.to_dtype(norm_dtype(x.dtype()))?)?;
         let probs = softmax_last_dim(&scores)?.to_dtype(x.dtype())?.reshape((b, kvh, rep * t, s))?;
         let out = probs.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
         self.o_proj.forward(&out)

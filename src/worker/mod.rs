@@ -1,1 +1,37 @@
 //! One data-parallel rank: parameters, optimizer state, gradient accumulators.
+//!
+//! A [`Worker`] owns a model whose trainable parameters are either every base weight (full
+//! fine-tuning) or fresh LoRA adapters, optionally a critic's value head, one gradient
+//! accumulator per trainable parameter and AdamW moments. Its calls follow the worker contract
+//! of DESIGN.md:
+//! - [`Worker::forward_backward`]: micro-batches ([`packing`]) are right-padded, run, and the loss
+//!   ([`loss_fn`]) is the plain sum `Σ_datums Σ_t loss_t · w_t`; gradients are added to the
+//!   accumulators; metrics merge exactly; one record per datum comes back in input order.
+//! - [`Worker::forward`]: the same without gradients.
+//! - [`Worker::optim_step`]: AdamW ([`adamw`]) with optional global-norm clipping.
+//! - [`Worker::save_state`] / [`Worker::load_state`] / [`Worker::export`]: [`checkpoint`].
+//!
+//! Simplifications: one device, one thread of control; no mixed precision (bf16 parameters
+//! are updated without an f32 master copy); the learning-rate schedule ([`schedule`]) is a pure
+//! function the caller applies when it builds [`AdamParams`].
+
+pub mod adamw;
+pub mod batch;
+pub mod checkpoint;
+pub mod config;
+pub mod loss_fn;
+mod micro_batch;
+pub mod packing;
+pub mod placement;
+mod rank;
+pub mod rng;
+pub mod schedule;
+pub mod token_stats;
+pub mod value_head;
+
+pub use adamw::AdamParams;
+pub use batch::{Datum, LossFnInputs, LossFnOutput};
+pub use config::WorkerConfig;
+pub use loss_fn::resolve_loss;
+pub use rank::{ForwardBackwardOutput, Worker};
+pub use schedule::LrSchedule;

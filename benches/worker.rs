@@ -1,0 +1,86 @@
+//! `cargo bench --bench worker`: worker training throughput and the cost of per-token outputs.
+//!
+//! Model: qwen3-shaped, hidden 256, 4 layers, 4 heads of 64 (2 kv heads), MLP 1024, vocab 4096,
+//! f32 on CPU (as benches/model.rs). Measures:
+//! - `forward_backward` (cross_entropy, weights 1/N) + `optim_step` on 8 datums × 128 tokens in
+//!   one micro-batch of 8: median ms per step and tokens/s;
+//! - `forward_backward` on 64 × 512 tokens (micro-batches of 8) with
+//!   `return_per_token_outputs` true vs false: the time the gate saves. Few repetitions (each
+//!   call is tens of seconds on 2 cores): the best of `BIG_REPS`, alternating the two settings.
+//! Threads: set RAYON_NUM_THREADS.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use oxrl::model::config::{Arch, ModelConfig, ModelShape};
+use oxrl::model::{init, Transformer};
+use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+use serde_json::json;
+
+const BIG_REPS: usize = 2;
+
+fn model() -> Transformer {
+    let shape = ModelShape {
+        vocab_size: 4096,
+        hidden_size: 256,
+        intermediate_size: 1024,
+        num_layers: 4,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        rope_theta: 10000.0,
+        max_position_embeddings: 1024,
+        tie_word_embeddings: false,
+    };
+    let cfg = ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref()).unwrap();
+    init::random_model(cfg, 0, DType::F32, &Device::Cpu).unwrap()
+}
+
+fn batch(b: usize, t: usize, seed: u32) -> Vec<Datum> {
+    let tokens = |r: usize, salt: u32| -> Vec<u32> {
+        (0..t).map(|i| (seed.wrapping_mul(31).wrapping_add(salt).wrapping_add((r * 977 + i * 131) as u32)) % 4096).collect()
+    };
+    let w = 1.0 / (b * t) as f32;
+    (0..b).map(|r| Datum::supervised(tokens(r, 0), tokens(r, 7), vec![w; t])).collect()
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[xs.len() / 2]
+}
+
+fn main() {
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
+    let mut w = Worker::new(model(), WorkerConfig { micro_batch_size: Some(8), ..Default::default() }).unwrap();
+    let small = batch(8, 128, 1);
+    let params = AdamParams::default();
+    let mut step = || {
+        let t = Instant::now();
+        w.forward_backward(&small, "cross_entropy", &json!({}), false).unwrap();
+        w.optim_step(&params).unwrap();
+        t.elapsed().as_secs_f64()
+    };
+    step(); // warm-up
+    let s = median((0..5).map(|_| step()).collect());
+    println!("threads={threads} forward_backward+optim_step 8x128 (micro-batch 8): {:.1} ms/step, {:.0} tokens/s", s * 1e3, 1024.0 / s);
+
+    let big = batch(64, 512, 2);
+    let mut best = [f64::INFINITY; 2];
+    for _ in 0..BIG_REPS {
+        for (k, outputs) in [true, false].into_iter().enumerate() {
+            let t = Instant::now();
+            let out = w.forward_backward(&big, "cross_entropy", &json!({}), outputs).unwrap();
+            best[k] = best[k].min(t.elapsed().as_secs_f64());
+            assert_eq!(out.loss_fn_outputs[0].logprobs.len(), if outputs { 512 } else { 0 });
+            w.zero_grad();
+        }
+    }
+    println!(
+        "threads={threads} forward_backward 64x512 (micro-batch 8, best of {BIG_REPS}): per-token outputs {:.2} s, gate off {:.2} s, saved {:.1} ms ({:.2}%), {:.0} tokens/s",
+        best[0],
+        best[1],
+        (best[0] - best[1]) * 1e3,
+        100.0 * (best[0] - best[1]) / best[0],
+        (64 * 512) as f64 / best[1]
+    );
+}

@@ -1,0 +1,311 @@
+//! The SFT run configuration: one TOML file with sections `[model]`, `[data]`, `[optimizer]`,
+//! `[schedule]`, `[train]` and `[output]`, resolved by [`config_file`](super::config_file)
+//! (defaults ← file ← `--set`).
+//!
+//! Every field has a default, written on it. No field is an `Option` (see `config_file`): an
+//! unset path is `""`, an unset limit is `0`. Relative paths are relative to the working
+//! directory of the command, not to the config file, so `--set` and the file agree.
+//!
+//! The sections other than `[data]` and `[train]` are meant to be shared by the RL config.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::config_file::Sources;
+use crate::error::Result;
+
+/// A full SFT run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftConfig {
+    pub model: ModelSection,
+    pub data: DataSection,
+    pub optimizer: OptimizerSection,
+    pub schedule: ScheduleSection,
+    pub train: TrainSection,
+    pub output: OutputSection,
+}
+
+/// `[model]`: which weights to train and how.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSection {
+    /// Hugging Face model directory (config.json, safetensors, tokenizer). Default `""`: required.
+    pub path: PathBuf,
+    /// Parameter dtype for training: `f32`, `bf16` or `f16`. Default `f32`.
+    pub dtype: String,
+    /// LoRA adapter; rank 0 (the default) trains every parameter.
+    pub lora: LoraSection,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection { path: PathBuf::new(), dtype: "f32".into(), lora: LoraSection::default() }
+    }
+}
+
+/// `[model.lora]`: a LoRA adapter on the named projections.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoraSection {
+    /// Adapter rank r. Default 0: no adapter, full fine-tuning.
+    pub rank: usize,
+    /// Scale numerator: the update is scaled by alpha / r. Default 32.
+    pub alpha: f64,
+    /// Projections to adapt (`q_proj` … `down_proj`, `lm_head`) or `all-linear`.
+    /// Default `["all-linear"]`.
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        LoraSection { rank: 0, alpha: 32.0, targets: vec!["all-linear".into()] }
+    }
+}
+
+/// `[data]`: the SFT dataset (see [`sft_data`](super::sft_data)).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataSection {
+    /// Training rows, `.jsonl` or `.parquet`. Default `""`: required.
+    pub train_file: PathBuf,
+    /// Evaluation rows. Default `""`: hold out `eval_fraction` of the training rows instead.
+    pub eval_file: PathBuf,
+    /// Fraction of training rows held out for evaluation when there is no `eval_file`, chosen
+    /// by `shuffle_seed`. Default 0: no evaluation.
+    pub eval_fraction: f64,
+    /// Longest tokenized conversation kept; longer ones are cut at the end. Default 2048.
+    pub max_length: usize,
+    /// Which assistant messages are trained. Default `all_assistant`.
+    pub train_on: TrainOn,
+    /// What a malformed row does: `error` stops the run (the default), `skip` drops it with a
+    /// warning and counts it.
+    pub on_bad_row: OnBadRow,
+    /// Seed of the per-epoch shuffle and of the eval split. Default 0.
+    pub shuffle_seed: u64,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection {
+            train_file: PathBuf::new(),
+            eval_file: PathBuf::new(),
+            eval_fraction: 0.0,
+            max_length: 2048,
+            train_on: TrainOn::AllAssistant,
+            on_bad_row: OnBadRow::Error,
+            shuffle_seed: 0,
+        }
+    }
+}
+
+/// Which assistant messages carry loss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainOn {
+    /// Only the last assistant message of each conversation.
+    LastAssistant,
+    /// Every assistant message.
+    AllAssistant,
+}
+
+/// What a malformed dataset row does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBadRow {
+    /// Drop the row, warn, count it.
+    Skip,
+    /// Stop with an error naming the file and line (row for Parquet).
+    Error,
+}
+
+/// `[optimizer]`: AdamW (decoupled weight decay, bias-corrected).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerSection {
+    /// Peak learning rate (after warmup). Default 1e-5 (full fine-tuning; LoRA wants ~1e-4).
+    pub lr: f64,
+    /// Adam β1, β2. Default [0.9, 0.999].
+    pub betas: [f64; 2],
+    /// Adam ε. Default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay. Default 0.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip; 0 disables clipping. Default 1.0.
+    pub grad_clip_norm: f64,
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        OptimizerSection { lr: 1e-5, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.0, grad_clip_norm: 1.0 }
+    }
+}
+
+/// `[schedule]`: the learning-rate schedule (see [`schedule`](super::schedule)).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScheduleSection {
+    /// `constant`, `linear` (decay to `min_lr_ratio`·lr) or `cosine`. Default `linear`, as
+    /// transformers' Trainer.
+    pub kind: ScheduleKind,
+    /// Steps of linear warmup from 0 to lr. Default 0.
+    pub warmup_steps: usize,
+    /// The lr at the last step, as a fraction of the peak lr. Default 0.
+    pub min_lr_ratio: f64,
+}
+
+impl Default for ScheduleSection {
+    fn default() -> Self {
+        ScheduleSection { kind: ScheduleKind::Linear, warmup_steps: 0, min_lr_ratio: 0.0 }
+    }
+}
+
+/// Shape of the learning-rate decay after warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+/// `[train]`: the loop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainSection {
+    /// Examples per optimizer step. Default 32.
+    pub batch_size: usize,
+    /// Examples per forward/backward call (gradients accumulate over the step's micro-batches;
+    /// it bounds memory, not the result). Must divide `batch_size`. Default 8.
+    pub micro_batch_size: usize,
+    /// Passes over the training set. Default 1.
+    pub epochs: usize,
+    /// Stop after this many optimizer steps, whatever `epochs` says; 0 (the default) lets
+    /// `epochs` decide.
+    pub max_steps: usize,
+    /// Evaluate every this many steps (and after the last); 0: only after the last. Default 50.
+    pub eval_every: usize,
+    /// Save a checkpoint every this many steps (and after the last); 0: only after the last.
+    /// Default 0.
+    pub checkpoint_every: usize,
+    /// Seed of everything random in the run other than the data order (LoRA init, ...).
+    /// Default 0.
+    pub seed: u64,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            batch_size: 32,
+            micro_batch_size: 8,
+            epochs: 1,
+            max_steps: 0,
+            eval_every: 50,
+            checkpoint_every: 0,
+            seed: 0,
+        }
+    }
+}
+
+/// `[output]`: where the run writes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OutputSection {
+    /// Run directory: `config.toml` (resolved), `metrics.jsonl`, `loss.png`, checkpoints.
+    /// Default `runs/sft`.
+    pub run_dir: PathBuf,
+}
+
+impl Default for OutputSection {
+    fn default() -> Self {
+        OutputSection { run_dir: PathBuf::from("runs/sft") }
+    }
+}
+
+impl SftConfig {
+    /// Defaults ← `file` ← `--set` overrides, then [`validate`](Self::validate).
+    pub fn load(file: Option<&Path>, sets: &[String]) -> Result<Self> {
+        let (config, sources): (SftConfig, _) = super::config_file::resolve_with_sources(file, sets)?;
+        config.validate(&sources)?;
+        Ok(config)
+    }
+
+    /// Checks what types cannot: required fields and value ranges. Errors name the dotted key
+    /// and where its value came from (`Sources::none()` when there is no file).
+    pub fn validate(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &str| sources.error(key, msg);
+        if self.model.path.as_os_str().is_empty() {
+            return Err(err("model.path", "required: the model directory"));
+        }
+        crate::model::weights::parse_dtype(&self.model.dtype)
+            .map_err(|_| err("model.dtype", "expected f32, bf16 or f16"))?;
+        let lora = &self.model.lora;
+        if lora.rank > 0 {
+            if !positive(lora.alpha) {
+                return Err(err("model.lora.alpha", "must be positive"));
+            }
+            let targets: Vec<&str> = lora.targets.iter().map(String::as_str).collect();
+            crate::model::lora::LoraConfig::new(lora.rank, lora.alpha, &targets)
+                .validate()
+                .map_err(|e| err("model.lora.targets", &e.to_string()))?;
+        }
+        if self.data.train_file.as_os_str().is_empty() {
+            return Err(err("data.train_file", "required: a .jsonl or .parquet file"));
+        }
+        if !(0.0..1.0).contains(&self.data.eval_fraction) {
+            return Err(err("data.eval_fraction", "must be in [0, 1)"));
+        }
+        if self.data.max_length < 2 {
+            return Err(err("data.max_length", "must be at least 2 (one input and one target token)"));
+        }
+        let o = &self.optimizer;
+        if !positive(o.lr) {
+            return Err(err("optimizer.lr", "must be positive"));
+        }
+        if !o.betas.iter().all(|b| (0.0..1.0).contains(b)) {
+            return Err(err("optimizer.betas", "each must be in [0, 1)"));
+        }
+        if !positive(o.eps) {
+            return Err(err("optimizer.eps", "must be positive"));
+        }
+        if !non_negative(o.weight_decay) {
+            return Err(err("optimizer.weight_decay", "must be non-negative"));
+        }
+        if !non_negative(o.grad_clip_norm) {
+            return Err(err("optimizer.grad_clip_norm", "must be non-negative (0 disables)"));
+        }
+        if !(0.0..=1.0).contains(&self.schedule.min_lr_ratio) {
+            return Err(err("schedule.min_lr_ratio", "must be in [0, 1]"));
+        }
+        let t = &self.train;
+        if t.batch_size == 0 {
+            return Err(err("train.batch_size", "must be positive"));
+        }
+        if t.micro_batch_size == 0 || !t.batch_size.is_multiple_of(t.micro_batch_size) {
+            return Err(err("train.micro_batch_size", "must be positive and divide train.batch_size"));
+        }
+        if t.epochs == 0 && t.max_steps == 0 {
+            return Err(err("train.epochs", "0 epochs and no train.max_steps: nothing to train"));
+        }
+        if self.output.run_dir.as_os_str().is_empty() {
+            return Err(err("output.run_dir", "required"));
+        }
+        Ok(())
+    }
+
+    /// The resolved config as TOML, for `oxrl config show` and `RUN_DIR/config.toml`.
+    pub fn to_toml(&self) -> Result<String> {
+        super::config_file::to_toml_string(self)
+    }
+}
+
+/// Finite and above 0 (false for NaN).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// Finite and at least 0 (false for NaN).
+fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
+}

@@ -1,0 +1,145 @@
+//! A data loader over an in-memory dataset: batches in a seeded order that is reshuffled every
+//! epoch, with a serialisable position for exact resume.
+//!
+//! Epoch `e` visits the items in `permutation(n, mix(seed, e))` order — a Fisher–Yates shuffle
+//! driven by SplitMix64, written here rather than taken from `rand` so that the order is a
+//! property of oxrl (a `rand` upgrade may change `StdRng`'s stream, and with it every resumed
+//! run). The position is `(epoch, index)`: the epoch, and how many of its items have been
+//! yielded. The order of an epoch is a pure function of `(seed, epoch)`, so restoring a position
+//! and asking for the next batch yields exactly what the uninterrupted run would have.
+//!
+//! Batches never straddle epochs: the last batch of an epoch holds the remainder
+//! (`n mod batch_size` items, when that is not 0), so every item is seen once per epoch and
+//! `steps_per_epoch = ceil(n / batch_size)`. The loader is endless; the loop decides when to stop.
+
+use serde::{Deserialize, Serialize};
+
+/// Where a loader is: `index` items of epoch `epoch`'s order have been yielded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderPosition {
+    pub epoch: usize,
+    pub index: usize,
+}
+
+/// A batch and where it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch<T> {
+    /// The epoch the items belong to.
+    pub epoch: usize,
+    /// Indices of the items in the dataset.
+    pub indices: Vec<usize>,
+    pub items: Vec<T>,
+}
+
+/// Seeded, per-epoch shuffled batches over `items`.
+#[derive(Clone, Debug)]
+pub struct DataLoader<T> {
+    items: Vec<T>,
+    batch_size: usize,
+    seed: u64,
+    shuffle: bool,
+    position: LoaderPosition,
+    /// The current epoch's order, cached; always `order_of(position.epoch)`.
+    order: Vec<usize>,
+}
+
+impl<T: Clone> DataLoader<T> {
+    /// A loader at epoch 0, index 0. `shuffle = false` keeps dataset order (for evaluation).
+    pub fn new(items: Vec<T>, batch_size: usize, seed: u64, shuffle: bool) -> Self {
+        assert!(batch_size > 0, "batch_size must be positive");
+        let mut loader = DataLoader { items, batch_size, seed, shuffle, position: LoaderPosition::default(), order: Vec::new() };
+        loader.order = loader.order_of(0);
+        loader
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    pub fn items(&self) -> &[T] {
+        &self.items
+    }
+
+    /// Optimizer steps in one epoch: `ceil(n / batch_size)`.
+    pub fn steps_per_epoch(&self) -> usize {
+        self.items.len().div_ceil(self.batch_size)
+    }
+
+    pub fn position(&self) -> LoaderPosition {
+        self.position
+    }
+
+    /// Moves to a saved position. Panics on an index past the end of the dataset, which no
+    /// position of a loader over the same dataset has.
+    pub fn set_position(&mut self, position: LoaderPosition) {
+        assert!(position.index <= self.items.len(), "loader position {position:?} is past the dataset's {} items", self.items.len());
+        if position.epoch != self.position.epoch {
+            self.order = self.order_of(position.epoch);
+        }
+        self.position = position;
+        self.normalise();
+    }
+
+    /// The next batch; `None` only for an empty dataset.
+    pub fn next_batch(&mut self) -> Option<Batch<T>> {
+        if self.items.is_empty() {
+            return None;
+        }
+        let start = self.position.index;
+        let end = (start + self.batch_size).min(self.items.len());
+        let indices = self.order[start..end].to_vec();
+        let items = indices.iter().map(|&i| self.items[i].clone()).collect();
+        let batch = Batch { epoch: self.position.epoch, indices, items };
+        self.position.index = end;
+        self.normalise();
+        Some(batch)
+    }
+
+    /// The item order of `epoch`.
+    pub fn order_of(&self, epoch: usize) -> Vec<usize> {
+        if self.shuffle {
+            permutation(self.items.len(), epoch_seed(self.seed, epoch))
+        } else {
+            (0..self.items.len()).collect()
+        }
+    }
+
+    /// An exhausted epoch becomes the start of the next, so positions are canonical.
+    fn normalise(&mut self) {
+        if !self.items.is_empty() && self.position.index == self.items.len() {
+            self.position = LoaderPosition { epoch: self.position.epoch + 1, index: 0 };
+            self.order = self.order_of(self.position.epoch);
+        }
+    }
+}
+
+/// The seed of one epoch's shuffle.
+pub fn epoch_seed(seed: u64, epoch: usize) -> u64 {
+    let mut s = seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    splitmix64(&mut s)
+}
+
+/// A uniformly random permutation of `0..n` determined by `seed` (Fisher–Yates on SplitMix64).
+pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut state = seed;
+    for i in (1..n).rev() {
+        // Lemire's multiply-shift: an index in 0..=i; the bias for i < 2^32 is below 2^-32.
+        let j = ((splitmix64(&mut state) as u128 * (i as u128 + 1)) >> 64) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+/// SplitMix64 (Steele, Lea, Flood 2014): advances `state` and returns the next output.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}

@@ -1,0 +1,122 @@
+//! Training metrics: one JSON object per optimizer step, appended to `RUN_DIR/metrics.jsonl`.
+//!
+//! Each line is a [`StepMetrics`]: step, epoch, train loss, learning rate, pre-clip gradient
+//! norm, token counts and throughput, the eval loss on steps that evaluated, and any extra
+//! metrics (e.g. the worker's `name:reduction` keys) flattened in. Every line is flushed as it is
+//! written, so a crash loses at most the step in flight. Non-finite numbers are written as
+//! `null` (JSON has no NaN) and read back as NaN.
+//!
+//! Resuming from step `s` drops the lines after `s` ([`MetricsWriter::resume`]), so a run that
+//! crashed after its last checkpoint does not log those steps twice.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+pub const METRICS_FILE: &str = "metrics.jsonl";
+
+/// One optimizer step's metrics.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// Optimizer steps taken, 1 for the first.
+    pub step: usize,
+    /// Epoch of the step's batch (0-based).
+    pub epoch: usize,
+    /// Training loss of the step: trained-token mean of the negative log-likelihood.
+    #[serde(serialize_with = "finite_or_null", deserialize_with = "null_as_nan")]
+    pub loss: f64,
+    /// Learning rate used by the step.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    #[serde(serialize_with = "finite_or_null", deserialize_with = "null_as_nan")]
+    pub grad_norm: f64,
+    /// Trained (weight > 0) target tokens in the step.
+    pub trained_tokens: usize,
+    /// All input tokens in the step.
+    pub tokens: usize,
+    /// Input tokens per second of wall time for the step.
+    pub tokens_per_s: f64,
+    /// Seconds since the run (or the resume) started.
+    pub elapsed_s: f64,
+    /// Eval loss (trained-token mean over the eval set), on steps that evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    /// Anything else, written as top-level keys.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// Appends [`StepMetrics`] lines to `RUN_DIR/metrics.jsonl`.
+pub struct MetricsWriter {
+    path: PathBuf,
+    file: File,
+}
+
+impl MetricsWriter {
+    /// Starts a fresh `metrics.jsonl` in `run_dir` (created if needed), replacing an old one.
+    pub fn create(run_dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(run_dir).map_err(|e| Error::file(run_dir, format!("cannot create run directory: {e}")))?;
+        let path = run_dir.join(METRICS_FILE);
+        let file = File::create(&path).map_err(|e| Error::file(&path, format!("cannot create: {e}")))?;
+        Ok(MetricsWriter { path, file })
+    }
+
+    /// Reopens `run_dir/metrics.jsonl` for a run resumed after `step`: lines with a larger step
+    /// are dropped, the rest kept, and new lines appended.
+    pub fn resume(run_dir: &Path, step: usize) -> Result<Self> {
+        let path = run_dir.join(METRICS_FILE);
+        let kept: Vec<StepMetrics> = if path.is_file() {
+            read_metrics(&path)?.into_iter().filter(|m| m.step <= step).collect()
+        } else {
+            Vec::new()
+        };
+        let mut writer = Self::create(run_dir)?;
+        for m in &kept {
+            writer.write(m)?;
+        }
+        Ok(writer)
+    }
+
+    /// Appends one line and flushes it.
+    pub fn write(&mut self, metrics: &StepMetrics) -> Result<()> {
+        let mut line = serde_json::to_string(metrics).map_err(|e| Error::file(&self.path, format!("cannot serialise metrics: {e}")))?;
+        line.push('\n');
+        self.file
+            .write_all(line.as_bytes())
+            .and_then(|_| self.file.flush())
+            .map_err(|e| Error::file(&self.path, format!("cannot write: {e}")))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Every record of a metrics file; a malformed line is an error naming its line number.
+pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| Error::file(path, format!("line {}: not a metrics record: {e}", i + 1)))
+        })
+        .collect()
+}
+
+fn finite_or_null<S: Serializer>(x: &f64, s: S) -> std::result::Result<S::Ok, S::Error> {
+    if x.is_finite() {
+        s.serialize_f64(*x)
+    } else {
+        s.serialize_none()
+    }
+}
+
+fn null_as_nan<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}

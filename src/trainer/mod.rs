@@ -1,0 +1,31 @@
+//! Trainers: algorithms over time. Today the SFT infrastructure the SFT loop is built on:
+//!
+//! - [`config_file`]: TOML run configs — defaults, file, `--set` overrides, checked keys with
+//!   suggestions; generic over the config type, so the RL config reuses it.
+//! - [`config`]: the SFT config (`[model]`, `[data]`, `[optimizer]`, `[schedule]`, `[train]`,
+//!   `[output]`).
+//! - [`schedule`]: the learning rate per step.
+//! - [`rows`]: JSONL / Parquet rows with their file and line (or row).
+//! - [`chat_mask`]: tokens and trained-token mask of a conversation by incremental rendering.
+//! - [`sft_data`]: rows → conversations → `{input_tokens, target_tokens, weights}` examples,
+//!   truncation, eval split, bad-row policy.
+//! - [`data_loader`]: seeded per-epoch shuffled batches with a resumable position.
+//! - [`metrics`]: `metrics.jsonl`, one line per step.
+//! - [`plot`]: `loss.png`, train and eval loss against step.
+//!
+//! Like every trainer, nothing here knows the data-parallel size or the device.
+
+pub mod chat_mask;
+pub mod config;
+pub mod config_file;
+pub mod data_loader;
+pub mod metrics;
+pub mod plot;
+pub mod rows;
+pub mod schedule;
+pub mod sft_data;
+
+pub use config::SftConfig;
+pub use data_loader::{DataLoader, LoaderPosition};
+pub use metrics::{MetricsWriter, StepMetrics};
+pub use sft_data::{load_sft_dataset, SftDataset, SftExample};

@@ -1,0 +1,130 @@
+//! One micro-batch: right-pad its datums, run the model, gather the real tokens, apply the loss.
+//!
+//! Datums are right-padded to the longest (pad id 0, positions continuing, key mask 0), so a
+//! real token never sees a pad (attention is causal). The final hidden states of the real
+//! tokens are gathered into one flat [N, hidden] tensor (N = Σ lengths, datums in micro-batch
+//! order), so the LM head, log-probs, entropy and loss never touch a padded position. Per-token
+//! loss inputs are concatenated the same way. Log-probs are in the model's dtype, at least f32.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::adamw::state_dtype;
+use super::batch::{Datum, FloatField};
+use super::token_stats::{token_entropy, token_logprobs};
+use super::value_head::ValueHead;
+use crate::algo::{Loss, LossInputs, LossOutput};
+use crate::model::Transformer;
+use crate::Result;
+
+/// The model's per-token outputs for the real tokens of one micro-batch, flat [N].
+pub struct TokenOutputs {
+    /// Log-probs of the targets (policy) or values (critic): the differentiable loss input.
+    pub main: Tensor,
+    pub entropy: Option<Tensor>,
+    /// Datum lengths, in micro-batch order.
+    pub lengths: Vec<usize>,
+}
+
+/// Runs the model on the datums `members` of `batch`. `critic` selects the value head;
+/// `entropy` asks for per-token entropies (policy only).
+pub fn model_outputs(
+    model: &Transformer,
+    value_head: Option<&ValueHead>,
+    batch: &[Datum],
+    members: &[usize],
+    entropy: bool,
+) -> Result<TokenOutputs> {
+    let lengths: Vec<usize> = members.iter().map(|&i| batch[i].len()).collect();
+    let t_max = *lengths.iter().max().expect("a micro-batch is never empty");
+    let mut ids = Vec::with_capacity(members.len());
+    let mut positions = Vec::with_capacity(members.len());
+    let mut mask = Vec::with_capacity(members.len());
+    let mut gather = Vec::with_capacity(lengths.iter().sum());
+    for (row, &i) in members.iter().enumerate() {
+        let tokens = &batch[i].input_tokens;
+        let n = tokens.len();
+        ids.push(tokens.iter().copied().chain(std::iter::repeat_n(0, t_max - n)).collect::<Vec<u32>>());
+        positions.push((0..t_max as u32).collect::<Vec<u32>>());
+        mask.push((0..t_max).map(|t| u8::from(t < n)).collect::<Vec<u8>>());
+        gather.extend((0..n).map(|t| (row * t_max + t) as u32));
+    }
+    let device = &model.device;
+    let hidden = model.forward_hidden(&ids, &positions, &mask, None)?;
+    let hidden_size = hidden.dim(2)?;
+    let gather = Tensor::from_vec(gather, lengths.iter().sum::<usize>(), device)?;
+    let hidden = hidden.reshape((members.len() * t_max, hidden_size))?.index_select(&gather, 0)?;
+    let dtype = state_dtype(model.dtype);
+    if let Some(head) = value_head {
+        let values = head.forward(&hidden)?.to_dtype(dtype)?;
+        return Ok(TokenOutputs { main: values, entropy: None, lengths });
+    }
+    let logits = model.lm_head.forward(&hidden)?.to_dtype(dtype)?;
+    let targets: Vec<u32> = members
+        .iter()
+        .flat_map(|&i| batch[i].loss_fn_inputs.target_tokens.as_ref().expect("validated: target_tokens present").iter().copied())
+        .collect();
+    let targets = Tensor::from_vec(targets, gather.dim(0)?, device)?;
+    let (logprobs, lse) = token_logprobs(&logits, &targets)?;
+    let entropy = if entropy { Some(token_entropy(&logits, &lse)?) } else { None };
+    Ok(TokenOutputs { main: logprobs, entropy, lengths })
+}
+
+/// The field concatenated over `members`, as a tensor of `dtype`, if the datums have it.
+fn concat(batch: &[Datum], members: &[usize], field: FloatField, dtype: DType, device: &Device) -> Result<Option<Tensor>> {
+    if batch[members[0]].loss_fn_inputs.float(field).is_none() {
+        return Ok(None);
+    }
+    let flat: Vec<f32> = members
+        .iter()
+        .flat_map(|&i| batch[i].loss_fn_inputs.float(field).expect("validated: on every datum or none").iter().copied())
+        .collect();
+    let n = flat.len();
+    Ok(Some(Tensor::from_vec(flat, n, device)?.to_dtype(dtype)?))
+}
+
+/// Applies `loss` to the micro-batch outputs. Returns the loss output and the weights [N].
+pub fn apply_loss(loss: &Loss, outputs: &TokenOutputs, batch: &[Datum], members: &[usize]) -> Result<(LossOutput, Tensor)> {
+    let (dtype, device) = (outputs.main.dtype(), outputs.main.device());
+    let get = |field| concat(batch, members, field, dtype, device);
+    let n: usize = outputs.lengths.iter().sum();
+    let weights = match get(FloatField::Weights)? {
+        Some(w) => w,
+        None => Tensor::ones(n, dtype, device)?,
+    };
+    let mut inputs = LossInputs::new(weights.clone());
+    match loss {
+        Loss::Value(_) => {
+            inputs.values = Some(outputs.main.clone());
+            inputs.old_values = get(FloatField::Values)?;
+            inputs.returns = get(FloatField::Returns)?;
+        }
+        _ => {
+            inputs.logprobs = Some(outputs.main.clone());
+            inputs.old_logprobs = get(FloatField::Logprobs)?;
+            inputs.rollout_logprobs = match get(FloatField::RolloutLogprobs)? {
+                Some(roll) => Some(roll),
+                None => inputs.old_logprobs.clone(),
+            };
+            inputs.advantages = get(FloatField::Advantages)?;
+            inputs.ref_logprobs = get(FloatField::RefLogprobs)?;
+            inputs.entropy = outputs.entropy.clone();
+            let sequence_ids: Vec<u32> =
+                outputs.lengths.iter().enumerate().flat_map(|(s, &len)| std::iter::repeat_n(s as u32, len)).collect();
+            inputs.sequence_ids = Some(Tensor::from_vec(sequence_ids, n, device)?);
+        }
+    }
+    Ok((loss.compute(&inputs)?, weights))
+}
+
+/// Splits a flat host vector into one vector per datum of the micro-batch.
+pub fn split(flat: Vec<f32>, lengths: &[usize]) -> Vec<Vec<f32>> {
+    let mut rest = flat.as_slice();
+    lengths
+        .iter()
+        .map(|&n| {
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            head.to_vec()
+        })
+        .collect()
+}

@@ -1,0 +1,234 @@
+//! [`Worker`]: one data-parallel rank — trainable parameters, gradient accumulators, AdamW state.
+//!
+//! The contract (DESIGN.md, "The worker contract"):
+//! - `forward_backward` adds the gradient of `Σ_datums Σ_t loss_t · w_t` — a plain sum, no
+//!   normaliser — to the accumulators, micro-batch by micro-batch and call by call, until
+//!   `optim_step`. Splitting the batch differently changes only float rounding.
+//! - Metrics are `(sum, count)` pairs merged across micro-batches (exact means); per-datum
+//!   records come back in input order, or empty without any host copy when not asked for.
+//! - `forward` computes the same outputs without a backward pass.
+//! - `optim_step` applies AdamW (see [`super::adamw`]) and zeroes the accumulators.
+
+use candle_core::{Tensor, Var};
+use serde_json::Value;
+
+use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
+use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
+use super::config::WorkerConfig;
+use super::loss_fn::{needs_entropy, requirements, resolve_loss};
+use super::micro_batch::{apply_loss, model_outputs, split};
+use super::packing::plan_micro_batches;
+use super::rng::WorkerRng;
+use super::value_head::ValueHead;
+use crate::algo::{Loss, Metrics};
+use crate::model::{lora, Transformer};
+use crate::{Error, Result};
+
+/// What `forward_backward` and `forward` return.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardBackwardOutput {
+    /// `name:reduction` → (sum, count); reduce with [`Metrics::reduce`].
+    pub metrics: Metrics,
+    /// One record per datum, in input order.
+    pub loss_fn_outputs: Vec<LossFnOutput>,
+}
+
+pub struct Worker {
+    pub(super) model: Transformer,
+    pub(super) config: WorkerConfig,
+    /// Trainable variables by name: the base weights (HF names) or the LoRA adapters (PEFT
+    /// names), then the value head. The model holds the same storage.
+    pub(super) params: Vec<(String, Var)>,
+    pub(super) value_head: Option<ValueHead>,
+    /// Accumulated gradient per parameter; `None` = no gradient since the last step.
+    pub(super) grads: Vec<Option<Tensor>>,
+    /// AdamW moments per parameter, created at its first update.
+    pub(super) moments: Vec<Option<Moments>>,
+    /// Optimizer steps applied.
+    pub(super) step: u64,
+    pub(super) rng: WorkerRng,
+}
+
+impl Worker {
+    /// A worker training `model` as `config` says: LoRA adapters are attached (fresh) or every
+    /// base weight becomes trainable; a critic gets a fresh value head.
+    pub fn new(mut model: Transformer, config: WorkerConfig) -> Result<Self> {
+        if let Some(cfg) = &config.lora {
+            cfg.validate()?;
+        }
+        plan_micro_batches(&[1], config.micro_batch_size, config.max_tokens_per_microbatch)?;
+        let mut rng = WorkerRng::new(config.seed);
+        let mut params = match &config.lora {
+            Some(cfg) => lora::attach_new(&mut model, cfg, rng.next_seed())?,
+            None => model.make_trainable()?,
+        };
+        let value_head = if config.critic {
+            let head = ValueHead::new(&mut rng.fork(), model.config.hidden_size, model.dtype, &model.device)?;
+            params.extend(head.vars());
+            Some(head)
+        } else {
+            None
+        };
+        let n = params.len();
+        Ok(Worker { model, config, params, value_head, grads: vec![None; n], moments: vec![None; n], step: 0, rng })
+    }
+
+    pub fn model(&self) -> &Transformer {
+        &self.model
+    }
+
+    pub fn config(&self) -> &WorkerConfig {
+        &self.config
+    }
+
+    /// Trainable variables by name (setting one changes the model).
+    pub fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// The accumulated gradient of each trainable parameter (`None`: none since the last step).
+    pub fn gradients(&self) -> Vec<(&str, Option<&Tensor>)> {
+        self.params.iter().zip(&self.grads).map(|((n, _), g)| (n.as_str(), g.as_ref())).collect()
+    }
+
+    /// AdamW moments of a parameter, once it has been updated.
+    pub fn moments(&self, name: &str) -> Option<&Moments> {
+        let i = self.params.iter().position(|(n, _)| n == name)?;
+        self.moments[i].as_ref()
+    }
+
+    /// Optimizer steps applied so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The worker's random stream state `(seed, draws)`.
+    pub fn rng_state(&self) -> (u64, u64) {
+        (self.rng.seed, self.rng.draws)
+    }
+
+    pub fn value_head(&self) -> Option<&ValueHead> {
+        self.value_head.as_ref()
+    }
+
+    /// Drops the accumulated gradients.
+    pub fn zero_grad(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = None);
+    }
+
+    /// Adds the gradient of the loss `loss_fn` (see [`super::loss_fn`]) over `batch` to the
+    /// accumulators and returns the metrics and, with `return_per_token_outputs`, per-datum
+    /// `logprobs` (or `values`) and `elementwise_loss`.
+    pub fn forward_backward(
+        &mut self,
+        batch: &[Datum],
+        loss_fn: &str,
+        loss_fn_config: &Value,
+        return_per_token_outputs: bool,
+    ) -> Result<ForwardBackwardOutput> {
+        let loss = resolve_loss(loss_fn, loss_fn_config)?;
+        self.run(batch, Some(&loss), true, return_per_token_outputs)
+    }
+
+    /// Per-datum log-probs (values for a critic) without gradients; with a loss, also its
+    /// metrics and `elementwise_loss`.
+    pub fn forward(&mut self, batch: &[Datum], loss_fn: Option<(&str, &Value)>) -> Result<ForwardBackwardOutput> {
+        let loss = loss_fn.map(|(name, config)| resolve_loss(name, config)).transpose()?;
+        self.run(batch, loss.as_ref(), false, true)
+    }
+
+    fn run(&mut self, batch: &[Datum], loss: Option<&Loss>, backward: bool, outputs: bool) -> Result<ForwardBackwardOutput> {
+        let critic = self.value_head.is_some();
+        if let Some(loss) = loss {
+            let is_value = matches!(loss, Loss::Value(_));
+            if is_value != critic {
+                return Err(Error::input(if critic {
+                    format!("loss `{}`: this worker is a critic and trains only with the `value` loss", loss.name())
+                } else {
+                    "loss `value` needs a critic worker (WorkerConfig::critic)".to_string()
+                }));
+            }
+        }
+        let needs = match loss {
+            Some(loss) => requirements(loss),
+            None => Requirements { target_tokens: !critic, floats: vec![] },
+        };
+        validate_batch(batch, self.model.config.vocab_size, &needs)?;
+        let lengths: Vec<usize> = batch.iter().map(Datum::len).collect();
+        let plan = plan_micro_batches(&lengths, self.config.micro_batch_size, self.config.max_tokens_per_microbatch)?;
+        let entropy = loss.is_some_and(needs_entropy);
+
+        let mut metrics = Metrics::new();
+        let mut records = vec![LossFnOutput::default(); batch.len()];
+        for members in &plan {
+            let out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy)?;
+            let mut elementwise = None;
+            if let Some(loss) = loss {
+                let (loss_out, weights) = apply_loss(loss, &out, batch, members)?;
+                metrics.merge(&loss_out.metrics);
+                if backward {
+                    self.accumulate(&loss_out.weighted_sum)?;
+                }
+                if outputs {
+                    elementwise = Some((loss_out.per_token_loss.detach() * weights)?);
+                }
+            }
+            if outputs {
+                let main = split(out.main.detach().to_dtype(candle_core::DType::F32)?.to_vec1()?, &out.lengths);
+                let elementwise = match elementwise {
+                    Some(e) => split(e.to_dtype(candle_core::DType::F32)?.to_vec1()?, &out.lengths),
+                    None => vec![vec![]; members.len()],
+                };
+                for ((&i, main), elementwise) in members.iter().zip(main).zip(elementwise) {
+                    let record = &mut records[i];
+                    if critic {
+                        record.values = main;
+                    } else {
+                        record.logprobs = main;
+                    }
+                    record.elementwise_loss = elementwise;
+                }
+            }
+        }
+        Ok(ForwardBackwardOutput { metrics, loss_fn_outputs: records })
+    }
+
+    /// Backward of `weighted_sum`; adds each parameter's gradient to its accumulator.
+    fn accumulate(&mut self, weighted_sum: &Tensor) -> Result<()> {
+        let grads = weighted_sum.backward()?;
+        for ((_, var), acc) in self.params.iter().zip(self.grads.iter_mut()) {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                *acc = Some(match acc.take() {
+                    Some(a) => (a + g)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// One AdamW step on the accumulated gradients; returns the global gradient norm before
+    /// clipping. A non-finite norm skips the update (nothing changes but the gradients, which
+    /// are dropped). The accumulators are zeroed either way.
+    pub fn optim_step(&mut self, params: &AdamParams) -> Result<f64> {
+        params.validate()?;
+        let present: Vec<&Tensor> = self.grads.iter().flatten().collect();
+        let norm = global_norm(&present)?;
+        if !norm.is_finite() {
+            self.zero_grad();
+            return Ok(norm);
+        }
+        let coef = clip_coefficient(norm, params.grad_clip_norm);
+        for (i, (_, var)) in self.params.iter().enumerate() {
+            let Some(grad) = self.grads[i].take() else { continue };
+            let grad = if coef < 1.0 { (grad * coef)? } else { grad };
+            if self.moments[i].is_none() {
+                self.moments[i] = Some(Moments::zeros(var.as_tensor())?);
+            }
+            adamw::update(var, &grad, self.moments[i].as_mut().expect("just set"), params)?;
+        }
+        self.step += 1;
+        self.zero_grad();
+        Ok(norm)
+    }
+}

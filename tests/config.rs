@@ -1,0 +1,219 @@
+//! Run configs: defaults, file, `--set` overrides, and the errors for unknown keys (with the
+//! nearest valid key), wrong types and bad values; `oxrl config show` end to end.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use oxrl::trainer::config::{OnBadRow, ScheduleKind, SftConfig, TrainOn};
+use oxrl::trainer::config_file::{self, edit_distance, parse_set, schema_keys, suggest};
+use serde::{Deserialize, Serialize};
+
+const MINIMAL: &str = "[model]\npath = \"runs/m\"\n[data]\ntrain_file = \"d.jsonl\"\n";
+
+fn file_with(dir: &Path, text: &str) -> PathBuf {
+    let p = dir.join("run.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn load_err(text: &str, sets: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = file_with(dir.path(), text);
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    SftConfig::load(Some(&path), &sets).unwrap_err().to_string()
+}
+
+fn sets(s: &[&str]) -> Vec<String> {
+    s.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn defaults_round_trip_through_toml_and_list_every_key() {
+    let d = SftConfig::default();
+    let text = d.to_toml().unwrap();
+    let back: SftConfig = toml::from_str(&text).unwrap();
+    assert_eq!(back, d);
+    let keys = schema_keys::<SftConfig>().unwrap();
+    for k in [
+        "model.path", "model.dtype", "model.lora.rank", "model.lora.alpha", "model.lora.targets",
+        "data.train_file", "data.eval_file", "data.eval_fraction", "data.max_length", "data.train_on",
+        "data.on_bad_row", "data.shuffle_seed", "optimizer.lr", "optimizer.betas", "optimizer.eps",
+        "optimizer.weight_decay", "optimizer.grad_clip_norm", "schedule.kind", "schedule.warmup_steps",
+        "schedule.min_lr_ratio", "train.batch_size", "train.micro_batch_size", "train.epochs",
+        "train.max_steps", "train.eval_every", "train.checkpoint_every", "train.seed", "output.run_dir",
+    ] {
+        assert!(keys.contains(&k.to_string()), "{k} missing from the schema");
+    }
+}
+
+#[test]
+fn file_then_set_overrides_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "[model]\npath = \"runs/m\"\n\
+                [data]\ntrain_file = \"d.jsonl\"\ntrain_on = \"last_assistant\"\n\
+                [optimizer]\nlr = 1\nbetas = [0.8, 0.9]\n";
+    let path = file_with(dir.path(), text);
+    let c = SftConfig::load(Some(&path), &[]).unwrap();
+    assert_eq!(c.optimizer.lr, 1.0, "an integer where a float is expected is accepted");
+    assert_eq!(c.optimizer.betas, [0.8, 0.9]);
+    assert_eq!(c.data.train_on, TrainOn::LastAssistant);
+    assert_eq!(c.train.batch_size, 32, "untouched keys keep their defaults");
+
+    let c = SftConfig::load(
+        Some(&path),
+        &sets(&[
+            "optimizer.lr=2e-5",
+            "optimizer.lr=3e-5",
+            "model.path=runs/other",
+            "schedule.kind=\"cosine\"",
+            "data.on_bad_row=skip",
+            "optimizer.betas=[0.9, 0.95]",
+            "model.lora={rank = 8, targets = [\"q_proj\"]}",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.optimizer.lr, 3e-5, "the last --set wins");
+    assert_eq!(c.model.path, PathBuf::from("runs/other"), "bare strings need no quotes");
+    assert_eq!(c.schedule.kind, ScheduleKind::Cosine);
+    assert_eq!(c.data.on_bad_row, OnBadRow::Skip);
+    assert_eq!(c.optimizer.betas, [0.9, 0.95]);
+    assert_eq!((c.model.lora.rank, c.model.lora.alpha), (8, 32.0), "a --set table merges into the section");
+    assert_eq!(c.model.lora.targets, ["q_proj"]);
+
+    let c = SftConfig::load(Some(&path), &sets(&["model.path=1e3", "model.dtype=bf16"])).unwrap();
+    assert_eq!(c.model.path, PathBuf::from("1e3"), "a string key keeps the text as typed");
+    assert_eq!(c.model.dtype, "bf16");
+}
+
+#[test]
+fn unknown_keys_in_the_file_name_the_dotted_key_and_suggest_the_nearest() {
+    let e = load_err(&format!("{MINIMAL}[optimizer]\nlrr = 1e-4\n"), &[]);
+    assert!(e.contains("run.toml") && e.contains("`optimizer.lrr`") && e.contains("did you mean `optimizer.lr`?"), "{e}");
+    let e = load_err(&format!("{MINIMAL}[model.lora]\nrnak = 4\n"), &[]);
+    assert!(e.contains("`model.lora.rnak`") && e.contains("did you mean `model.lora.rank`?"), "{e}");
+    // A key in the wrong section is found in the right one.
+    let e = load_err(&format!("{MINIMAL}[train]\nlr = 1e-4\n"), &[]);
+    assert!(e.contains("`train.lr`") && e.contains("did you mean `optimizer.lr`?"), "{e}");
+    let e = load_err(&format!("{MINIMAL}[optimiser]\nlr = 1e-4\n"), &[]);
+    assert!(e.contains("`optimiser`") && e.contains("did you mean `optimizer`?"), "{e}");
+    // Nothing close: the valid keys are listed instead.
+    let e = load_err(&format!("{MINIMAL}[output]\nzzzzzzzz = 1\n"), &[]);
+    assert!(e.contains("`output.zzzzzzzz`") && e.contains("valid keys here: run_dir"), "{e}");
+}
+
+#[test]
+fn wrong_types_and_bad_values_name_the_key() {
+    let e = load_err(&format!("{MINIMAL}[optimizer]\nlr = \"fast\"\n"), &[]);
+    assert!(e.contains("run.toml") && e.contains("`optimizer.lr`") && e.contains("expected a float, found a string"), "{e}");
+    let e = load_err(&format!("{MINIMAL}[train]\nbatch_size = 1.5\n"), &[]);
+    assert!(e.contains("`train.batch_size`") && e.contains("expected an integer, found a float"), "{e}");
+    let e = load_err(&format!("{MINIMAL}[schedule]\nkind = \"cosin\"\n"), &[]);
+    assert!(e.contains("`schedule.kind`") && e.contains("unknown variant `cosin`") && e.contains("`cosine`"), "{e}");
+    let e = load_err(&format!("{MINIMAL}[train]\nepochs = -1\n"), &[]);
+    assert!(e.contains("`train.epochs`") && e.contains("-1"), "{e}");
+    let e = load_err(&format!("optimizer = 3\n{MINIMAL}"), &[]);
+    assert!(e.contains("`optimizer`") && e.contains("expected a table"), "{e}");
+    let e = load_err("[model]\npath = \"m\"\n", &[]);
+    assert!(e.contains("`data.train_file`") && e.contains("required"), "{e}");
+    let e = load_err(&format!("{MINIMAL}[train]\nbatch_size = 10\nmicro_batch_size = 4\n"), &[]);
+    assert!(e.contains("`train.micro_batch_size`") && e.contains("divide"), "{e}");
+    let e = load_err(MINIMAL, &["data.eval_fraction=1.5"]);
+    assert!(e.contains("--set data.eval_fraction=1.5") && e.contains("[0, 1)"), "{e}");
+    let e = load_err("[model\n", &[]);
+    assert!(e.contains("run.toml") && e.contains("invalid TOML"), "{e}");
+}
+
+#[test]
+fn set_errors_name_the_argument() {
+    let e = load_err(MINIMAL, &["optimizer.lrr=2e-5"]);
+    assert!(e.contains("--set optimizer.lrr=2e-5") && e.contains("did you mean `optimizer.lr`?"), "{e}");
+    let e = load_err(MINIMAL, &["lr=2e-5"]);
+    assert!(e.contains("did you mean `optimizer.lr`?"), "{e}");
+    let e = load_err(MINIMAL, &["optimizer.lr=fast"]);
+    assert!(e.contains("--set optimizer.lr=fast") && e.contains("expected a float, found a string"), "{e}");
+    let e = load_err(MINIMAL, &["optimizer.lr"]);
+    assert!(e.contains("expected KEY=VALUE"), "{e}");
+    let e = load_err(MINIMAL, &["optimizer.betas=[0.9, \"x\"]"]);
+    assert!(e.contains("--set optimizer.betas") && e.contains("`optimizer.betas[1]`"), "{e}");
+    let e = load_err(MINIMAL, &["data.train_on=first_assistant"]);
+    assert!(e.contains("--set data.train_on") && e.contains("unknown variant `first_assistant`"), "{e}");
+}
+
+#[test]
+fn set_values_parse_as_toml_scalars() {
+    use toml::Value;
+    assert_eq!(parse_set("a.b=2e-5").unwrap(), ("a.b".to_string(), Value::Float(2e-5)));
+    assert_eq!(parse_set("a=3").unwrap().1, Value::Integer(3));
+    assert_eq!(parse_set("a=true").unwrap().1, Value::Boolean(true));
+    assert_eq!(parse_set("a=\"x y\"").unwrap().1, Value::String("x y".into()));
+    assert_eq!(parse_set("a=runs/x").unwrap().1, Value::String("runs/x".into()));
+    assert_eq!(parse_set(" a = 1 ").unwrap(), ("a".to_string(), Value::Integer(1)));
+    assert!(parse_set("a..b=1").is_err());
+    assert!(parse_set("=1").is_err());
+}
+
+#[test]
+fn suggestions_by_edit_distance() {
+    assert_eq!(edit_distance("kitten", "sitting"), 3);
+    assert_eq!(edit_distance("", "abc"), 3);
+    assert_eq!(edit_distance("lr", "lr"), 0);
+    assert_eq!(edit_distance("rnak", "rank"), 1, "a swap is one edit");
+    let keys: Vec<String> = ["optimizer", "optimizer.lr", "optimizer.eps", "train", "train.epochs", "train.seed"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(suggest("optimizer.esp", &keys).as_deref(), Some("optimizer.eps"));
+    assert_eq!(suggest("train.epoch", &keys).as_deref(), Some("train.epochs"));
+    assert_eq!(suggest("train.epochs_total_count", &keys), None);
+    assert_eq!(suggest("seed", &keys).as_deref(), Some("train.seed"));
+}
+
+/// The mechanism is generic: another config type (the RL config, later) gets the same checks.
+#[test]
+fn the_mechanism_serves_any_config_type() {
+    #[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+    #[serde(default, deny_unknown_fields)]
+    struct Rl {
+        rollout: Rollout,
+    }
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    #[serde(default, deny_unknown_fields)]
+    struct Rollout {
+        group_size: usize,
+        temperature: f64,
+    }
+    impl Default for Rollout {
+        fn default() -> Self {
+            Rollout { group_size: 8, temperature: 1.0 }
+        }
+    }
+    let c: Rl = config_file::resolve(None, &sets(&["rollout.temperature=0.7"])).unwrap();
+    assert_eq!(c.rollout, Rollout { group_size: 8, temperature: 0.7 });
+    let e = config_file::resolve::<Rl>(None, &sets(&["rollout.group_sise=4"])).unwrap_err().to_string();
+    assert!(e.contains("did you mean `rollout.group_size`?"), "{e}");
+}
+
+// ---------------------------------------------------------------- the command line
+
+fn oxrl(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_oxrl")).args(args).output().unwrap()
+}
+
+#[test]
+fn config_show_prints_defaults_and_resolved_configs() {
+    let out = oxrl(&["config", "show", "--kind", "sft"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let shown: SftConfig = toml::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap();
+    assert_eq!(shown, SftConfig::default());
+
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/sft_tiny.toml");
+    let out = oxrl(&["config", "show", "--config", example.to_str().unwrap(), "--set", "optimizer.lr=2e-5", "--set", "train.epochs=3"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let shown: SftConfig = toml::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap();
+    let mut expect = SftConfig::load(Some(&example), &[]).unwrap();
+    expect.optimizer.lr = 2e-5;
+    expect.train.epochs = 3;
+    assert_eq!(shown, expect);
+
+    let out = oxrl(&["config", "show", "--config", example.to_str().unwrap(), "--set", "optimizer.lrr=1"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--set optimizer.lrr=1") && stderr.contains("did you mean `optimizer.lr`?"), "{stderr}");
+}
