@@ -4,6 +4,7 @@ mod config;
 mod generate;
 mod init_model;
 mod score;
+mod sft;
 
 use clap::{Parser, Subcommand};
 
@@ -27,6 +28,8 @@ enum Command {
     Generate(generate::Args),
     /// Run configs: `config show` prints the resolved config as TOML.
     Config(config::Args),
+    /// Supervised fine-tuning from a TOML config.
+    Sft(sft::Args),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -45,6 +48,7 @@ pub fn main() -> i32 {
         Command::Score(a) => score::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Config(a) => config::run(a),
+        Command::Sft(a) => sft::run(a),
     };
     match result {
         Ok(()) => 0,

@@ -192,6 +192,12 @@ pub struct TrainSection {
     /// Seed of everything random in the run other than the data order (LoRA init, ...).
     /// Default 0.
     pub seed: u64,
+    /// Data-parallel ranks (threads of this process, each with a copy of the model). The
+    /// result does not depend on it. Default 1.
+    pub data_parallel: usize,
+    /// At most this many padded tokens per micro-batch on a rank, packed by length; 0 (the
+    /// default) packs by `micro_batch_size` only.
+    pub max_tokens_per_microbatch: usize,
 }
 
 impl Default for TrainSection {
@@ -204,6 +210,8 @@ impl Default for TrainSection {
             eval_every: 50,
             checkpoint_every: 0,
             seed: 0,
+            data_parallel: 1,
+            max_tokens_per_microbatch: 0,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Trainers: algorithms over time. Today the SFT infrastructure the SFT loop is built on:
+//! Trainers: algorithms over time. Today supervised fine-tuning ([`sft`]: the loop) and what it
+//! is built on:
 //!
 //! - [`config_file`]: TOML run configs — defaults, file, `--set` overrides, checked keys with
 //!   suggestions; generic over the config type, so the RL config reuses it.
@@ -23,6 +24,7 @@ pub mod metrics;
 pub mod plot;
 pub mod rows;
 pub mod schedule;
+pub mod sft;
 pub mod sft_data;
 
 pub use config::SftConfig;
