@@ -7,29 +7,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device};
+mod common;
+
 use oxrl::dispatch::mesh::MeshShape;
 use oxrl::dispatch::{Role, WorkerGroup};
-use oxrl::model::config::{Arch, ModelConfig, ModelShape};
-use oxrl::model::init;
 use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
 
 fn build_worker() -> oxrl::Result<Worker> {
-    let shape = ModelShape {
-        vocab_size: 4096,
-        hidden_size: 256,
-        intermediate_size: 1024,
-        num_layers: 4,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        rope_theta: 10000.0,
-        max_position_embeddings: 1024,
-        tie_word_embeddings: false,
-    };
-    let cfg = ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref())?;
-    Worker::new(init::random_model(cfg, 0, DType::F32, &Device::Cpu)?, WorkerConfig { micro_batch_size: Some(8), ..Default::default() })
+    Worker::new(common::d256_model(0), WorkerConfig { micro_batch_size: Some(8), ..Default::default() })
 }
 
 fn batch(n: usize, t: usize) -> Vec<Datum> {
@@ -43,7 +29,7 @@ fn batch(n: usize, t: usize) -> Vec<Datum> {
 }
 
 fn main() {
-    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
+    let threads = common::threads();
     let data = batch(16, 128);
     let tokens = (16 * 128) as f64;
     let mut base = None;

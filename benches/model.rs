@@ -8,42 +8,11 @@
 //! Threads: set RAYON_NUM_THREADS (candle's CPU matmul uses it); the figures in BENCHMARKS.md
 //! name the count used.
 
-use std::time::Instant;
+mod common;
 
-use candle_core::{DType, Device, Tensor};
-use oxrl::model::config::{Arch, ModelConfig, ModelShape};
-use oxrl::model::{init, logprobs::target_logprobs, Transformer};
-
-fn model() -> Transformer {
-    let shape = ModelShape {
-        vocab_size: 4096,
-        hidden_size: 256,
-        intermediate_size: 1024,
-        num_layers: 4,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        rope_theta: 10000.0,
-        max_position_embeddings: 1024,
-        tie_word_embeddings: false,
-    };
-    let cfg = ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref()).unwrap();
-    init::random_model(cfg, 0, DType::F32, &Device::Cpu).unwrap()
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    xs[xs.len() / 2]
-}
-
-fn time<F: FnMut()>(reps: usize, mut f: F) -> f64 {
-    f(); // warm-up
-    median((0..reps).map(|_| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    }).collect())
-}
+use candle_core::{Device, Tensor};
+use common::{d256_model, threads, time};
+use oxrl::model::{logprobs::target_logprobs, Transformer};
 
 fn batch(b: usize, t: usize, seed: u32) -> Vec<Vec<u32>> {
     (0..b).map(|r| (0..t).map(|i| (seed.wrapping_mul(31).wrapping_add((r * 977 + i * 131) as u32)) % 4096).collect()).collect()
@@ -84,12 +53,12 @@ fn decode(m: &Transformer, b: usize, steps: usize, use_cache: bool) {
 }
 
 fn main() {
-    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
-    let mut m = model();
+    let threads = threads();
+    let mut m = d256_model(0);
     let vars = m.make_trainable().unwrap();
     let step = time(5, || train_step(&m, &vars));
     println!("threads={threads} train fwd+bwd 8x128: {:.1} ms/step, {:.0} tokens/s", step * 1e3, 1024.0 / step);
-    let inf = model();
+    let inf = d256_model(0);
     let steps = 64;
     for b in [1, 16] {
         let cached = time(3, || decode(&inf, b, steps, true));

@@ -10,47 +10,17 @@
 //!   thread (channel round trip included).
 //! Threads: set RAYON_NUM_THREADS (candle's CPU matmul uses it).
 
-use std::time::Instant;
+mod common;
 
-use candle_core::{DType, Device};
-use oxrl::model::config::{Arch, ModelConfig, ModelShape};
+
 use oxrl::model::lora::{self, LoraConfig};
-use oxrl::model::{init, Transformer};
+use oxrl::model::Transformer;
 use oxrl::rollout::{Engine, EngineConfig, EngineCore, PauseMode, Request, SamplingParams, WeightUpdate};
 
 const PROMPT: usize = 16;
 const NEW: usize = 32;
 
-fn model(seed: u64) -> Transformer {
-    let shape = ModelShape {
-        vocab_size: 4096,
-        hidden_size: 256,
-        intermediate_size: 1024,
-        num_layers: 4,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        rope_theta: 10000.0,
-        max_position_embeddings: 1024,
-        tie_word_embeddings: false,
-    };
-    let cfg = ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref()).unwrap();
-    init::random_model(cfg, seed, DType::F32, &Device::Cpu).unwrap()
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    xs[xs.len() / 2]
-}
-
-fn time<F: FnMut()>(reps: usize, mut f: F) -> f64 {
-    f(); // warm-up
-    median((0..reps).map(|_| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    }).collect())
-}
+use common::{d256_model as model, time};
 
 fn prompt(r: usize) -> Vec<u32> {
     (0..PROMPT).map(|i| ((r * 977 + i * 131 + 7) % 4096) as u32).collect()

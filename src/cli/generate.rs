@@ -1,18 +1,14 @@
 //! `oxrl generate`: sample continuations of one prompt, one JSON line per sample, on the rollout
 //! engine (sample i draws from the stream seeded with seed + i).
 
-use std::path::PathBuf;
 
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineConfig, EngineCore, Request, SamplingParams};
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long)]
-    model: PathBuf,
-    /// A PEFT LoRA adapter directory to apply.
-    #[arg(long)]
-    lora: Option<PathBuf>,
+    #[command(flatten)]
+    model: super::ModelArgs,
     /// Prompt text (encoded by the model's tokenizer).
     #[arg(long, conflicts_with = "prompt_tokens", required_unless_present = "prompt_tokens")]
     prompt: Option<String>,
@@ -40,15 +36,12 @@ pub struct Args {
     /// Number of samples.
     #[arg(long, default_value_t = 1)]
     n: usize,
-    /// Run dtype: f32 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(a.n > 0, "--n must be positive");
-    let model = super::load_model(&a.model, a.lora.as_deref(), &a.dtype)?;
-    let tok = Tokenizer::from_dir(&a.model);
+    let model = a.model.load()?;
+    let tok = Tokenizer::from_dir(&a.model.model);
     let prompt = match (&a.prompt, &a.prompt_tokens) {
         (Some(text), _) => {
             let tok = tok.as_ref().map_err(|e| anyhow::anyhow!("--prompt needs the model's tokenizer: {e}"))?;

@@ -59,16 +59,28 @@ pub fn main() -> i32 {
     }
 }
 
-/// The model directory's weights, optionally with a LoRA adapter applied.
-pub(crate) fn load_model(
-    dir: &std::path::Path,
-    lora: Option<&std::path::Path>,
-    dtype: &str,
-) -> anyhow::Result<crate::model::Transformer> {
-    let dtype = crate::model::weights::parse_dtype(dtype)?;
-    let mut model = crate::model::Transformer::load(dir, dtype, &candle_core::Device::Cpu)?;
-    if let Some(l) = lora {
-        crate::model::lora::load_peft(&mut model, l, false)?;
+/// Which model a command runs: a HF model directory, optionally with a LoRA adapter.
+#[derive(clap::Args)]
+pub(crate) struct ModelArgs {
+    /// A model directory in the Hugging Face layout.
+    #[arg(long)]
+    pub model: std::path::PathBuf,
+    /// A PEFT LoRA adapter directory to apply.
+    #[arg(long)]
+    pub lora: Option<std::path::PathBuf>,
+    /// Run dtype: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+}
+
+impl ModelArgs {
+    /// The model's weights, with the adapter applied if one was given.
+    pub fn load(&self) -> anyhow::Result<crate::model::Transformer> {
+        let dtype = crate::model::weights::parse_dtype(&self.dtype)?;
+        let mut model = crate::model::Transformer::load(&self.model, dtype, &candle_core::Device::Cpu)?;
+        if let Some(l) = &self.lora {
+            crate::model::lora::load_peft(&mut model, l, false)?;
+        }
+        Ok(model)
     }
-    Ok(model)
 }

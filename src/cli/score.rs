@@ -14,19 +14,13 @@ use crate::model::{logprobs::target_logprobs, tokenizer::Tokenizer, Transformer}
 
 #[derive(clap::Args)]
 pub struct Args {
-    #[arg(long)]
-    model: PathBuf,
-    /// A PEFT LoRA adapter directory to apply.
-    #[arg(long)]
-    lora: Option<PathBuf>,
+    #[command(flatten)]
+    model: super::ModelArgs,
     /// JSONL input file; `-` for standard input.
     #[arg(long)]
     input: PathBuf,
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
-    /// Run dtype: f32 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
 }
 
 /// log p(seq[i] | seq[..i]) for each sequence; the first entry of each is None.
@@ -74,7 +68,7 @@ fn parse_line(line: &str, n: usize, tok: &mut Option<Tokenizer>, model_dir: &std
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(a.batch_size > 0, "--batch-size must be positive");
-    let model = super::load_model(&a.model, a.lora.as_deref(), &a.dtype)?;
+    let model = a.model.load()?;
     let reader: Box<dyn BufRead> = if a.input.as_os_str() == "-" {
         Box::new(std::io::stdin().lock())
     } else {
@@ -89,7 +83,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if line.trim().is_empty() {
             continue;
         }
-        let tokens = parse_line(&line, i + 1, &mut tok, &a.model).with_context(|| a.input.display().to_string())?;
+        let tokens = parse_line(&line, i + 1, &mut tok, &a.model.model).with_context(|| a.input.display().to_string())?;
         seqs.push((i + 1, tokens));
     }
     let limit = model.config.max_position_embeddings;
