@@ -178,7 +178,7 @@ fn entropies(w: &Worker, batch: &[Datum]) -> Vec<Vec<f64>> {
         .iter()
         .map(|d| {
             let n = d.len();
-            let logits = w.model().forward(&[d.input_tokens.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
+            let logits = w.model().forward(std::slice::from_ref(&d.input_tokens), &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
             let rows: Vec<Vec<f32>> = logits.squeeze(0).unwrap().to_vec2().unwrap();
             rows.iter()
                 .map(|z| {

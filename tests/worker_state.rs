@@ -215,7 +215,8 @@ fn optim_step_clips_skips_non_finite_and_zeroes() {
 fn bad_input_errors_name_the_datum_and_the_field() {
     let mut w = Worker::new(load("llama"), WorkerConfig::default()).unwrap();
     let good = batch(1);
-    let cases: Vec<(Box<dyn Fn(&mut Vec<Datum>)>, &str, &[&str])> = vec![
+    type Case = (Box<dyn Fn(&mut Vec<Datum>)>, &'static str, &'static [&'static str]);
+    let cases: Vec<Case> = vec![
         (Box::new(|b| b[2].loss_fn_inputs.weights.as_mut().unwrap().push(1.0)), "cross_entropy", &["datum 2", "weights", "length"]),
         (Box::new(|b| b[1].loss_fn_inputs.target_tokens.as_mut().unwrap()[3] = 300), "cross_entropy", &["datum 1", "target_tokens", "300"]),
         (Box::new(|b| b[3].input_tokens[0] = 1000), "cross_entropy", &["datum 3", "input_tokens", "1000"]),
