@@ -5,6 +5,7 @@
 //! - forward + backward of Σ −log p · w on a batch of 8 × 128 tokens;
 //! - greedy decoding with the KV cache at batch 1 and 16 (prefill 16 tokens, then 64 steps), and
 //!   the same decode without a cache (full forward every step) as a baseline in the same run.
+//!
 //! Threads: set RAYON_NUM_THREADS (candle's CPU matmul uses it); the figures in BENCHMARKS.md
 //! name the count used.
 

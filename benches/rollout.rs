@@ -8,6 +8,7 @@
 //! - swapping weights in a running engine: a full update (every parameter copied in) and a
 //!   LoRA-only update (rank 8, all linear projections), on the core and through the engine
 //!   thread (channel round trip included).
+//!
 //! Threads: set RAYON_NUM_THREADS (candle's CPU matmul uses it).
 
 mod common;

@@ -6,7 +6,8 @@
 //! - [`algo`]: pure functions on tensors (losses, advantages, KL, reductions).
 //! - [`worker`]: one data-parallel rank (forward_backward, optim_step, checkpoints).
 //! - [`dispatch`]: worker groups per role over a data-parallel mesh, colocation.
-//! - [`rollout`]: sampling.
+//! - [`rollout`]: the sampling engine, its client, weight updates.
+//! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
 //! - [`cli`]: the `oxrl` command line.
 
 pub mod algo;

@@ -303,7 +303,7 @@ fn sixty_four_mixed_requests_each_equal_their_solo_run() {
         outs.extend(e.step().unwrap());
         max_rows = max_rows.max(e.stats().running_rows);
     }
-    assert!(max_rows <= 16 && max_rows >= 10, "rows in flight: {max_rows}");
+    assert!((10..=16).contains(&max_rows), "rows in flight: {max_rows}");
     outs.sort_by_key(|(id, _)| *id);
     assert_eq!(outs.len(), 64);
     for (i, (_, out)) in outs.iter().enumerate() {

@@ -188,3 +188,54 @@ fn bad_rows_and_bad_configs_are_reported() {
     let err = SftConfig::load(None, &["optimizer.lrr=1e-3".to_string()]).unwrap_err().to_string();
     assert!(err.contains("optimizer.lrr") && err.contains("did you mean `optimizer.lr`"), "{err}");
 }
+
+#[test]
+fn ctrl_c_saves_a_checkpoint_that_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = write_data(dir.path(), ROWS);
+    let cfg_path = dir.path().join("sft.toml");
+    let run = dir.path().join("run");
+    std::fs::write(
+        &cfg_path,
+        format!(
+            "[model]\npath = {:?}\n[data]\ntrain_file = {:?}\n[train]\nbatch_size = 2\nmicro_batch_size = 1\nmax_steps = 100000\neval_every = 0\n[output]\nrun_dir = {:?}\n",
+            fixture_dir("qwen3").display().to_string(),
+            data.display().to_string(),
+            run.display().to_string()
+        ),
+    )
+    .unwrap();
+    let bin = env!("CARGO_BIN_EXE_oxrl");
+    let child = std::process::Command::new(bin)
+        .args(["sft", "--config"])
+        .arg(&cfg_path)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for a few steps, then interrupt as Ctrl-C would.
+    let metrics = run.join("metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::read_to_string(&metrics).map(|s| s.lines().count()).unwrap_or(0) < 3 {
+        assert!(std::time::Instant::now() < deadline, "no progress within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let status = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an interrupted run exits non-zero");
+    assert!(stderr.contains("interrupted at step"), "{stderr}");
+    let (step, _) = oxrl::trainer::sft::latest_checkpoint(&run).unwrap().expect("a checkpoint");
+    let lines = std::fs::read_to_string(&metrics).unwrap().lines().count();
+    assert!(step >= 3 && step == lines, "checkpoint at step {step}, {lines} metric lines");
+    // It resumes from there (a shorter max_steps ends the run at once) and exports.
+    let out = std::process::Command::new(bin)
+        .args(["sft", "--resume", "--config"])
+        .arg(&cfg_path)
+        .args(["--set", &format!("train.max_steps={}", step + 1)])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("resumed from"));
+    assert!(run.join(EXPORT_DIR).join("model.safetensors").exists());
+}

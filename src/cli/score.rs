@@ -27,7 +27,7 @@ pub struct Args {
 pub fn score_sequences(model: &Transformer, seqs: &[Vec<u32>]) -> crate::Result<Vec<Vec<Option<f32>>>> {
     let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
     let dev = &model.device;
-    let pad = |s: &Vec<u32>, fill: u32| -> Vec<u32> { s.iter().copied().chain(std::iter::repeat(fill).take(t - s.len())).collect() };
+    let pad = |s: &Vec<u32>, fill: u32| -> Vec<u32> { s.iter().copied().chain(std::iter::repeat_n(fill, t - s.len())).collect() };
     let ids: Vec<Vec<u32>> = seqs.iter().map(|s| pad(s, 0)).collect();
     let pos: Vec<Vec<u32>> = seqs.iter().map(|_| (0..t as u32).collect()).collect();
     let mask: Vec<Vec<u8>> = seqs.iter().map(|s| (0..t).map(|i| (i < s.len()) as u8).collect()).collect();

@@ -236,7 +236,7 @@ impl WorkerGroup {
     /// All-reduces gradients (SUM over dp) and applies AdamW on every rank; returns the
     /// pre-clip global gradient norm.
     pub fn optim_step(&self, params: &AdamParams) -> Result<f64> {
-        let params = params.clone();
+        let params = *params;
         let norms = self.on_all(move |s| {
             let (collective, rank) = (s.collective.clone(), s.info.dp_rank);
             let reduced = s.worker.reduce_gradients(|g| collective.all_reduce_sum(rank, g));

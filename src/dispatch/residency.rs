@@ -5,6 +5,7 @@
 //!   parts this call needs are brought back (a forward needs the model; a training step needs
 //!   the model and the optimizer state);
 //! - `init_model` of a role leaves only that role resident.
+//!
 //! This module is the pure state machine; [`super::group`] applies its decisions to workers.
 
 use std::collections::BTreeMap;

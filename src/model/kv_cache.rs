@@ -124,7 +124,7 @@ impl KvCache {
             self.layers[l] = merged;
         }
         for row in self.key_mask.iter_mut() {
-            row.splice(0..0, std::iter::repeat(0).take(len - s));
+            row.splice(0..0, std::iter::repeat_n(0, len - s));
         }
         for row in &other.key_mask {
             self.key_mask.push([vec![0u8; len - o], row.clone()].concat());

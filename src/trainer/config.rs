@@ -142,7 +142,7 @@ impl Default for OptimizerSection {
     }
 }
 
-/// `[schedule]`: the learning-rate schedule (see [`schedule`](super::schedule)).
+/// `[schedule]`: the learning-rate schedule (see [`crate::worker::schedule`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScheduleSection {
@@ -161,14 +161,14 @@ impl Default for ScheduleSection {
     }
 }
 
-/// Shape of the learning-rate decay after warmup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ScheduleKind {
-    Constant,
-    Linear,
-    Cosine,
+impl ScheduleSection {
+    /// The schedule of a run of `total_steps` steps.
+    pub fn schedule(&self, total_steps: usize) -> crate::worker::LrSchedule {
+        crate::worker::LrSchedule { kind: self.kind, warmup_steps: self.warmup_steps, total_steps, min_lr_ratio: self.min_lr_ratio }
+    }
 }
+
+pub use crate::worker::schedule::ScheduleKind;
 
 /// `[train]`: the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

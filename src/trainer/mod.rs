@@ -5,7 +5,6 @@
 //!   suggestions; generic over the config type, so the RL config reuses it.
 //! - [`config`]: the SFT config (`[model]`, `[data]`, `[optimizer]`, `[schedule]`, `[train]`,
 //!   `[output]`).
-//! - [`schedule`]: the learning rate per step.
 //! - [`rows`]: JSONL / Parquet rows with their file and line (or row).
 //! - [`chat_mask`]: tokens and trained-token mask of a conversation by incremental rendering.
 //! - [`sft_data`]: rows → conversations → `{input_tokens, target_tokens, weights}` examples,
@@ -23,7 +22,6 @@ pub mod data_loader;
 pub mod metrics;
 pub mod plot;
 pub mod rows;
-pub mod schedule;
 pub mod sft;
 pub mod sft_data;
 

@@ -29,7 +29,6 @@ use super::config::SftConfig;
 use super::data_loader::{DataLoader, LoaderPosition};
 use super::metrics::{MetricsWriter, StepMetrics};
 use super::plot::{plot_run, PlotConfig};
-use super::schedule::lr_at;
 use super::sft_data::{load_sft_dataset, token_mean_datums, SftExample};
 use crate::dispatch::mesh::MeshShape;
 use crate::dispatch::{Dispatch, Role};
@@ -227,6 +226,7 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
     }
     let mut metrics = if step > 0 { MetricsWriter::resume(&run_dir, step)? } else { MetricsWriter::create(&run_dir)? };
     let plot_cfg = PlotConfig::default();
+    let schedule = cfg.schedule.schedule(total);
     let pb = progress_bar(total, step, opts.progress);
     let started = Instant::now();
     let (mut final_loss, mut eval_losses, mut interrupted) = (f64::NAN, vec![], false);
@@ -241,7 +241,7 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
         let batch = loader.next_batch().ok_or_else(|| Error::input("the training set is empty"))?;
         let datums = token_mean_datums(&batch.items);
         let out = dispatch.forward_backward(Role::Policy, &datums, "cross_entropy", &json!({}), false)?;
-        let lr = lr_at(&cfg.schedule, o.lr, step, total);
+        let lr = schedule.lr_at(o.lr, step);
         let adam = AdamParams {
             learning_rate: lr,
             beta1: o.betas[0],
