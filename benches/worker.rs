@@ -10,32 +10,15 @@
 //!
 //! Threads: set RAYON_NUM_THREADS.
 
+mod common;
+
 use std::time::Instant;
 
-use candle_core::{DType, Device};
-use oxrl::model::config::{Arch, ModelConfig, ModelShape};
-use oxrl::model::{init, Transformer};
+use common::{d256_model, median};
 use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
 
 const BIG_REPS: usize = 2;
-
-fn model() -> Transformer {
-    let shape = ModelShape {
-        vocab_size: 4096,
-        hidden_size: 256,
-        intermediate_size: 1024,
-        num_layers: 4,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        rope_theta: 10000.0,
-        max_position_embeddings: 1024,
-        tie_word_embeddings: false,
-    };
-    let cfg = ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref()).unwrap();
-    init::random_model(cfg, 0, DType::F32, &Device::Cpu).unwrap()
-}
 
 fn batch(b: usize, t: usize, seed: u32) -> Vec<Datum> {
     let tokens = |r: usize, salt: u32| -> Vec<u32> {
@@ -45,14 +28,9 @@ fn batch(b: usize, t: usize, seed: u32) -> Vec<Datum> {
     (0..b).map(|r| Datum::supervised(tokens(r, 0), tokens(r, 7), vec![w; t])).collect()
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    xs[xs.len() / 2]
-}
-
 fn main() {
-    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
-    let mut w = Worker::new(model(), WorkerConfig { micro_batch_size: Some(8), ..Default::default() }).unwrap();
+    let threads = common::threads();
+    let mut w = Worker::new(d256_model(0), WorkerConfig { micro_batch_size: Some(8), ..Default::default() }).unwrap();
     let small = batch(8, 128, 1);
     let params = AdamParams::default();
     let mut step = || {

@@ -89,12 +89,6 @@ fn golden_rows(g: &Golden) -> Vec<(Vec<u32>, usize)> {
         .collect()
 }
 
-fn golden_greedy(arch: &str) -> (Vec<u32>, Vec<u32>) {
-    let g = Golden::load(arch);
-    let v = |n: &str| g.get(n).to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect::<Vec<u32>>();
-    (v("greedy_prompt"), v("greedy_tokens"))
-}
-
 fn chat_examples(arch: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(fixture_dir(arch).join("chat_examples.json")).unwrap()).unwrap()
 }
@@ -362,7 +356,7 @@ fn score_errors() {
 #[test]
 fn generate_greedy_equals_transformers() {
     for arch in ARCHS {
-        let (prompt, want) = golden_greedy(arch);
+        let (prompt, want) = Golden::load(arch).greedy();
         assert_eq!(want.len(), 12);
         let p = ids_arg(&prompt);
         let out = ok_lines(&["generate", "--model", &fixture(arch), "--prompt-tokens", &p, "--max-tokens", "12", "--temperature", "0", "--ignore-eos"]);

@@ -52,8 +52,7 @@ fn kv_cache_decode_equals_full_forward() {
 fn greedy_tokens_equal_transformers() {
     for arch in ARCHS {
         let g = Golden::load(arch);
-        let prompt: Vec<u32> = g.get("greedy_prompt").to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
-        let want: Vec<u32> = g.get("greedy_tokens").to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
+        let (prompt, want) = g.greedy();
         let m = load(arch);
         let p = SamplingParams { max_tokens: want.len(), temperature: 0.0, ignore_eos: true, ..Default::default() };
         let out = generate(&m, &[prompt], &p, &[2]).unwrap();

@@ -67,8 +67,7 @@ fn tiny_model(vocab: usize, seed: u64) -> Transformer {
 fn greedy_tokens_equal_transformers() {
     for arch in ARCHS {
         let g = Golden::load(arch);
-        let prompt: Vec<u32> = g.get("greedy_prompt").to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
-        let want: Vec<u32> = g.get("greedy_tokens").to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
+        let (prompt, want) = g.greedy();
         let m = load(arch);
         let out = solo(&m, Request::new(prompt.clone(), params(want.len(), 0.0, 0)));
         assert_eq!(out.samples[0].tokens, want, "{arch}: engine core");
