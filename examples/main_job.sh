@@ -20,16 +20,15 @@ $OXRL generate --model tests/fixtures/hf/qwen3 --prompt "what is 12 plus 30?" --
 $OXRL generate --model tests/fixtures/hf/qwen3 --prompt "def add(a, b):" --max-tokens 12 --temperature 0.8 --top-p 0.9 --seed 7 --n 3
 
 echo "== init-model: a random qwen3 model with a byte-level tokenizer"
-$OXRL init-model --arch qwen3 --hidden 64 --layers 2 --heads 4 --kv-heads 2 --out "$RUN/tiny-model"
+$OXRL init-model --arch qwen3 --hidden 128 --layers 2 --heads 4 --kv-heads 2 --out "$RUN/tiny-model"
 
-echo "== sft: uppercase / reverse / add on examples/data/tiny_chat.jsonl (about a minute)"
+echo "== sft: uppercase / reverse / add on examples/data/tiny_chat.jsonl (about 20 seconds)"
 $OXRL sft --config examples/sft_tiny.toml --set "model.path=\"$RUN/tiny-model\"" --set "output.run_dir=\"$RUN/sft\""
-echo "eval loss by step:"
-grep -o '"step":[0-9]*\|"eval_loss":[0-9.]*' "$RUN/sft/metrics.jsonl" | paste - - | grep eval_loss | sed 's/"//g'
+grep '"eval_loss"' "$RUN/sft/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*"eval_loss":([0-9.]{6}).*/  step \1: eval loss \2/'
 echo "plot: $RUN/sft/loss.png"
 
 echo "== chat with the fine-tuned model"
-for q in "Uppercase: river" "Reverse: stone" "What is 3 plus 4?"; do
+for q in "Uppercase: cat" "Reverse: stone" "What is 3 plus 4?" "What is 5 plus 2?"; do
   printf '%s -> ' "$q"
   $OXRL generate --model "$RUN/sft/final" --chat --prompt "$q" --temperature 0 --max-tokens 16 | grep -o '"text":"[^"]*"'
 done

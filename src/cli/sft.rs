@@ -22,6 +22,11 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let cfg = SftConfig::load(Some(&a.config), &a.sets)?;
+    // Data-parallel ranks are threads: share the cores among them (unless --threads said).
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::env::set_var("RAYON_NUM_THREADS", (cores / cfg.train.data_parallel.max(1)).max(1).to_string());
+    }
     let interrupt = Arc::new(AtomicBool::new(false));
     let flag = interrupt.clone();
     // First Ctrl-C: finish the step, checkpoint, exit. A second one exits at once.
