@@ -123,13 +123,19 @@ impl LoraConfig {
     }
 
     pub fn to_peft_json(&self, base_model_class: &str) -> Value {
+        // PEFT knows "all-linear" only as a plain string, not inside a list.
+        let targets = if self.target_modules.iter().any(|t| t == "all-linear") {
+            json!("all-linear")
+        } else {
+            json!(self.target_modules)
+        };
         json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "r": self.rank,
             "lora_alpha": self.alpha,
             "lora_dropout": 0.0,
-            "target_modules": self.target_modules,
+            "target_modules": targets,
             "use_rslora": self.use_rslora,
             "use_dora": false,
             "bias": "none",
