@@ -3,9 +3,13 @@
 //! log p(y) = z_y − logsumexp(z),  logsumexp(z) = m + log Σ exp(z − m),  m = max z (detached:
 //! it cancels in the value and its gradient). Computing `log(softmax(z))` instead underflows to
 //! −inf for unlikely tokens. The full [B, T, V] log-softmax is never materialised: only the
-//! picked logit and the log-normaliser are.
+//! picked logit and the log-normaliser are. The entropy reuses the same normaliser:
+//! H = logsumexp(z) − Σ_v p_v · z_v. Everything runs in f32 at least (f64 stays f64, for
+//! finite-difference checks).
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{Tensor, D};
+
+use super::transformer::norm_dtype;
 
 use crate::Result;
 
@@ -15,15 +19,25 @@ pub fn logsumexp_keepdim(logits: &Tensor) -> Result<Tensor> {
     Ok((logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?)
 }
 
-/// log-softmax over the last dimension.
-pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
-    Ok(logits.broadcast_sub(&logsumexp_keepdim(logits)?)?)
+/// `(log p(targets), logsumexp)` for logits [..., V] and u32 target ids [...]: log-probs of the
+/// shape of `targets`, the normaliser keeping its last dimension [..., 1].
+pub fn target_logprobs_and_lse(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    // gather needs contiguous operands; callers often pass a narrowed view of the logits.
+    let logits = logits.to_dtype(norm_dtype(logits.dtype()))?.contiguous()?;
+    let lse = logsumexp_keepdim(&logits)?;
+    let picked = logits.gather(&targets.contiguous()?.unsqueeze(D::Minus1)?, D::Minus1)?;
+    Ok(((picked - &lse)?.squeeze(D::Minus1)?, lse))
 }
 
-/// log p(targets) for logits [B, T, V] and target ids [B, T] (u32); returns [B, T] in f32.
+/// log p(targets) for logits [..., V] and target ids [...] (u32).
 pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    // gather needs contiguous operands; callers often pass a narrowed view of the logits.
-    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
-    let picked = logits.gather(&targets.contiguous()?.unsqueeze(D::Minus1)?, D::Minus1)?;
-    Ok((picked - logsumexp_keepdim(&logits)?)?.squeeze(D::Minus1)?)
+    Ok(target_logprobs_and_lse(logits, targets)?.0)
+}
+
+/// Entropy of the softmax of each row of logits [..., V], given their logsumexp [..., 1].
+pub fn entropy(logits: &Tensor, lse: &Tensor) -> Result<Tensor> {
+    let logits = logits.to_dtype(lse.dtype())?;
+    let probs = logits.broadcast_sub(lse)?.exp()?;
+    let expected_logit = (probs * &logits)?.sum(D::Minus1)?;
+    Ok((lse.squeeze(D::Minus1)? - expected_logit)?)
 }

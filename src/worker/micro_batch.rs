@@ -10,9 +10,9 @@ use candle_core::{DType, Device, Tensor};
 
 use super::adamw::state_dtype;
 use super::batch::{Datum, FloatField};
-use super::token_stats::{token_entropy, token_logprobs};
 use super::value_head::ValueHead;
 use crate::algo::{Loss, LossInputs, LossOutput};
+use crate::model::logprobs::{entropy as token_entropy, target_logprobs_and_lse};
 use crate::model::Transformer;
 use crate::Result;
 
@@ -64,7 +64,7 @@ pub fn model_outputs(
         .flat_map(|&i| batch[i].loss_fn_inputs.target_tokens.as_ref().expect("validated: target_tokens present").iter().copied())
         .collect();
     let targets = Tensor::from_vec(targets, gather.dim(0)?, device)?;
-    let (logprobs, lse) = token_logprobs(&logits, &targets)?;
+    let (logprobs, lse) = target_logprobs_and_lse(&logits, &targets)?;
     let entropy = if entropy { Some(token_entropy(&logits, &lse)?) } else { None };
     Ok(TokenOutputs { main: logprobs, entropy, lengths })
 }

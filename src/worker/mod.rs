@@ -26,7 +26,6 @@ pub mod placement;
 mod rank;
 pub mod rng;
 pub mod schedule;
-pub mod token_stats;
 pub mod value_head;
 
 pub use adamw::AdamParams;
