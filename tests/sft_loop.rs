@@ -30,10 +30,17 @@ fn write_data(dir: &Path, rows: &[&str]) -> PathBuf {
 }
 
 fn config(dir: &Path, data: &Path, run: &str, extra: &[&str]) -> SftConfig {
+    let mut extra = extra.to_vec();
+    let run_dir = format!("output.run_dir={:?}", dir.join(run).display().to_string());
+    extra.push(&run_dir);
+    config_with_model(dir, data, &fixture_dir("qwen3"), &extra)
+}
+
+fn config_with_model(dir: &Path, data: &Path, model: &Path, extra: &[&str]) -> SftConfig {
     let mut sets: Vec<String> = vec![
-        format!("model.path={:?}", fixture_dir("qwen3").display().to_string()),
+        format!("model.path={:?}", model.display().to_string()),
         format!("data.train_file={:?}", data.display().to_string()),
-        format!("output.run_dir={:?}", dir.join(run).display().to_string()),
+        format!("output.run_dir={:?}", dir.join("run").display().to_string()),
         "optimizer.lr=0.01".into(),
         "train.batch_size=2".into(),
         "train.micro_batch_size=1".into(),
@@ -238,4 +245,27 @@ fn ctrl_c_saves_a_checkpoint_that_resumes() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("resumed from"));
     assert!(run.join(EXPORT_DIR).join("model.safetensors").exists());
+}
+
+#[test]
+fn max_length_beyond_the_model_context_truncates_at_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    // The qwen3 fixture with a 24-position context: most rendered rows are longer.
+    let model = dir.path().join("short");
+    std::fs::create_dir(&model).unwrap();
+    for f in std::fs::read_dir(fixture_dir("qwen3")).unwrap() {
+        let f = f.unwrap();
+        if f.file_type().unwrap().is_file() {
+            std::fs::copy(f.path(), model.join(f.file_name())).unwrap();
+        }
+    }
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = json!(24);
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    let data = write_data(dir.path(), ROWS);
+    let mut cfg = config_with_model(dir.path(), &data, &model, &["train.max_steps=2", "data.max_length=4096"]);
+    cfg.data.eval_fraction = 0.0;
+    let s = run_sft(&cfg, &SftOptions::default()).unwrap();
+    assert_eq!(s.steps, 2);
+    assert!(s.final_loss.is_finite());
 }

@@ -203,8 +203,17 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
             run_dir.display()
         )));
     }
+    let model_config = crate::model::ModelConfig::from_dir(&cfg.model.path)?;
     let tokenizer = Tokenizer::from_dir(&cfg.model.path)?;
-    let data = load_sft_dataset(&cfg.data, &tokenizer)?;
+    let mut data_cfg = cfg.data.clone();
+    if data_cfg.max_length > model_config.max_position_embeddings {
+        eprintln!(
+            "data.max_length {} is beyond the model's max_position_embeddings; truncating at {}",
+            data_cfg.max_length, model_config.max_position_embeddings
+        );
+        data_cfg.max_length = model_config.max_position_embeddings;
+    }
+    let data = load_sft_dataset(&data_cfg, &tokenizer)?;
     eprintln!("train: {}", data.train_stats);
     if !data.eval.is_empty() {
         eprintln!("eval:  {}", data.eval_stats);
