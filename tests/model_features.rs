@@ -278,3 +278,42 @@ fn bf16_run_is_close_to_f32() {
     let err = max_abs_diff(&lp, g.get("target_logprobs"));
     assert!(err < 0.1, "bf16 log-probs differ by {err}");
 }
+
+/// RoPE scaling (Llama 3's rule, tied embeddings; linear, Qwen2 with biases) against
+/// transformers on 300 tokens — far past the 32-position original context — from
+/// `tests/fixtures/rope_scaling/*/reference.json` (`tests/fixtures/make_rope_scaling_reference.py`).
+/// The configs use transformers 5's `rope_parameters`; the same in the older `rope_scaling` +
+/// `rope_theta` spelling must give the same model.
+#[test]
+fn rope_scaling_matches_transformers() {
+    for name in ["llama3", "linear"] {
+        let dir = fixture_dir("..").join("rope_scaling").join(name);
+        let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let seq: Vec<u32> = reference["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let want: Vec<f32> = reference["target_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        let n = seq.len();
+        let score = |m: &Transformer| -> Vec<f32> {
+            let logits = m.forward(&[seq.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
+            let targets = Tensor::new(&seq[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+            target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets).unwrap().squeeze(0).unwrap().to_vec1().unwrap()
+        };
+        let max_err = |got: &[f32]| got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let m = Transformer::load(&dir, DType::F32, &Device::Cpu).unwrap();
+        let err = max_err(&score(&m));
+        assert!(err < 1e-4, "{name}: log-probs differ from transformers by {err}");
+
+        // The legacy spelling of the same config.
+        let legacy = tempfile::tempdir().unwrap();
+        let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let params = cfg.as_object_mut().unwrap().remove("rope_parameters").unwrap();
+        cfg["rope_theta"] = params["rope_theta"].clone();
+        let mut scaling = params.clone();
+        scaling.as_object_mut().unwrap().remove("rope_theta");
+        cfg["rope_scaling"] = scaling;
+        std::fs::write(legacy.path().join("config.json"), cfg.to_string()).unwrap();
+        std::fs::copy(dir.join("model.safetensors"), legacy.path().join("model.safetensors")).unwrap();
+        let m = Transformer::load(legacy.path(), DType::F32, &Device::Cpu).unwrap();
+        let err = max_err(&score(&m));
+        assert!(err < 1e-4, "{name} (rope_scaling spelling): log-probs differ from transformers by {err}");
+    }
+}

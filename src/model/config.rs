@@ -6,6 +6,9 @@
 //! - Qwen2: biases on the q/k/v projections (never on o_proj);
 //! - Qwen3: per-head RMSNorm on q and k before RoPE, and an explicit `head_dim`.
 //!
+//! RoPE settings are read from `rope_parameters` (transformers ≥ 5: `rope_theta` and the scaling
+//! in one object) or from the older `rope_theta` + `rope_scaling`.
+//!
 //! Fields we do not model (dropout, initializer range, ...) are ignored; fields whose value would
 //! change the computation and that we do not support (another activation, sliding windows,
 //! quantisation, an unknown rope scaling) are errors that name the field.
@@ -232,7 +235,14 @@ impl ModelConfig {
         if rms_norm_eps <= 0.0 {
             return Err(f.err("rms_norm_eps", "must be positive"));
         }
-        let rope_theta = f.f64_opt("rope_theta")?.unwrap_or(10000.0);
+        // transformers ≥ 5 writes `rope_parameters` (theta inside); older files `rope_theta`.
+        let rope_theta = match f.get("rope_parameters").and_then(|p| p.get("rope_theta")) {
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| f.err("rope_parameters.rope_theta", format!("expected a finite number, got {v}")))?,
+            None => f.f64_opt("rope_theta")?.unwrap_or(10000.0),
+        };
         if rope_theta <= 0.0 {
             return Err(f.err("rope_theta", "must be positive"));
         }
@@ -324,14 +334,16 @@ pub struct ModelShape {
     pub tie_word_embeddings: bool,
 }
 
+/// RoPE scaling from `rope_parameters` (transformers ≥ 5) or `rope_scaling` (older files).
 fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
-    let Some(v) = f.get("rope_scaling") else { return Ok(RopeScaling::None) };
-    let m = v.as_object().ok_or_else(|| f.err("rope_scaling", format!("expected an object or null, got {v}")))?;
+    let field = if f.get("rope_parameters").is_some() { "rope_parameters" } else { "rope_scaling" };
+    let Some(v) = f.get(field) else { return Ok(RopeScaling::None) };
+    let m = v.as_object().ok_or_else(|| f.err(field, format!("expected an object or null, got {v}")))?;
     let kind = m.get("rope_type").or_else(|| m.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
     let num = |key: &str| -> Result<f64> {
         m.get(key)
             .and_then(|x| x.as_f64())
-            .ok_or_else(|| f.err(&format!("rope_scaling.{key}"), "missing or not a number"))
+            .ok_or_else(|| f.err(&format!("{field}.{key}"), "missing or not a number"))
     };
     match kind {
         "default" => Ok(RopeScaling::None),
@@ -343,7 +355,7 @@ fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         }),
         other => Err(f.err(
-            "rope_scaling.rope_type",
+            &format!("{field}.rope_type"),
             format!("unsupported rope scaling `{other}` (supported: default, linear, llama3)"),
         )),
     }
