@@ -639,3 +639,14 @@ fn lora_files_missing_or_corrupt() {
     std::fs::write(d.path().join("lora/adapter_model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ").unwrap();
     assert_mentions(&lora_err(&d), &[&adapter_file(&d), "safetensors"]);
 }
+
+#[test]
+fn sliding_attention_layers_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture_dir("qwen3").join("config.json")).unwrap()).unwrap();
+    cfg["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let err = oxrl::model::ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("config.json") && err.contains("layer_types") && err.contains("sliding_attention"), "{err}");
+}

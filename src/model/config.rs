@@ -215,6 +215,12 @@ impl ModelConfig {
         if f.bool_opt("use_sliding_window")?.unwrap_or(false) {
             return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
         }
+        if let Some(types) = f.get("layer_types") {
+            let types = types.as_array().ok_or_else(|| f.err("layer_types", "expected a list"))?;
+            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+                return Err(f.err("layer_types", format!("{t} layers are not supported (only \"full_attention\")")));
+            }
+        }
         if f.get("quantization_config").is_some() {
             return Err(f.err("quantization_config", "quantised checkpoints are not supported"));
         }
