@@ -317,3 +317,37 @@ fn rope_scaling_matches_transformers() {
         assert!(err < 1e-4, "{name} (rope_scaling spelling): log-probs differ from transformers by {err}");
     }
 }
+
+/// The cache grows in place (spare columns written after the cached ones). Two clones of one
+/// prefix, extended with different tokens, must not see each other's writes.
+#[test]
+fn cloned_caches_extend_independently() {
+    let m = load("qwen2");
+    let prefix: Vec<u32> = vec![5, 6, 7, 8, 9];
+    let mut a = m.new_cache();
+    m.forward(&[prefix.clone()], &[(0..5).collect()], &[vec![1; 5]], Some(&mut a)).unwrap();
+    let mut b = a.clone();
+    let last = |cache: &mut oxrl::model::KvCache, tokens: &[u32]| -> Tensor {
+        let mut out = None;
+        for &t in tokens {
+            let pos = cache.seq_len() as u32;
+            out = Some(m.forward(&[vec![t]], &[vec![pos]], &[vec![1]], Some(cache)).unwrap());
+        }
+        out.unwrap().squeeze(0).unwrap().squeeze(0).unwrap()
+    };
+    // Interleave the two so each writes while the other holds views of the same prefix.
+    let a1 = last(&mut a, &[100, 101]);
+    let b1 = last(&mut b, &[200]);
+    let a2 = last(&mut a, &[102]);
+    let b2 = last(&mut b, &[201, 202]);
+    let full = |tokens: &[u32]| -> Tensor {
+        let seq: Vec<u32> = prefix.iter().chain(tokens).copied().collect();
+        let n = seq.len();
+        let logits = m.forward(&[seq], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
+        logits.narrow(1, n - 1, 1).unwrap().squeeze(0).unwrap().squeeze(0).unwrap()
+    };
+    for (what, got, want) in [("a1", a1, full(&[100, 101])), ("b1", b1, full(&[200])), ("a2", a2, full(&[100, 101, 102])), ("b2", b2, full(&[200, 201, 202]))] {
+        let err = max_abs_diff(&got, &want);
+        assert!(err < 1e-5, "{what}: {err}");
+    }
+}

@@ -4,21 +4,44 @@
 //! ([B, kv_heads, S, head_dim]), plus the host-side key mask (1 = real token, 0 = padding) that
 //! the attention bias of later steps needs. The cache belongs to the caller, so a sampler can
 //! keep one per batch, drop it, or rebuild it at will; the model only appends to it.
+//!
+//! Appending does not copy the whole cache: each layer writes into a buffer with spare columns
+//! (capacity doubling, so the copies are amortised O(1) per token) and the cached keys/values
+//! are views of its first S columns. A write only ever lands past the end of every view that
+//! exists, so views stay valid; a clone or any row surgery starts without spare buffers, so two
+//! caches never write into the same one.
 
 use candle_core::{Tensor, D};
 
 use crate::Result;
 
-#[derive(Debug, Clone)]
+/// Columns a fresh buffer holds at least.
+const MIN_CAPACITY: usize = 64;
+
+#[derive(Debug)]
 pub struct KvCache {
+    /// Per layer, the cached keys and values (views of `buffers` when those exist).
     layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer, [B, kv_heads, capacity, head_dim] buffers whose first S columns are `layers`.
+    buffers: Vec<Option<(Tensor, Tensor)>>,
     /// [B][S] key mask of the cached positions.
     key_mask: Vec<Vec<u8>>,
 }
 
+impl Clone for KvCache {
+    /// Shares the cached tensors (immutable views) but not the spare buffers.
+    fn clone(&self) -> Self {
+        KvCache { layers: self.layers.clone(), buffers: vec![None; self.layers.len()], key_mask: self.key_mask.clone() }
+    }
+}
+
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        KvCache { layers: vec![None; num_layers], key_mask: vec![] }
+        Self::from_parts(vec![None; num_layers], vec![])
+    }
+
+    fn from_parts(layers: Vec<Option<(Tensor, Tensor)>>, key_mask: Vec<Vec<u8>>) -> Self {
+        KvCache { buffers: vec![None; layers.len()], layers, key_mask }
     }
 
     /// Number of cached positions.
@@ -42,12 +65,30 @@ impl KvCache {
 
     /// Appends this step's keys and values for `layer` and returns the full cached ones.
     pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (k, v) = match &self.layers[layer] {
-            None => (k.clone(), v.clone()),
-            Some((pk, pv)) => (Tensor::cat(&[pk, k], D::Minus2)?, Tensor::cat(&[pv, v], D::Minus2)?),
-        };
-        self.layers[layer] = Some((k.clone(), v.clone()));
-        Ok((k, v))
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        let len = self.layers[layer].as_ref().map_or(0, |(pk, _)| pk.dim(D::Minus2).unwrap_or(0));
+        let new_len = len + k.dim(D::Minus2)?;
+        let fits = self.buffers[layer].as_ref().is_some_and(|(bk, _)| {
+            bk.dim(D::Minus2).is_ok_and(|cap| cap >= new_len) && bk.dim(0).ok() == k.dim(0).ok()
+        });
+        if !fits {
+            // A new buffer with room to grow; the cached columns are copied once.
+            let (b, kvh, _, d) = k.dims4()?;
+            let cap = (2 * new_len).max(MIN_CAPACITY);
+            let bk = Tensor::zeros((b, kvh, cap, d), k.dtype(), k.device())?;
+            let bv = Tensor::zeros((b, kvh, cap, d), v.dtype(), v.device())?;
+            if let Some((pk, pv)) = &self.layers[layer] {
+                bk.slice_set(&pk.contiguous()?, 2, 0)?;
+                bv.slice_set(&pv.contiguous()?, 2, 0)?;
+            }
+            self.buffers[layer] = Some((bk, bv));
+        }
+        let (bk, bv) = self.buffers[layer].as_ref().expect("buffer ensured above");
+        bk.slice_set(&k, 2, len)?;
+        bv.slice_set(&v, 2, len)?;
+        let out = (bk.narrow(2, 0, new_len)?, bv.narrow(2, 0, new_len)?);
+        self.layers[layer] = Some(out.clone());
+        Ok(out)
     }
 }
 
@@ -57,7 +98,7 @@ impl KvCache {
 impl KvCache {
     /// A cache of `rows` rows with nothing cached yet (a prompt of one token has no prefix).
     pub fn with_empty_rows(num_layers: usize, rows: usize) -> Self {
-        KvCache { layers: vec![None; num_layers], key_mask: vec![vec![]; rows] }
+        Self::from_parts(vec![None; num_layers], vec![vec![]; rows])
     }
 
     /// Number of rows (0 before the first forward).
@@ -77,12 +118,12 @@ impl KvCache {
                 None => None,
                 Some((k, v)) => {
                     let idx = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), k.device())?;
-                    Some((k.index_select(&idx, 0)?, v.index_select(&idx, 0)?))
+                    Some((k.contiguous()?.index_select(&idx, 0)?, v.contiguous()?.index_select(&idx, 0)?))
                 }
             });
         }
         let key_mask = rows.iter().map(|&r| self.key_mask[r].clone()).collect();
-        let mut out = KvCache { layers, key_mask };
+        let mut out = Self::from_parts(layers, key_mask);
         out.trim_left()?;
         Ok(out)
     }
@@ -122,6 +163,7 @@ impl KvCache {
                 }
             };
             self.layers[l] = merged;
+            self.buffers[l] = None;
         }
         for row in self.key_mask.iter_mut() {
             row.splice(0..0, std::iter::repeat_n(0, len - s));
@@ -140,6 +182,7 @@ impl KvCache {
         if drop == 0 {
             return Ok(());
         }
+        self.buffers.iter_mut().for_each(|b| *b = None);
         for slot in self.layers.iter_mut() {
             *slot = match slot.take() {
                 Some((k, v)) if drop < s => Some((k.narrow(2, drop, s - drop)?, v.narrow(2, drop, s - drop)?)),
