@@ -514,3 +514,20 @@ fn generate_errors() {
     let out = ok_lines(&["generate", "--model", s(&bare), "--prompt-tokens", "5,6", "--max-tokens", "3", "--temperature", "0"]);
     assert_eq!(out.len(), 1);
 }
+
+#[test]
+fn generate_reports_a_corrupt_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer_config.json"] {
+        std::fs::copy(fixture_dir("qwen3").join(f), dir.path().join(f)).unwrap();
+    }
+    std::fs::write(dir.path().join("tokenizer.json"), "{ not json").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oxrl"))
+        .args(["generate", "--model"])
+        .arg(dir.path())
+        .args(["--prompt-tokens", "5,6", "--max-tokens", "2", "--temperature", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("tokenizer.json"), "{stderr}");
+}

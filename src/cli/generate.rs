@@ -42,6 +42,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(a.n > 0, "--n must be positive");
     let model = a.model.load()?;
     let tok = Tokenizer::from_dir(&a.model.model);
+    // No tokenizer at all is fine with --prompt-tokens (no text is decoded); a broken one is not.
+    if let Err(e) = &tok {
+        if a.model.model.join("tokenizer.json").exists() {
+            anyhow::bail!("{e}");
+        }
+    }
     let prompt = match (&a.prompt, &a.prompt_tokens) {
         (Some(text), _) => {
             let tok = tok.as_ref().map_err(|e| anyhow::anyhow!("--prompt needs the model's tokenizer: {e}"))?;

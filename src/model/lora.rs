@@ -118,7 +118,7 @@ impl LoraConfig {
         }
         let use_rslora = field("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
         let cfg = LoraConfig { rank, alpha, target_modules, use_rslora };
-        cfg.validate().map_err(|e| Error::file(path, e))?;
+        cfg.validate().map_err(|e| Error::field(path, "target_modules", e))?;
         Ok(cfg)
     }
 
