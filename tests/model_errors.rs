@@ -594,7 +594,7 @@ fn lora_integer_tensor() {
 #[test]
 fn lora_config_errors() {
     let cases: [(&str, Value, &[&str]); 9] = [
-        ("target_modules", json!(["q_proj", "foo_proj"]), &["foo_proj"]),
+        ("target_modules", json!(["q_proj", "foo_proj"]), &["target_modules", "foo_proj"]),
         ("target_modules", json!(".*proj"), &["target_modules", ".*proj"]),
         ("use_dora", json!(true), &["use_dora"]),
         ("rank_pattern", json!({"q_proj": 8}), &["rank_pattern"]),
