@@ -5,7 +5,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use oxrl::model::{logprobs::target_logprobs, lora, Transformer};
-use oxrl::rollout::{generate, SamplingParams, StopReason};
+use oxrl::rollout::{generate, SamplingParams};
 
 fn load(arch: &str) -> Transformer {
     Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap()
@@ -45,19 +45,6 @@ fn kv_cache_decode_equals_full_forward() {
         let v = Tensor::new(valid.concat(), &Device::Cpu).unwrap().reshape((3, t, 1)).unwrap();
         let err = max_abs_diff(&full.broadcast_mul(&v).unwrap(), &inc.broadcast_mul(&v).unwrap());
         assert!(err < 1e-5, "{arch}: incremental decode differs from full forward by {err}");
-    }
-}
-
-#[test]
-fn greedy_tokens_equal_transformers() {
-    for arch in ARCHS {
-        let g = Golden::load(arch);
-        let (prompt, want) = g.greedy();
-        let m = load(arch);
-        let p = SamplingParams { max_tokens: want.len(), temperature: 0.0, ignore_eos: true, ..Default::default() };
-        let out = generate(&m, &[prompt], &p, &[2]).unwrap();
-        assert_eq!(out[0].tokens, want, "{arch}");
-        assert_eq!(out[0].stop_reason, StopReason::Length);
     }
 }
 
