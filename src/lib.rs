@@ -14,6 +14,7 @@ pub mod algo;
 pub mod cli;
 pub mod dispatch;
 pub mod error;
+pub mod files;
 pub mod model;
 pub mod rollout;
 pub mod trainer;

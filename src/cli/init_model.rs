@@ -6,7 +6,8 @@ use candle_core::Device;
 
 use crate::model::config::{Arch, ModelConfig, ModelShape};
 use crate::model::tokenizer::{write_byte_level_tokenizer, BYTE_LEVEL_VOCAB_SIZE};
-use crate::model::{init, transformer::write_json, weights};
+use crate::files::write_json;
+use crate::model::{init, weights};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -162,9 +162,7 @@ impl ModelConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-        let raw: Value = serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
-        Self::from_value(raw, path)
+        Self::from_value(crate::files::read_json(path)?, path)
     }
 
     /// Parses a config JSON value; `path` is only used in error messages.

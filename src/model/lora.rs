@@ -17,8 +17,9 @@ use serde_json::{json, Value};
 
 use super::init::uniform;
 use super::linear::LoraPair;
-use super::transformer::{write_json, Transformer};
+use super::transformer::Transformer;
 use super::weights;
+use crate::files::{read_json, write_json};
 use crate::{Error, Result};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -81,8 +82,7 @@ impl LoraConfig {
 
     /// Reads a PEFT `adapter_config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
+        let v = read_json(path)?;
         let field = |k: &str| v.get(k).filter(|x| !x.is_null());
         if let Some(t) = field("peft_type") {
             if t.as_str() != Some("LORA") {

@@ -22,6 +22,7 @@ use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::rope::{self, Rope};
 use super::weights::{self, LoadedWeights};
+use crate::files::write_json;
 use crate::{Error, Result};
 
 /// A large negative bias for masked attention scores; finite so that no NaN can appear.
@@ -437,14 +438,5 @@ fn check_no_leftover(w: &LoadedWeights, m: &Transformer) -> Result<()> {
             return Err(Error::tensor(path, name, "unexpected tensor: not part of this model's config"));
         }
     }
-    Ok(())
-}
-
-/// Writes pretty JSON through a temporary file renamed into place.
-pub fn write_json(path: &std::path::Path, value: &serde_json::Value) -> Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    let text = serde_json::to_string_pretty(value).map_err(|e| Error::file(path, e))?;
-    std::fs::write(&tmp, text + "\n").map_err(|e| Error::file(&tmp, format!("cannot write: {e}")))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::file(path, format!("cannot rename into place: {e}")))?;
     Ok(())
 }

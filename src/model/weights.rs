@@ -69,8 +69,7 @@ pub fn load_dir(dir: &Path, device: &Device) -> Result<LoadedWeights> {
     if !index.exists() {
         return Err(Error::file(dir, format!("neither {SINGLE_FILE} nor {INDEX_FILE} found")));
     }
-    let text = std::fs::read_to_string(&index).map_err(|e| Error::file(&index, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&index, format!("invalid JSON: {e}")))?;
+    let json = crate::files::read_json(&index)?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())

@@ -34,7 +34,8 @@ use crate::dispatch::mesh::MeshShape;
 use crate::dispatch::{Dispatch, Role};
 use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::{transformer::write_json, weights, Transformer};
+use crate::files::{read_json, write_dir_atomically, write_json};
+use crate::model::{weights, Transformer};
 use crate::worker::{AdamParams, Worker, WorkerConfig};
 use crate::{Error, Result};
 
@@ -139,28 +140,20 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(usize, PathBuf)>> {
     Ok(best)
 }
 
-/// Writes worker state and trainer state to a temporary directory, then renames it into place.
+/// Writes worker state and trainer state together, atomically (a half checkpoint never exists).
 fn save_checkpoint(dispatch: &mut Dispatch, run_dir: &Path, state: &TrainerState) -> Result<PathBuf> {
     let dir = checkpoint_dir(run_dir, state.step);
-    let tmp = dir.with_extension("tmp");
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| Error::file(&tmp, e))?;
-    }
-    std::fs::create_dir_all(&tmp).map_err(|e| Error::file(&tmp, format!("cannot create: {e}")))?;
-    dispatch.save_state(Role::Policy, &tmp.join(WORKER_DIR))?;
-    let json = serde_json::to_value(state).map_err(|e| Error::Other(e.to_string()))?;
-    write_json(&tmp.join(TRAINER_STATE), &json)?;
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir).map_err(|e| Error::file(&dir, e))?;
-    }
-    std::fs::rename(&tmp, &dir).map_err(|e| Error::file(&dir, format!("cannot rename into place: {e}")))?;
+    write_dir_atomically(&dir, |tmp| {
+        dispatch.save_state(Role::Policy, &tmp.join(WORKER_DIR))?;
+        let json = serde_json::to_value(state).map_err(|e| Error::Other(e.to_string()))?;
+        write_json(&tmp.join(TRAINER_STATE), &json)
+    })?;
     Ok(dir)
 }
 
 fn load_checkpoint(dispatch: &mut Dispatch, dir: &Path) -> Result<TrainerState> {
     let path = dir.join(TRAINER_STATE);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::file(&path, e))?;
-    let state: TrainerState = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid: {e}")))?;
+    let state: TrainerState = serde_json::from_value(read_json(&path)?).map_err(|e| Error::file(&path, format!("invalid: {e}")))?;
     dispatch.load_state(Role::Policy, &dir.join(WORKER_DIR))?;
     Ok(state)
 }

@@ -15,7 +15,7 @@
 //! aside name), never a half one. Accumulated gradients are not saved; loading drops them.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::Tensor;
 use serde_json::{json, Value};
@@ -24,7 +24,7 @@ use super::adamw::Moments;
 use super::rank::Worker;
 use super::rng::WorkerRng;
 use super::value_head;
-use crate::model::transformer::write_json;
+use crate::files::{read_json, write_dir_atomically, write_json};
 use crate::model::{lora, weights};
 use crate::{Error, Result};
 
@@ -36,7 +36,7 @@ const FORMAT: &str = "oxrl-worker-state-v1";
 impl Worker {
     /// Writes the full training state to `dir` (atomically, see the module documentation).
     pub fn save_state(&self, dir: &Path) -> Result<()> {
-        write_atomically(dir, |tmp| {
+        write_dir_atomically(dir, |tmp| {
             self.write_params(tmp)?;
             let mut optimizer = vec![];
             let mut param_steps = serde_json::Map::new();
@@ -66,8 +66,7 @@ impl Worker {
     /// dropped.
     pub fn load_state(&mut self, dir: &Path) -> Result<()> {
         let state_path = dir.join(STATE_FILE);
-        let text = std::fs::read_to_string(&state_path).map_err(|e| Error::file(&state_path, format!("cannot read: {e}")))?;
-        let state: Value = serde_json::from_str(&text).map_err(|e| Error::file(&state_path, format!("invalid JSON: {e}")))?;
+        let state = read_json(&state_path)?;
         if state["format"] != FORMAT {
             return Err(Error::field(&state_path, "format", format!("expected `{FORMAT}`, got {}", state["format"])));
         }
@@ -142,7 +141,7 @@ impl Worker {
     /// layout, or with `merge_lora` the adapters folded into the base weights in the HF layout.
     /// A critic's value head goes to `value_head.safetensors` beside them. Atomic, like saving.
     pub fn export(&self, dir: &Path, merge_lora: bool) -> Result<()> {
-        write_atomically(dir, |tmp| {
+        write_dir_atomically(dir, |tmp| {
             let mut model = self.model.clone();
             match &self.config.lora {
                 Some(cfg) if !merge_lora => lora::save_peft(&mut model, cfg, tmp)?,
@@ -195,29 +194,4 @@ fn checked(path: &Path, name: &str, t: Tensor, like: &Tensor) -> Result<Tensor> 
         return Err(Error::tensor(path, name, format!("has shape {:?}, expected {:?}", t.dims(), like.dims())));
     }
     Ok(t.to_dtype(like.dtype())?)
-}
-
-/// Runs `write` on a fresh temporary sibling of `dir`, then renames it to `dir`.
-fn write_atomically(dir: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let name = dir.file_name().ok_or_else(|| Error::file(dir, "not a directory name"))?.to_string_lossy().to_string();
-    let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
-    let parent = if parent.as_os_str().is_empty() { PathBuf::from(".") } else { parent };
-    std::fs::create_dir_all(&parent).map_err(|e| Error::file(&parent, format!("cannot create: {e}")))?;
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let aside = parent.join(format!(".{name}.old-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir(&tmp).map_err(|e| Error::file(&tmp, format!("cannot create: {e}")))?;
-    if let Err(e) = write(&tmp) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    let existed = dir.exists();
-    if existed {
-        std::fs::rename(dir, &aside).map_err(|e| Error::file(dir, format!("cannot move the old checkpoint aside: {e}")))?;
-    }
-    std::fs::rename(&tmp, dir).map_err(|e| Error::file(dir, format!("cannot rename into place: {e}")))?;
-    if existed {
-        let _ = std::fs::remove_dir_all(&aside);
-    }
-    Ok(())
 }
