@@ -1,4 +1,5 @@
-//! The crate's error type: every variant names the file, field or tensor at fault.
+//! The crate's error type: every variant names the file, field or tensor at fault; and the
+//! edit distance behind the "did you mean" hints of unknown names and keys.
 
 use std::path::PathBuf;
 
@@ -33,4 +34,29 @@ impl Error {
     pub fn input(message: impl std::fmt::Display) -> Self {
         Error::Input(message.to_string())
     }
+}
+
+/// Edit distance between two strings, in chars: insertions, deletions, substitutions and
+/// swaps of two adjacent chars each cost 1 (optimal string alignment), since a swap
+/// (`rnak` for `rank`) is as common a typo as a wrong letter.
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    // d[i][j]: distance between a[..i] and b[..j].
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            d[i][j] = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                d[i][j] = d[i][j].min(d[i - 2][j - 2] + 1);
+            }
+        }
+    }
+    d[a.len()][b.len()]
 }

@@ -7,6 +7,7 @@
 
 use serde_json::{Map, Value};
 
+use crate::error::edit_distance;
 use crate::{Error, Result};
 
 /// A validated view of one config object, for the consumer called `owner` (e.g. "loss `ppo`").
@@ -99,19 +100,4 @@ fn suggestion(word: &str, valid: &[&str]) -> String {
     } else {
         format!("{did_you_mean} (valid: {})", valid.join(", "))
     }
-}
-
-/// Levenshtein distance, for "did you mean" suggestions.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut previous: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut current = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let substitution = previous[j] + usize::from(ca != *cb);
-            current[j + 1] = substitution.min(previous[j + 1] + 1).min(current[j] + 1);
-        }
-        previous = current;
-    }
-    previous[b.len()]
 }
