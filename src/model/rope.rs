@@ -70,17 +70,18 @@ impl Rope {
         })
     }
 
-    /// cos and sin for `positions` ([B, T], u32), each [B, 1, T, head_dim/2] in `dtype`.
-    pub fn tables(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let (b, t) = positions.dims2()?;
-        let max = positions.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
+    /// cos and sin for `positions` (B rows of T), each [B, 1, T, head_dim/2] in `dtype`.
+    pub fn tables(&self, positions: &[Vec<u32>], dtype: DType) -> Result<(Tensor, Tensor)> {
+        let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
+        // Checked on the host, where the positions are: no device round trip per forward.
+        let max = positions.iter().flatten().copied().max().unwrap_or(0) as usize;
         if max >= self.max_positions {
             return Err(Error::input(format!(
                 "position {max} is beyond max_position_embeddings = {} of the model config",
                 self.max_positions
             )));
         }
-        let flat = positions.flatten_all()?;
+        let flat = Tensor::from_vec(positions.concat(), b * t, self.cos.device())?;
         let gather = |table: &Tensor| -> Result<Tensor> {
             Ok(table.index_select(&flat, 0)?.reshape((b, 1, t, ()))?.to_dtype(dtype)?)
         };

@@ -350,8 +350,7 @@ impl Transformer {
         check_token_ids(input_ids, self.config.vocab_size)?;
         let dev = &self.device;
         let ids = Tensor::from_vec(input_ids.concat(), (b, t), dev)?;
-        let pos = Tensor::from_vec(positions.concat(), (b, t), dev)?;
-        let cos_sin = self.rope.tables(&pos, self.dtype)?;
+        let cos_sin = self.rope.tables(positions, self.dtype)?;
 
         let past = cache.as_ref().map_or(0, |c| c.seq_len());
         let full_mask: Vec<Vec<u8>> = match cache.as_ref() {
