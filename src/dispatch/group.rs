@@ -227,8 +227,7 @@ impl WorkerGroup {
         let (name, config) = (loss_fn.to_string(), config.clone());
         let out = self.on_all(move |s| {
             let chunk = s.staged.get(&index).ok_or_else(|| Error::input(format!("staged mini-batch {index} missing on a rank")))?;
-            let chunk = chunk.clone();
-            Ok((s.info, s.worker.forward_backward(&chunk, &name, &config, per_token)?))
+            Ok((s.info, s.worker.forward_backward(chunk, &name, &config, per_token)?))
         })?;
         Ok(self.collect(out, real))
     }
