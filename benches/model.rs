@@ -16,7 +16,9 @@ use common::{d256_model, threads, time};
 use oxrl::model::{logprobs::target_logprobs, Transformer};
 
 fn batch(b: usize, t: usize, seed: u32) -> Vec<Vec<u32>> {
-    (0..b).map(|r| (0..t).map(|i| (seed.wrapping_mul(31).wrapping_add((r * 977 + i * 131) as u32)) % 4096).collect()).collect()
+    (0..b)
+        .map(|r| (0..t).map(|i| (seed.wrapping_mul(31).wrapping_add((r * 977 + i * 131) as u32)) % 4096).collect())
+        .collect()
 }
 
 fn train_step(m: &Transformer, vars: &[(String, candle_core::Var)]) {
@@ -35,11 +37,13 @@ fn decode(m: &Transformer, b: usize, steps: usize, use_cache: bool) {
     let prompt = 16;
     let mut ids = batch(b, prompt, 3);
     let mut cache = m.new_cache();
-    let pos = |from: usize, to: usize| -> Vec<Vec<u32>> { (0..b).map(|_| (from as u32..to as u32).collect()).collect() };
+    let pos =
+        |from: usize, to: usize| -> Vec<Vec<u32>> { (0..b).map(|_| (from as u32..to as u32).collect()).collect() };
     let mut logits = m.forward(&ids, &pos(0, prompt), &vec![vec![1; prompt]; b], Some(&mut cache)).unwrap();
     for s in 0..steps {
         let t = logits.dim(1).unwrap();
-        let next: Vec<u32> = logits.narrow(1, t - 1, 1).unwrap().squeeze(1).unwrap().argmax(1).unwrap().to_vec1().unwrap();
+        let next: Vec<u32> =
+            logits.narrow(1, t - 1, 1).unwrap().squeeze(1).unwrap().argmax(1).unwrap().to_vec1().unwrap();
         let n = prompt + s;
         if use_cache {
             let step: Vec<Vec<u32>> = next.iter().map(|&x| vec![x]).collect();

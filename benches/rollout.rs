@@ -13,7 +13,6 @@
 
 mod common;
 
-
 use oxrl::model::lora::{self, LoraConfig};
 use oxrl::model::Transformer;
 use oxrl::rollout::{Engine, EngineConfig, EngineCore, PauseMode, Request, SamplingParams, WeightUpdate};
@@ -44,7 +43,8 @@ fn uncached_decode(m: &Transformer, c: usize) {
         let n = ids[0].len();
         let pos: Vec<Vec<u32>> = (0..c).map(|_| (0..n as u32).collect()).collect();
         let logits = m.forward(&ids, &pos, &vec![vec![1; n]; c], None).unwrap();
-        let next: Vec<u32> = logits.narrow(1, n - 1, 1).unwrap().squeeze(1).unwrap().argmax(1).unwrap().to_vec1().unwrap();
+        let next: Vec<u32> =
+            logits.narrow(1, n - 1, 1).unwrap().squeeze(1).unwrap().argmax(1).unwrap().to_vec1().unwrap();
         for (row, x) in ids.iter_mut().zip(next) {
             row.push(x);
         }
@@ -88,7 +88,10 @@ fn main() {
         engine.update_weights(full.clone(), v).unwrap();
         engine.resume().unwrap();
     });
-    println!("threads={threads} weight swap (full) through the engine thread, pause keep + update + resume: {:.2} ms", t * 1e3);
+    println!(
+        "threads={threads} weight swap (full) through the engine thread, pause keep + update + resume: {:.2} ms",
+        t * 1e3
+    );
     let params: usize = m.named_params().iter().map(|(_, t)| t.elem_count()).sum();
     println!("(model: {:.1} M parameters, {:.1} MB in f32)", params as f64 / 1e6, params as f64 * 4.0 / 1e6);
 }

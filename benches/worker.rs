@@ -22,7 +22,9 @@ const BIG_REPS: usize = 2;
 
 fn batch(b: usize, t: usize, seed: u32) -> Vec<Datum> {
     let tokens = |r: usize, salt: u32| -> Vec<u32> {
-        (0..t).map(|i| (seed.wrapping_mul(31).wrapping_add(salt).wrapping_add((r * 977 + i * 131) as u32)) % 4096).collect()
+        (0..t)
+            .map(|i| (seed.wrapping_mul(31).wrapping_add(salt).wrapping_add((r * 977 + i * 131) as u32)) % 4096)
+            .collect()
     };
     let w = 1.0 / (b * t) as f32;
     (0..b).map(|r| Datum::supervised(tokens(r, 0), tokens(r, 7), vec![w; t])).collect()
@@ -41,7 +43,11 @@ fn main() {
     };
     step(); // warm-up
     let s = median((0..5).map(|_| step()).collect());
-    println!("threads={threads} forward_backward+optim_step 8x128 (micro-batch 8): {:.1} ms/step, {:.0} tokens/s", s * 1e3, 1024.0 / s);
+    println!(
+        "threads={threads} forward_backward+optim_step 8x128 (micro-batch 8): {:.1} ms/step, {:.0} tokens/s",
+        s * 1e3,
+        1024.0 / s
+    );
 
     let big = batch(64, 512, 2);
     let mut best = [f64::INFINITY; 2];

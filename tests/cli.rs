@@ -25,7 +25,9 @@ fn ok_lines(args: &[&str]) -> Vec<Value> {
     String::from_utf8(out.stdout)
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("oxrl {args:?}: stdout line {l:?} is not JSON: {e}")))
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("oxrl {args:?}: stdout line {l:?} is not JSON: {e}"))
+        })
         .collect()
 }
 
@@ -33,7 +35,11 @@ fn ok_lines(args: &[&str]) -> Vec<Value> {
 fn err_text(args: &[&str]) -> String {
     let out = oxrl(args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "oxrl {args:?} succeeded, expected a failure; stdout:\n{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        !out.status.success(),
+        "oxrl {args:?} succeeded, expected a failure; stdout:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert_ne!(out.status.code(), Some(0));
     assert!(out.status.code().is_some(), "oxrl {args:?} was killed by a signal (a crash?):\n{stderr}");
     assert!(!stderr.contains("panicked"), "oxrl {args:?} panicked:\n{stderr}");
@@ -111,7 +117,21 @@ fn init_model_writes_loadable_models() {
     ];
     for (arch, extra, want_arch, tied) in cases {
         let out = tmp.path().join(arch);
-        let mut args = vec!["init-model", "--arch", arch, "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--out", s(&out)];
+        let mut args = vec![
+            "init-model",
+            "--arch",
+            arch,
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--out",
+            s(&out),
+        ];
         args.extend_from_slice(extra);
         let run = oxrl(&args);
         let stderr = String::from_utf8_lossy(&run.stderr).to_string();
@@ -120,7 +140,11 @@ fn init_model_writes_loadable_models() {
         let m = load(&out);
         let c = &m.config;
         assert_eq!(c.arch, want_arch);
-        assert_eq!((c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads), (32, 2, 4, 2), "{arch}");
+        assert_eq!(
+            (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads),
+            (32, 2, 4, 2),
+            "{arch}"
+        );
         assert_eq!((c.head_dim, c.intermediate_size, c.vocab_size), (8, 128, 259), "{arch}");
         assert_eq!(c.max_position_embeddings, 2048);
         assert_eq!(c.tie_word_embeddings, tied, "{arch}");
@@ -150,7 +174,18 @@ fn init_model_writes_loadable_models() {
         assert_eq!(tok.decode(&ids, true).unwrap(), "hi there");
 
         // The fresh model serves the other commands.
-        let gen = ok_lines(&["generate", "--model", s(&out), "--prompt", "hello", "--max-tokens", "5", "--temperature", "0", "--ignore-eos"]);
+        let gen = ok_lines(&[
+            "generate",
+            "--model",
+            s(&out),
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]);
         assert_eq!(gen.len(), 1);
         let toks = u32s(&gen[0]["tokens"]);
         assert_eq!(toks.len(), 5);
@@ -163,7 +198,21 @@ fn init_model_is_seeded() {
     let tmp = tempfile::tempdir().unwrap();
     let init = |name: &str, seed: &str| -> Vec<u8> {
         let out = tmp.path().join(name);
-        let run = oxrl(&["init-model", "--arch", "llama", "--hidden", "16", "--layers", "1", "--heads", "2", "--seed", seed, "--out", s(&out)]);
+        let run = oxrl(&[
+            "init-model",
+            "--arch",
+            "llama",
+            "--hidden",
+            "16",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--seed",
+            seed,
+            "--out",
+            s(&out),
+        ]);
         assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
         std::fs::read(out.join("model.safetensors")).unwrap()
     };
@@ -209,7 +258,8 @@ fn score_matches_forward_and_golden() {
         .unwrap();
 
     let tmp = tempfile::tempdir().unwrap();
-    let seqs: Vec<Vec<u32>> = vec![rows[0].0.clone(), text_ids.clone(), vec![5], rows[2].0.clone(), vec![7, 8], rows[1].0.clone()];
+    let seqs: Vec<Vec<u32>> =
+        vec![rows[0].0.clone(), text_ids.clone(), vec![5], rows[2].0.clone(), vec![7, 8], rows[1].0.clone()];
     let lines = vec![
         json!({"tokens": rows[0].0}).to_string(),
         json!({"text": text}).to_string(),
@@ -236,7 +286,8 @@ fn score_matches_forward_and_golden() {
         }
         let want = score_alone(&m, seq);
         for (j, w) in want.iter().enumerate() {
-            let got = lp[j + 1].as_f64().unwrap_or_else(|| panic!("line {i}: logprob {} is {}", j + 1, lp[j + 1])) as f32;
+            let got =
+                lp[j + 1].as_f64().unwrap_or_else(|| panic!("line {i}: logprob {} is {}", j + 1, lp[j + 1])) as f32;
             assert!(got < 0.0);
             assert!((got - w).abs() < 1e-5, "line {i}, token {}: {got} vs forward {w}", j + 1);
         }
@@ -319,7 +370,8 @@ fn score_errors() {
     let e = err_text(&["score", "--model", &fix, "--input", &bad_json]);
     assert_mentions(&e, &["line 2", "invalid JSON", &bad_json]);
 
-    let no_field = write_lines(tmp.path(), "b.jsonl", &["".into(), "{\"tokens\": [4]}".into(), "{\"ids\": [1, 2]}".into()]);
+    let no_field =
+        write_lines(tmp.path(), "b.jsonl", &["".into(), "{\"tokens\": [4]}".into(), "{\"ids\": [1, 2]}".into()]);
     assert_mentions(&err_text(&["score", "--model", &fix, "--input", &no_field]), &["line 3", "tokens", "text"]);
 
     let bad_ids = write_lines(tmp.path(), "c.jsonl", &["{\"tokens\": [1, -2]}".into()]);
@@ -328,27 +380,46 @@ fn score_errors() {
     let empty = write_lines(tmp.path(), "d.jsonl", &["{\"tokens\": []}".into()]);
     assert_mentions(&err_text(&["score", "--model", &fix, "--input", &empty]), &["line 1", "empty"]);
 
-    let out_of_range = write_lines(tmp.path(), "e.jsonl", &["{\"tokens\": [3, 4]}".into(), "{\"tokens\": [5, 300, 6]}".into()]);
-    assert_mentions(&err_text(&["score", "--model", &fix, "--input", &out_of_range]), &["line 2", "token id 300", "vocab_size 300"]);
+    let out_of_range =
+        write_lines(tmp.path(), "e.jsonl", &["{\"tokens\": [3, 4]}".into(), "{\"tokens\": [5, 300, 6]}".into()]);
+    assert_mentions(
+        &err_text(&["score", "--model", &fix, "--input", &out_of_range]),
+        &["line 2", "token id 300", "vocab_size 300"],
+    );
 
     let long: Vec<u32> = vec![5; 257];
     let too_long = write_lines(tmp.path(), "f.jsonl", &[json!({"tokens": long}).to_string()]);
-    assert_mentions(&err_text(&["score", "--model", &fix, "--input", &too_long]), &["line 1", "257", "max_position_embeddings"]);
+    assert_mentions(
+        &err_text(&["score", "--model", &fix, "--input", &too_long]),
+        &["line 1", "257", "max_position_embeddings"],
+    );
 
     let missing_input = tmp.path().join("nope.jsonl");
-    assert_mentions(&err_text(&["score", "--model", &fix, "--input", s(&missing_input)]), &[s(&missing_input), "cannot open"]);
+    assert_mentions(
+        &err_text(&["score", "--model", &fix, "--input", s(&missing_input)]),
+        &[s(&missing_input), "cannot open"],
+    );
 
     let ok_input = write_lines(tmp.path(), "g.jsonl", &["{\"tokens\": [3, 4]}".into()]);
     let missing_model = tmp.path().join("no-model");
-    assert_mentions(&err_text(&["score", "--model", s(&missing_model), "--input", &ok_input]), &[s(&missing_model), "config.json"]);
+    assert_mentions(
+        &err_text(&["score", "--model", s(&missing_model), "--input", &ok_input]),
+        &[s(&missing_model), "config.json"],
+    );
 
     let missing_lora = tmp.path().join("no-lora");
     assert_mentions(
         &err_text(&["score", "--model", &fix, "--lora", s(&missing_lora), "--input", &ok_input]),
         &[s(&missing_lora), "adapter_config.json"],
     );
-    assert_mentions(&err_text(&["score", "--model", &fix, "--input", &ok_input, "--dtype", "int4"]), &["dtype", "int4"]);
-    assert_mentions(&err_text(&["score", "--model", &fix, "--input", &ok_input, "--batch-size", "0"]), &["--batch-size"]);
+    assert_mentions(
+        &err_text(&["score", "--model", &fix, "--input", &ok_input, "--dtype", "int4"]),
+        &["dtype", "int4"],
+    );
+    assert_mentions(
+        &err_text(&["score", "--model", &fix, "--input", &ok_input, "--batch-size", "0"]),
+        &["--batch-size"],
+    );
 }
 
 // ---------------------------------------------------------------- generate
@@ -359,7 +430,18 @@ fn generate_greedy_equals_transformers() {
         let (prompt, want) = Golden::load(arch).greedy();
         assert_eq!(want.len(), 12);
         let p = ids_arg(&prompt);
-        let out = ok_lines(&["generate", "--model", &fixture(arch), "--prompt-tokens", &p, "--max-tokens", "12", "--temperature", "0", "--ignore-eos"]);
+        let out = ok_lines(&[
+            "generate",
+            "--model",
+            &fixture(arch),
+            "--prompt-tokens",
+            &p,
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]);
         assert_eq!(out.len(), 1, "{arch}");
         assert_eq!(u32s(&out[0]["tokens"]), want, "{arch}: greedy tokens differ from transformers");
         assert_eq!(out[0]["stop_reason"], "length", "{arch}");
@@ -384,8 +466,24 @@ fn generate_sampling_is_seeded() {
     let fix = fixture("qwen2");
     let args = |seed: &str, n: &str| -> Vec<Value> {
         ok_lines(&[
-            "generate", "--model", &fix, "--prompt-tokens", "10,20,30", "--max-tokens", "10", "--temperature", "0.9", "--top-k", "50",
-            "--top-p", "0.95", "--seed", seed, "--n", n, "--ignore-eos",
+            "generate",
+            "--model",
+            &fix,
+            "--prompt-tokens",
+            "10,20,30",
+            "--max-tokens",
+            "10",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "50",
+            "--top-p",
+            "0.95",
+            "--seed",
+            seed,
+            "--n",
+            n,
+            "--ignore-eos",
         ])
     };
     let a = args("7", "1");
@@ -444,7 +542,19 @@ fn generate_from_text_and_chat_prompts() {
 fn generate_stops_at_eos() {
     let fix = fixture("qwen3");
     let run = |ignore: bool| -> Vec<Value> {
-        let mut args = vec!["generate", "--model", &fix, "--prompt-tokens", "5,6,7", "--max-tokens", "60", "--seed", "1", "--n", "16"];
+        let mut args = vec![
+            "generate",
+            "--model",
+            &fix,
+            "--prompt-tokens",
+            "5,6,7",
+            "--max-tokens",
+            "60",
+            "--seed",
+            "1",
+            "--n",
+            "16",
+        ];
         if ignore {
             args.push("--ignore-eos");
         }
@@ -501,7 +611,10 @@ fn generate_errors() {
 
     let tmp = tempfile::tempdir().unwrap();
     let missing = tmp.path().join("missing-model");
-    assert_mentions(&err_text(&["generate", "--model", s(&missing), "--prompt-tokens", "5"]), &[s(&missing), "config.json"]);
+    assert_mentions(
+        &err_text(&["generate", "--model", s(&missing), "--prompt-tokens", "5"]),
+        &[s(&missing), "config.json"],
+    );
 
     // A model without a tokenizer cannot take a text prompt, and says why.
     let bare = tmp.path().join("bare");
@@ -511,7 +624,17 @@ fn generate_errors() {
     }
     assert_mentions(&err_text(&["generate", "--model", s(&bare), "--prompt", "hi"]), &["--prompt", "tokenizer.json"]);
     // ... but token ids work, stopping at config.json's EOS.
-    let out = ok_lines(&["generate", "--model", s(&bare), "--prompt-tokens", "5,6", "--max-tokens", "3", "--temperature", "0"]);
+    let out = ok_lines(&[
+        "generate",
+        "--model",
+        s(&bare),
+        "--prompt-tokens",
+        "5,6",
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0",
+    ]);
     assert_eq!(out.len(), 1);
 }
 

@@ -35,12 +35,34 @@ fn defaults_round_trip_through_toml_and_list_every_key() {
     assert_eq!(back, d);
     let keys = schema_keys::<SftConfig>().unwrap();
     for k in [
-        "model.path", "model.dtype", "model.lora.rank", "model.lora.alpha", "model.lora.targets",
-        "data.train_file", "data.eval_file", "data.eval_fraction", "data.max_length", "data.train_on",
-        "data.on_bad_row", "data.shuffle_seed", "optimizer.lr", "optimizer.betas", "optimizer.eps",
-        "optimizer.weight_decay", "optimizer.grad_clip_norm", "schedule.kind", "schedule.warmup_steps",
-        "schedule.min_lr_ratio", "train.batch_size", "train.micro_batch_size", "train.epochs",
-        "train.max_steps", "train.eval_every", "train.checkpoint_every", "train.seed", "output.run_dir",
+        "model.path",
+        "model.dtype",
+        "model.lora.rank",
+        "model.lora.alpha",
+        "model.lora.targets",
+        "data.train_file",
+        "data.eval_file",
+        "data.eval_fraction",
+        "data.max_length",
+        "data.train_on",
+        "data.on_bad_row",
+        "data.shuffle_seed",
+        "optimizer.lr",
+        "optimizer.betas",
+        "optimizer.eps",
+        "optimizer.weight_decay",
+        "optimizer.grad_clip_norm",
+        "schedule.kind",
+        "schedule.warmup_steps",
+        "schedule.min_lr_ratio",
+        "train.batch_size",
+        "train.micro_batch_size",
+        "train.epochs",
+        "train.max_steps",
+        "train.eval_every",
+        "train.checkpoint_every",
+        "train.seed",
+        "output.run_dir",
     ] {
         assert!(keys.contains(&k.to_string()), "{k} missing from the schema");
     }
@@ -88,7 +110,10 @@ fn file_then_set_overrides_in_order() {
 #[test]
 fn unknown_keys_in_the_file_name_the_dotted_key_and_suggest_the_nearest() {
     let e = load_err(&format!("{MINIMAL}[optimizer]\nlrr = 1e-4\n"), &[]);
-    assert!(e.contains("run.toml") && e.contains("`optimizer.lrr`") && e.contains("did you mean `optimizer.lr`?"), "{e}");
+    assert!(
+        e.contains("run.toml") && e.contains("`optimizer.lrr`") && e.contains("did you mean `optimizer.lr`?"),
+        "{e}"
+    );
     let e = load_err(&format!("{MINIMAL}[model.lora]\nrnak = 4\n"), &[]);
     assert!(e.contains("`model.lora.rnak`") && e.contains("did you mean `model.lora.rank`?"), "{e}");
     // A key in the wrong section is found in the right one.
@@ -104,7 +129,10 @@ fn unknown_keys_in_the_file_name_the_dotted_key_and_suggest_the_nearest() {
 #[test]
 fn wrong_types_and_bad_values_name_the_key() {
     let e = load_err(&format!("{MINIMAL}[optimizer]\nlr = \"fast\"\n"), &[]);
-    assert!(e.contains("run.toml") && e.contains("`optimizer.lr`") && e.contains("expected a float, found a string"), "{e}");
+    assert!(
+        e.contains("run.toml") && e.contains("`optimizer.lr`") && e.contains("expected a float, found a string"),
+        "{e}"
+    );
     let e = load_err(&format!("{MINIMAL}[train]\nbatch_size = 1.5\n"), &[]);
     assert!(e.contains("`train.batch_size`") && e.contains("expected an integer, found a float"), "{e}");
     let e = load_err(&format!("{MINIMAL}[schedule]\nkind = \"cosin\"\n"), &[]);
@@ -158,7 +186,10 @@ fn suggestions_by_edit_distance() {
     assert_eq!(edit_distance("", "abc"), 3);
     assert_eq!(edit_distance("lr", "lr"), 0);
     assert_eq!(edit_distance("rnak", "rank"), 1, "a swap is one edit");
-    let keys: Vec<String> = ["optimizer", "optimizer.lr", "optimizer.eps", "train", "train.epochs", "train.seed"].iter().map(|s| s.to_string()).collect();
+    let keys: Vec<String> = ["optimizer", "optimizer.lr", "optimizer.eps", "train", "train.epochs", "train.seed"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     assert_eq!(suggest("optimizer.esp", &keys).as_deref(), Some("optimizer.eps"));
     assert_eq!(suggest("train.epoch", &keys).as_deref(), Some("train.epochs"));
     assert_eq!(suggest("train.epochs_total_count", &keys), None);
@@ -204,7 +235,16 @@ fn config_show_prints_defaults_and_resolved_configs() {
     assert_eq!(shown, SftConfig::default());
 
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/sft_tiny.toml");
-    let out = oxrl(&["config", "show", "--config", example.to_str().unwrap(), "--set", "optimizer.lr=2e-5", "--set", "train.epochs=3"]);
+    let out = oxrl(&[
+        "config",
+        "show",
+        "--config",
+        example.to_str().unwrap(),
+        "--set",
+        "optimizer.lr=2e-5",
+        "--set",
+        "train.epochs=3",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let shown: SftConfig = toml::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap();
     let mut expect = SftConfig::load(Some(&example), &[]).unwrap();

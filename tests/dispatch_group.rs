@@ -41,7 +41,11 @@ fn batch() -> Vec<Datum> {
 /// Every trainable parameter of the first rank, flattened.
 fn params_of(g: &WorkerGroup) -> Vec<f64> {
     g.inspect(|w| {
-        w.params().iter().flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).map(|x| x as f64).collect()
+        w.params()
+            .iter()
+            .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .map(|x| x as f64)
+            .collect()
     })
     .unwrap()
     .remove(0)
@@ -80,7 +84,8 @@ fn parameters_after_three_steps_do_not_depend_on_dp_or_micro_batch_size() {
                 assert!((a - b).abs() < 1e-5 * b, "dp {dp} micro-batch {mbs:?}: grad norm {a} vs {b}");
             }
             // Every replica holds the same parameters.
-            let all = g.inspect(|w| w.params()[0].1.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).unwrap();
+            let all =
+                g.inspect(|w| w.params()[0].1.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).unwrap();
             assert!(all.iter().all(|p| p == &all[0]), "dp {dp}: replicas diverged");
         }
     }
@@ -131,7 +136,15 @@ fn tensor_parallel_replicas_are_collected_once() {
     g.optim_step(&adam).unwrap();
     single.optim_step(&adam).unwrap();
     let want = params_of(&single);
-    let got = g.inspect(|w| w.params().iter().flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).map(|x| x as f64).collect::<Vec<_>>()).unwrap();
+    let got = g
+        .inspect(|w| {
+            w.params()
+                .iter()
+                .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .map(|x| x as f64)
+                .collect::<Vec<_>>()
+        })
+        .unwrap();
     for p in got {
         assert!(rel(&p, &want) < 1e-5);
     }
@@ -148,12 +161,18 @@ fn colocated_roles_offload_and_backload_bit_exactly() {
         d.group(Role::Policy)
             .unwrap()
             .inspect(|w| {
-                let p: Vec<Vec<f32>> = w.params().iter().map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect();
+                let p: Vec<Vec<f32>> =
+                    w.params().iter().map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect();
                 let m: Vec<Vec<f32>> = w
                     .params()
                     .iter()
                     .filter_map(|(n, _)| w.moments(n))
-                    .flat_map(|m| [m.exp_avg.flatten_all().unwrap().to_vec1().unwrap(), m.exp_avg_sq.flatten_all().unwrap().to_vec1().unwrap()])
+                    .flat_map(|m| {
+                        [
+                            m.exp_avg.flatten_all().unwrap().to_vec1().unwrap(),
+                            m.exp_avg_sq.flatten_all().unwrap().to_vec1().unwrap(),
+                        ]
+                    })
                     .collect();
                 (p, m)
             })

@@ -111,7 +111,10 @@ fn residency_follows_the_colocation_rules() {
     );
     assert_eq!(r.resident(Role::Policy), Parts::MODEL);
     // A training step then brings back only the optimizer.
-    assert_eq!(r.prepare(Role::Policy, Parts::ALL), vec![Move::Backload(Role::Policy, Parts { model: false, optimizer: true })]);
+    assert_eq!(
+        r.prepare(Role::Policy, Parts::ALL),
+        vec![Move::Backload(Role::Policy, Parts { model: false, optimizer: true })]
+    );
     // Running again with everything resident moves nothing.
     assert_eq!(r.prepare(Role::Policy, Parts::ALL), vec![]);
     assert_eq!(r.prepare(Role::Policy, Parts::MODEL), vec![]);

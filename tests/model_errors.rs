@@ -288,7 +288,10 @@ fn weights_unexpected_tensor() {
     // Buffers transformers itself ignores are allowed.
     let d = copy_fixture("qwen3");
     edit_weights(d.path(), |w| {
-        w.insert("model.layers.0.self_attn.rotary_emb.inv_freq".into(), Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap());
+        w.insert(
+            "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+            Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap(),
+        );
     });
     load(d.path());
 }
@@ -341,7 +344,10 @@ fn weights_corrupt_file() {
 fn weights_file_missing() {
     let d = copy_fixture("qwen3");
     std::fs::remove_file(d.path().join("model.safetensors")).unwrap();
-    assert_mentions(&load_err(d.path()), &[&path_str(d.path().to_path_buf()), "model.safetensors", "model.safetensors.index.json"]);
+    assert_mentions(
+        &load_err(d.path()),
+        &[&path_str(d.path().to_path_buf()), "model.safetensors", "model.safetensors.index.json"],
+    );
 
     // A missing model directory names config.json in it.
     let missing = d.path().join("no-such-model");
@@ -373,7 +379,8 @@ fn sharded_copy(arch: &str) -> (TempDir, HashMap<String, String>) {
 }
 
 fn write_index(dir: &Path, map: &HashMap<String, String>) {
-    std::fs::write(dir.join("model.safetensors.index.json"), json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    std::fs::write(dir.join("model.safetensors.index.json"), json!({"metadata": {}, "weight_map": map}).to_string())
+        .unwrap();
 }
 
 #[test]
@@ -391,7 +398,12 @@ fn sharded_index_names_missing_shard() {
     write_index(d.path(), &map);
     assert_mentions(
         &load_err(d.path()),
-        &[&path_str(d.path().join("model-00003-of-00002.safetensors")), "no such file", "model.safetensors.index.json", name],
+        &[
+            &path_str(d.path().join("model-00003-of-00002.safetensors")),
+            "no such file",
+            "model.safetensors.index.json",
+            name,
+        ],
     );
 
     // A shard file deleted from disk.
@@ -524,7 +536,8 @@ fn forward_cache_row_mismatch() {
     let (ids, pos, mask) = row(3);
     let mut cache: KvCache = m.new_cache();
     m.forward(&[ids.clone(), ids], &[pos.clone(), pos], &[mask.clone(), mask], Some(&mut cache)).unwrap();
-    let e = expect_err("cache of 2 rows, batch of 1", || m.forward(&[vec![7]], &[vec![3]], &[vec![1]], Some(&mut cache)));
+    let e =
+        expect_err("cache of 2 rows, batch of 1", || m.forward(&[vec![7]], &[vec![3]], &[vec![1]], Some(&mut cache)));
     assert_mentions(&e.to_string(), &["cache holds 2 rows", "batch has 1"]);
 }
 
@@ -636,7 +649,8 @@ fn lora_files_missing_or_corrupt() {
     assert_mentions(&lora_err(&d), &[&adapter_file(&d)]);
 
     let d = copy_fixture("qwen3");
-    std::fs::write(d.path().join("lora/adapter_model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ").unwrap();
+    std::fs::write(d.path().join("lora/adapter_model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ")
+        .unwrap();
     assert_mentions(&lora_err(&d), &[&adapter_file(&d), "safetensors"]);
 }
 
@@ -644,7 +658,8 @@ fn lora_files_missing_or_corrupt() {
 fn sliding_attention_layers_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(common::fixture_dir("qwen3").join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(common::fixture_dir("qwen3").join("config.json")).unwrap())
+            .unwrap();
     cfg["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]);
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
     let err = oxrl::model::ModelConfig::from_dir(dir.path()).unwrap_err().to_string();

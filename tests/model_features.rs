@@ -31,12 +31,26 @@ fn kv_cache_decode_equals_full_forward() {
         let t = b.ids[0].len();
         let prefill = 9;
         let mut cache = m.new_cache();
-        let mask_cols = |from: usize, to: usize| -> Vec<Vec<u8>> { b.mask.iter().map(|r| r[from..to].to_vec()).collect() };
+        let mask_cols =
+            |from: usize, to: usize| -> Vec<Vec<u8>> { b.mask.iter().map(|r| r[from..to].to_vec()).collect() };
         let mut pieces = vec![m
-            .forward(&cols(&b.ids, 0, prefill), &cols(&b.positions, 0, prefill), &mask_cols(0, prefill), Some(&mut cache))
+            .forward(
+                &cols(&b.ids, 0, prefill),
+                &cols(&b.positions, 0, prefill),
+                &mask_cols(0, prefill),
+                Some(&mut cache),
+            )
             .unwrap()];
         for i in prefill..t {
-            pieces.push(m.forward(&cols(&b.ids, i, i + 1), &cols(&b.positions, i, i + 1), &mask_cols(i, i + 1), Some(&mut cache)).unwrap());
+            pieces.push(
+                m.forward(
+                    &cols(&b.ids, i, i + 1),
+                    &cols(&b.positions, i, i + 1),
+                    &mask_cols(i, i + 1),
+                    Some(&mut cache),
+                )
+                .unwrap(),
+            );
         }
         assert_eq!(cache.seq_len(), t);
         let inc = Tensor::cat(&pieces, 1).unwrap();
@@ -62,7 +76,12 @@ fn greedy_logprobs_equal_forward_logprobs_and_batch_does_not_change_rows() {
         let n = seq.len();
         let logits = m.forward(&[seq.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
         let targets = Tensor::new(&seq[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let lp: Vec<f32> = target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+        let lp: Vec<f32> = target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         for (i, &x) in g.logprobs.iter().enumerate() {
             let y = lp[prompt.len() - 1 + i];
             assert!((x - y).abs() < 1e-5, "token {i}: sampler {x} vs forward {y}");
@@ -77,19 +96,26 @@ fn greedy_logprobs_equal_forward_logprobs_and_batch_does_not_change_rows() {
 #[test]
 fn lora_adapter_logprobs_match_peft() {
     let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture_dir("..").join("peft_lora_logprobs.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(fixture_dir("..").join("peft_lora_logprobs.json")).unwrap())
+            .unwrap();
     for arch in ARCHS {
         let mut m = load(arch);
         let base = load(arch);
         lora::load_peft(&mut m, &fixture_dir(arch).join("lora"), false).unwrap();
         for row in reference[arch].as_array().unwrap() {
             let seq: Vec<u32> = row["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-            let want: Vec<f32> = row["target_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            let want: Vec<f32> =
+                row["target_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
             let n = seq.len();
             let lp = |m: &Transformer| -> Vec<f32> {
                 let logits = m.forward(&[seq.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
                 let targets = Tensor::new(&seq[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-                target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets).unwrap().squeeze(0).unwrap().to_vec1().unwrap()
+                target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
             };
             let got = lp(&m);
             let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
@@ -176,7 +202,11 @@ fn save_then_load_is_bit_exact() {
         assert_eq!(a.len(), b.len());
         for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
             assert_eq!(na, nb);
-            assert_eq!(ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(), tb.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{arch}: {na}");
+            assert_eq!(
+                ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                tb.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                "{arch}: {na}"
+            );
         }
         // Tied embeddings are not written twice, as transformers expects.
         let saved = candle_core::safetensors::load(dir.path().join("model.safetensors"), &Device::Cpu).unwrap();
@@ -192,7 +222,8 @@ fn lora_save_then_load_is_bit_exact() {
     // Make B non-zero so the round trip is meaningful.
     for (_, lin) in m.linears_mut() {
         if let Some(l) = lin.lora.as_mut() {
-            l.b = (l.a.sum_all().unwrap().broadcast_add(&Tensor::ones(l.b.dims(), DType::F32, &Device::Cpu).unwrap())).unwrap();
+            l.b = (l.a.sum_all().unwrap().broadcast_add(&Tensor::ones(l.b.dims(), DType::F32, &Device::Cpu).unwrap()))
+                .unwrap();
         }
     }
     let dir = tempfile::tempdir().unwrap();
@@ -204,7 +235,10 @@ fn lora_save_then_load_is_bit_exact() {
     assert_eq!(a.len(), 12);
     for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
         assert_eq!(na, nb);
-        assert_eq!(ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(), tb.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        assert_eq!(
+            ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            tb.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
     }
 }
 
@@ -215,7 +249,8 @@ fn all_linear_is_written_as_peft_writes_it() {
     lora::attach_new(&mut m, &cfg, 0).unwrap();
     let dir = tempfile::tempdir().unwrap();
     lora::save_peft(&mut m, &cfg, dir.path()).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap()).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!(json["target_modules"], serde_json::json!("all-linear"), "PEFT reads all-linear only as a string");
     // Every projection but lm_head got an adapter, and it loads back.
     assert_eq!(lora::adapter_tensors(&mut m).len(), 2 * 7 * 2);
@@ -243,7 +278,11 @@ fn sharded_checkpoint_loads_like_single_file() {
             map.insert(n.clone(), serde_json::Value::String(file.clone()));
         }
     }
-    std::fs::write(dir.path().join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
     let sharded = Transformer::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
     let single = load("qwen3");
     for ((n, a), (_, b)) in single.named_params().iter().zip(sharded.named_params().iter()) {
@@ -252,7 +291,11 @@ fn sharded_checkpoint_loads_like_single_file() {
         } else {
             a.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap()
         };
-        assert_eq!(expect.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{n}");
+        assert_eq!(
+            expect.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "{n}"
+        );
     }
 }
 
@@ -275,14 +318,22 @@ fn bf16_run_is_close_to_f32() {
 fn rope_scaling_matches_transformers() {
     for name in ["llama3", "linear"] {
         let dir = fixture_dir("..").join("rope_scaling").join(name);
-        let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-        let seq: Vec<u32> = reference["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-        let want: Vec<f32> = reference["target_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let seq: Vec<u32> =
+            reference["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let want: Vec<f32> =
+            reference["target_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
         let n = seq.len();
         let score = |m: &Transformer| -> Vec<f32> {
             let logits = m.forward(&[seq.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
             let targets = Tensor::new(&seq[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-            target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets).unwrap().squeeze(0).unwrap().to_vec1().unwrap()
+            target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec1()
+                .unwrap()
         };
         let max_err = |got: &[f32]| got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         let m = Transformer::load(&dir, DType::F32, &Device::Cpu).unwrap();
@@ -291,7 +342,8 @@ fn rope_scaling_matches_transformers() {
 
         // The legacy spelling of the same config.
         let legacy = tempfile::tempdir().unwrap();
-        let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
         let params = cfg.as_object_mut().unwrap().remove("rope_parameters").unwrap();
         cfg["rope_theta"] = params["rope_theta"].clone();
         let mut scaling = params.clone();
@@ -333,7 +385,12 @@ fn cloned_caches_extend_independently() {
         let logits = m.forward(&[seq], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
         logits.narrow(1, n - 1, 1).unwrap().squeeze(0).unwrap().squeeze(0).unwrap()
     };
-    for (what, got, want) in [("a1", a1, full(&[100, 101])), ("b1", b1, full(&[200])), ("a2", a2, full(&[100, 101, 102])), ("b2", b2, full(&[200, 201, 202]))] {
+    for (what, got, want) in [
+        ("a1", a1, full(&[100, 101])),
+        ("b1", b1, full(&[200])),
+        ("a2", a2, full(&[100, 101, 102])),
+        ("b2", b2, full(&[200, 201, 202])),
+    ] {
         let err = max_abs_diff(&got, &want);
         assert!(err < 1e-5, "{what}: {err}");
     }

@@ -102,7 +102,8 @@ fn logprobs_equal_trainer_logprobs_at_any_temperature() {
 fn prompt_logprobs_equal_trainer_logprobs() {
     let m = load("llama");
     let prompt: Vec<u32> = vec![11, 3, 250, 17, 40, 41, 99];
-    let out = solo(&m, Request { prompt_logprobs: true, num_samples: 2, ..Request::new(prompt.clone(), params(3, 1.0, 1)) });
+    let out =
+        solo(&m, Request { prompt_logprobs: true, num_samples: 2, ..Request::new(prompt.clone(), params(3, 1.0, 1)) });
     let lp = out.prompt_logprobs.unwrap();
     let want = trainer_logprobs(&m, &prompt, 1.0);
     assert_eq!(lp.len(), prompt.len() - 1);
@@ -180,10 +181,16 @@ fn sampler_distribution_matches_intended() {
         for _ in 0..20_000 {
             let (tok, lp) = sample(&z, &p, &mut rng).unwrap();
             counts[tok as usize] += 1;
-            assert!((lp as f64 - want[tok as usize].ln()).abs() < 1e-5, "log-prob is not that of the distribution drawn from");
+            assert!(
+                (lp as f64 - want[tok as usize].ln()).abs() < 1e-5,
+                "log-prob is not that of the distribution drawn from"
+            );
         }
         let (stat, df) = chi_square(&counts, &want);
-        assert!(stat < chi_square_critical(df), "T={t} k={top_k} p={top_p}: chi-square {stat:.1} (df {df}), counts {counts:?}, want {want:?}");
+        assert!(
+            stat < chi_square_critical(df),
+            "T={t} k={top_k} p={top_p}: chi-square {stat:.1} (df {df}), counts {counts:?}, want {want:?}"
+        );
     }
 }
 
@@ -199,7 +206,14 @@ fn engine_distribution_matches_intended() {
         let mut e = EngineCore::new(m.clone(), EngineConfig { max_batch: 64, ..Default::default() }).unwrap();
         let (requests, n) = (48, 64);
         for r in 0..requests {
-            let p = SamplingParams { max_tokens: 1, temperature: t, top_k, top_p, seed: Some((r * n) as u64), ..Default::default() };
+            let p = SamplingParams {
+                max_tokens: 1,
+                temperature: t,
+                top_k,
+                top_p,
+                seed: Some((r * n) as u64),
+                ..Default::default()
+            };
             e.add_request(Request { num_samples: n, ..Request::new(prompt.clone(), p) }).unwrap();
         }
         let mut counts = vec![0usize; vocab];
@@ -211,7 +225,10 @@ fn engine_distribution_matches_intended() {
         }
         let (stat, df) = chi_square(&counts, &want);
         assert!(df >= 2, "T={t} k={top_k} p={top_p}: the distribution is too sharp to test: {want:?}");
-        assert!(stat < chi_square_critical(df), "T={t} k={top_k} p={top_p}: chi-square {stat:.1} (df {df}), counts {counts:?}, want {want:?}");
+        assert!(
+            stat < chi_square_critical(df),
+            "T={t} k={top_k} p={top_p}: chi-square {stat:.1} (df {df}), counts {counts:?}, want {want:?}"
+        );
     }
 }
 
@@ -230,7 +247,8 @@ fn stop_ids_and_stop_strings_end_generation_with_the_stop_included() {
     assert_eq!(g.stop_reason, StopReason::Stop);
     assert_eq!(g.logprobs, free.logprobs[..=k].to_vec());
     // The model's EOS ends generation too, unless ignore_eos.
-    let mut e = EngineCore::new(m.clone(), EngineConfig { eos_token_ids: vec![stop_id], ..Default::default() }).unwrap();
+    let mut e =
+        EngineCore::new(m.clone(), EngineConfig { eos_token_ids: vec![stop_id], ..Default::default() }).unwrap();
     e.add_request(Request::new(prompt.clone(), SamplingParams { ignore_eos: false, ..params(40, 1.0, 9) })).unwrap();
     e.add_request(Request::new(prompt.clone(), params(40, 1.0, 9))).unwrap();
     let outs = e.run_until_idle().unwrap();
@@ -244,11 +262,15 @@ fn stop_ids_and_stop_strings_end_generation_with_the_stop_included() {
         .find_map(|k| {
             let (before, now) = (text(k), text(k + 1));
             let chars: Vec<char> = now.chars().collect();
-            (1..=chars.len().min(4)).map(|l| chars[chars.len() - l..].iter().collect::<String>()).find(|s| !before.contains(s.as_str())).map(|s| (k, s))
+            (1..=chars.len().min(4))
+                .map(|l| chars[chars.len() - l..].iter().collect::<String>())
+                .find(|s| !before.contains(s.as_str()))
+                .map(|s| (k, s))
         })
         .unwrap();
     let p = SamplingParams { stop_strings: vec![stop.clone()], ..params(40, 1.0, 9) };
-    let mut e = EngineCore::new(m.clone(), EngineConfig { tokenizer: Some(tok.clone()), ..Default::default() }).unwrap();
+    let mut e =
+        EngineCore::new(m.clone(), EngineConfig { tokenizer: Some(tok.clone()), ..Default::default() }).unwrap();
     e.add_request(Request::new(prompt.clone(), p)).unwrap();
     let g = e.run_until_idle().unwrap().pop().unwrap().1.samples.remove(0);
     assert_eq!(g.tokens, free.tokens[..=k].to_vec(), "stop string {stop:?}");
@@ -309,7 +331,8 @@ fn sixty_four_mixed_requests_each_equal_their_solo_run() {
         same(out, &want[i], &format!("core, request {i}"));
     }
 
-    let engine = Engine::start(m.clone(), EngineConfig { max_batch: 24, eos_token_ids: vec![2], ..Default::default() }).unwrap();
+    let engine =
+        Engine::start(m.clone(), EngineConfig { max_batch: 24, eos_token_ids: vec![2], ..Default::default() }).unwrap();
     let pending: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
     for (i, rx) in pending.into_iter().enumerate() {
         same(&rx.recv().unwrap().unwrap(), &want[i], &format!("thread, request {i}"));
@@ -323,7 +346,9 @@ fn sixty_four_mixed_requests_each_equal_their_solo_run() {
 #[test]
 fn bad_requests_are_clear_errors() {
     let m = load("qwen3");
-    let mut e = EngineCore::new(m.clone(), EngineConfig { max_batch: 4, kv_cache_tokens: Some(100), ..Default::default() }).unwrap();
+    let mut e =
+        EngineCore::new(m.clone(), EngineConfig { max_batch: 4, kv_cache_tokens: Some(100), ..Default::default() })
+            .unwrap();
     let ok = params(4, 0.0, 0);
     let err = |e: &mut EngineCore, r: Request| -> String { e.add_request(r).unwrap_err().to_string() };
     let mentions = |msg: String, words: &[&str]| {
@@ -333,10 +358,22 @@ fn bad_requests_are_clear_errors() {
     };
     mentions(err(&mut e, Request::new(vec![], ok.clone())), &["prompt is empty"]);
     mentions(err(&mut e, Request::new(vec![5, 300, 7], ok.clone())), &["token id 300", "position 1", "vocab_size 300"]);
-    mentions(err(&mut e, Request::new(vec![5, 6], params(255, 0.0, 0))), &["prompt length 2", "max_tokens 255", "max_position_embeddings 256"]);
-    mentions(err(&mut e, Request::new(vec![5; 60], params(60, 0.0, 0))), &["needs 120 KV-cache slots", "budget is 100", "never fit"]);
-    mentions(err(&mut e, Request { num_samples: 3, ..Request::new(vec![5; 20], params(20, 0.0, 0)) }), &["needs 120", "never fit"]);
-    mentions(err(&mut e, Request { num_samples: 5, ..Request::new(vec![5], ok.clone()) }), &["num_samples 5", "max_batch 4"]);
+    mentions(
+        err(&mut e, Request::new(vec![5, 6], params(255, 0.0, 0))),
+        &["prompt length 2", "max_tokens 255", "max_position_embeddings 256"],
+    );
+    mentions(
+        err(&mut e, Request::new(vec![5; 60], params(60, 0.0, 0))),
+        &["needs 120 KV-cache slots", "budget is 100", "never fit"],
+    );
+    mentions(
+        err(&mut e, Request { num_samples: 3, ..Request::new(vec![5; 20], params(20, 0.0, 0)) }),
+        &["needs 120", "never fit"],
+    );
+    mentions(
+        err(&mut e, Request { num_samples: 5, ..Request::new(vec![5], ok.clone()) }),
+        &["num_samples 5", "max_batch 4"],
+    );
     mentions(err(&mut e, Request { num_samples: 0, ..Request::new(vec![5], ok.clone()) }), &["num_samples"]);
     for top_p in [0.0, 1.5, f64::NAN, -0.1] {
         mentions(err(&mut e, Request::new(vec![5], SamplingParams { top_p, ..ok.clone() })), &["top_p"]);
@@ -344,8 +381,14 @@ fn bad_requests_are_clear_errors() {
     for temperature in [-1.0, f64::INFINITY, f64::NAN] {
         mentions(err(&mut e, Request::new(vec![5], SamplingParams { temperature, ..ok.clone() })), &["temperature"]);
     }
-    mentions(err(&mut e, Request::new(vec![5], SamplingParams { stop_strings: vec!["x".into()], ..ok.clone() })), &["stop strings", "tokenizer"]);
-    mentions(err(&mut e, Request::new(vec![5], SamplingParams { stop_strings: vec!["".into()], ..ok.clone() })), &["stop string is empty"]);
+    mentions(
+        err(&mut e, Request::new(vec![5], SamplingParams { stop_strings: vec!["x".into()], ..ok.clone() })),
+        &["stop strings", "tokenizer"],
+    );
+    mentions(
+        err(&mut e, Request::new(vec![5], SamplingParams { stop_strings: vec!["".into()], ..ok.clone() })),
+        &["stop string is empty"],
+    );
     // Nothing was queued; a good request still runs; max_tokens 0 gives an empty completion.
     assert!(!e.has_work());
     e.add_request(Request::new(vec![5, 6], ok.clone())).unwrap();
@@ -356,7 +399,8 @@ fn bad_requests_are_clear_errors() {
     assert!(EngineCore::new(m.clone(), EngineConfig { max_batch: 0, ..Default::default() }).is_err());
 
     // Through the engine thread: the error comes back, the engine lives on.
-    let engine = Engine::start(m, EngineConfig { max_batch: 4, kv_cache_tokens: Some(100), ..Default::default() }).unwrap();
+    let engine =
+        Engine::start(m, EngineConfig { max_batch: 4, kv_cache_tokens: Some(100), ..Default::default() }).unwrap();
     let msg = engine.generate(Request::new(vec![5; 60], params(60, 0.0, 0))).unwrap_err().to_string();
     assert!(msg.contains("never fit"), "{msg}");
     assert!(engine.generate(Request::new(vec![], ok.clone())).is_err());
@@ -368,7 +412,9 @@ fn bad_requests_are_clear_errors() {
 #[test]
 fn kv_budget_admits_requests_as_room_frees_up() {
     let m = load("llama");
-    let mut e = EngineCore::new(m.clone(), EngineConfig { max_batch: 8, kv_cache_tokens: Some(60), ..Default::default() }).unwrap();
+    let mut e =
+        EngineCore::new(m.clone(), EngineConfig { max_batch: 8, kv_cache_tokens: Some(60), ..Default::default() })
+            .unwrap();
     for i in 0..4 {
         e.add_request(Request::new(vec![5 + i; 10], params(20, 0.0, 0))).unwrap();
     }

@@ -13,8 +13,8 @@ use oxrl::model::tokenizer::Tokenizer;
 use oxrl::model::{init, Transformer};
 use oxrl::rollout::client::continuation;
 use oxrl::rollout::{
-    chat, generate, Engine, EngineClient, EngineConfig, EngineCore, Generation, PauseMode, Request, RequestOutput, SamplingParams,
-    StopReason, WeightUpdate,
+    chat, generate, Engine, EngineClient, EngineConfig, EngineCore, Generation, PauseMode, Request, RequestOutput,
+    SamplingParams, StopReason, WeightUpdate,
 };
 use serde_json::json;
 
@@ -76,7 +76,8 @@ fn interrupted(m: &Transformer, req: &Request, at: &[usize], new: Option<&Weight
     }
     for (i, &n) in at.iter().enumerate().skip(1) {
         e.resume();
-        let ids: Vec<_> = out.samples.iter().enumerate().map(|(j, g)| e.add_request(continuation(req, j, g)).unwrap()).collect();
+        let ids: Vec<_> =
+            out.samples.iter().enumerate().map(|(j, g)| e.add_request(continuation(req, j, g)).unwrap()).collect();
         steps(&mut e, n);
         let mut aborted = e.pause(PauseMode::Abort);
         aborted.sort_by_key(|(id, _)| *id);
@@ -172,7 +173,8 @@ fn keep_mode_freezes_then_continues_with_the_cache() {
 fn adapter(arch: &str) -> WeightUpdate {
     let dir = fixture_dir(arch).join("lora");
     let config = LoraConfig::from_file(&dir.join(lora::CONFIG_FILE)).unwrap();
-    let tensors = candle_core::safetensors::load(dir.join(lora::WEIGHTS_FILE), &Device::Cpu).unwrap().into_iter().collect();
+    let tensors =
+        candle_core::safetensors::load(dir.join(lora::WEIGHTS_FILE), &Device::Cpu).unwrap().into_iter().collect();
     WeightUpdate::Lora { config, tensors }
 }
 
@@ -238,7 +240,8 @@ fn updates_do_not_alias_the_trainers_tensors() {
     let mut trainer = m.clone();
     let vars = trainer.make_trainable().unwrap();
     let mut e = core(&m);
-    e.update_weights(&WeightUpdate::Full(vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()), 1).unwrap();
+    e.update_weights(&WeightUpdate::Full(vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()), 1)
+        .unwrap();
     let prompt = vec![4u32, 5, 6];
     let before = solo(&m, Request::new(prompt.clone(), params(10, 0.0, 0))).samples.remove(0).tokens;
     for (_, v) in &vars {
@@ -315,12 +318,17 @@ fn client_keep_mode_update_in_flight() {
 #[test]
 fn client_routes_by_load_and_group_and_reports_health() {
     let m = load("qwen2");
-    let engines = (0..2).map(|_| Engine::start(m.clone(), EngineConfig { max_batch: 8, ..Default::default() }).unwrap()).collect();
+    let engines = (0..2)
+        .map(|_| Engine::start(m.clone(), EngineConfig { max_batch: 8, ..Default::default() }).unwrap())
+        .collect();
     let client = EngineClient::new(engines).unwrap();
     let g = client.route(Some(77));
     assert_eq!(client.route(Some(77)), g);
     let reqs: Vec<Request> = (0..24u64)
-        .map(|i| Request { group: (i % 2 == 0).then_some(i / 4), ..Request::new(vec![1 + i as u32, 2, 3], params(20, 1.0, i)) })
+        .map(|i| Request {
+            group: (i % 2 == 0).then_some(i / 4),
+            ..Request::new(vec![1 + i as u32, 2, 3], params(20, 1.0, i))
+        })
         .collect();
     let outs: Vec<RequestOutput> = std::thread::scope(|s| {
         let hs: Vec<_> = reqs.iter().map(|r| s.spawn(|| client.generate(r.clone()).unwrap())).collect();
@@ -343,7 +351,11 @@ fn chat_replies_with_the_tokens_the_trainer_needs() {
     let arch = "qwen3";
     let m = load(arch);
     let tok = Tokenizer::from_dir(&fixture_dir(arch)).unwrap();
-    let config = EngineConfig { eos_token_ids: tok.eos_token_ids().to_vec(), tokenizer: Some(Arc::new(tok.clone())), ..Default::default() };
+    let config = EngineConfig {
+        eos_token_ids: tok.eos_token_ids().to_vec(),
+        tokenizer: Some(Arc::new(tok.clone())),
+        ..Default::default()
+    };
     let client = EngineClient::new(vec![Engine::start(m.clone(), config).unwrap()]).unwrap();
     let mut messages = vec![json!({"role": "user", "content": "hello there"})];
     let p = SamplingParams { ignore_eos: false, ..params(8, 0.0, 0) };

@@ -132,7 +132,9 @@ fn tool_messages_and_tools_are_context_only() {
 #[test]
 fn template_that_is_not_prefix_stable_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json", "generation_config.json"] {
+    for f in
+        ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json", "generation_config.json"]
+    {
         std::fs::copy(fixture_dir("qwen2").join(f), dir.path().join(f)).unwrap();
     }
     let template = "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}";
@@ -156,7 +158,9 @@ fn template_that_is_not_prefix_stable_is_an_error() {
 fn truncation_cuts_and_drops_rows_that_lose_every_trained_token() {
     let tok = tokenizer("qwen2");
     let dir = tempfile::tempdir().unwrap();
-    let row = |user: &str, answer: &str| json!({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}).to_string();
+    let row = |user: &str, answer: &str| {
+        json!({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}).to_string()
+    };
     let long = "word ".repeat(200);
     let text = [row("hi", "hello"), row(&long, "ok"), row("hi", &long), row("bye", "see you")].join("\n");
     let file = write(dir.path(), "t.jsonl", &text);
@@ -185,7 +189,8 @@ fn truncation_cuts_and_drops_rows_that_lose_every_trained_token() {
 fn bad_rows_name_file_and_line_and_can_be_skipped() {
     let tok = tokenizer("llama");
     let dir = tempfile::tempdir().unwrap();
-    let good = json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}).to_string();
+    let good =
+        json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}).to_string();
     let lines = [
         good.clone(),
         String::new(), // blank: ignored, not bad
@@ -213,7 +218,8 @@ fn bad_rows_name_file_and_line_and_can_be_skipped() {
         (7, "missing `output`"),
     ];
     for (line, reason) in cases {
-        let text: Vec<&str> = lines.iter().enumerate().map(|(i, l)| if i + 1 == line || i == 0 { l.as_str() } else { "" }).collect();
+        let text: Vec<&str> =
+            lines.iter().enumerate().map(|(i, l)| if i + 1 == line || i == 0 { l.as_str() } else { "" }).collect();
         let f = write(dir.path(), "one.jsonl", &text.join("\n"));
         let e = load_sft_dataset(&data_cfg(&f), &tok).unwrap_err().to_string();
         assert!(e.contains(&format!("one.jsonl:{line}:")) && e.contains(reason), "line {line}: {e}");
@@ -240,7 +246,8 @@ fn instruction_rows_become_user_and_assistant_messages() {
         Value::Array(with_input.messages.clone()),
         json!([{"role": "user", "content": "Translate.\n\nchat"}, {"role": "assistant", "content": "cat"}])
     );
-    let no_input = parse_row(&json!({"instruction": "Say hi.", "input": "", "output": "hi", "system": "Be kind."})).unwrap();
+    let no_input =
+        parse_row(&json!({"instruction": "Say hi.", "input": "", "output": "hi", "system": "Be kind."})).unwrap();
     assert_eq!(
         Value::Array(no_input.messages),
         json!([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}])
@@ -310,7 +317,12 @@ fn write_instruction_parquet(path: &Path, rows: &[[&str; 3]]) {
     use parquet::file::writer::SerializedFileWriter;
     let schema = "message schema { required binary instruction (UTF8); required binary input (UTF8); required binary output (UTF8); }";
     let schema = Arc::new(parquet::schema::parser::parse_message_type(schema).unwrap());
-    let mut writer = SerializedFileWriter::new(std::fs::File::create(path).unwrap(), schema, Arc::new(WriterProperties::builder().build())).unwrap();
+    let mut writer = SerializedFileWriter::new(
+        std::fs::File::create(path).unwrap(),
+        schema,
+        Arc::new(WriterProperties::builder().build()),
+    )
+    .unwrap();
     let mut group = writer.next_row_group().unwrap();
     for field in 0..3 {
         let mut col = group.next_column().unwrap().unwrap();
@@ -342,7 +354,9 @@ fn parquet_chat_and_instruction_rows_match_jsonl() {
 
     let jsonl: Vec<String> = chats
         .iter()
-        .map(|c| json!({"messages": c.iter().map(|(r, t)| json!({"role": r, "content": t})).collect::<Vec<_>>()}).to_string())
+        .map(|c| {
+            json!({"messages": c.iter().map(|(r, t)| json!({"role": r, "content": t})).collect::<Vec<_>>()}).to_string()
+        })
         .collect();
     let jl = write(dir.path(), "chat.jsonl", &jsonl.join("\n"));
     let from_pq = load_sft_dataset(&data_cfg(&pq), &tok).unwrap();

@@ -75,7 +75,12 @@ fn first_step_loss_equals_a_hand_computation() {
         let t = full.len();
         let logits = model.forward(&[full.clone()], &[(0..t as u32).collect()], &[vec![1; t]], None).unwrap();
         let targets = Tensor::new(&full[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let lp: Vec<f32> = target_logprobs(&logits.narrow(1, 0, t - 1).unwrap(), &targets).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+        let lp: Vec<f32> = target_logprobs(&logits.narrow(1, 0, t - 1).unwrap(), &targets)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         for pos in trained {
             nll -= lp[pos - 1] as f64; // token `pos` is predicted at position pos - 1
             n += 1;
@@ -156,7 +161,11 @@ fn exported_models_score_like_the_in_memory_one() {
         let data = write_data(dir.path(), ROWS);
         let mut extra = vec!["train.max_steps=3".to_string()];
         if lora_rank > 0 {
-            extra.extend(["model.lora.rank=4".into(), "model.lora.alpha=8".into(), r#"model.lora.targets=["q_proj","v_proj"]"#.into()]);
+            extra.extend([
+                "model.lora.rank=4".into(),
+                "model.lora.alpha=8".into(),
+                r#"model.lora.targets=["q_proj","v_proj"]"#.into(),
+            ]);
         }
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let cfg = config(dir.path(), &data, "run", &extra);
@@ -165,8 +174,12 @@ fn exported_models_score_like_the_in_memory_one() {
         let in_memory = worker_logprobs(&s.run_dir, lora_rank, &seq);
         let scored = if lora_rank > 0 {
             // A PEFT adapter: config fields as PEFT writes them, loadable onto the base.
-            let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(export.join("adapter_config.json")).unwrap()).unwrap();
-            assert_eq!((c["peft_type"].as_str(), c["r"].as_u64(), c["lora_alpha"].as_f64()), (Some("LORA"), Some(4), Some(8.0)));
+            let c: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(export.join("adapter_config.json")).unwrap()).unwrap();
+            assert_eq!(
+                (c["peft_type"].as_str(), c["r"].as_u64(), c["lora_alpha"].as_f64()),
+                (Some("LORA"), Some(4), Some(8.0))
+            );
             oxrl_score(&fixture_dir("qwen3"), Some(&export), &seq)
         } else {
             // A full model in the HF layout, with its tokenizer beside it.
@@ -182,7 +195,10 @@ fn exported_models_score_like_the_in_memory_one() {
 #[test]
 fn bad_rows_and_bad_configs_are_reported() {
     let dir = tempfile::tempdir().unwrap();
-    let data = write_data(dir.path(), &[ROWS[0], "{not json", ROWS[1], r#"{"messages":[{"role":"wizard","content":"x"}]}"#, ROWS[2]]);
+    let data = write_data(
+        dir.path(),
+        &[ROWS[0], "{not json", ROWS[1], r#"{"messages":[{"role":"wizard","content":"x"}]}"#, ROWS[2]],
+    );
     let cfg = config(dir.path(), &data, "run", &["train.max_steps=1"]);
     let err = run_sft(&cfg, &SftOptions::default()).unwrap_err().to_string();
     assert!(err.contains("data.jsonl:2"), "{err}");
@@ -259,7 +275,8 @@ fn max_length_beyond_the_model_context_truncates_at_the_context() {
             std::fs::copy(f.path(), model.join(f.file_name())).unwrap();
         }
     }
-    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
     config["max_position_embeddings"] = json!(24);
     std::fs::write(model.join("config.json"), config.to_string()).unwrap();
     let data = write_data(dir.path(), ROWS);

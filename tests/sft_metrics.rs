@@ -8,7 +8,18 @@ use oxrl::trainer::plot::{plot_loss, plot_run, PlotConfig, EVAL_COLOR, LOSS_PLOT
 use serde_json::{json, Value};
 
 fn record(step: usize, loss: f64, eval_loss: Option<f64>) -> StepMetrics {
-    StepMetrics { step, loss, lr: 1e-3, grad_norm: 0.5, trained_tokens: 10, tokens: 40, tokens_per_s: 400.0, elapsed_s: step as f64, eval_loss, ..Default::default() }
+    StepMetrics {
+        step,
+        loss,
+        lr: 1e-3,
+        grad_norm: 0.5,
+        trained_tokens: 10,
+        tokens: 40,
+        tokens_per_s: 400.0,
+        elapsed_s: step as f64,
+        eval_loss,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -84,7 +95,8 @@ fn loss_plot_is_a_png_of_the_requested_size_that_draws_the_curves() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = PlotConfig { width: 640, height: 400 };
     let train: Vec<(f64, f64)> = (1..=100).map(|s| (s as f64, 3.0 * (-(s as f64) / 30.0).exp() + 0.2)).collect();
-    let eval: Vec<(f64, f64)> = (1..=10).map(|i| (10.0 * i as f64, 3.0 * (-(10.0 * i as f64) / 40.0).exp() + 0.4)).collect();
+    let eval: Vec<(f64, f64)> =
+        (1..=10).map(|i| (10.0 * i as f64, 3.0 * (-(10.0 * i as f64) / 40.0).exp() + 0.4)).collect();
     let path = dir.path().join("down.png");
     plot_loss(&path, &train, &eval, &cfg).unwrap();
     let img = decode_png(&path);

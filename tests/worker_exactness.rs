@@ -63,7 +63,11 @@ fn one_adamw_step_reproduces_transformers() {
         let mut checked = vec![];
         for (name, t) in &g.tensors {
             let Some(param) = name.strip_prefix("grad.") else { continue };
-            let grad = grads.iter().find(|(n, _)| n == &param).and_then(|(_, g)| *g).unwrap_or_else(|| panic!("{arch}: no gradient for {param}"));
+            let grad = grads
+                .iter()
+                .find(|(n, _)| n == &param)
+                .and_then(|(_, g)| *g)
+                .unwrap_or_else(|| panic!("{arch}: no gradient for {param}"));
             let err = rel_err(grad, t);
             assert!(err < 1e-4, "{arch}: gradient of {param} off by {err} relative");
             checked.push(param.to_string());

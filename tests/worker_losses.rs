@@ -53,7 +53,9 @@ fn rl_batch(w: &mut Worker) -> Vec<Datum> {
     let lps = w.forward(&batch, None).unwrap().loss_fn_outputs;
     let mut rng = Lcg(5);
     for (d, out) in batch.iter_mut().zip(lps) {
-        let around = |rng: &mut Lcg, spread: f64| out.logprobs.iter().map(|&lp| (lp as f64 + rng.range(-spread, spread)) as f32).collect();
+        let around = |rng: &mut Lcg, spread: f64| {
+            out.logprobs.iter().map(|&lp| (lp as f64 + rng.range(-spread, spread)) as f32).collect()
+        };
         let n = d.len();
         d.loss_fn_inputs.logprobs = Some(around(&mut rng, 0.4));
         d.loss_fn_inputs.rollout_logprobs = Some(around(&mut rng, 0.4));
@@ -178,7 +180,10 @@ fn entropies(w: &Worker, batch: &[Datum]) -> Vec<Vec<f64>> {
         .iter()
         .map(|d| {
             let n = d.len();
-            let logits = w.model().forward(std::slice::from_ref(&d.input_tokens), &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
+            let logits = w
+                .model()
+                .forward(std::slice::from_ref(&d.input_tokens), &[(0..n as u32).collect()], &[vec![1; n]], None)
+                .unwrap();
             let rows: Vec<Vec<f32>> = logits.squeeze(0).unwrap().to_vec2().unwrap();
             rows.iter()
                 .map(|z| {
@@ -193,7 +198,13 @@ fn entropies(w: &Worker, batch: &[Datum]) -> Vec<Vec<f64>> {
 }
 
 /// Hand-computed (Σ loss·w, per-token loss·w, per-token ∂(loss·w)/∂lp) from log-probs `lps`.
-fn hand(name: &str, cfg: &Value, batch: &[Datum], lps: &[Vec<f64>], ent: &[Vec<f64>]) -> (f64, Vec<Vec<f64>>, Vec<Vec<f64>>) {
+fn hand(
+    name: &str,
+    cfg: &Value,
+    batch: &[Datum],
+    lps: &[Vec<f64>],
+    ent: &[Vec<f64>],
+) -> (f64, Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let mut total = 0.0;
     let (mut elementwise, mut coefs) = (vec![], vec![]);
     for (i, d) in batch.iter().enumerate() {
@@ -238,14 +249,19 @@ fn set_entry(w: &Worker, name: &str, index: usize, value: f64) -> f64 {
     old
 }
 
-const PERTURBED: [&str; 3] = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight", "model.norm.weight"];
+const PERTURBED: [&str; 3] =
+    ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight", "model.norm.weight"];
 
 /// Checks one loss: value by hand, gradient by finite differences.
 fn check(name: &str, cfg: Value, critic: bool) {
     let mut w = worker(critic);
     let batch = if critic { critic_batch() } else { rl_batch(&mut w) };
     let (loss_name, cfg_for_worker) = match name.strip_suffix("@rollout") {
-        Some(base) => (base, { let mut c = cfg.clone(); c["anchor"] = json!("rollout"); c }),
+        Some(base) => (base, {
+            let mut c = cfg.clone();
+            c["anchor"] = json!("rollout");
+            c
+        }),
         None => (name, cfg.clone()),
     };
     let out = w.forward_backward(&batch, loss_name, &cfg_for_worker, true).unwrap();
@@ -254,7 +270,8 @@ fn check(name: &str, cfg: Value, critic: bool) {
     // The value, by hand from the returned per-token outputs.
     let ent = if cfg_f64(&cfg, "ent_coef", 0.0) != 0.0 { entropies(&w, &batch) } else { vec![] };
     let (total, elementwise, coefs) = if critic {
-        let values: Vec<Vec<f64>> = out.loss_fn_outputs.iter().map(|o| o.values.iter().map(|&v| v as f64).collect()).collect();
+        let values: Vec<Vec<f64>> =
+            out.loss_fn_outputs.iter().map(|o| o.values.iter().map(|&v| v as f64).collect()).collect();
         let eps = cfg_f64(&cfg, "value_clip", 0.2);
         let mut total = 0.0;
         let mut elementwise = vec![];
@@ -262,7 +279,11 @@ fn check(name: &str, cfg: Value, critic: bool) {
             let x = &d.loss_fn_inputs;
             let row: Vec<f64> = (0..d.len())
                 .map(|t| {
-                    let (w, old, ret) = (x.weights.as_ref().unwrap()[t] as f64, x.values.as_ref().unwrap()[t] as f64, x.returns.as_ref().unwrap()[t] as f64);
+                    let (w, old, ret) = (
+                        x.weights.as_ref().unwrap()[t] as f64,
+                        x.values.as_ref().unwrap()[t] as f64,
+                        x.returns.as_ref().unwrap()[t] as f64,
+                    );
                     let clipped = clamp(v[t], old - eps, old + eps);
                     0.5 * (v[t] - ret).powi(2).max((clipped - ret).powi(2)) * w
                 })
@@ -279,7 +300,10 @@ fn check(name: &str, cfg: Value, critic: bool) {
     for (i, (o, e)) in out.loss_fn_outputs.iter().zip(&elementwise).enumerate() {
         assert_eq!(o.elementwise_loss.len(), batch[i].len(), "{name}: datum {i}");
         for (t, (&a, &b)) in o.elementwise_loss.iter().zip(e).enumerate() {
-            assert!((a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{name}: datum {i} token {t}: elementwise {a} vs {b}");
+            assert!(
+                (a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{name}: datum {i} token {t}: elementwise {a} vs {b}"
+            );
         }
     }
     assert!(loss_sum.abs() > 1e-6, "{name}: trivial loss");
@@ -296,10 +320,17 @@ fn check(name: &str, cfg: Value, critic: bool) {
     let surrogate_batch: Vec<Datum> = batch
         .iter()
         .zip(&coefs)
-        .map(|(d, c)| Datum::supervised(d.input_tokens.clone(), d.loss_fn_inputs.target_tokens.clone().unwrap(), c.iter().map(|&c| -c as f32).collect()))
+        .map(|(d, c)| {
+            Datum::supervised(
+                d.input_tokens.clone(),
+                d.loss_fn_inputs.target_tokens.clone().unwrap(),
+                c.iter().map(|&c| -c as f32).collect(),
+            )
+        })
         .collect();
     let objective = |w: &mut Worker| -> f64 {
-        let (b, l, c) = if frozen { (&surrogate_batch, "cross_entropy", &json!({})) } else { (&batch, loss_name, &cfg_for_worker) };
+        let (b, l, c) =
+            if frozen { (&surrogate_batch, "cross_entropy", &json!({})) } else { (&batch, loss_name, &cfg_for_worker) };
         w.forward(b, Some((l, c))).unwrap().metrics.value("loss:sum").unwrap()
     };
     let (h, rel) = (1e-5, 1e-5);
@@ -311,7 +342,12 @@ fn check(name: &str, cfg: Value, critic: bool) {
         .gradients()
         .into_iter()
         .filter(|(n, _)| params.contains(n))
-        .map(|(n, g)| (n.to_string(), g.unwrap_or_else(|| panic!("{name}: no gradient for {n}")).flatten_all().unwrap().to_vec1().unwrap()))
+        .map(|(n, g)| {
+            (
+                n.to_string(),
+                g.unwrap_or_else(|| panic!("{name}: no gradient for {n}")).flatten_all().unwrap().to_vec1().unwrap(),
+            )
+        })
         .collect();
     let mut nonzero = 0;
     for (param, g) in &grads {
@@ -326,7 +362,11 @@ fn check(name: &str, cfg: Value, critic: bool) {
             set_entry(&w, param, index, x0);
             let fd = (plus - minus) / (2.0 * h);
             let tol = rel * (fd.abs() + 1e-2 * scale) + 1e-9;
-            assert!((g[index] - fd).abs() <= tol, "{name}: ∂/∂{param}[{index}] autograd {} vs finite difference {fd}", g[index]);
+            assert!(
+                (g[index] - fd).abs() <= tol,
+                "{name}: ∂/∂{param}[{index}] autograd {} vs finite difference {fd}",
+                g[index]
+            );
             nonzero += usize::from(g[index].abs() > 1e-8);
         }
     }

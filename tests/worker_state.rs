@@ -35,7 +35,12 @@ fn batch(seed: u64) -> Vec<Datum> {
 fn params_bits(w: &Worker) -> Vec<(String, Vec<u32>)> {
     w.params()
         .iter()
-        .map(|(n, v)| (n.clone(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()))
+        .map(|(n, v)| {
+            (
+                n.clone(),
+                v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect(),
+            )
+        })
         .collect()
 }
 
@@ -50,7 +55,15 @@ fn train_step(w: &mut Worker, seed: u64, loss: &str) -> f64 {
 fn configs() -> Vec<(&'static str, WorkerConfig, &'static str)> {
     vec![
         ("full", WorkerConfig { seed: 1, micro_batch_size: Some(2), ..Default::default() }, "cross_entropy"),
-        ("lora", WorkerConfig { seed: 2, lora: Some(LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "lm_head"])), ..Default::default() }, "cross_entropy"),
+        (
+            "lora",
+            WorkerConfig {
+                seed: 2,
+                lora: Some(LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "lm_head"])),
+                ..Default::default()
+            },
+            "cross_entropy",
+        ),
         ("critic", WorkerConfig { seed: 3, critic: true, ..Default::default() }, "value"),
     ]
 }
@@ -66,7 +79,8 @@ fn save_load_then_step_equals_step_bit_for_bit() {
         a.save_state(&dir).unwrap();
         // Saving again over the same name replaces it and leaves no temporary directory.
         a.save_state(&dir).unwrap();
-        let names: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+        let names: Vec<String> =
+            std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
         assert_eq!(names, vec!["ckpt".to_string()], "{what}");
 
         // A worker with a different seed and no history, restored from the checkpoint.
@@ -177,13 +191,23 @@ fn optim_step_clips_skips_non_finite_and_zeroes() {
     let b = batch(5);
     w.forward_backward(&b, "cross_entropy", &json!({}), false).unwrap();
     let grads: Vec<Tensor> = w.gradients().iter().map(|(_, g)| g.unwrap().clone()).collect();
-    let norm: f64 = grads.iter().map(|g| g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64).sum::<f64>().sqrt();
+    let norm: f64 = grads
+        .iter()
+        .map(|g| g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64)
+        .sum::<f64>()
+        .sqrt();
     let before = w.params()[0].1.as_tensor().copy().unwrap();
 
     // A non-finite gradient: the norm is reported, nothing moves, gradients are dropped.
     let mut bad = Worker::new(load("llama"), WorkerConfig::default()).unwrap();
     bad.forward_backward(&b, "cross_entropy", &json!({}), false).unwrap();
-    let huge = b.iter().map(|d| Datum { loss_fn_inputs: LossFnInputs { weights: Some(vec![3e38; d.len()]), ..d.loss_fn_inputs.clone() }, ..d.clone() }).collect::<Vec<_>>();
+    let huge = b
+        .iter()
+        .map(|d| Datum {
+            loss_fn_inputs: LossFnInputs { weights: Some(vec![3e38; d.len()]), ..d.loss_fn_inputs.clone() },
+            ..d.clone()
+        })
+        .collect::<Vec<_>>();
     bad.forward_backward(&huge, "cross_entropy", &json!({}), false).unwrap();
     let p0 = bad.params()[0].1.as_tensor().copy().unwrap();
     let n = bad.optim_step(&AdamParams::default()).unwrap();
@@ -195,7 +219,8 @@ fn optim_step_clips_skips_non_finite_and_zeroes() {
     // Clipping: the returned norm is the pre-clip one; with clip ≥ norm the update equals no clip.
     let mut unclipped = Worker::new(load("llama"), WorkerConfig::default()).unwrap();
     unclipped.forward_backward(&b, "cross_entropy", &json!({}), false).unwrap();
-    let got = w.optim_step(&AdamParams { grad_clip_norm: norm * 1e-3, learning_rate: 0.0, ..Default::default() }).unwrap();
+    let got =
+        w.optim_step(&AdamParams { grad_clip_norm: norm * 1e-3, learning_rate: 0.0, ..Default::default() }).unwrap();
     assert!((got - norm).abs() < 1e-4 * norm, "{got} vs {norm}");
     assert_eq!(max_abs_diff(w.params()[0].1.as_tensor(), &before), 0.0, "lr 0 moved the parameters");
     // The first moment saw the clipped gradient: m = (1 − β1) · g · clip / norm.
@@ -217,10 +242,22 @@ fn bad_input_errors_name_the_datum_and_the_field() {
     let good = batch(1);
     type Case = (Box<dyn Fn(&mut Vec<Datum>)>, &'static str, &'static [&'static str]);
     let cases: Vec<Case> = vec![
-        (Box::new(|b| b[2].loss_fn_inputs.weights.as_mut().unwrap().push(1.0)), "cross_entropy", &["datum 2", "weights", "length"]),
-        (Box::new(|b| b[1].loss_fn_inputs.target_tokens.as_mut().unwrap()[3] = 300), "cross_entropy", &["datum 1", "target_tokens", "300"]),
+        (
+            Box::new(|b| b[2].loss_fn_inputs.weights.as_mut().unwrap().push(1.0)),
+            "cross_entropy",
+            &["datum 2", "weights", "length"],
+        ),
+        (
+            Box::new(|b| b[1].loss_fn_inputs.target_tokens.as_mut().unwrap()[3] = 300),
+            "cross_entropy",
+            &["datum 1", "target_tokens", "300"],
+        ),
         (Box::new(|b| b[3].input_tokens[0] = 1000), "cross_entropy", &["datum 3", "input_tokens", "1000"]),
-        (Box::new(|b| b[0].loss_fn_inputs.weights.as_mut().unwrap()[2] = f32::NAN), "cross_entropy", &["datum 0", "weights", "NaN"]),
+        (
+            Box::new(|b| b[0].loss_fn_inputs.weights.as_mut().unwrap()[2] = f32::NAN),
+            "cross_entropy",
+            &["datum 0", "weights", "NaN"],
+        ),
         (Box::new(|b| b[1].loss_fn_inputs.target_tokens = None), "cross_entropy", &["datum 1", "target_tokens"]),
         (Box::new(|_| {}), "ppo", &["datum 0", "logprobs"]),
         (Box::new(|b| b[2].loss_fn_inputs.values = None), "cross_entropy", &["datum 2", "values"]),
@@ -241,18 +278,22 @@ fn bad_input_errors_name_the_datum_and_the_field() {
     assert!(err.contains("unknown config key `clip_low`"), "{err}");
     let err = w.forward_backward(&good, "dro", &json!({}), true).unwrap_err().to_string();
     assert!(err.contains("beta"), "{err}");
-    let err = w.forward_backward(&good, "policy/cross_entropy", &json!({"kl_coef": 0.1}), true).unwrap_err().to_string();
+    let err =
+        w.forward_backward(&good, "policy/cross_entropy", &json!({"kl_coef": 0.1}), true).unwrap_err().to_string();
     assert!(err.contains("ref_logprobs"), "{err}");
     assert!(w.gradients().iter().all(|(_, g)| g.is_none()), "a failed call accumulated gradients");
 
     // A datum longer than the token budget.
-    let mut small = Worker::new(load("llama"), WorkerConfig { max_tokens_per_microbatch: Some(8), ..Default::default() }).unwrap();
+    let mut small =
+        Worker::new(load("llama"), WorkerConfig { max_tokens_per_microbatch: Some(8), ..Default::default() }).unwrap();
     let err = small.forward_backward(&good, "cross_entropy", &json!({}), true).unwrap_err().to_string();
     assert!(err.contains("datum 1") && err.contains("max_tokens_per_microbatch"), "{err}");
 
     // Datums round-trip through JSON; unknown fields are refused.
     let text = serde_json::to_string(&good[0]).unwrap();
     assert_eq!(serde_json::from_str::<Datum>(&text).unwrap(), good[0]);
-    let err = serde_json::from_str::<Datum>(r#"{"input_tokens":[1],"loss_fn_inputs":{"weight":[1]}}"#).unwrap_err().to_string();
+    let err = serde_json::from_str::<Datum>(r#"{"input_tokens":[1],"loss_fn_inputs":{"weight":[1]}}"#)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("weight"), "{err}");
 }

@@ -1,7 +1,6 @@
 //! `oxrl generate`: sample continuations of one prompt, one JSON line per sample, on the rollout
 //! engine (sample i draws from the stream seeded with seed + i).
 
-
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineConfig, EngineCore, Request, SamplingParams};
 

@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use candle_core::Device;
 
+use crate::files::write_json;
 use crate::model::config::{Arch, ModelConfig, ModelShape};
 use crate::model::tokenizer::{write_byte_level_tokenizer, BYTE_LEVEL_VOCAB_SIZE};
-use crate::files::write_json;
 use crate::model::{init, weights};
 
 #[derive(clap::Args)]
@@ -49,8 +49,13 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let arch = Arch::parse(&a.arch).ok_or_else(|| anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3)", a.arch))?;
-    anyhow::ensure!(a.vocab >= BYTE_LEVEL_VOCAB_SIZE, "--vocab {} is smaller than the tokenizer's {BYTE_LEVEL_VOCAB_SIZE} tokens", a.vocab);
+    let arch =
+        Arch::parse(&a.arch).ok_or_else(|| anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3)", a.arch))?;
+    anyhow::ensure!(
+        a.vocab >= BYTE_LEVEL_VOCAB_SIZE,
+        "--vocab {} is smaller than the tokenizer's {BYTE_LEVEL_VOCAB_SIZE} tokens",
+        a.vocab
+    );
     anyhow::ensure!(a.heads > 0 && a.hidden > 0 && a.layers > 0, "--hidden, --layers and --heads must be positive");
     let head_dim = a.head_dim.unwrap_or(a.hidden / a.heads);
     let shape = ModelShape {

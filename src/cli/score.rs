@@ -27,7 +27,9 @@ pub struct Args {
 pub fn score_sequences(model: &Transformer, seqs: &[Vec<u32>]) -> crate::Result<Vec<Vec<Option<f32>>>> {
     let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
     let dev = &model.device;
-    let pad = |s: &Vec<u32>, fill: u32| -> Vec<u32> { s.iter().copied().chain(std::iter::repeat_n(fill, t - s.len())).collect() };
+    let pad = |s: &Vec<u32>, fill: u32| -> Vec<u32> {
+        s.iter().copied().chain(std::iter::repeat_n(fill, t - s.len())).collect()
+    };
     let ids: Vec<Vec<u32>> = seqs.iter().map(|s| pad(s, 0)).collect();
     let pos: Vec<Vec<u32>> = seqs.iter().map(|_| (0..t as u32).collect()).collect();
     let mask: Vec<Vec<u8>> = seqs.iter().map(|s| (0..t).map(|i| (i < s.len()) as u8).collect()).collect();
@@ -41,11 +43,18 @@ pub fn score_sequences(model: &Transformer, seqs: &[Vec<u32>]) -> crate::Result<
     Ok(seqs
         .iter()
         .zip(lp)
-        .map(|(s, row)| std::iter::once(None).chain(row[..s.len().saturating_sub(1)].iter().map(|&x| Some(x))).collect())
+        .map(|(s, row)| {
+            std::iter::once(None).chain(row[..s.len().saturating_sub(1)].iter().map(|&x| Some(x))).collect()
+        })
         .collect())
 }
 
-fn parse_line(line: &str, n: usize, tok: &mut Option<Tokenizer>, model_dir: &std::path::Path) -> anyhow::Result<Vec<u32>> {
+fn parse_line(
+    line: &str,
+    n: usize,
+    tok: &mut Option<Tokenizer>,
+    model_dir: &std::path::Path,
+) -> anyhow::Result<Vec<u32>> {
     let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("line {n}: invalid JSON"))?;
     let tokens = if let Some(ts) = v.get("tokens") {
         let ts = ts.as_array().with_context(|| format!("line {n}: `tokens` must be an array of token ids"))?;
@@ -83,14 +92,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if line.trim().is_empty() {
             continue;
         }
-        let tokens = parse_line(&line, i + 1, &mut tok, &a.model.model).with_context(|| a.input.display().to_string())?;
+        let tokens =
+            parse_line(&line, i + 1, &mut tok, &a.model.model).with_context(|| a.input.display().to_string())?;
         seqs.push((i + 1, tokens));
     }
     let limit = model.config.max_position_embeddings;
     for (n, s) in &seqs {
-        anyhow::ensure!(s.len() <= limit, "{}: line {n}: {} tokens exceed max_position_embeddings {limit}", a.input.display(), s.len());
+        anyhow::ensure!(
+            s.len() <= limit,
+            "{}: line {n}: {} tokens exceed max_position_embeddings {limit}",
+            a.input.display(),
+            s.len()
+        );
         if let Some(bad) = s.iter().find(|&&x| x as usize >= model.config.vocab_size) {
-            anyhow::bail!("{}: line {n}: token id {bad} is out of range for vocab_size {}", a.input.display(), model.config.vocab_size);
+            anyhow::bail!(
+                "{}: line {n}: token id {bad} is out of range for vocab_size {}",
+                a.input.display(),
+                model.config.vocab_size
+            );
         }
     }
     let mut out = std::io::stdout().lock();

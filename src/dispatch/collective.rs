@@ -41,7 +41,14 @@ impl InProcess {
     pub fn new(world_size: usize) -> Self {
         InProcess {
             n: world_size,
-            state: Mutex::new(State { generation: 0, deposits: vec![None; world_size], result: None, taken: 0, failed: None, aborted: None }),
+            state: Mutex::new(State {
+                generation: 0,
+                deposits: vec![None; world_size],
+                result: None,
+                taken: 0,
+                failed: None,
+                aborted: None,
+            }),
             cv: Condvar::new(),
         }
     }

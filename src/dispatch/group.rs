@@ -96,8 +96,14 @@ impl WorkerGroup {
                             return;
                         }
                     };
-                    let mut state =
-                        RankState { worker, info, registry, staged: BTreeMap::new(), collective, host: HostCopy::default() };
+                    let mut state = RankState {
+                        worker,
+                        info,
+                        registry,
+                        staged: BTreeMap::new(),
+                        collective,
+                        host: HostCopy::default(),
+                    };
                     while let Ok(job) = rx.recv() {
                         job(&mut state);
                     }
@@ -125,7 +131,10 @@ impl WorkerGroup {
     }
 
     /// Runs `f` on every rank concurrently; results in rank order, or the first error.
-    pub fn on_all<R: Send + 'static>(&self, f: impl Fn(&mut RankState) -> Result<R> + Send + Sync + 'static) -> Result<Vec<R>> {
+    pub fn on_all<R: Send + 'static>(
+        &self,
+        f: impl Fn(&mut RankState) -> Result<R> + Send + Sync + 'static,
+    ) -> Result<Vec<R>> {
         let f = Arc::new(f);
         let mut replies = vec![];
         for (i, rank) in self.ranks.iter().enumerate() {
@@ -178,7 +187,13 @@ impl WorkerGroup {
     }
 
     /// `mesh` dispatch of forward_backward.
-    pub fn forward_backward(&self, batch: &[Datum], loss_fn: &str, config: &Value, per_token: bool) -> Result<ForwardBackwardOutput> {
+    pub fn forward_backward(
+        &self,
+        batch: &[Datum],
+        loss_fn: &str,
+        config: &Value,
+        per_token: bool,
+    ) -> Result<ForwardBackwardOutput> {
         let split = pad_and_split(batch, self.shape.dp, padding_datum)?;
         let chunks = Arc::new(split.chunks);
         let (name, config) = (loss_fn.to_string(), config.clone());
@@ -220,13 +235,22 @@ impl WorkerGroup {
     }
 
     /// forward_backward on a staged mini-batch; returns exactly what the direct call returns.
-    pub fn forward_backward_staged(&self, index: usize, loss_fn: &str, config: &Value, per_token: bool) -> Result<ForwardBackwardOutput> {
+    pub fn forward_backward_staged(
+        &self,
+        index: usize,
+        loss_fn: &str,
+        config: &Value,
+        per_token: bool,
+    ) -> Result<ForwardBackwardOutput> {
         let real = *self.staged_real.get(&index).ok_or_else(|| {
             Error::input(format!("staged mini-batch index {index} is out of range ({} staged)", self.staged_real.len()))
         })?;
         let (name, config) = (loss_fn.to_string(), config.clone());
         let out = self.on_all(move |s| {
-            let chunk = s.staged.get(&index).ok_or_else(|| Error::input(format!("staged mini-batch {index} missing on a rank")))?;
+            let chunk = s
+                .staged
+                .get(&index)
+                .ok_or_else(|| Error::input(format!("staged mini-batch {index} missing on a rank")))?;
             Ok((s.info, s.worker.forward_backward(chunk, &name, &config, per_token)?))
         })?;
         Ok(self.collect(out, real))
@@ -264,7 +288,9 @@ impl WorkerGroup {
     /// Exports the model (HF layout, or PEFT for LoRA) from dp rank 0.
     pub fn export(&self, dir: &std::path::Path, merge_lora: bool) -> Result<()> {
         let dir = dir.to_path_buf();
-        self.on_all(move |s| if s.info.dp_rank == 0 && s.info.collect { s.worker.export(&dir, merge_lora) } else { Ok(()) })?;
+        self.on_all(
+            move |s| if s.info.dp_rank == 0 && s.info.collect { s.worker.export(&dir, merge_lora) } else { Ok(()) },
+        )?;
         Ok(())
     }
 

@@ -94,6 +94,9 @@ impl MeshRegistry {
     }
 
     pub fn get(&self, name: &str) -> Result<MeshInfo> {
-        self.meshes.get(name).copied().ok_or_else(|| Error::input(format!("mesh `{name}` is not registered on this worker")))
+        self.meshes
+            .get(name)
+            .copied()
+            .ok_or_else(|| Error::input(format!("mesh `{name}` is not registered on this worker")))
     }
 }

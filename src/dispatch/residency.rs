@@ -58,7 +58,8 @@ impl Residency {
         if missing != Parts::NONE {
             moves.push(Move::Backload(role, missing));
         }
-        self.resident.insert(role, Parts { model: have.model || needs.model, optimizer: have.optimizer || needs.optimizer });
+        self.resident
+            .insert(role, Parts { model: have.model || needs.model, optimizer: have.optimizer || needs.optimizer });
         moves
     }
 

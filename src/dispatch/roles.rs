@@ -43,11 +43,15 @@ impl Dispatch {
     }
 
     pub fn group(&self, role: Role) -> Result<&WorkerGroup> {
-        self.groups.get(&role).ok_or_else(|| Error::input(format!("role {role:?} has no workers (call init_model first)")))
+        self.groups
+            .get(&role)
+            .ok_or_else(|| Error::input(format!("role {role:?} has no workers (call init_model first)")))
     }
 
     pub fn group_mut(&mut self, role: Role) -> Result<&mut WorkerGroup> {
-        self.groups.get_mut(&role).ok_or_else(|| Error::input(format!("role {role:?} has no workers (call init_model first)")))
+        self.groups
+            .get_mut(&role)
+            .ok_or_else(|| Error::input(format!("role {role:?} has no workers (call init_model first)")))
     }
 
     /// The batch-size multiple every role can split evenly.
@@ -78,11 +82,23 @@ impl Dispatch {
         self.group(role)
     }
 
-    pub fn forward_backward(&mut self, role: Role, batch: &[Datum], loss_fn: &str, config: &Value, per_token: bool) -> Result<ForwardBackwardOutput> {
+    pub fn forward_backward(
+        &mut self,
+        role: Role,
+        batch: &[Datum],
+        loss_fn: &str,
+        config: &Value,
+        per_token: bool,
+    ) -> Result<ForwardBackwardOutput> {
         self.prepare(role, Parts::ALL)?.forward_backward(batch, loss_fn, config, per_token)
     }
 
-    pub fn forward(&mut self, role: Role, batch: &[Datum], loss_fn: Option<(&str, &Value)>) -> Result<ForwardBackwardOutput> {
+    pub fn forward(
+        &mut self,
+        role: Role,
+        batch: &[Datum],
+        loss_fn: Option<(&str, &Value)>,
+    ) -> Result<ForwardBackwardOutput> {
         self.prepare(role, Parts::MODEL)?.forward(batch, loss_fn)
     }
 
@@ -90,7 +106,14 @@ impl Dispatch {
         self.group_mut(role)?.stage(minibatches)
     }
 
-    pub fn forward_backward_staged(&mut self, role: Role, index: usize, loss_fn: &str, config: &Value, per_token: bool) -> Result<ForwardBackwardOutput> {
+    pub fn forward_backward_staged(
+        &mut self,
+        role: Role,
+        index: usize,
+        loss_fn: &str,
+        config: &Value,
+        per_token: bool,
+    ) -> Result<ForwardBackwardOutput> {
         self.prepare(role, Parts::ALL)?.forward_backward_staged(index, loss_fn, config, per_token)
     }
 

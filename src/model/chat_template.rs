@@ -38,18 +38,12 @@ pub struct TemplateOrigin {
 impl TemplateOrigin {
     /// A template stored as a whole file (e.g. `chat_template.jinja`).
     pub fn file(path: impl Into<PathBuf>) -> Self {
-        TemplateOrigin {
-            path: path.into(),
-            field: None,
-        }
+        TemplateOrigin { path: path.into(), field: None }
     }
 
     /// A template stored in a JSON field (e.g. `tokenizer_config.json` field `chat_template`).
     pub fn field(path: impl Into<PathBuf>, field: impl Into<String>) -> Self {
-        TemplateOrigin {
-            path: path.into(),
-            field: Some(field.into()),
-        }
+        TemplateOrigin { path: path.into(), field: Some(field.into()) }
     }
 
     /// An error naming this origin.
@@ -105,18 +99,13 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(name.clone(), strip_generation_tags(&source))
             .map_err(|e| origin.error(format!("invalid chat template: {}", describe(&e))))?;
-        Ok(ChatTemplate {
-            env,
-            name,
-            source,
-            origin,
-        })
+        Ok(ChatTemplate { env, name, source, origin })
     }
 
     /// Reads and compiles a template file (e.g. `chat_template.jinja`).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let source = std::fs::read_to_string(path)
-            .map_err(|e| Error::file(path, format!("cannot read chat template: {e}")))?;
+        let source =
+            std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read chat template: {e}")))?;
         Self::new(source, TemplateOrigin::file(path))
     }
 
@@ -143,15 +132,9 @@ impl ChatTemplate {
     ) -> Result<String> {
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("messages".into(), Value::from_serialize(messages));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::from(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         // transformers passes `tools=None` / `documents=None` rather than leaving them undefined.
-        ctx.insert(
-            "tools".into(),
-            tools.map(Value::from_serialize).unwrap_or(Value::from(())),
-        );
+        ctx.insert("tools".into(), tools.map(Value::from_serialize).unwrap_or(Value::from(())));
         ctx.insert("documents".into(), Value::from(()));
         let tokens = [
             ("bos_token", &special.bos),
@@ -169,21 +152,18 @@ impl ChatTemplate {
                 ctx.insert(k.clone(), Value::from_serialize(v));
             }
         }
-        let template = self.env.get_template(&self.name).map_err(|e| {
-            self.origin
-                .error(format!("invalid chat template: {}", describe(&e)))
-        })?;
+        let template = self
+            .env
+            .get_template(&self.name)
+            .map_err(|e| self.origin.error(format!("invalid chat template: {}", describe(&e))))?;
         template.render(ctx).map_err(|e| {
             if e.kind() == ErrorKind::InvalidOperation && is_raised(&e) {
                 self.origin.error(format!(
                     "chat template raised an exception: {}",
-                    e.detail()
-                        .unwrap_or_default()
-                        .trim_start_matches(RAISED_PREFIX)
+                    e.detail().unwrap_or_default().trim_start_matches(RAISED_PREFIX)
                 ))
             } else {
-                self.origin
-                    .error(format!("cannot render chat template: {}", describe(&e)))
+                self.origin.error(format!("cannot render chat template: {}", describe(&e)))
             }
         })
     }
@@ -208,10 +188,7 @@ fn describe(e: &minijinja::Error) -> String {
 
 /// `raise_exception(msg)`: aborts rendering with `msg` (transformers raises `TemplateError`).
 fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
-    Err(minijinja::Error::new(
-        ErrorKind::InvalidOperation,
-        format!("{RAISED_PREFIX}{message}"),
-    ))
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("{RAISED_PREFIX}{message}")))
 }
 
 /// minijinja has no custom tags, so `{% generation %}` / `{% endgeneration %}` (transformers'
@@ -261,22 +238,12 @@ struct JsonOptions {
     sort_keys: bool,
 }
 
-fn tojson_filter(
-    value: &Value,
-    args: Rest<Value>,
-) -> std::result::Result<String, minijinja::Error> {
+fn tojson_filter(value: &Value, args: Rest<Value>) -> std::result::Result<String, minijinja::Error> {
     let mut args = args.0;
-    let kwargs = if args.last().is_some_and(Value::is_kwargs) {
-        args.pop()
-    } else {
-        None
-    };
+    let kwargs = if args.last().is_some_and(Value::is_kwargs) { args.pop() } else { None };
     let names = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if args.len() > names.len() {
-        return Err(minijinja::Error::new(
-            ErrorKind::TooManyArguments,
-            "tojson takes at most 4 arguments",
-        ));
+        return Err(minijinja::Error::new(ErrorKind::TooManyArguments, "tojson takes at most 4 arguments"));
     }
     let mut given: BTreeMap<&str, Value> = names.iter().copied().zip(args).collect();
     if let Some(kwargs) = kwargs {
@@ -294,9 +261,7 @@ fn tojson_filter(
     let is_set = |v: Option<&Value>| v.filter(|v| !v.is_none() && !v.is_undefined()).cloned();
     let indent = match is_set(given.get("indent")) {
         None => None,
-        Some(v) if v.kind() == ValueKind::Number => {
-            Some(" ".repeat(i64::try_from(v)?.max(0) as usize))
-        }
+        Some(v) if v.kind() == ValueKind::Number => Some(" ".repeat(i64::try_from(v)?.max(0) as usize)),
         Some(v) => Some(v.as_str().unwrap_or_default().to_string()),
     };
     let (item_sep, key_sep) = match is_set(given.get("separators")) {
@@ -328,12 +293,7 @@ fn tojson_filter(
     Ok(out)
 }
 
-fn write_json(
-    out: &mut String,
-    v: &Value,
-    o: &JsonOptions,
-    depth: usize,
-) -> std::result::Result<(), minijinja::Error> {
+fn write_json(out: &mut String, v: &Value, o: &JsonOptions, depth: usize) -> std::result::Result<(), minijinja::Error> {
     match v.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Undefined => {
@@ -449,18 +409,10 @@ fn python_float_repr(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
+        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
     }
     if f == 0.0 {
-        return if f.is_sign_negative() {
-            "-0.0".into()
-        } else {
-            "0.0".into()
-        };
+        return if f.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
     }
     // Rust's `{:e}` gives the shortest round-trip digits, e.g. "1.5e-7" or "-1e16".
     let sci = format!("{f:e}");
@@ -476,10 +428,7 @@ fn python_float_repr(f: f64) -> String {
         if point <= 0 {
             format!("{sign}0.{}{digits}", "0".repeat((-point) as usize))
         } else if point as usize >= digits.len() {
-            format!(
-                "{sign}{digits}{}.0",
-                "0".repeat(point as usize - digits.len())
-            )
+            format!("{sign}{digits}{}.0", "0".repeat(point as usize - digits.len()))
         } else {
             let (a, b) = digits.split_at(point as usize);
             format!("{sign}{a}.{b}")
@@ -495,10 +444,8 @@ fn python_float_repr(f: f64) -> String {
 
 /// `strftime_now(fmt)`: the current time (UTC) formatted with Python `strftime` directives.
 fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     Ok(strftime(&format, secs))
 }
 
@@ -516,15 +463,7 @@ const MONTHS: [&str; 12] = [
     "November",
     "December",
 ];
-const WEEKDAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
+const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
 
 /// Formats Unix time `secs` (UTC) with the common `strftime` directives; others are copied.
 pub(crate) fn strftime(format: &str, secs: i64) -> String {

@@ -148,9 +148,14 @@ impl Fields<'_> {
             None => Ok(vec![]),
             Some(Value::Array(xs)) => xs
                 .iter()
-                .map(|x| x.as_u64().map(|x| x as u32).ok_or_else(|| self.err(field, format!("expected token ids, got {x}"))))
+                .map(|x| {
+                    x.as_u64().map(|x| x as u32).ok_or_else(|| self.err(field, format!("expected token ids, got {x}")))
+                })
                 .collect(),
-            Some(v) => v.as_u64().map(|x| vec![x as u32]).ok_or_else(|| self.err(field, format!("expected a token id, got {v}"))),
+            Some(v) => v
+                .as_u64()
+                .map(|x| vec![x as u32])
+                .ok_or_else(|| self.err(field, format!("expected a token id, got {v}"))),
         }
     }
 }
@@ -345,9 +350,7 @@ fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
     let m = v.as_object().ok_or_else(|| f.err(field, format!("expected an object or null, got {v}")))?;
     let kind = m.get("rope_type").or_else(|| m.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
     let num = |key: &str| -> Result<f64> {
-        m.get(key)
-            .and_then(|x| x.as_f64())
-            .ok_or_else(|| f.err(&format!("{field}.{key}"), "missing or not a number"))
+        m.get(key).and_then(|x| x.as_f64()).ok_or_else(|| f.err(&format!("{field}.{key}"), "missing or not a number"))
     };
     match kind {
         "default" => Ok(RopeScaling::None),

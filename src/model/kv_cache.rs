@@ -117,7 +117,8 @@ impl KvCache {
             layers.push(match l {
                 None => None,
                 Some((k, v)) => {
-                    let idx = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), k.device())?;
+                    let idx =
+                        Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), k.device())?;
                     Some((k.contiguous()?.index_select(&idx, 0)?, v.contiguous()?.index_select(&idx, 0)?))
                 }
             });
@@ -157,8 +158,20 @@ impl KvCache {
                 (None, None) => None,
                 (a, b) => {
                     let like = a.as_ref().or(b.as_ref()).expect("one side is cached");
-                    let k = Tensor::cat(&[pad(a.as_ref().map(|x| &x.0), &like.0, ns, s)?, pad(b.as_ref().map(|x| &x.0), &like.0, no, o)?], 0)?;
-                    let v = Tensor::cat(&[pad(a.as_ref().map(|x| &x.1), &like.1, ns, s)?, pad(b.as_ref().map(|x| &x.1), &like.1, no, o)?], 0)?;
+                    let k = Tensor::cat(
+                        &[
+                            pad(a.as_ref().map(|x| &x.0), &like.0, ns, s)?,
+                            pad(b.as_ref().map(|x| &x.0), &like.0, no, o)?,
+                        ],
+                        0,
+                    )?;
+                    let v = Tensor::cat(
+                        &[
+                            pad(a.as_ref().map(|x| &x.1), &like.1, ns, s)?,
+                            pad(b.as_ref().map(|x| &x.1), &like.1, no, o)?,
+                        ],
+                        0,
+                    )?;
                     Some((k, v))
                 }
             };

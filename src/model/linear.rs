@@ -54,7 +54,9 @@ impl Linear {
             None => Ok(self.weight.clone()),
             Some(l) => {
                 let dt = self.weight.dtype();
-                let delta = (l.b.to_dtype(candle_core::DType::F32)?.matmul(&l.a.to_dtype(candle_core::DType::F32)?)? * l.scale)?;
+                let delta =
+                    (l.b.to_dtype(candle_core::DType::F32)?.matmul(&l.a.to_dtype(candle_core::DType::F32)?)?
+                        * l.scale)?;
                 Ok((self.weight.to_dtype(candle_core::DType::F32)? + delta)?.to_dtype(dt)?)
             }
         }

@@ -27,7 +27,8 @@ pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 const PREFIX: &str = "base_model.model.";
 
 /// The projection names a LoRA may target.
-pub const TARGETABLE: [&str; 8] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"];
+pub const TARGETABLE: [&str; 8] =
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {
@@ -43,7 +44,12 @@ pub struct LoraConfig {
 
 impl LoraConfig {
     pub fn new(rank: usize, alpha: f64, target_modules: &[&str]) -> Self {
-        LoraConfig { rank, alpha, target_modules: target_modules.iter().map(|s| s.to_string()).collect(), use_rslora: false }
+        LoraConfig {
+            rank,
+            alpha,
+            target_modules: target_modules.iter().map(|s| s.to_string()).collect(),
+            use_rslora: false,
+        }
     }
 
     pub fn scale(&self) -> f64 {
@@ -63,7 +69,10 @@ impl LoraConfig {
         }
         for t in &self.target_modules {
             if t != "all-linear" && !TARGETABLE.contains(&t.as_str()) {
-                return Err(Error::input(format!("unknown LoRA target module `{t}` (valid: {}, all-linear)", TARGETABLE.join(", "))));
+                return Err(Error::input(format!(
+                    "unknown LoRA target module `{t}` (valid: {}, all-linear)",
+                    TARGETABLE.join(", ")
+                )));
             }
         }
         Ok(())
@@ -89,15 +98,27 @@ impl LoraConfig {
                 return Err(Error::field(path, "peft_type", format!("{t} is not supported (only LORA)")));
             }
         }
-        let rank = field("r").and_then(|x| x.as_u64()).ok_or_else(|| Error::field(path, "r", "missing or not an integer"))? as usize;
-        let alpha = field("lora_alpha").and_then(|x| x.as_f64()).ok_or_else(|| Error::field(path, "lora_alpha", "missing or not a number"))?;
+        let rank = field("r")
+            .and_then(|x| x.as_u64())
+            .ok_or_else(|| Error::field(path, "r", "missing or not an integer"))? as usize;
+        let alpha = field("lora_alpha")
+            .and_then(|x| x.as_f64())
+            .ok_or_else(|| Error::field(path, "lora_alpha", "missing or not a number"))?;
         let target_modules = match field("target_modules") {
             Some(Value::Array(xs)) => xs
                 .iter()
-                .map(|x| x.as_str().map(String::from).ok_or_else(|| Error::field(path, "target_modules", "expected strings")))
+                .map(|x| {
+                    x.as_str().map(String::from).ok_or_else(|| Error::field(path, "target_modules", "expected strings"))
+                })
                 .collect::<Result<Vec<_>>>()?,
             Some(Value::String(s)) if s == "all-linear" => vec![s.clone()],
-            Some(other) => return Err(Error::field(path, "target_modules", format!("{other} is not supported (a list of names or \"all-linear\")"))),
+            Some(other) => {
+                return Err(Error::field(
+                    path,
+                    "target_modules",
+                    format!("{other} is not supported (a list of names or \"all-linear\")"),
+                ))
+            }
             None => return Err(Error::field(path, "target_modules", "missing")),
         };
         let refuse_truthy = |k: &str| -> Result<()> {
@@ -184,7 +205,10 @@ fn attach_with(
         attached += 1;
     }
     if attached == 0 {
-        return Err(Error::input(format!("LoRA target_modules {:?} match no projection of the model", cfg.target_modules)));
+        return Err(Error::input(format!(
+            "LoRA target_modules {:?} match no projection of the model",
+            cfg.target_modules
+        )));
     }
     Ok(vars)
 }

@@ -11,7 +11,7 @@ pub mod weights;
 pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
 pub use transformer::Transformer;
-pub mod tokenizer;
 pub mod chat_template;
 pub mod init;
 pub mod lora;
+pub mod tokenizer;

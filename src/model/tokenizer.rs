@@ -72,10 +72,7 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let tokenizer_path = dir.join(TOKENIZER_JSON);
         if !tokenizer_path.is_file() {
-            return Err(Error::file(
-                &tokenizer_path,
-                "missing: a tokenizer directory needs tokenizer.json",
-            ));
+            return Err(Error::file(&tokenizer_path, "missing: a tokenizer directory needs tokenizer.json"));
         }
         let mut inner = tokenizers::Tokenizer::from_file(&tokenizer_path)
             .map_err(|e| Error::file(&tokenizer_path, format!("cannot load tokenizer: {e}")))?;
@@ -116,19 +113,12 @@ impl Tokenizer {
             match token {
                 None => Ok(None),
                 Some(t) => inner.token_to_id(t).map(Some).ok_or_else(|| {
-                    Error::field(
-                        path,
-                        field,
-                        format!("token {t:?} is not in {}", tokenizer_path.display()),
-                    )
+                    Error::field(path, field, format!("token {t:?} is not in {}", tokenizer_path.display()))
                 }),
             }
         };
         let special_source = |field: &str| {
-            if special_map
-                .as_ref()
-                .is_some_and(|m| m.get(field).is_some_and(|v| !v.is_null()))
-            {
+            if special_map.as_ref().is_some_and(|m| m.get(field).is_some_and(|v| !v.is_null())) {
                 map_path.clone()
             } else {
                 config_path.clone()
@@ -154,10 +144,7 @@ impl Tokenizer {
             push_unique(&mut eos_token_ids, id);
         }
 
-        let clean_up_tokenization_spaces = match config
-            .as_ref()
-            .and_then(|c| c.get("clean_up_tokenization_spaces"))
-        {
+        let clean_up_tokenization_spaces = match config.as_ref().and_then(|c| c.get("clean_up_tokenization_spaces")) {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
             Some(other) => {
@@ -188,28 +175,17 @@ impl Tokenizer {
         let encoding = self
             .inner
             .encode_fast(text, add_special_tokens)
-            .map_err(|e| {
-                Error::file(
-                    self.dir.join(TOKENIZER_JSON),
-                    format!("cannot encode text: {e}"),
-                )
-            })?;
+            .map_err(|e| Error::file(self.dir.join(TOKENIZER_JSON), format!("cannot encode text: {e}")))?;
         Ok(encoding.get_ids().to_vec())
     }
 
     /// Text of `ids`. Unknown ids are skipped, as in transformers.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        let text = self.inner.decode(ids, skip_special_tokens).map_err(|e| {
-            Error::file(
-                self.dir.join(TOKENIZER_JSON),
-                format!("cannot decode ids: {e}"),
-            )
-        })?;
-        Ok(if self.clean_up_tokenization_spaces {
-            clean_up_tokenization(&text)
-        } else {
-            text
-        })
+        let text = self
+            .inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::file(self.dir.join(TOKENIZER_JSON), format!("cannot decode ids: {e}")))?;
+        Ok(if self.clean_up_tokenization_spaces { clean_up_tokenization(&text) } else { text })
     }
 
     /// The conversation rendered by the chat template (transformers' `apply_chat_template` with
@@ -221,12 +197,7 @@ impl Tokenizer {
         add_generation_prompt: bool,
         tools: Option<&Value>,
     ) -> Result<String> {
-        self.apply_chat_template_with(
-            messages,
-            add_generation_prompt,
-            tools,
-            &serde_json::Map::new(),
-        )
+        self.apply_chat_template_with(messages, add_generation_prompt, tools, &serde_json::Map::new())
     }
 
     /// [`apply_chat_template`](Self::apply_chat_template) with extra template variables
@@ -242,18 +213,10 @@ impl Tokenizer {
             Error::field(
                 self.dir.join(TOKENIZER_CONFIG),
                 "chat_template",
-                format!(
-                    "no chat template: the field is absent and there is no {CHAT_TEMPLATE_FILE}"
-                ),
+                format!("no chat template: the field is absent and there is no {CHAT_TEMPLATE_FILE}"),
             )
         })?;
-        template.render(
-            messages,
-            add_generation_prompt,
-            tools,
-            &self.special,
-            Some(extra),
-        )
+        template.render(messages, add_generation_prompt, tools, &self.special, Some(extra))
     }
 
     /// Token ids of the rendered conversation. The text is encoded without adding special tokens
@@ -348,11 +311,7 @@ fn load_chat_template(
                 }
             }
             default.ok_or_else(|| {
-                Error::field(
-                    config_path,
-                    field,
-                    "a list of named templates must contain one named `default`",
-                )
+                Error::field(config_path, field, "a list of named templates must contain one named `default`")
             })?
         }
         Some(other) => {
@@ -375,10 +334,7 @@ fn read_json_object(path: &Path) -> Result<Option<serde_json::Map<String, Value>
     };
     match serde_json::from_str(&text) {
         Ok(Value::Object(obj)) => Ok(Some(obj)),
-        Ok(_) => Err(Error::file(
-            path,
-            "invalid JSON: expected an object at the top level",
-        )),
+        Ok(_) => Err(Error::file(path, "invalid JSON: expected an object at the top level")),
         Err(e) => Err(Error::file(path, format!("invalid JSON: {e}"))),
     }
 }
@@ -390,32 +346,18 @@ fn special_token_content(path: &Path, field: &str, v: &Value) -> Result<Option<S
         Value::String(s) => Ok(Some(s.clone())),
         Value::Object(obj) => match obj.get("content") {
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            _ => Err(Error::field(
-                path,
-                field,
-                "an object special token needs a string `content`",
-            )),
+            _ => Err(Error::field(path, field, "an object special token needs a string `content`")),
         },
-        other => Err(Error::field(
-            path,
-            field,
-            format!("expected a string or {{\"content\": ...}}, found {other}"),
-        )),
+        other => Err(Error::field(path, field, format!("expected a string or {{\"content\": ...}}, found {other}"))),
     }
 }
 
 /// A token id field: an integer, a list of integers, or null.
 fn token_id_list(path: &Path, field: &str, v: &Value) -> Result<Vec<u32>> {
     let one = |x: &Value| {
-        x.as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| {
-                Error::field(
-                    path,
-                    field,
-                    format!("expected a token id (a non-negative integer), found {x}"),
-                )
-            })
+        x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
+            Error::field(path, field, format!("expected a token id (a non-negative integer), found {x}"))
+        })
     };
     match v {
         Value::Null => Ok(Vec::new()),
@@ -448,13 +390,8 @@ fn clean_up_tokenization(text: &str) -> String {
 /// GPT-2's byte-to-symbol map: printable bytes map to themselves, the others to U+0100 onwards.
 /// Returned in GPT-2's order (printable bytes first), which is also the vocabulary order.
 fn byte_level_symbols() -> Vec<char> {
-    let printable = |b: u32| {
-        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
-    };
-    let mut symbols: Vec<char> = (0..256u32)
-        .filter(|b| printable(*b))
-        .filter_map(char::from_u32)
-        .collect();
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let mut symbols: Vec<char> = (0..256u32).filter(|b| printable(*b)).filter_map(char::from_u32).collect();
     let mut next = 256u32;
     for b in 0..256u32 {
         if !printable(b) {
@@ -472,8 +409,7 @@ fn byte_level_symbols() -> Vec<char> {
 /// `special_tokens_map.json`. Meant for randomly initialised models (`oxrl init-model`).
 pub fn write_byte_level_tokenizer(dir: &Path) -> Result<()> {
     const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-    std::fs::create_dir_all(dir)
-        .map_err(|e| Error::file(dir, format!("cannot create directory: {e}")))?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create directory: {e}")))?;
 
     let mut vocab = serde_json::Map::new();
     for (id, token) in SPECIALS.iter().enumerate() {
@@ -527,16 +463,11 @@ pub fn write_byte_level_tokenizer(dir: &Path) -> Result<()> {
     });
     let special_map = json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"});
 
-    for (name, value) in [
-        (TOKENIZER_JSON, tokenizer),
-        (TOKENIZER_CONFIG, config),
-        (SPECIAL_TOKENS_MAP, special_map),
-    ] {
+    for (name, value) in [(TOKENIZER_JSON, tokenizer), (TOKENIZER_CONFIG, config), (SPECIAL_TOKENS_MAP, special_map)] {
         let path = dir.join(name);
-        let text = serde_json::to_string_pretty(&value)
-            .map_err(|e| Error::file(&path, format!("cannot serialize: {e}")))?;
-        std::fs::write(&path, text + "\n")
-            .map_err(|e| Error::file(&path, format!("cannot write: {e}")))?;
+        let text =
+            serde_json::to_string_pretty(&value).map_err(|e| Error::file(&path, format!("cannot serialize: {e}")))?;
+        std::fs::write(&path, text + "\n").map_err(|e| Error::file(&path, format!("cannot write: {e}")))?;
     }
     Ok(())
 }
@@ -557,9 +488,6 @@ mod tests {
 
     #[test]
     fn clean_up_matches_transformers() {
-        assert_eq!(
-            clean_up_tokenization("Hello , world ! I 'm here ."),
-            "Hello, world! I'm here."
-        );
+        assert_eq!(clean_up_tokenization("Hello , world ! I 'm here ."), "Hello, world! I'm here.");
     }
 }

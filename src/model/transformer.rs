@@ -145,7 +145,10 @@ impl Attention {
         // Fold the `rep` query heads sharing a kv head into rows: [B, kvh, rep·T, d].
         let qg = q.contiguous()?.reshape((b, kvh, rep * t, d))?;
         let scores = (qg.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-        let scores = scores.reshape((b, kvh, rep, t, s))?.to_dtype(norm_dtype(x.dtype()))?.broadcast_add(&bias.to_dtype(norm_dtype(x.dtype()))?)?;
+        let scores = scores
+            .reshape((b, kvh, rep, t, s))?
+            .to_dtype(norm_dtype(x.dtype()))?
+            .broadcast_add(&bias.to_dtype(norm_dtype(x.dtype()))?)?;
         let probs = softmax_last_dim(&scores)?.to_dtype(x.dtype())?.reshape((b, kvh, rep * t, s))?;
         let out = probs.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
         self.o_proj.forward(&out)
@@ -204,12 +207,14 @@ impl Transformer {
         source: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
     ) -> Result<Self> {
         let c = &config;
-        let (hd, h, kvh, d, im) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
+        let (hd, h, kvh, d, im) =
+            (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
         let embed_tokens = source("model.embed_tokens.weight", &[c.vocab_size, hd])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let mut lin = |name: &str, out: usize, inp: usize, bias: bool| linear(source, &format!("{p}.{name}"), out, inp, bias);
+            let mut lin =
+                |name: &str, out: usize, inp: usize, bias: bool| linear(source, &format!("{p}.{name}"), out, inp, bias);
             let mut self_attn = Attention {
                 q_proj: lin("self_attn.q_proj", h * d, hd, c.qkv_bias)?,
                 k_proj: lin("self_attn.k_proj", kvh * d, hd, c.qkv_bias)?,
@@ -432,7 +437,8 @@ impl Block {
 /// transformers itself ignores are allowed.
 fn check_no_leftover(w: &LoadedWeights, m: &Transformer) -> Result<()> {
     for (name, (_, path)) in &w.tensors {
-        let ignorable = name.ends_with("rotary_emb.inv_freq") || (name == "lm_head.weight" && m.config.tie_word_embeddings);
+        let ignorable =
+            name.ends_with("rotary_emb.inv_freq") || (name == "lm_head.weight" && m.config.tie_word_embeddings);
         if !ignorable {
             return Err(Error::tensor(path, name, "unexpected tensor: not part of this model's config"));
         }

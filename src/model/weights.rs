@@ -45,11 +45,15 @@ pub fn load_file(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>
     if !path.exists() {
         return Err(Error::file(path, "no such file"));
     }
-    let tensors =
-        candle_core::safetensors::load(path, device).map_err(|e| Error::file(path, format!("not a valid safetensors file: {e}")))?;
+    let tensors = candle_core::safetensors::load(path, device)
+        .map_err(|e| Error::file(path, format!("not a valid safetensors file: {e}")))?;
     for (name, t) in &tensors {
         if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
-            return Err(Error::tensor(path, name, format!("unsupported dtype {:?} (expected f32, bf16 or f16)", t.dtype())));
+            return Err(Error::tensor(
+                path,
+                name,
+                format!("unsupported dtype {:?} (expected f32, bf16 or f16)", t.dtype()),
+            ));
         }
     }
     Ok(tensors)
@@ -76,7 +80,8 @@ pub fn load_dir(dir: &Path, device: &Device) -> Result<LoadedWeights> {
         .ok_or_else(|| Error::field(&index, "weight_map", "missing or not an object"))?;
     let mut shards: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (name, file) in map {
-        let file = file.as_str().ok_or_else(|| Error::field(&index, &format!("weight_map.{name}"), "not a file name"))?;
+        let file =
+            file.as_str().ok_or_else(|| Error::field(&index, &format!("weight_map.{name}"), "not a file name"))?;
         shards.entry(file.to_string()).or_default().push(name.clone());
     }
     for (file, names) in shards {

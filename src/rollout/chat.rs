@@ -31,7 +31,13 @@ impl ChatReply {
 }
 
 /// `num_samples` replies to `messages` (with abort-and-continue, through the client).
-pub fn chat(client: &EngineClient, tok: &Tokenizer, messages: &[Value], params: SamplingParams, num_samples: usize) -> Result<Vec<ChatReply>> {
+pub fn chat(
+    client: &EngineClient,
+    tok: &Tokenizer,
+    messages: &[Value],
+    params: SamplingParams,
+    num_samples: usize,
+) -> Result<Vec<ChatReply>> {
     let prompt = tok.encode_chat(messages, true, None)?;
     let req = Request { num_samples, ..Request::new(prompt.clone(), params) };
     let out = client.generate(req)?;

@@ -46,7 +46,13 @@ impl EngineClient {
             return Err(Error::input("an engine client needs at least one engine"));
         }
         let in_flight = engines.iter().map(|_| AtomicUsize::new(0)).collect();
-        Ok(EngineClient { engines, in_flight, groups: Mutex::new(HashMap::new()), paused: Mutex::new(false), unpaused: Condvar::new() })
+        Ok(EngineClient {
+            engines,
+            in_flight,
+            groups: Mutex::new(HashMap::new()),
+            paused: Mutex::new(false),
+            unpaused: Condvar::new(),
+        })
     }
 
     pub fn engines(&self) -> &[Engine] {
@@ -59,7 +65,9 @@ impl EngineClient {
     }
 
     fn least_loaded(&self) -> usize {
-        (0..self.engines.len()).min_by_key(|&i| (self.in_flight[i].load(Ordering::SeqCst), i)).expect("at least one engine")
+        (0..self.engines.len())
+            .min_by_key(|&i| (self.in_flight[i].load(Ordering::SeqCst), i))
+            .expect("at least one engine")
     }
 
     /// The engine for a request of `group`.

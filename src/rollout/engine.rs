@@ -116,14 +116,15 @@ impl Drop for Engine {
 fn run(mut core: EngineCore, rx: Receiver<Command>) {
     let mut replies: HashMap<RequestId, Reply> = HashMap::new();
     let (mut completed, mut failed_steps, mut last_error) = (0u64, 0u64, None::<String>);
-    let deliver = |outs: Vec<(RequestId, RequestOutput)>, replies: &mut HashMap<RequestId, Reply>, completed: &mut u64| {
-        for (id, out) in outs {
-            *completed += 1;
-            if let Some(r) = replies.remove(&id) {
-                let _ = r.send(Ok(out));
+    let deliver =
+        |outs: Vec<(RequestId, RequestOutput)>, replies: &mut HashMap<RequestId, Reply>, completed: &mut u64| {
+            for (id, out) in outs {
+                *completed += 1;
+                if let Some(r) = replies.remove(&id) {
+                    let _ = r.send(Ok(out));
+                }
             }
-        }
-    };
+        };
     loop {
         loop {
             let cmd = if core.has_work() {

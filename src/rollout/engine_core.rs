@@ -176,7 +176,10 @@ impl EngineCore {
             return Err(Error::input("the prompt is empty"));
         }
         if let Some((pos, &id)) = req.prompt.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
-            return Err(Error::input(format!("token id {id} at prompt position {pos} is out of range for vocab_size {}", c.vocab_size)));
+            return Err(Error::input(format!(
+                "token id {id} at prompt position {pos} is out of range for vocab_size {}",
+                c.vocab_size
+            )));
         }
         let limit = c.max_position_embeddings;
         let len = req.prompt.len();
@@ -187,7 +190,10 @@ impl EngineCore {
             )));
         }
         if req.num_samples > self.config.max_batch {
-            return Err(Error::input(format!("num_samples {} exceeds the engine's max_batch {}", req.num_samples, self.config.max_batch)));
+            return Err(Error::input(format!(
+                "num_samples {} exceeds the engine's max_batch {}",
+                req.num_samples, self.config.max_batch
+            )));
         }
         let need = req.num_samples * (len + p.max_tokens);
         if need > self.budget {
@@ -294,7 +300,10 @@ impl EngineCore {
             g.stop_reason = StopReason::Abort;
             a.samples[r.sample] = Some(g);
         }
-        let samples = a.samples.into_iter().map(|s| s.unwrap_or_else(|| Generation { stop_reason: StopReason::Abort, ..Generation::empty() }));
+        let samples = a
+            .samples
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| Generation { stop_reason: StopReason::Abort, ..Generation::empty() }));
         RequestOutput { samples: samples.collect(), prompt_logprobs: a.prompt_logprobs }
     }
 
@@ -347,8 +356,13 @@ impl EngineCore {
             if !req.params.ignore_eos {
                 stops.extend_from_slice(&self.config.eos_token_ids);
             }
-            let mut active =
-                Active { samples: vec![None; n], prompt_logprobs: plp.clone().filter(|_| req.prompt_logprobs), left: n, stops, req };
+            let mut active = Active {
+                samples: vec![None; n],
+                prompt_logprobs: plp.clone().filter(|_| req.prompt_logprobs),
+                left: n,
+                stops,
+                req,
+            };
             if active.req.params.max_tokens == 0 {
                 active.samples = vec![Some(Generation::empty()); n];
                 self.ready.push((id, active.into_output()));
@@ -366,7 +380,14 @@ impl EngineCore {
                     }
                 }
                 let last = active.req.prompt.len() - 1;
-                self.rows.push(Row { id, sample, next_token: active.req.prompt[last], next_pos: last as u32, rng, gen: Generation::empty() });
+                self.rows.push(Row {
+                    id,
+                    sample,
+                    next_token: active.req.prompt[last],
+                    next_pos: last as u32,
+                    rng,
+                    gen: Generation::empty(),
+                });
             }
             self.active.insert(id, active);
         }
@@ -411,7 +432,8 @@ impl EngineCore {
             row.gen.versions.push(self.version);
             row.next_token = tok;
             row.next_pos += 1;
-            let stop = a.stops.contains(&tok) || stop_string_hit(self.config.tokenizer.as_deref(), &p.stop_strings, &row.gen.tokens)?;
+            let stop = a.stops.contains(&tok)
+                || stop_string_hit(self.config.tokenizer.as_deref(), &p.stop_strings, &row.gen.tokens)?;
             if stop || row.gen.tokens.len() >= p.max_tokens {
                 row.gen.stop_reason = if stop { StopReason::Stop } else { StopReason::Length };
                 finished.push(i);
@@ -444,7 +466,10 @@ impl Active {
     }
 
     fn into_output(self) -> RequestOutput {
-        RequestOutput { samples: self.samples.into_iter().map(|s| s.expect("every sample finished")).collect(), prompt_logprobs: self.prompt_logprobs }
+        RequestOutput {
+            samples: self.samples.into_iter().map(|s| s.expect("every sample finished")).collect(),
+            prompt_logprobs: self.prompt_logprobs,
+        }
     }
 }
 

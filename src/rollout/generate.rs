@@ -11,7 +11,12 @@ use crate::model::Transformer;
 use crate::{Error, Result};
 
 /// Generates a continuation of each prompt; `eos_token_ids` end a row unless `ignore_eos`.
-pub fn generate(model: &Transformer, prompts: &[Vec<u32>], params: &SamplingParams, eos_token_ids: &[u32]) -> Result<Vec<Generation>> {
+pub fn generate(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    eos_token_ids: &[u32],
+) -> Result<Vec<Generation>> {
     if prompts.is_empty() {
         return Err(Error::input("no prompts to generate from"));
     }

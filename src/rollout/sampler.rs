@@ -33,7 +33,16 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { max_tokens: 16, temperature: 1.0, top_k: 0, top_p: 1.0, seed: None, stop_token_ids: vec![], stop_strings: vec![], ignore_eos: false }
+        SamplingParams {
+            max_tokens: 16,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+            ignore_eos: false,
+        }
     }
 }
 
@@ -70,7 +79,8 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
     let t = p.temperature;
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     // (id, unnormalised probability) sorted by decreasing probability.
-    let mut probs: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &z)| (i as u32, ((z as f64 - max) / t).exp())).collect();
+    let mut probs: Vec<(u32, f64)> =
+        logits.iter().enumerate().map(|(i, &z)| (i as u32, ((z as f64 - max) / t).exp())).collect();
     let truncate = p.top_k > 0 && p.top_k < probs.len() || p.top_p < 1.0;
     if truncate {
         probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));

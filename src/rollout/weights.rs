@@ -38,9 +38,15 @@ pub fn updated(model: &Transformer, update: &WeightUpdate) -> Result<Transformer
             let mut by_name: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
             let src = model.clone();
             m.visit_params_mut(&mut |name, slot| {
-                let t = by_name.remove(name).ok_or_else(|| Error::input(format!("weight update: parameter `{name}` is missing")))?;
+                let t = by_name
+                    .remove(name)
+                    .ok_or_else(|| Error::input(format!("weight update: parameter `{name}` is missing")))?;
                 if t.dims() != slot.dims() {
-                    return Err(Error::input(format!("weight update: `{name}` has shape {:?}, the model's is {:?}", t.dims(), slot.dims())));
+                    return Err(Error::input(format!(
+                        "weight update: `{name}` has shape {:?}, the model's is {:?}",
+                        t.dims(),
+                        slot.dims()
+                    )));
                 }
                 *slot = own(t, &src)?;
                 Ok(())
@@ -62,9 +68,14 @@ pub fn updated(model: &Transformer, update: &WeightUpdate) -> Result<Transformer
                 }
                 let (out, inp) = lin.weight.dims2()?;
                 let mut take = |name: String, shape: [usize; 2]| -> Result<Tensor> {
-                    let t = by_name.remove(name.as_str()).ok_or_else(|| Error::input(format!("weight update: adapter `{name}` is missing")))?;
+                    let t = by_name
+                        .remove(name.as_str())
+                        .ok_or_else(|| Error::input(format!("weight update: adapter `{name}` is missing")))?;
                     if t.dims() != shape {
-                        return Err(Error::input(format!("weight update: `{name}` has shape {:?}, expected {shape:?}", t.dims())));
+                        return Err(Error::input(format!(
+                            "weight update: `{name}` has shape {:?}, expected {shape:?}",
+                            t.dims()
+                        )));
                     }
                     own(t, &src)
                 };
@@ -74,7 +85,10 @@ pub fn updated(model: &Transformer, update: &WeightUpdate) -> Result<Transformer
                 attached += 1;
             }
             if attached == 0 {
-                return Err(Error::input(format!("weight update: LoRA target_modules {:?} match no projection", config.target_modules)));
+                return Err(Error::input(format!(
+                    "weight update: LoRA target_modules {:?} match no projection",
+                    config.target_modules
+                )));
             }
             if let Some(name) = by_name.keys().next() {
                 return Err(Error::input(format!("weight update: `{name}` is not an adapter targeted by the config")));

@@ -114,12 +114,7 @@ pub fn tokenize_conversation(
 }
 
 /// Errors unless `prefix` is a prefix of `whole`, showing where they part.
-fn check_prefix(
-    tokenizer: &Tokenizer,
-    prefix: &[u32],
-    whole: &[u32],
-    what: impl FnOnce() -> String,
-) -> Result<()> {
+fn check_prefix(tokenizer: &Tokenizer, prefix: &[u32], whole: &[u32], what: impl FnOnce() -> String) -> Result<()> {
     let common = prefix.iter().zip(whole).take_while(|(a, b)| a == b).count();
     if common == prefix.len() {
         return Ok(());

@@ -164,7 +164,12 @@ impl Default for ScheduleSection {
 impl ScheduleSection {
     /// The schedule of a run of `total_steps` steps.
     pub fn schedule(&self, total_steps: usize) -> crate::worker::LrSchedule {
-        crate::worker::LrSchedule { kind: self.kind, warmup_steps: self.warmup_steps, total_steps, min_lr_ratio: self.min_lr_ratio }
+        crate::worker::LrSchedule {
+            kind: self.kind,
+            warmup_steps: self.warmup_steps,
+            total_steps,
+            min_lr_ratio: self.min_lr_ratio,
+        }
     }
 }
 

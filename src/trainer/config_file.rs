@@ -118,10 +118,8 @@ where
     collect_keys(&table, "", &mut valid);
     let mut sources = Sources { file: file.map(Path::to_path_buf), sets: HashMap::new() };
     if let Some(path) = file {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::file(path, format!("cannot read config: {e}")))?;
-        let user: Table = toml::from_str(&text)
-            .map_err(|e| Error::file(path, format!("invalid TOML: {e}")))?;
+        let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read config: {e}")))?;
+        let user: Table = toml::from_str(&text).map_err(|e| Error::file(path, format!("invalid TOML: {e}")))?;
         merge(&mut table, user, "", &valid, &Origin::File(path))?;
     }
     for arg in sets {
@@ -150,9 +148,9 @@ pub fn to_toml_string<T: Serialize>(config: &T) -> Result<String> {
 
 /// Splits `KEY=VALUE` and parses VALUE as a TOML value, or a bare string if it is not one.
 pub fn parse_set(arg: &str) -> Result<(String, Value)> {
-    let (key, raw) = arg.split_once('=').ok_or_else(|| {
-        Error::input(format!("--set {arg}: expected KEY=VALUE, e.g. optimizer.lr=2e-5"))
-    })?;
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| Error::input(format!("--set {arg}: expected KEY=VALUE, e.g. optimizer.lr=2e-5")))?;
     let key = key.trim();
     if key.is_empty() || key.split('.').any(|part| part.is_empty()) {
         return Err(Error::input(format!("--set {arg}: `{key}` is not a dotted key like optimizer.lr")));
@@ -209,8 +207,7 @@ pub fn suggest(key: &str, valid: &[String]) -> Option<String> {
 }
 
 fn defaults_table<T: Serialize>(defaults: &T) -> Result<Table> {
-    Table::try_from(defaults)
-        .map_err(|e| Error::Other(format!("cannot serialise the config defaults: {e}")))
+    Table::try_from(defaults).map_err(|e| Error::Other(format!("cannot serialise the config defaults: {e}")))
 }
 
 fn collect_keys(table: &Table, prefix: &str, out: &mut Vec<String>) {
@@ -249,9 +246,7 @@ fn insert_dotted(table: &mut Table, key: &str, value: Value) {
             table.insert(key.to_string(), value);
         }
         Some((head, rest)) => {
-            let child = table
-                .entry(head.to_string())
-                .or_insert_with(|| Value::Table(Table::new()));
+            let child = table.entry(head.to_string()).or_insert_with(|| Value::Table(Table::new()));
             if let Value::Table(t) = child {
                 insert_dotted(t, rest, value);
             }
@@ -274,14 +269,11 @@ fn merge(base: &mut Table, over: Table, prefix: &str, valid: &[String], origin: 
         match (slot, value) {
             (Value::Table(b), Value::Table(o)) => merge(b, o, &full, valid, origin)?,
             (slot @ Value::Float(_), Value::Integer(i)) => *slot = Value::Float(i as f64),
-            (slot, value) if std::mem::discriminant(slot) == std::mem::discriminant(&value) => {
-                *slot = value
-            }
+            (slot, value) if std::mem::discriminant(slot) == std::mem::discriminant(&value) => *slot = value,
             (slot, value) => {
-                return Err(origin.error(
-                    &full,
-                    format!("expected {}, found {} `{value}`", type_name(slot), type_name(&value)),
-                ))
+                return Err(
+                    origin.error(&full, format!("expected {}, found {} `{value}`", type_name(slot), type_name(&value)))
+                )
             }
         }
     }

@@ -47,7 +47,8 @@ impl<T: Clone> DataLoader<T> {
     /// A loader at epoch 0, index 0. `shuffle = false` keeps dataset order (for evaluation).
     pub fn new(items: Vec<T>, batch_size: usize, seed: u64, shuffle: bool) -> Self {
         assert!(batch_size > 0, "batch_size must be positive");
-        let mut loader = DataLoader { items, batch_size, seed, shuffle, position: LoaderPosition::default(), order: Vec::new() };
+        let mut loader =
+            DataLoader { items, batch_size, seed, shuffle, position: LoaderPosition::default(), order: Vec::new() };
         loader.order = loader.order_of(0);
         loader
     }
@@ -76,7 +77,11 @@ impl<T: Clone> DataLoader<T> {
     /// Moves to a saved position. Panics on an index past the end of the dataset, which no
     /// position of a loader over the same dataset has.
     pub fn set_position(&mut self, position: LoaderPosition) {
-        assert!(position.index <= self.items.len(), "loader position {position:?} is past the dataset's {} items", self.items.len());
+        assert!(
+            position.index <= self.items.len(),
+            "loader position {position:?} is past the dataset's {} items",
+            self.items.len()
+        );
         if position.epoch != self.position.epoch {
             self.order = self.order_of(position.epoch);
         }

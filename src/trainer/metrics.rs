@@ -60,7 +60,8 @@ pub struct MetricsWriter {
 impl MetricsWriter {
     /// Starts a fresh `metrics.jsonl` in `run_dir` (created if needed), replacing an old one.
     pub fn create(run_dir: &Path) -> Result<Self> {
-        std::fs::create_dir_all(run_dir).map_err(|e| Error::file(run_dir, format!("cannot create run directory: {e}")))?;
+        std::fs::create_dir_all(run_dir)
+            .map_err(|e| Error::file(run_dir, format!("cannot create run directory: {e}")))?;
         let path = run_dir.join(METRICS_FILE);
         let file = File::create(&path).map_err(|e| Error::file(&path, format!("cannot create: {e}")))?;
         Ok(MetricsWriter { path, file })
@@ -84,7 +85,8 @@ impl MetricsWriter {
 
     /// Appends one line and flushes it.
     pub fn write(&mut self, metrics: &StepMetrics) -> Result<()> {
-        let mut line = serde_json::to_string(metrics).map_err(|e| Error::file(&self.path, format!("cannot serialise metrics: {e}")))?;
+        let mut line = serde_json::to_string(metrics)
+            .map_err(|e| Error::file(&self.path, format!("cannot serialise metrics: {e}")))?;
         line.push('\n');
         self.file
             .write_all(line.as_bytes())

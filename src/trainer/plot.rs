@@ -42,12 +42,15 @@ impl Default for PlotConfig {
 pub fn plot_loss(path: &Path, train: &[(f64, f64)], eval: &[(f64, f64)], cfg: &PlotConfig) -> Result<()> {
     register_font();
     let err = |e: &dyn std::fmt::Display| Error::file(path, format!("cannot draw the loss plot: {e}"));
-    let finite = |s: &[(f64, f64)]| -> Vec<(f64, f64)> { s.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite()).collect() };
+    let finite = |s: &[(f64, f64)]| -> Vec<(f64, f64)> {
+        s.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite()).collect()
+    };
     let (train, eval) = (finite(train), finite(eval));
     let all = train.iter().chain(&eval);
-    let (mut x0, mut x1, mut y0, mut y1) = all.fold((f64::MAX, f64::MIN, f64::MAX, f64::MIN), |(a, b, c, d), &(x, y)| {
-        (a.min(x), b.max(x), c.min(y), d.max(y))
-    });
+    let (mut x0, mut x1, mut y0, mut y1) = all
+        .fold((f64::MAX, f64::MIN, f64::MAX, f64::MIN), |(a, b, c, d), &(x, y)| {
+            (a.min(x), b.max(x), c.min(y), d.max(y))
+        });
     if x0 > x1 {
         (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
     }
@@ -89,9 +92,7 @@ pub fn plot_loss(path: &Path, train: &[(f64, f64)], eval: &[(f64, f64)], cfg: &P
             .map_err(|e| err(&e))?
             .label("eval")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], EVAL_COLOR.stroke_width(2)));
-        chart
-            .draw_series(eval.iter().map(|&p| Circle::new(p, 3, EVAL_COLOR.filled())))
-            .map_err(|e| err(&e))?;
+        chart.draw_series(eval.iter().map(|&p| Circle::new(p, 3, EVAL_COLOR.filled()))).map_err(|e| err(&e))?;
     }
     if !train.is_empty() || !eval.is_empty() {
         chart
@@ -120,6 +121,7 @@ fn register_font() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         // The bytes are a valid TTF compiled in; a failure here is a build defect.
-        plotters::style::register_font("sans-serif", FontStyle::Normal, FONT).unwrap_or_else(|_| panic!("the bundled font does not parse"));
+        plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
+            .unwrap_or_else(|_| panic!("the bundled font does not parse"));
     });
 }

@@ -78,11 +78,9 @@ fn read_jsonl(path: &Path) -> Result<Vec<RawRow>> {
 fn read_parquet(path: &Path) -> Result<Vec<RawRow>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let file = std::fs::File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
-    let reader = SerializedFileReader::new(file)
-        .map_err(|e| Error::file(path, format!("not a readable Parquet file: {e}")))?;
-    let iter = reader
-        .get_row_iter(None)
-        .map_err(|e| Error::file(path, format!("cannot read Parquet rows: {e}")))?;
+    let reader =
+        SerializedFileReader::new(file).map_err(|e| Error::file(path, format!("not a readable Parquet file: {e}")))?;
+    let iter = reader.get_row_iter(None).map_err(|e| Error::file(path, format!("cannot read Parquet rows: {e}")))?;
     let mut rows = Vec::new();
     for (i, row) in iter.enumerate() {
         let location = RowLocation { path: path.to_path_buf(), position: RowPosition::Row(i) };

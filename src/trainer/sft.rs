@@ -32,9 +32,9 @@ use super::plot::{plot_run, PlotConfig};
 use super::sft_data::{load_sft_dataset, token_mean_datums, SftExample};
 use crate::dispatch::mesh::MeshShape;
 use crate::dispatch::{Dispatch, Role};
+use crate::files::{read_json, write_dir_atomically, write_json};
 use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
-use crate::files::{read_json, write_dir_atomically, write_json};
 use crate::model::{weights, Transformer};
 use crate::worker::{AdamParams, Worker, WorkerConfig};
 use crate::{Error, Result};
@@ -45,8 +45,13 @@ const WORKER_DIR: &str = "worker";
 /// Where the trained model is exported at the end of a run.
 pub const EXPORT_DIR: &str = "final";
 /// Tokenizer files copied next to an exported model so that it loads on its own.
-const TOKENIZER_FILES: [&str; 5] =
-    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"];
+const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
 
 /// How to run, beyond the config.
 #[derive(Clone, Debug, Default)]
@@ -94,7 +99,8 @@ fn start_policy(cfg: &SftConfig) -> Result<Dispatch> {
         seed: cfg.train.seed,
         critic: false,
         micro_batch_size: Some(cfg.train.micro_batch_size),
-        max_tokens_per_microbatch: (cfg.train.max_tokens_per_microbatch > 0).then_some(cfg.train.max_tokens_per_microbatch),
+        max_tokens_per_microbatch: (cfg.train.max_tokens_per_microbatch > 0)
+            .then_some(cfg.train.max_tokens_per_microbatch),
     };
     let path = cfg.model.path.clone();
     let mut dispatch = Dispatch::new(false);
@@ -153,7 +159,8 @@ fn save_checkpoint(dispatch: &mut Dispatch, run_dir: &Path, state: &TrainerState
 
 fn load_checkpoint(dispatch: &mut Dispatch, dir: &Path) -> Result<TrainerState> {
     let path = dir.join(TRAINER_STATE);
-    let state: TrainerState = serde_json::from_value(read_json(&path)?).map_err(|e| Error::file(&path, format!("invalid: {e}")))?;
+    let state: TrainerState =
+        serde_json::from_value(read_json(&path)?).map_err(|e| Error::file(&path, format!("invalid: {e}")))?;
     dispatch.load_state(Role::Policy, &dir.join(WORKER_DIR))?;
     Ok(state)
 }
@@ -235,7 +242,9 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
     let o = &cfg.optimizer;
 
     while step < total {
-        if opts.interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) || opts.stop_after.is_some_and(|k| step >= k) {
+        if opts.interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst))
+            || opts.stop_after.is_some_and(|k| step >= k)
+        {
             interrupted = true;
             break;
         }
@@ -258,7 +267,8 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
         let tokens: usize = batch.items.iter().map(|e| e.input_tokens.len()).sum();
         let secs = t0.elapsed().as_secs_f64();
 
-        let eval_now = !eval_set.is_empty() && ((cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0) || step == total);
+        let eval_now =
+            !eval_set.is_empty() && ((cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0) || step == total);
         let eval_loss = if eval_now { Some(eval_loss(&mut dispatch, &eval_set, cfg.train.batch_size)?) } else { None };
         if let Some(e) = eval_loss {
             eval_losses.push((step, e));

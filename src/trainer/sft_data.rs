@@ -275,7 +275,8 @@ fn parse_messages(value: &Value) -> std::result::Result<Vec<Value>, String> {
     for (i, m) in list.iter().enumerate() {
         let m = m.as_object().ok_or_else(|| format!("messages[{i}]: expected an object"))?;
         // Parquet structs carry every field on every message; absent is what templates expect.
-        let m: Map<String, Value> = m.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let m: Map<String, Value> =
+            m.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
         let role = match m.get("role") {
             Some(Value::String(r)) => r.as_str(),
             Some(_) => return Err(format!("messages[{i}].role: expected a string")),
@@ -355,9 +356,9 @@ pub fn split_eval<T>(items: Vec<T>, fraction: f64, seed: u64) -> (Vec<T>, Vec<T>
 
 fn bad_row(location: &RowLocation, message: &str, policy: OnBadRow, stats: &mut DataStats) -> Result<()> {
     match policy {
-        OnBadRow::Error => Err(Error::input(format!(
-            "{location}: {message} (set data.on_bad_row = \"skip\" to skip such rows)"
-        ))),
+        OnBadRow::Error => {
+            Err(Error::input(format!("{location}: {message} (set data.on_bad_row = \"skip\" to skip such rows)")))
+        }
         OnBadRow::Skip => {
             stats.bad_rows += 1;
             if stats.bad_rows <= MAX_WARNINGS {

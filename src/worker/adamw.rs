@@ -45,7 +45,9 @@ impl AdamParams {
             return Err(Error::input(format!("AdamParams must be finite: {self:?}")));
         }
         if self.learning_rate < 0.0 || self.eps < 0.0 || self.weight_decay < 0.0 || self.grad_clip_norm < 0.0 {
-            return Err(Error::input(format!("AdamParams: learning_rate, eps, weight_decay, grad_clip_norm must be ≥ 0: {self:?}")));
+            return Err(Error::input(format!(
+                "AdamParams: learning_rate, eps, weight_decay, grad_clip_norm must be ≥ 0: {self:?}"
+            )));
         }
         if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
             return Err(Error::input(format!("AdamParams: beta1 and beta2 must be in [0, 1): {self:?}")));
@@ -86,10 +88,7 @@ pub fn global_norm(grads: &[&Tensor]) -> Result<f64> {
     if grads.is_empty() {
         return Ok(0.0);
     }
-    let squares = grads
-        .iter()
-        .map(|g| Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?))
-        .collect::<Result<Vec<_>>>()?;
+    let squares = grads.iter().map(|g| Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?)).collect::<Result<Vec<_>>>()?;
     // One host transfer for all parameters.
     let total: f64 = Tensor::stack(&squares, 0)?.to_vec1::<f64>()?.iter().sum();
     Ok(total.sqrt())

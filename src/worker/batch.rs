@@ -101,7 +101,11 @@ impl Datum {
     pub fn supervised(input_tokens: Vec<u32>, target_tokens: Vec<u32>, weights: Vec<f32>) -> Self {
         Datum {
             input_tokens,
-            loss_fn_inputs: LossFnInputs { target_tokens: Some(target_tokens), weights: Some(weights), ..Default::default() },
+            loss_fn_inputs: LossFnInputs {
+                target_tokens: Some(target_tokens),
+                weights: Some(weights),
+                ..Default::default()
+            },
         }
     }
 

@@ -72,7 +72,11 @@ impl Worker {
         }
         let flag = |key: &str, want: bool| -> Result<()> {
             if state[key].as_bool() != Some(want) {
-                return Err(Error::field(&state_path, key, format!("the checkpoint has {}, this worker {want}", state[key])));
+                return Err(Error::field(
+                    &state_path,
+                    key,
+                    format!("the checkpoint has {}, this worker {want}", state[key]),
+                ));
             }
             Ok(())
         };
@@ -89,7 +93,10 @@ impl Worker {
             v.as_u64().ok_or_else(|| Error::field(&state_path, key, "missing or not a non-negative integer"))
         };
         let step = u64_field(&state["step"], "step")?;
-        let rng = WorkerRng { seed: u64_field(&state["rng"]["seed"], "rng.seed")?, draws: u64_field(&state["rng"]["draws"], "rng.draws")? };
+        let rng = WorkerRng {
+            seed: u64_field(&state["rng"]["seed"], "rng.seed")?,
+            draws: u64_field(&state["rng"]["draws"], "rng.draws")?,
+        };
 
         // Read everything before changing anything, so a bad checkpoint leaves the worker as it was.
         let mut tensors = HashMap::new();
@@ -104,7 +111,8 @@ impl Worker {
         let mut values = Vec::with_capacity(self.params.len());
         let mut moments = Vec::with_capacity(self.params.len());
         for (name, var) in &self.params {
-            let (t, path) = tensors.remove(name).ok_or_else(|| Error::tensor(dir, name, "missing from the checkpoint"))?;
+            let (t, path) =
+                tensors.remove(name).ok_or_else(|| Error::tensor(dir, name, "missing from the checkpoint"))?;
             values.push(checked(&path, name, t, var.as_tensor())?);
             moments.push(match state["param_steps"].get(name) {
                 None => None,
@@ -120,7 +128,10 @@ impl Worker {
                 }
             });
         }
-        let leftover = tensors.iter().map(|(n, (_, p))| (n.clone(), p.clone())).chain(optimizer.keys().map(|n| (n.clone(), opt_path.clone())));
+        let leftover = tensors
+            .iter()
+            .map(|(n, (_, p))| (n.clone(), p.clone()))
+            .chain(optimizer.keys().map(|n| (n.clone(), opt_path.clone())));
         for (name, path) in leftover {
             let tied_head = name == "lm_head.weight" && self.model.config.tie_word_embeddings;
             if !tied_head {

@@ -61,7 +61,9 @@ pub fn model_outputs(
     let logits = model.lm_head.forward(&hidden)?.to_dtype(dtype)?;
     let targets: Vec<u32> = members
         .iter()
-        .flat_map(|&i| batch[i].loss_fn_inputs.target_tokens.as_ref().expect("validated: target_tokens present").iter().copied())
+        .flat_map(|&i| {
+            batch[i].loss_fn_inputs.target_tokens.as_ref().expect("validated: target_tokens present").iter().copied()
+        })
         .collect();
     let targets = Tensor::from_vec(targets, gather.dim(0)?, device)?;
     let (logprobs, lse) = target_logprobs_and_lse(&logits, &targets)?;
@@ -70,7 +72,13 @@ pub fn model_outputs(
 }
 
 /// The field concatenated over `members`, as a tensor of `dtype`, if the datums have it.
-fn concat(batch: &[Datum], members: &[usize], field: FloatField, dtype: DType, device: &Device) -> Result<Option<Tensor>> {
+fn concat(
+    batch: &[Datum],
+    members: &[usize],
+    field: FloatField,
+    dtype: DType,
+    device: &Device,
+) -> Result<Option<Tensor>> {
     if batch[members[0]].loss_fn_inputs.float(field).is_none() {
         return Ok(None);
     }
@@ -83,7 +91,12 @@ fn concat(batch: &[Datum], members: &[usize], field: FloatField, dtype: DType, d
 }
 
 /// Applies `loss` to the micro-batch outputs. Returns the loss output and the weights [N].
-pub fn apply_loss(loss: &Loss, outputs: &TokenOutputs, batch: &[Datum], members: &[usize]) -> Result<(LossOutput, Tensor)> {
+pub fn apply_loss(
+    loss: &Loss,
+    outputs: &TokenOutputs,
+    batch: &[Datum],
+    members: &[usize],
+) -> Result<(LossOutput, Tensor)> {
     let (dtype, device) = (outputs.main.dtype(), outputs.main.device());
     let get = |field| concat(batch, members, field, dtype, device);
     let n: usize = outputs.lengths.iter().sum();

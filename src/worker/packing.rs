@@ -34,7 +34,8 @@ pub fn plan_micro_batches(
     order.sort_by(|&a, &b| lengths[b].cmp(&lengths[a]).then(a.cmp(&b)));
     let mut bins: Vec<Vec<usize>> = Vec::new();
     for i in order {
-        let fits = |bin: &Vec<usize>| bin.len() < max_count && (bin.len() + 1).saturating_mul(lengths[bin[0]]) <= budget;
+        let fits =
+            |bin: &Vec<usize>| bin.len() < max_count && (bin.len() + 1).saturating_mul(lengths[bin[0]]) <= budget;
         match bins.iter_mut().find(|bin| fits(bin)) {
             Some(bin) => bin.push(i),
             None => bins.push(vec![i]),
@@ -59,7 +60,10 @@ mod tests {
             assert!(bin.len() <= 3 && bin.len() * t_max <= 20, "{bin:?}");
         }
         assert_eq!(plan_micro_batches(&lengths, None, None).unwrap().len(), 1);
-        assert_eq!(plan_micro_batches(&lengths, Some(2), None).unwrap(), vec![vec![1, 3], vec![6, 0], vec![5, 2], vec![4]]);
+        assert_eq!(
+            plan_micro_batches(&lengths, Some(2), None).unwrap(),
+            vec![vec![1, 3], vec![6, 0], vec![5, 2], vec![4]]
+        );
         let err = plan_micro_batches(&lengths, None, Some(8)).unwrap_err().to_string();
         assert!(err.contains("datum 1"), "{err}");
     }

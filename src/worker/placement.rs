@@ -38,7 +38,11 @@ impl Worker {
         }
         let reduced = reduce(local)?;
         if reduced.len() != self.params.len() {
-            return Err(Error::Other(format!("all-reduce returned {} gradients for {} parameters", reduced.len(), self.params.len())));
+            return Err(Error::Other(format!(
+                "all-reduce returned {} gradients for {} parameters",
+                reduced.len(),
+                self.params.len()
+            )));
         }
         self.grads = reduced.into_iter().map(Some).collect();
         Ok(())
@@ -53,7 +57,11 @@ impl Worker {
             let mut taken = Vec::with_capacity(self.moments.len());
             for m in self.moments.iter_mut() {
                 taken.push(match m.take() {
-                    Some(m) => Some(Moments { exp_avg: to_host(&m.exp_avg)?, exp_avg_sq: to_host(&m.exp_avg_sq)?, step: m.step }),
+                    Some(m) => Some(Moments {
+                        exp_avg: to_host(&m.exp_avg)?,
+                        exp_avg_sq: to_host(&m.exp_avg_sq)?,
+                        step: m.step,
+                    }),
                     None => None,
                 });
             }

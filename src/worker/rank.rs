@@ -137,7 +137,13 @@ impl Worker {
         self.run(batch, loss.as_ref(), false, true)
     }
 
-    fn run(&mut self, batch: &[Datum], loss: Option<&Loss>, backward: bool, outputs: bool) -> Result<ForwardBackwardOutput> {
+    fn run(
+        &mut self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        backward: bool,
+        outputs: bool,
+    ) -> Result<ForwardBackwardOutput> {
         let critic = self.value_head.is_some();
         if let Some(loss) = loss {
             let is_value = matches!(loss, Loss::Value(_));

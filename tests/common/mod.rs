@@ -35,7 +35,8 @@ impl Golden {
     }
     /// The greedy prompt and the 12 tokens transformers generated after it (no EOS stop).
     pub fn greedy(&self) -> (Vec<u32>, Vec<u32>) {
-        let ids = |name: &str| -> Vec<u32> { self.get(name).to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect() };
+        let ids =
+            |name: &str| -> Vec<u32> { self.get(name).to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect() };
         (ids("greedy_prompt"), ids("greedy_tokens"))
     }
     /// The padded batch: ids, positions (pads at 0), mask, next-token targets, valid, weights.
