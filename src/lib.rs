@@ -9,12 +9,17 @@
 //! - [`rollout`]: the sampling engine, its client, weight updates.
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
 //! - [`cli`]: the `oxrl` command line.
+//!
+//! Beside them: [`handle`] (results of submitted calls, awaited or waited on) and [`actor`]
+//! (the threads that own workers and engines, each with its own tensor-math thread budget).
 
+pub mod actor;
 pub mod algo;
 pub mod cli;
 pub mod dispatch;
 pub mod error;
 pub mod files;
+pub mod handle;
 pub mod model;
 pub mod rollout;
 pub mod trainer;

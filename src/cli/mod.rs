@@ -3,6 +3,7 @@
 mod config;
 mod generate;
 mod init_model;
+pub mod launch;
 mod score;
 mod sft;
 
@@ -48,7 +49,7 @@ pub fn main() -> i32 {
         Command::Score(a) => score::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Config(a) => config::run(a),
-        Command::Sft(a) => sft::run(a),
+        Command::Sft(a) => sft::run(a, cli.threads),
     };
     match result {
         Ok(()) => 0,

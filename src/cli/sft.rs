@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::launch::sft_dispatch;
 use crate::trainer::sft::{run_sft, SftOptions};
 use crate::trainer::SftConfig;
 
@@ -20,13 +21,10 @@ pub struct Args {
     resume: bool,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
+pub fn run(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
     let cfg = SftConfig::load(Some(&a.config), &a.sets)?;
-    // Data-parallel ranks are threads: share the cores among them (unless --threads said).
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::env::set_var("RAYON_NUM_THREADS", (cores / cfg.train.data_parallel.max(1)).max(1).to_string());
-    }
+    // Data-parallel ranks are threads: by default the cores are shared among them.
+    let dispatch = sft_dispatch(&cfg, threads)?;
     let interrupt = Arc::new(AtomicBool::new(false));
     let flag = interrupt.clone();
     // First Ctrl-C: finish the step, checkpoint, exit. A second one exits at once.
@@ -37,7 +35,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         eprintln!("\ninterrupted: saving a checkpoint after this step (Ctrl-C again to quit now)");
     })?;
     let opts = SftOptions { resume: a.resume, interrupt: Some(interrupt), progress: true, ..Default::default() };
-    let s = run_sft(&cfg, &opts)?;
+    let s = run_sft(&cfg, &dispatch, &opts)?;
     let eval = s.eval_losses.last().map(|(_, e)| format!(", eval loss {e:.4}")).unwrap_or_default();
     eprintln!("step {}/{}: train loss {:.4}{eval}", s.steps, s.total_steps, s.final_loss);
     if let Some(dir) = &s.export_dir {

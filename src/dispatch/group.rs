@@ -1,28 +1,29 @@
-//! A group of workers for one role over a mesh, each worker on its own thread.
+//! A group of workers for one model over a mesh, each worker an [`Actor`] on its own thread.
 //!
-//! Every call is a job sent to each rank's thread; replies come back in rank order. `mesh`
-//! calls ([`WorkerGroup::forward_backward`], [`WorkerGroup::forward`]) pad and split the batch
-//! ([`super::split`]), hand chunk i to the ranks with dp rank i, and keep only what the
-//! collection ranks return: their records concatenated in dp order without the padding, their
-//! metrics merged once. `pass_through` calls (optimizer step, checkpoints, placement) run the
-//! same job everywhere. The optimizer step all-reduces the gradients with SUM over each
-//! data-parallel group (ranks sharing tp/sp/pp coordinates) before AdamW, so every replica
-//! applies the same update. Staged mini-batches are split and stored on the ranks ahead of
-//! time and then trained by index through the very same code path as a direct call.
+//! Every call is submitted as one job to each rank and returns a [`Handle`] at once; the handle
+//! completes when the last rank has answered. A lock held while the jobs are queued keeps the
+//! order of calls identical on every rank (their collectives must match), so calls on one model
+//! run in submission order whoever submits them. `mesh` calls (forward_backward, forward) pad
+//! and split the batch ([`super::split`]), hand chunk i to the ranks with dp rank i, and keep
+//! only what the collection ranks return: their records concatenated in dp order without the
+//! padding, their metrics merged once. The other calls (optimizer step, checkpoints, weights,
+//! placement) run the same job everywhere. The optimizer step all-reduces the gradients with
+//! SUM over each data-parallel group (ranks sharing tp/sp/pp coordinates) before AdamW, so
+//! every replica applies the same update. Staged mini-batches are split and stored on the ranks
+//! ahead of time and then trained by index through the very same code path as a direct call.
 
 use std::collections::BTreeMap;
-use std::sync::mpsc::{channel, Sender};
-use std::sync::Arc;
-use std::thread::JoinHandle;
-
-use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use super::collective::{Collective, InProcess};
 use super::mesh::{MeshCoord, MeshInfo, MeshRegistry, MeshShape};
 use super::residency::Parts;
 use super::split::{merge_outputs, pad_and_split};
-use super::Role;
-use crate::algo::Metrics;
+use crate::actor::{fan_out, Actor, ActorState};
+use crate::algo::{Loss, Metrics};
+use crate::handle::Handle;
+use crate::model::SamplerWeights;
 use crate::worker::placement::HostCopy;
 use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, Worker};
 use crate::{Error, Result};
@@ -39,22 +40,42 @@ pub struct RankState {
     host: HostCopy,
 }
 
-type Job = Box<dyn FnOnce(&mut RankState) + Send>;
+impl ActorState for RankState {}
 
-struct Rank {
-    tx: Option<Sender<Job>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// Builds the worker of a rank from its mesh coordinate (called on that rank's thread).
+/// Builds the worker of a rank from its mesh coordinate (called on that rank's thread, inside
+/// its thread budget).
 pub type BuildWorker = Arc<dyn Fn(MeshCoord) -> Result<Worker> + Send + Sync>;
 
 pub struct WorkerGroup {
-    role: Role,
+    id: String,
     shape: MeshShape,
-    ranks: Vec<Rank>,
+    ranks: Vec<Actor<RankState>>,
+    /// Held while a call is queued on every rank: all ranks see the calls in one order.
+    order: Mutex<()>,
     /// Real datum count of each staged mini-batch.
-    staged_real: BTreeMap<usize, usize>,
+    staged_real: Mutex<BTreeMap<usize, usize>>,
+}
+
+/// Handles that every rank waits for: the first rank to arrive waits, the others find them done.
+struct Barrier {
+    pending: Mutex<Vec<Handle<()>>>,
+    failed: Mutex<Option<String>>,
+}
+
+impl Barrier {
+    fn wait(&self) -> Result<()> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        for h in pending.drain(..) {
+            if let Err(e) = h.wait() {
+                self.failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
+            }
+        }
+        drop(pending);
+        match self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            Some(e) => Err(Error::Other(format!("a move this call waited for failed: {e}"))),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A weight-0 copy of a datum: contributes nothing to any loss, gradient or token count.
@@ -64,62 +85,57 @@ pub fn padding_datum(d: &Datum) -> Datum {
     p
 }
 
+/// Keeps the collection ranks' outputs: records in dp order without padding, metrics merged.
+fn collect(per_rank: Vec<(MeshInfo, ForwardBackwardOutput)>, real: usize) -> ForwardBackwardOutput {
+    let mut by_dp: BTreeMap<usize, ForwardBackwardOutput> = BTreeMap::new();
+    for (info, out) in per_rank {
+        if info.collect {
+            by_dp.insert(info.dp_rank, out);
+        }
+    }
+    let mut metrics = Metrics::new();
+    let mut records = vec![];
+    for (_, out) in by_dp {
+        metrics.merge(&out.metrics);
+        records.push(out.loss_fn_outputs);
+    }
+    ForwardBackwardOutput { metrics, loss_fn_outputs: merge_outputs(records, real) }
+}
+
 impl WorkerGroup {
-    /// Starts one thread per mesh coordinate and builds its worker there.
-    pub fn new(role: Role, shape: MeshShape, build: BuildWorker) -> Result<Self> {
+    /// Starts one actor per mesh coordinate, each with `threads` tensor-math threads (0: one
+    /// per core), and builds its worker there.
+    pub fn new(id: &str, shape: MeshShape, threads: usize, build: BuildWorker) -> Result<Self> {
         shape.validate()?;
         // One collective per data-parallel group: ranks with the same (tp, sp, pp).
         let mut collectives: BTreeMap<(usize, usize, usize), Arc<dyn Collective>> = BTreeMap::new();
         let mut ranks = vec![];
-        let mut ready = vec![];
-        for coord in shape.coords() {
+        for (i, coord) in shape.coords().into_iter().enumerate() {
             let collective = collectives
                 .entry((coord.tp, coord.sp, coord.pp))
                 .or_insert_with(|| Arc::new(InProcess::new(shape.dp)) as Arc<dyn Collective>)
                 .clone();
-            let (tx, rx) = channel::<Job>();
-            let (ready_tx, ready_rx) = channel::<Result<()>>();
-            let build = build.clone();
-            let mesh_name = format!("{role:?}").to_lowercase();
-            let thread = std::thread::Builder::new()
-                .name(format!("oxrl-{mesh_name}-{}", ranks.len()))
-                .spawn(move || {
-                    let mut registry = MeshRegistry::default();
-                    let made = build(coord).and_then(|w| Ok((w, registry.register(&mesh_name, &shape, coord)?)));
-                    let (worker, info) = match made {
-                        Ok(x) => {
-                            let _ = ready_tx.send(Ok(()));
-                            x
-                        }
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    let mut state = RankState {
-                        worker,
-                        info,
-                        registry,
-                        staged: BTreeMap::new(),
-                        collective,
-                        host: HostCopy::default(),
-                    };
-                    while let Ok(job) = rx.recv() {
-                        job(&mut state);
-                    }
-                })
-                .map_err(|e| Error::Other(format!("cannot start a worker thread: {e}")))?;
-            ranks.push(Rank { tx: Some(tx), thread: Some(thread) });
-            ready.push(ready_rx);
+            let (build, mesh_name) = (build.clone(), id.to_string());
+            let actor = Actor::spawn(&format!("oxrl-{id}-{i}"), threads, move || {
+                let worker = build(coord)?;
+                let mut registry = MeshRegistry::default();
+                let info = registry.register(&mesh_name, &shape, coord)?;
+                Ok(RankState { worker, info, registry, staged: BTreeMap::new(), collective, host: HostCopy::default() })
+            })
+            .map_err(|e| Error::Other(format!("model `{id}`, rank {i}: {e}")))?;
+            ranks.push(actor);
         }
-        for (i, r) in ready.into_iter().enumerate() {
-            r.recv().map_err(|_| Error::Other(format!("{role:?} rank {i} died while starting")))??;
-        }
-        Ok(WorkerGroup { role, shape, ranks, staged_real: BTreeMap::new() })
+        Ok(WorkerGroup {
+            id: id.to_string(),
+            shape,
+            ranks,
+            order: Mutex::new(()),
+            staged_real: Mutex::new(BTreeMap::new()),
+        })
     }
 
-    pub fn role(&self) -> Role {
-        self.role
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     pub fn mesh(&self) -> MeshShape {
@@ -130,195 +146,196 @@ impl WorkerGroup {
         self.shape.dp
     }
 
-    /// Runs `f` on every rank concurrently; results in rank order, or the first error.
-    pub fn on_all<R: Send + 'static>(
+    /// Runs `f` on every rank, behind the calls already submitted; the handle yields
+    /// `combine(results in rank order)` (or the first error).
+    pub fn submit_each<R: Send + 'static, T: Send + 'static>(
         &self,
         f: impl Fn(&mut RankState) -> Result<R> + Send + Sync + 'static,
-    ) -> Result<Vec<R>> {
-        let f = Arc::new(f);
-        let mut replies = vec![];
-        for (i, rank) in self.ranks.iter().enumerate() {
-            let (tx, rx) = channel();
-            let f = f.clone();
-            let job: Job = Box::new(move |s: &mut RankState| {
-                let _ = tx.send(f(s));
-            });
-            rank.tx
-                .as_ref()
-                .expect("sender lives as long as the group")
-                .send(job)
-                .map_err(|_| Error::Other(format!("{:?} rank {i} has stopped", self.role)))?;
-            replies.push(rx);
-        }
-        let mut out = Vec::with_capacity(replies.len());
-        let mut first_err = None;
-        for (i, rx) in replies.into_iter().enumerate() {
-            match rx.recv() {
-                Ok(Ok(r)) => out.push(r),
-                Ok(Err(e)) => {
-                    first_err.get_or_insert(e);
-                }
-                Err(_) => {
-                    first_err.get_or_insert(Error::Other(format!("{:?} rank {i} panicked", self.role)));
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        combine: impl FnOnce(Vec<R>) -> Result<T> + Send + 'static,
+    ) -> Handle<T> {
+        let _order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        fan_out(&self.ranks, move |_, s| f(s), combine)
     }
 
-    /// Keeps the collection ranks' outputs: records in dp order without padding, metrics merged.
-    fn collect(&self, per_rank: Vec<(MeshInfo, ForwardBackwardOutput)>, real: usize) -> ForwardBackwardOutput {
-        let mut by_dp: BTreeMap<usize, ForwardBackwardOutput> = BTreeMap::new();
-        for (info, out) in per_rank {
-            if info.collect {
-                by_dp.insert(info.dp_rank, out);
-            }
-        }
-        let mut metrics = Metrics::new();
-        let mut records = vec![];
-        for (_, out) in by_dp {
-            metrics.merge(&out.metrics);
-            records.push(out.loss_fn_outputs);
-        }
-        ForwardBackwardOutput { metrics, loss_fn_outputs: merge_outputs(records, real) }
+    /// [`WorkerGroup::submit_each`] for calls that return nothing.
+    fn submit_unit(&self, f: impl Fn(&mut RankState) -> Result<()> + Send + Sync + 'static) -> Handle<()> {
+        self.submit_each(f, |_| Ok(()))
     }
 
-    /// `mesh` dispatch of forward_backward.
-    pub fn forward_backward(
+    /// Runs `f` on every rank and keeps the collection ranks' outputs (`real` datums).
+    fn submit_collected(
+        &self,
+        real: usize,
+        f: impl Fn(&mut RankState) -> Result<ForwardBackwardOutput> + Send + Sync + 'static,
+    ) -> Handle<ForwardBackwardOutput> {
+        self.submit_each(move |s| Ok((s.info, f(s)?)), move |per_rank| Ok(collect(per_rank, real)))
+    }
+
+    /// `mesh` dispatch of forward_backward (a plain-sum gradient added on every rank).
+    pub fn submit_forward_backward(
         &self,
         batch: &[Datum],
-        loss_fn: &str,
-        config: &Value,
+        loss: Option<&Loss>,
         per_token: bool,
-    ) -> Result<ForwardBackwardOutput> {
-        let split = pad_and_split(batch, self.shape.dp, padding_datum)?;
-        let chunks = Arc::new(split.chunks);
-        let (name, config) = (loss_fn.to_string(), config.clone());
-        let out = self.on_all(move |s| {
-            let out = s.worker.forward_backward(&chunks[s.info.dp_rank], &name, &config, per_token)?;
-            Ok((s.info, out))
-        })?;
-        Ok(self.collect(out, split.real))
+    ) -> Handle<ForwardBackwardOutput> {
+        self.submit_mesh(batch, loss, per_token, true)
     }
 
-    /// `mesh` dispatch of forward (no gradients).
-    pub fn forward(&self, batch: &[Datum], loss_fn: Option<(&str, &Value)>) -> Result<ForwardBackwardOutput> {
-        let split = pad_and_split(batch, self.shape.dp, padding_datum)?;
+    /// `mesh` dispatch of forward (no gradients); the same arguments as forward_backward.
+    pub fn submit_forward(
+        &self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        per_token: bool,
+    ) -> Handle<ForwardBackwardOutput> {
+        self.submit_mesh(batch, loss, per_token, false)
+    }
+
+    fn submit_mesh(
+        &self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        per_token: bool,
+        backward: bool,
+    ) -> Handle<ForwardBackwardOutput> {
+        let split = match pad_and_split(batch, self.shape.dp, padding_datum) {
+            Ok(s) => s,
+            Err(e) => return Handle::ready(Err(e)),
+        };
         let chunks = Arc::new(split.chunks);
-        let loss = loss_fn.map(|(n, c)| (n.to_string(), c.clone()));
-        let out = self.on_all(move |s| {
-            let l = loss.as_ref().map(|(n, c)| (n.as_str(), c));
-            Ok((s.info, s.worker.forward(&chunks[s.info.dp_rank], l)?))
-        })?;
-        Ok(self.collect(out, split.real))
+        let loss = loss.cloned();
+        self.submit_collected(split.real, move |s| {
+            let chunk = &chunks[s.info.dp_rank];
+            if backward {
+                s.worker.forward_backward(chunk, loss.as_ref(), per_token)
+            } else {
+                s.worker.forward(chunk, loss.as_ref(), per_token)
+            }
+        })
     }
 
     /// Places the mini-batches of a step on the ranks ahead of time (replacing earlier ones).
-    pub fn stage(&mut self, minibatches: &[Vec<Datum>]) -> Result<()> {
+    pub fn stage(&self, minibatches: &[Vec<Datum>]) -> Handle<()> {
         let mut per_index = vec![];
-        self.staged_real.clear();
+        let mut real = BTreeMap::new();
         for (i, mb) in minibatches.iter().enumerate() {
-            let split = pad_and_split(mb, self.shape.dp, padding_datum)
-                .map_err(|e| Error::input(format!("staged mini-batch {i}: {e}")))?;
-            self.staged_real.insert(i, split.real);
-            per_index.push(split.chunks);
+            match pad_and_split(mb, self.shape.dp, padding_datum) {
+                Ok(split) => {
+                    real.insert(i, split.real);
+                    per_index.push(split.chunks);
+                }
+                Err(e) => return Handle::ready(Err(Error::input(format!("staged mini-batch {i}: {e}")))),
+            }
         }
+        *self.staged_real.lock().unwrap_or_else(|e| e.into_inner()) = real;
         let per_index = Arc::new(per_index);
-        self.on_all(move |s| {
+        self.submit_unit(move |s| {
             s.staged = per_index.iter().enumerate().map(|(i, chunks)| (i, chunks[s.info.dp_rank].clone())).collect();
             Ok(())
-        })?;
-        Ok(())
+        })
     }
 
     /// forward_backward on a staged mini-batch; returns exactly what the direct call returns.
-    pub fn forward_backward_staged(
+    pub fn submit_forward_backward_staged(
         &self,
         index: usize,
-        loss_fn: &str,
-        config: &Value,
+        loss: &Loss,
         per_token: bool,
-    ) -> Result<ForwardBackwardOutput> {
-        let real = *self.staged_real.get(&index).ok_or_else(|| {
-            Error::input(format!("staged mini-batch index {index} is out of range ({} staged)", self.staged_real.len()))
-        })?;
-        let (name, config) = (loss_fn.to_string(), config.clone());
-        let out = self.on_all(move |s| {
+    ) -> Handle<ForwardBackwardOutput> {
+        let staged = self.staged_real.lock().unwrap_or_else(|e| e.into_inner()).get(&index).copied();
+        let Some(real) = staged else {
+            let n = self.staged_real.lock().unwrap_or_else(|e| e.into_inner()).len();
+            return Handle::ready(Err(Error::input(format!(
+                "staged mini-batch index {index} is out of range ({n} staged)"
+            ))));
+        };
+        let loss = loss.clone();
+        self.submit_collected(real, move |s| {
             let chunk = s
                 .staged
                 .get(&index)
                 .ok_or_else(|| Error::input(format!("staged mini-batch {index} missing on a rank")))?;
-            Ok((s.info, s.worker.forward_backward(chunk, &name, &config, per_token)?))
-        })?;
-        Ok(self.collect(out, real))
+            s.worker.forward_backward(chunk, Some(&loss), per_token)
+        })
     }
 
-    /// All-reduces gradients (SUM over dp) and applies AdamW on every rank; returns the
-    /// pre-clip global gradient norm.
-    pub fn optim_step(&self, params: &AdamParams) -> Result<f64> {
-        let params = *params;
-        let norms = self.on_all(move |s| {
-            let (collective, rank) = (s.collective.clone(), s.info.dp_rank);
-            let reduced = s.worker.reduce_gradients(|g| collective.all_reduce_sum(rank, g));
-            if let Err(e) = &reduced {
-                s.collective.abort(&format!("rank {rank}: {e}"));
-            }
-            reduced?;
-            s.worker.optim_step(&params)
-        })?;
-        Ok(norms[0])
+    /// All-reduces gradients (SUM over dp) and applies AdamW on every rank; the handle yields
+    /// the pre-clip global gradient norm.
+    pub fn submit_optim_step(&self, params: AdamParams) -> Handle<f64> {
+        self.submit_each(
+            move |s| {
+                let (collective, rank) = (s.collective.clone(), s.info.dp_rank);
+                let reduced = s.worker.reduce_gradients(|g| collective.all_reduce_sum(rank, g));
+                if let Err(e) = &reduced {
+                    s.collective.abort(&format!("rank {rank}: {e}"));
+                }
+                reduced?;
+                s.worker.optim_step(&params)
+            },
+            |norms: Vec<f64>| Ok(norms[0]),
+        )
     }
 
-    /// Writes the state of dp rank 0 (every replica holds the same state).
-    pub fn save_state(&self, dir: &std::path::Path) -> Result<()> {
+    /// Runs `f` on the first collection rank of dp rank 0 (every replica holds the same state).
+    fn submit_on_rank0<R: Send + 'static>(
+        &self,
+        f: impl Fn(&mut RankState) -> Result<R> + Send + Sync + 'static,
+    ) -> Handle<R> {
+        self.submit_each(
+            move |s| if s.info.dp_rank == 0 && s.info.collect { f(s).map(Some) } else { Ok(None) },
+            |results: Vec<Option<R>>| {
+                results
+                    .into_iter()
+                    .flatten()
+                    .next()
+                    .ok_or_else(|| Error::Other("no collection rank at dp rank 0".into()))
+            },
+        )
+    }
+
+    /// Writes the training state (from dp rank 0).
+    pub fn submit_save_state(&self, dir: &Path) -> Handle<()> {
         let dir = dir.to_path_buf();
-        self.on_all(move |s| if s.info.dp_rank == 0 && s.info.collect { s.worker.save_state(&dir) } else { Ok(()) })?;
-        Ok(())
+        self.submit_on_rank0(move |s| s.worker.save_state(&dir))
     }
 
-    pub fn load_state(&self, dir: &std::path::Path) -> Result<()> {
+    /// Loads a training state into every rank.
+    pub fn submit_load_state(&self, dir: &Path) -> Handle<()> {
         let dir = dir.to_path_buf();
-        self.on_all(move |s| s.worker.load_state(&dir))?;
-        Ok(())
+        self.submit_unit(move |s| s.worker.load_state(&dir))
     }
 
     /// Exports the model (HF layout, or PEFT for LoRA) from dp rank 0.
-    pub fn export(&self, dir: &std::path::Path, merge_lora: bool) -> Result<()> {
-        let dir = dir.to_path_buf();
-        self.on_all(
-            move |s| if s.info.dp_rank == 0 && s.info.collect { s.worker.export(&dir, merge_lora) } else { Ok(()) },
-        )?;
-        Ok(())
+    pub fn submit_export(&self, dir: &Path, merge_lora: bool) -> Handle<()> {
+        let dir: PathBuf = dir.to_path_buf();
+        self.submit_on_rank0(move |s| s.worker.export(&dir, merge_lora))
     }
 
-    pub fn offload(&self, parts: Parts) -> Result<()> {
-        self.on_all(move |s| s.worker.offload(parts.model, parts.optimizer, &mut s.host))?;
-        Ok(())
+    /// A private, versioned snapshot of the weights the sampling engines need (full weights by
+    /// HF name, or only the LoRA adapters), taken behind the calls already submitted.
+    pub fn submit_sampler_weights(&self) -> Handle<SamplerWeights> {
+        self.submit_on_rank0(|s| s.worker.sampler_weights())
     }
 
-    pub fn backload(&self, parts: Parts) -> Result<()> {
-        self.on_all(move |s| s.worker.backload(parts.model, parts.optimizer, &mut s.host))?;
-        Ok(())
+    pub fn submit_offload(&self, parts: Parts) -> Handle<()> {
+        self.submit_unit(move |s| s.worker.offload(parts.model, parts.optimizer, &mut s.host))
     }
 
-    /// Reads something off every rank's worker (tests, metrics).
+    pub fn submit_backload(&self, parts: Parts) -> Handle<()> {
+        self.submit_unit(move |s| s.worker.backload(parts.model, parts.optimizer, &mut s.host))
+    }
+
+    /// Queues a barrier: calls submitted after it start once every handle in `after` has
+    /// completed (how a colocated model waits for the other models' offloads). Its own handle
+    /// carries their first error.
+    pub fn submit_barrier(&self, after: Vec<Handle<()>>) -> Handle<()> {
+        let barrier = Arc::new(Barrier { pending: Mutex::new(after), failed: Mutex::new(None) });
+        self.submit_unit(move |_| barrier.wait())
+    }
+
+    /// Reads something off every rank's worker, behind the calls already submitted (tests,
+    /// metrics). Blocks.
     pub fn inspect<R: Send + 'static>(&self, f: impl Fn(&Worker) -> R + Send + Sync + 'static) -> Result<Vec<R>> {
-        self.on_all(move |s| Ok(f(&s.worker)))
-    }
-}
-
-impl Drop for WorkerGroup {
-    fn drop(&mut self) {
-        for r in &mut self.ranks {
-            r.tx.take();
-        }
-        for r in &mut self.ranks {
-            if let Some(t) = r.thread.take() {
-                let _ = t.join();
-            }
-        }
+        self.submit_each(move |s| Ok(f(&s.worker)), Ok).wait()
     }
 }

@@ -171,6 +171,11 @@ impl LoraConfig {
     }
 }
 
+/// The PEFT names of a module's adapter pair (A, B).
+pub fn adapter_names(module: &str) -> (String, String) {
+    (a_name(module), b_name(module))
+}
+
 fn a_name(module: &str) -> String {
     format!("{PREFIX}{module}.lora_A.weight")
 }

@@ -5,11 +5,14 @@ pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
 pub mod rope;
+pub mod sampler_weights;
 pub mod transformer;
+pub mod weight_update;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
+pub use sampler_weights::SamplerWeights;
 pub use transformer::Transformer;
 pub mod chat_template;
 pub mod init;

@@ -1,43 +1,72 @@
-//! The client over N engines: routing, abort-and-continue retry, and pause / resume / weight
-//! updates for all of them.
+//! The client over N engines: routing, abort-and-continue, and pause / resume / weight updates
+//! for all of them — without a thread per request.
 //!
 //! Routing: a request with a `group` goes to the engine that took its group first (so the
 //! prompts of a GRPO group share an engine, and identical prompts admitted together share one
 //! prefill); otherwise, and for a new group, to the engine with the fewest requests in flight.
 //!
-//! Abort-and-continue (specs/algorithms.md): while a sample's stop reason is `abort`, wait until
-//! unpaused, resubmit prompt + accumulated tokens with `max_tokens = original − accumulated`,
-//! and append the tokens, log-probs and versions (an abort that produced no token adds nothing);
-//! the stop reason is the last call's. The continuation also skips the random draws already
-//! used, so a seeded sample continues its own stream: with unchanged weights the result equals
-//! the uninterrupted one. Simplification: a stop string that straddles an abort boundary is not
-//! detected (each call checks only its own completion).
+//! Abort-and-continue (specs/algorithms.md) is event-driven: an engine hands each output to a
+//! callback of the client (on the engine thread). A sample whose stop reason is `abort` is
+//! continued at once if the client is not paused, or parked until [`EngineClient::resume`]
+//! otherwise: the continuation is prompt + accumulated tokens with `max_tokens = original −
+//! accumulated`, and its tokens, log-probs and versions are appended (an abort that produced no
+//! token adds nothing); the stop reason is the last call's. The continuation also skips the
+//! random draws already used, so a seeded sample continues its own stream: with unchanged
+//! weights the result equals the uninterrupted one. The request's handle completes when every
+//! sample has really stopped; cancelling it ends the samples in flight (stop reason `cancelled`)
+//! and never continues them. Simplification: a stop string that straddles an abort boundary is
+//! not detected (each call checks only its own completion).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
-use super::engine::{Engine, EngineHealth};
+use super::engine::{Engine, EngineHealth, Ticket};
 use super::engine_core::PauseMode;
 use super::request::{Generation, Request, RequestOutput, StopReason};
-use super::weights::WeightUpdate;
+use crate::actor::fan_out;
+use crate::handle::{self, Handle, Reply};
+use crate::model::SamplerWeights;
 use crate::{Error, Result};
 
 pub struct EngineClient {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     engines: Vec<Engine>,
     in_flight: Vec<AtomicUsize>,
     groups: Mutex<HashMap<u64, usize>>,
-    paused: Mutex<bool>,
-    unpaused: Condvar,
+    pause: Mutex<PauseState>,
 }
 
-/// Counts a request in flight on engine `i` until dropped.
-struct InFlight<'a>(&'a AtomicUsize);
+#[derive(Default)]
+struct PauseState {
+    paused: bool,
+    /// Samples aborted by a pause, waiting for `resume`.
+    parked: Vec<(Arc<Pending>, usize)>,
+}
 
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
+/// One client request while its samples are being completed.
+struct Pending {
+    original: Request,
+    state: Mutex<PendingState>,
+}
+
+struct PendingState {
+    /// Each sample as accumulated so far.
+    samples: Vec<Generation>,
+    prompt_logprobs: Option<Vec<f32>>,
+    /// Samples not yet really stopped.
+    left: usize,
+    /// The engine call each sample is in, if any.
+    live: Vec<Option<(usize, Ticket)>>,
+    cancelled: bool,
+    reply: Option<Reply<RequestOutput>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl EngineClient {
@@ -46,101 +75,266 @@ impl EngineClient {
             return Err(Error::input("an engine client needs at least one engine"));
         }
         let in_flight = engines.iter().map(|_| AtomicUsize::new(0)).collect();
-        Ok(EngineClient {
-            engines,
-            in_flight,
-            groups: Mutex::new(HashMap::new()),
-            paused: Mutex::new(false),
-            unpaused: Condvar::new(),
-        })
+        let shared = Shared { engines, in_flight, groups: Mutex::new(HashMap::new()), pause: Mutex::default() };
+        Ok(EngineClient { shared: Arc::new(shared) })
     }
 
     pub fn engines(&self) -> &[Engine] {
-        &self.engines
+        &self.shared.engines
     }
 
-    /// Requests in flight per engine, as this client counts them.
+    /// Engine calls in flight per engine, as this client counts them.
     pub fn load(&self) -> Vec<usize> {
-        self.in_flight.iter().map(|x| x.load(Ordering::SeqCst)).collect()
+        self.shared.in_flight.iter().map(|x| x.load(Ordering::SeqCst)).collect()
     }
 
+    /// The engine for a request of `group`.
+    pub fn route(&self, group: Option<u64>) -> usize {
+        self.shared.route(group)
+    }
+
+    /// Submits a request with abort-and-continue: a pause in `abort` mode is invisible in the
+    /// result but for the versions of the tokens. The handle can cancel the request.
+    pub fn submit(&self, mut req: Request) -> Handle<RequestOutput> {
+        if let Err(e) = req.params.validate() {
+            return Handle::ready(Err(e));
+        }
+        if req.num_samples == 0 {
+            return Handle::ready(Err(Error::input("num_samples must be positive")));
+        }
+        req.params.seed.get_or_insert_with(rand::random);
+        let (reply, handle) = handle::channel();
+        let n = req.num_samples;
+        let pending = Arc::new(Pending {
+            original: req,
+            state: Mutex::new(PendingState {
+                samples: vec![Generation::empty(); n],
+                prompt_logprobs: None,
+                left: n,
+                live: vec![None; n],
+                cancelled: false,
+                reply: Some(reply),
+            }),
+        });
+        Shared::send(&self.shared, &pending, None);
+        let (weak, p) = (Arc::downgrade(&self.shared), pending);
+        handle.with_cancel(move || Shared::cancel(&weak, &p))
+    }
+
+    /// Submits and waits (see [`EngineClient::submit`]).
+    pub fn generate(&self, req: Request) -> Result<RequestOutput> {
+        self.submit(req).wait()
+    }
+
+    /// Pauses every engine; samples aborted by the pause wait for `resume`.
+    pub fn pause(&self, mode: PauseMode) -> Handle<()> {
+        // Set first, so that a continuation triggered by this pause already sees it.
+        lock(&self.shared.pause).paused = true;
+        let engines = self.shared.engines.iter().map(Engine::actor);
+        fan_out(
+            engines,
+            move |_, s| {
+                s.pause(mode);
+                Ok(())
+            },
+            |_| Ok(()),
+        )
+    }
+
+    /// Resumes every engine, then continues the parked samples.
+    pub fn resume(&self) -> Handle<()> {
+        let shared = Arc::downgrade(&self.shared);
+        let engines = self.shared.engines.iter().map(Engine::actor);
+        fan_out(
+            engines,
+            |_, s| {
+                s.resume();
+                Ok(())
+            },
+            move |_| {
+                if let Some(shared) = shared.upgrade() {
+                    Shared::unpause(&shared);
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// Sends the weights to every engine (they share the snapshot; none copies it).
+    pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
+        let weights = weights.clone();
+        let engines = self.shared.engines.iter().map(Engine::actor);
+        fan_out(
+            engines,
+            move |i, s| s.update_weights(&weights).map_err(|e| Error::Other(format!("engine {i}: {e}"))),
+            |_| Ok(()),
+        )
+    }
+
+    pub fn health(&self) -> Vec<EngineHealth> {
+        self.shared.engines.iter().map(|e| e.health()).collect()
+    }
+}
+
+impl Shared {
     fn least_loaded(&self) -> usize {
         (0..self.engines.len())
             .min_by_key(|&i| (self.in_flight[i].load(Ordering::SeqCst), i))
             .expect("at least one engine")
     }
 
-    /// The engine for a request of `group`.
-    pub fn route(&self, group: Option<u64>) -> usize {
+    fn route(&self, group: Option<u64>) -> usize {
         match group {
             None => self.least_loaded(),
-            Some(g) => {
-                let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-                *groups.entry(g).or_insert_with(|| self.least_loaded())
+            Some(g) => *lock(&self.groups).entry(g).or_insert_with(|| self.least_loaded()),
+        }
+    }
+
+    /// Sends the whole request (`sample` None) or the continuation of one sample to an engine.
+    fn send(this: &Arc<Shared>, pending: &Arc<Pending>, sample: Option<usize>) {
+        let req = match sample {
+            None => pending.original.clone(),
+            Some(j) => continuation(&pending.original, j, &lock(&pending.state).samples[j]),
+        };
+        let i = this.route(req.group);
+        let engine = &this.engines[i];
+        this.in_flight[i].fetch_add(1, Ordering::SeqCst);
+        let (weak, p) = (Arc::downgrade(this), pending.clone());
+        // Recorded before the call can answer (a cancel must find it).
+        let ticket = engine.new_ticket();
+        {
+            let mut state = lock(&pending.state);
+            match sample {
+                None => state.live.iter_mut().for_each(|l| *l = Some((i, ticket))),
+                Some(j) => state.live[j] = Some((i, ticket)),
+            }
+        }
+        engine.submit_with(
+            ticket,
+            req,
+            Box::new(move |out| match weak.upgrade() {
+                Some(shared) => Shared::on_output(&shared, &p, i, sample, out),
+                None => Pending::fail(&p, Error::Other("the engine client was dropped".into())),
+            }),
+        );
+    }
+
+    /// An engine answered a call of `pending` (all samples, or the continuation of `sample`).
+    fn on_output(
+        this: &Arc<Shared>,
+        pending: &Arc<Pending>,
+        engine: usize,
+        sample: Option<usize>,
+        out: Result<RequestOutput>,
+    ) {
+        this.in_flight[engine].fetch_sub(1, Ordering::SeqCst);
+        let mut out = match out {
+            Ok(o) => o,
+            Err(e) => return Pending::fail(pending, e),
+        };
+        let mut to_continue = vec![];
+        let finished = {
+            let mut st = lock(&pending.state);
+            let parts: Vec<(usize, Generation)> = match sample {
+                None => {
+                    st.prompt_logprobs = out.prompt_logprobs.take();
+                    out.samples.into_iter().enumerate().collect()
+                }
+                Some(j) => out.samples.into_iter().take(1).map(|g| (j, g)).collect(),
+            };
+            for (j, g) in parts {
+                st.live[j] = None;
+                st.samples[j].append(g);
+                if st.samples[j].stop_reason == StopReason::Abort {
+                    if st.cancelled {
+                        st.samples[j].stop_reason = StopReason::Cancelled;
+                    } else {
+                        to_continue.push(j);
+                        continue;
+                    }
+                }
+                st.left -= 1;
+            }
+            st.left == 0
+        };
+        if finished {
+            return Pending::finish(pending);
+        }
+        for j in to_continue {
+            let mut pause = lock(&this.pause);
+            if pause.paused {
+                pause.parked.push((pending.clone(), j));
+            } else {
+                drop(pause);
+                Shared::send(this, pending, Some(j));
             }
         }
     }
 
-    /// One call to one engine, without retry.
-    pub fn generate_once(&self, req: Request) -> Result<RequestOutput> {
-        let i = self.route(req.group);
-        self.in_flight[i].fetch_add(1, Ordering::SeqCst);
-        let _guard = InFlight(&self.in_flight[i]);
-        self.engines[i].generate(req)
-    }
-
-    fn wait_unpaused(&self) {
-        let mut p = self.paused.lock().unwrap_or_else(|e| e.into_inner());
-        while *p {
-            p = self.unpaused.wait(p).unwrap_or_else(|e| e.into_inner());
+    /// Continues every parked sample (after the engines resumed).
+    fn unpause(this: &Arc<Shared>) {
+        let parked = {
+            let mut pause = lock(&this.pause);
+            pause.paused = false;
+            std::mem::take(&mut pause.parked)
+        };
+        for (pending, j) in parked {
+            if lock(&pending.state).cancelled {
+                continue;
+            }
+            Shared::send(this, &pending, Some(j));
         }
     }
 
-    /// Generates with abort-and-continue: a pause in `abort` mode is invisible in the result but
-    /// for the versions of the tokens.
-    pub fn generate(&self, mut req: Request) -> Result<RequestOutput> {
-        req.params.validate()?;
-        req.params.seed.get_or_insert_with(rand::random);
-        let mut out = self.generate_once(req.clone())?;
-        for (j, g) in out.samples.iter_mut().enumerate() {
-            while g.stop_reason == StopReason::Abort {
-                self.wait_unpaused();
-                let r = self.generate_once(continuation(&req, j, g))?.samples.remove(0);
-                g.append(r);
+    /// Cancels a request: parked samples end now, samples in an engine call are cancelled there.
+    fn cancel(this: &Weak<Shared>, pending: &Arc<Pending>) {
+        let (live, finished) = {
+            let mut st = lock(&pending.state);
+            if st.cancelled || st.reply.is_none() {
+                return;
+            }
+            st.cancelled = true;
+            let live: Vec<(usize, Ticket)> = st.live.iter().flatten().copied().collect();
+            let mut parked = vec![];
+            for j in 0..st.samples.len() {
+                if st.live[j].is_none() && st.samples[j].stop_reason == StopReason::Abort {
+                    parked.push(j);
+                }
+            }
+            for j in parked {
+                st.samples[j].stop_reason = StopReason::Cancelled;
+                st.left -= 1;
+            }
+            (live, st.left == 0)
+        };
+        if finished {
+            return Pending::finish(pending);
+        }
+        if let Some(shared) = this.upgrade() {
+            let mut seen = vec![];
+            for (i, ticket) in live {
+                if !seen.contains(&(i, ticket)) {
+                    seen.push((i, ticket));
+                    let _ = shared.engines[i].cancel(ticket);
+                }
             }
         }
-        Ok(out)
     }
+}
 
-    /// Pauses every engine; `generate` calls that get aborted wait for `resume`.
-    pub fn pause(&self, mode: PauseMode) -> Result<()> {
-        // Set first, so that a retry triggered by this pause already sees it.
-        *self.paused.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        for e in &self.engines {
-            e.pause(mode)?;
+impl Pending {
+    fn finish(this: &Pending) {
+        let mut st = lock(&this.state);
+        if let Some(reply) = st.reply.take() {
+            let samples = std::mem::take(&mut st.samples);
+            reply.send(Ok(RequestOutput { samples, prompt_logprobs: st.prompt_logprobs.take() }));
         }
-        Ok(())
     }
 
-    pub fn resume(&self) -> Result<()> {
-        for e in &self.engines {
-            e.resume()?;
+    fn fail(this: &Pending, e: Error) {
+        if let Some(reply) = lock(&this.state).reply.take() {
+            reply.send(Err(e));
         }
-        *self.paused.lock().unwrap_or_else(|e| e.into_inner()) = false;
-        self.unpaused.notify_all();
-        Ok(())
-    }
-
-    /// Sends the update to every engine (each keeps its own copy of the weights).
-    pub fn update_weights(&self, update: &WeightUpdate, version: u64) -> Result<()> {
-        for (i, e) in self.engines.iter().enumerate() {
-            e.update_weights(update.clone(), version).map_err(|err| Error::Other(format!("engine {i}: {err}")))?;
-        }
-        Ok(())
-    }
-
-    pub fn health(&self) -> Vec<EngineHealth> {
-        self.engines.iter().map(|e| e.health()).collect()
     }
 }
 

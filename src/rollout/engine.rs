@@ -1,33 +1,31 @@
-//! An [`EngineCore`] on its own thread, driven through channels.
+//! [`Engine`]: an [`EngineCore`] owned by an [`Actor`] — its own thread and thread budget.
 //!
-//! The thread alternates: take the commands that have arrived (blocking when there is nothing
-//! to decode, so an idle or paused engine costs nothing), then one `step`. Each request carries
-//! its own reply channel, answered when it completes. Pause, resume and weight updates are
-//! acknowledged once applied, so `pause(Keep); update_weights(..); resume()` from one caller
-//! happens between two decode steps. A failed step fails the requests in flight (with the
-//! reason) and the engine carries on; if the thread dies, every call returns an error instead
-//! of hanging (the channels close).
+//! Requests, pauses, weight updates and cancellations are jobs on the actor's queue; between
+//! jobs, while requests are running, the actor runs one decode step at a time, and it sleeps
+//! when idle or paused. Every call returns a [`Handle`] at once; a request's output goes to its
+//! handle, or to a callback ([`Engine::submit_with`], how the engine client continues aborted
+//! samples without a thread per request). Pause, resume and weight updates complete once
+//! applied, so `pause(Keep); update_weights(..); resume()` from one caller happens between two
+//! decode steps. A single request can be cancelled: it completes with what it has, stop reason
+//! `cancelled`. A failed step fails the requests in flight (with the reason) and the engine
+//! carries on; if the thread dies, every handle yields an error instead of hanging.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::engine_core::{EngineConfig, EngineCore, EngineStats, PauseMode, RequestId};
-use super::request::{Request, RequestOutput};
-use super::weights::WeightUpdate;
-use crate::model::Transformer;
+use super::request::{Request, RequestOutput, StopReason};
+use crate::actor::{Actor, ActorState};
+use crate::handle::{self, Handle};
+use crate::model::{SamplerWeights, Transformer};
 use crate::{Error, Result};
 
-type Reply = Sender<Result<RequestOutput>>;
+/// Where a request's output goes (called on the engine thread).
+pub type Sink = Box<dyn FnOnce(Result<RequestOutput>) + Send>;
 
-enum Command {
-    Add(Request, Reply),
-    Pause(PauseMode, Sender<()>),
-    Resume(Sender<()>),
-    Update(Box<WeightUpdate>, u64, Sender<Result<()>>),
-    Health(Sender<EngineHealth>),
-    Shutdown,
-}
+/// A request's number on its engine, chosen at submission (so it can be cancelled at once).
+pub type Ticket = u64;
 
 /// What an engine reports about itself.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -40,153 +38,193 @@ pub struct EngineHealth {
     pub last_error: Option<String>,
 }
 
-pub struct Engine {
-    tx: Sender<Command>,
-    thread: Option<JoinHandle<()>>,
+/// The engine thread's state.
+pub struct EngineState {
+    core: EngineCore,
+    sinks: HashMap<RequestId, (Ticket, Sink)>,
+    tickets: HashMap<Ticket, RequestId>,
+    completed: u64,
+    failed_steps: u64,
+    last_error: Option<String>,
 }
 
-fn gone() -> Error {
-    Error::Other("the engine thread has stopped".into())
+impl ActorState for EngineState {
+    fn has_work(&self) -> bool {
+        self.core.has_work()
+    }
+
+    fn work(&mut self) {
+        match self.core.step() {
+            Ok(outs) => self.deliver(outs),
+            Err(e) => {
+                let msg = format!("engine step failed: {e}");
+                self.tickets.clear();
+                for (_, (_, sink)) in self.sinks.drain() {
+                    sink(Err(Error::Other(msg.clone())));
+                }
+                self.core.reset();
+                self.failed_steps += 1;
+                self.last_error = Some(msg);
+            }
+        }
+    }
+}
+
+impl EngineState {
+    fn add(&mut self, ticket: Ticket, req: Request, sink: Sink) {
+        match self.core.add_request(req) {
+            Ok(id) => {
+                self.sinks.insert(id, (ticket, sink));
+                self.tickets.insert(ticket, id);
+            }
+            Err(e) => sink(Err(e)),
+        }
+    }
+
+    fn deliver(&mut self, outs: Vec<(RequestId, RequestOutput)>) {
+        for (id, out) in outs {
+            self.completed += 1;
+            if let Some((ticket, sink)) = self.sinks.remove(&id) {
+                self.tickets.remove(&ticket);
+                sink(Ok(out));
+            }
+        }
+    }
+
+    fn cancel(&mut self, ticket: Ticket) -> Result<()> {
+        let Some(&id) = self.tickets.get(&ticket) else { return Ok(()) };
+        if let Some(mut out) = self.core.abort(id)? {
+            for g in &mut out.samples {
+                g.stop_reason = StopReason::Cancelled;
+            }
+            self.deliver(vec![(id, out)]);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn pause(&mut self, mode: PauseMode) {
+        let outs = self.core.pause(mode);
+        self.deliver(outs);
+    }
+
+    pub(crate) fn resume(&mut self) {
+        self.core.resume();
+    }
+
+    pub(crate) fn update_weights(&mut self, weights: &SamplerWeights) -> Result<()> {
+        self.core.update_weights(weights.update(), weights.version())
+    }
+
+    fn health(&self) -> EngineHealth {
+        EngineHealth {
+            alive: true,
+            stats: Some(self.core.stats()),
+            completed_requests: self.completed,
+            failed_steps: self.failed_steps,
+            last_error: self.last_error.clone(),
+        }
+    }
+}
+
+pub struct Engine {
+    actor: Arc<Actor<EngineState>>,
+    next_ticket: AtomicU64,
 }
 
 impl Engine {
-    /// Starts an engine thread owning `model`.
+    /// Starts an engine thread owning `model`, with `config.threads` tensor-math threads.
     pub fn start(model: Transformer, config: EngineConfig) -> Result<Engine> {
-        let core = EngineCore::new(model, config)?;
-        let (tx, rx) = mpsc::channel();
-        let thread = std::thread::Builder::new()
-            .name("oxrl-engine".into())
-            .spawn(move || run(core, rx))
-            .map_err(|e| Error::Other(format!("cannot start the engine thread: {e}")))?;
-        Ok(Engine { tx, thread: Some(thread) })
+        let threads = config.threads;
+        let actor = Actor::spawn("oxrl-engine", threads, move || {
+            Ok(EngineState {
+                core: EngineCore::new(model, config)?,
+                sinks: HashMap::new(),
+                tickets: HashMap::new(),
+                completed: 0,
+                failed_steps: 0,
+                last_error: None,
+            })
+        })?;
+        Ok(Engine { actor: Arc::new(actor), next_ticket: AtomicU64::new(0) })
     }
 
-    /// Queues a request; the receiver yields its output (or why it failed).
-    pub fn submit(&self, req: Request) -> Result<Receiver<Result<RequestOutput>>> {
-        let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::Add(req, tx)).map_err(|_| gone())?;
-        Ok(rx)
+    pub(crate) fn actor(&self) -> &Actor<EngineState> {
+        &self.actor
+    }
+
+    /// A fresh ticket for [`Engine::submit_with`].
+    pub fn new_ticket(&self) -> Ticket {
+        self.next_ticket.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Queues a request under `ticket` whose output goes to `sink` (called on the engine
+    /// thread, or at once on this one if the engine has stopped).
+    pub fn submit_with(&self, ticket: Ticket, req: Request, sink: Sink) {
+        // If the thread is gone the job never runs: the sink is then answered here.
+        let slot = Arc::new(Mutex::new(Some(sink)));
+        let job_slot = slot.clone();
+        let posted = self.actor.post(move |s| {
+            if let Some(sink) = job_slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                s.add(ticket, req, sink);
+            }
+        });
+        if let Err(e) = posted {
+            if let Some(sink) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                sink(Err(e));
+            }
+        }
+    }
+
+    /// Queues a request; the handle yields its output (or why it failed) and can cancel it.
+    pub fn submit(&self, req: Request) -> Handle<RequestOutput> {
+        let (reply, handle) = handle::channel();
+        let ticket = self.new_ticket();
+        self.submit_with(ticket, req, Box::new(move |r| reply.send(r)));
+        let actor = self.actor.clone();
+        handle.with_cancel(move || {
+            let _ = actor.post(move |s| {
+                let _ = s.cancel(ticket);
+            });
+        })
+    }
+
+    /// Ends request `ticket` now with what it has (stop reason `cancelled`); a no-op if it has
+    /// finished.
+    pub fn cancel(&self, ticket: Ticket) -> Handle<()> {
+        self.actor.call(move |s| s.cancel(ticket))
     }
 
     /// Submits and waits. A request aborted by a pause returns with stop reason `abort`; see
-    /// [`super::client::EngineClient::generate`] for the retry.
+    /// [`super::client::EngineClient`] for the continuation.
     pub fn generate(&self, req: Request) -> Result<RequestOutput> {
-        self.submit(req)?.recv().map_err(|_| gone())?
+        self.submit(req).wait()
     }
 
-    /// Returns once the engine is paused (with `Abort`, once the aborted requests are answered).
-    pub fn pause(&self, mode: PauseMode) -> Result<()> {
-        let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::Pause(mode, tx)).map_err(|_| gone())?;
-        rx.recv().map_err(|_| gone())
+    /// Completes once the engine is paused (with `Abort`, once the aborted requests are
+    /// answered).
+    pub fn pause(&self, mode: PauseMode) -> Handle<()> {
+        self.actor.call(move |s| {
+            s.pause(mode);
+            Ok(())
+        })
     }
 
-    pub fn resume(&self) -> Result<()> {
-        let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::Resume(tx)).map_err(|_| gone())?;
-        rx.recv().map_err(|_| gone())
+    pub fn resume(&self) -> Handle<()> {
+        self.actor.call(|s| {
+            s.resume();
+            Ok(())
+        })
     }
 
-    /// Returns once the new weights are in place (or why they were refused).
-    pub fn update_weights(&self, update: WeightUpdate, version: u64) -> Result<()> {
-        let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::Update(Box::new(update), version, tx)).map_err(|_| gone())?;
-        rx.recv().map_err(|_| gone())?
+    /// Completes once the new weights are in place (or with why they were refused); tokens
+    /// sampled from then on carry `weights.version()`.
+    pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
+        let weights = weights.clone();
+        self.actor.call(move |s| s.update_weights(&weights))
     }
 
     pub fn health(&self) -> EngineHealth {
         let dead = EngineHealth { alive: false, stats: None, completed_requests: 0, failed_steps: 0, last_error: None };
-        let (tx, rx) = mpsc::channel();
-        if self.tx.send(Command::Health(tx)).is_err() {
-            return dead;
-        }
-        rx.recv().unwrap_or(dead)
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.tx.send(Command::Shutdown);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn run(mut core: EngineCore, rx: Receiver<Command>) {
-    let mut replies: HashMap<RequestId, Reply> = HashMap::new();
-    let (mut completed, mut failed_steps, mut last_error) = (0u64, 0u64, None::<String>);
-    let deliver =
-        |outs: Vec<(RequestId, RequestOutput)>, replies: &mut HashMap<RequestId, Reply>, completed: &mut u64| {
-            for (id, out) in outs {
-                *completed += 1;
-                if let Some(r) = replies.remove(&id) {
-                    let _ = r.send(Ok(out));
-                }
-            }
-        };
-    loop {
-        loop {
-            let cmd = if core.has_work() {
-                match rx.try_recv() {
-                    Ok(c) => c,
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => return,
-                }
-            } else {
-                match rx.recv() {
-                    Ok(c) => c,
-                    Err(_) => return,
-                }
-            };
-            match cmd {
-                Command::Add(req, reply) => match core.add_request(req) {
-                    Ok(id) => {
-                        replies.insert(id, reply);
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(e));
-                    }
-                },
-                Command::Pause(mode, ack) => {
-                    deliver(core.pause(mode), &mut replies, &mut completed);
-                    let _ = ack.send(());
-                }
-                Command::Resume(ack) => {
-                    core.resume();
-                    let _ = ack.send(());
-                }
-                Command::Update(update, version, ack) => {
-                    let _ = ack.send(core.update_weights(&update, version));
-                }
-                Command::Health(reply) => {
-                    let _ = reply.send(EngineHealth {
-                        alive: true,
-                        stats: Some(core.stats()),
-                        completed_requests: completed,
-                        failed_steps,
-                        last_error: last_error.clone(),
-                    });
-                }
-                Command::Shutdown => {
-                    for (_, r) in replies.drain() {
-                        let _ = r.send(Err(Error::Other("the engine shut down".into())));
-                    }
-                    return;
-                }
-            }
-        }
-        match core.step() {
-            Ok(outs) => deliver(outs, &mut replies, &mut completed),
-            Err(e) => {
-                let msg = format!("engine step failed: {e}");
-                for (_, r) in replies.drain() {
-                    let _ = r.send(Err(Error::Other(msg.clone())));
-                }
-                core.reset();
-                failed_steps += 1;
-                last_error = Some(msg);
-            }
-        }
+        self.actor.call(|s| Ok(s.health())).wait().unwrap_or(dead)
     }
 }

@@ -30,9 +30,9 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::request::{Generation, Request, RequestOutput, StopReason};
 use super::sampler::sample;
-use super::weights::{updated, WeightUpdate};
 use crate::model::logprobs::target_logprobs;
 use crate::model::tokenizer::Tokenizer;
+use crate::model::weight_update::{updated, WeightUpdate};
 use crate::model::{KvCache, Transformer};
 use crate::{Error, Result};
 
@@ -48,11 +48,14 @@ pub struct EngineConfig {
     pub eos_token_ids: Vec<u32>,
     /// Needed for stop strings.
     pub tokenizer: Option<Arc<Tokenizer>>,
+    /// Tensor-math threads of an [`super::Engine`]'s thread (its own rayon pool). Default 1:
+    /// small-batch decoding is fastest on one thread (DESIGN.md).
+    pub threads: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 64, kv_cache_tokens: None, eos_token_ids: vec![], tokenizer: None }
+        EngineConfig { max_batch: 64, kv_cache_tokens: None, eos_token_ids: vec![], tokenizer: None, threads: 1 }
     }
 }
 

@@ -15,8 +15,11 @@ pub enum StopReason {
     Stop,
     /// `max_tokens` reached.
     Length,
-    /// The engine was paused in `abort` mode (or the request aborted): the tokens so far.
+    /// The engine was paused in `abort` mode (or the request aborted): the tokens so far. The
+    /// engine client continues such samples after `resume`.
     Abort,
+    /// The request was cancelled by its caller: the tokens so far; never continued.
+    Cancelled,
 }
 
 /// One completion.

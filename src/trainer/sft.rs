@@ -21,24 +21,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::Device;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
+use serde_json::Value;
 
 use super::config::SftConfig;
 use super::data_loader::{DataLoader, LoaderPosition};
 use super::metrics::{MetricsWriter, StepMetrics};
 use super::plot::{plot_run, PlotConfig};
 use super::sft_data::{load_sft_dataset, token_mean_datums, SftExample};
-use crate::dispatch::mesh::MeshShape;
-use crate::dispatch::{Dispatch, Role};
+use crate::algo::Loss;
+use crate::dispatch::Dispatch;
 use crate::files::{read_json, write_dir_atomically, write_json};
-use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::{weights, Transformer};
-use crate::worker::{AdamParams, Worker, WorkerConfig};
+use crate::worker::AdamParams;
 use crate::{Error, Result};
 
+/// The id of the trained model in the dispatch.
+pub const POLICY: &str = "policy";
 const CHECKPOINTS: &str = "checkpoints";
 const TRAINER_STATE: &str = "trainer_state.json";
 const WORKER_DIR: &str = "worker";
@@ -87,37 +86,13 @@ struct TrainerState {
     loader: LoaderPosition,
 }
 
-/// The policy's worker group as the config asks.
-fn start_policy(cfg: &SftConfig) -> Result<Dispatch> {
-    let dtype = weights::parse_dtype(&cfg.model.dtype)?;
-    let lora = (cfg.model.lora.rank > 0).then(|| {
-        let targets: Vec<&str> = cfg.model.lora.targets.iter().map(String::as_str).collect();
-        LoraConfig::new(cfg.model.lora.rank, cfg.model.lora.alpha, &targets)
-    });
-    let worker_cfg = WorkerConfig {
-        lora,
-        seed: cfg.train.seed,
-        critic: false,
-        micro_batch_size: Some(cfg.train.micro_batch_size),
-        max_tokens_per_microbatch: (cfg.train.max_tokens_per_microbatch > 0)
-            .then_some(cfg.train.max_tokens_per_microbatch),
-    };
-    let path = cfg.model.path.clone();
-    let mut dispatch = Dispatch::new(false);
-    dispatch.init_model(
-        Role::Policy,
-        MeshShape::dp(cfg.train.data_parallel.max(1)),
-        Arc::new(move |_| Worker::new(Transformer::load(&path, dtype, &Device::Cpu)?, worker_cfg.clone())),
-    )?;
-    Ok(dispatch)
-}
-
 /// Trained-token mean of the negative log-likelihood over `examples`.
-pub fn eval_loss(dispatch: &mut Dispatch, examples: &[SftExample], batch_size: usize) -> Result<f64> {
+pub fn eval_loss(dispatch: &Dispatch, examples: &[SftExample], batch_size: usize) -> Result<f64> {
+    let cross_entropy = Loss::tinker("cross_entropy", &Value::Null)?;
     let (mut loss, mut tokens) = (0.0, 0.0);
     for chunk in examples.chunks(batch_size.max(1)) {
         let datums: Vec<_> = chunk.iter().map(SftExample::to_datum).collect();
-        let out = dispatch.forward(Role::Policy, &datums, Some(("cross_entropy", &json!({}))))?;
+        let out = dispatch.forward(POLICY, &datums, Some(&cross_entropy), false)?;
         loss += out.metrics.value("loss:sum").unwrap_or(0.0);
         tokens += out.metrics.value("ntokens:sum").unwrap_or(0.0);
     }
@@ -147,28 +122,28 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(usize, PathBuf)>> {
 }
 
 /// Writes worker state and trainer state together, atomically (a half checkpoint never exists).
-fn save_checkpoint(dispatch: &mut Dispatch, run_dir: &Path, state: &TrainerState) -> Result<PathBuf> {
+fn save_checkpoint(dispatch: &Dispatch, run_dir: &Path, state: &TrainerState) -> Result<PathBuf> {
     let dir = checkpoint_dir(run_dir, state.step);
     write_dir_atomically(&dir, |tmp| {
-        dispatch.save_state(Role::Policy, &tmp.join(WORKER_DIR))?;
+        dispatch.save_state(POLICY, &tmp.join(WORKER_DIR))?;
         let json = serde_json::to_value(state).map_err(|e| Error::Other(e.to_string()))?;
         write_json(&tmp.join(TRAINER_STATE), &json)
     })?;
     Ok(dir)
 }
 
-fn load_checkpoint(dispatch: &mut Dispatch, dir: &Path) -> Result<TrainerState> {
+fn load_checkpoint(dispatch: &Dispatch, dir: &Path) -> Result<TrainerState> {
     let path = dir.join(TRAINER_STATE);
     let state: TrainerState =
         serde_json::from_value(read_json(&path)?).map_err(|e| Error::file(&path, format!("invalid: {e}")))?;
-    dispatch.load_state(Role::Policy, &dir.join(WORKER_DIR))?;
+    dispatch.load_state(POLICY, &dir.join(WORKER_DIR))?;
     Ok(state)
 }
 
 /// Exports the model and copies the tokenizer files next to it (a full model then loads alone).
-fn export(dispatch: &mut Dispatch, cfg: &SftConfig) -> Result<PathBuf> {
+fn export(dispatch: &Dispatch, cfg: &SftConfig) -> Result<PathBuf> {
     let dir = cfg.output.run_dir.join(EXPORT_DIR);
-    dispatch.export(Role::Policy, &dir, false)?;
+    dispatch.export(POLICY, &dir, false)?;
     if cfg.model.lora.rank == 0 {
         for f in TOKENIZER_FILES {
             let src = cfg.model.path.join(f);
@@ -193,8 +168,9 @@ fn progress_bar(total: usize, start: usize, enabled: bool) -> indicatif::Progres
     pb
 }
 
-/// Runs (or resumes) SFT as `cfg` says.
-pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
+/// Runs (or resumes) SFT as `cfg` says, training model [`POLICY`] of `dispatch` (built by the
+/// launcher from the config: see `cli::launch::sft_dispatch`).
+pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &SftOptions) -> Result<SftSummary> {
     let run_dir = cfg.output.run_dir.clone();
     let existing = latest_checkpoint(&run_dir)?;
     if existing.is_some() && !opts.resume {
@@ -221,14 +197,14 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
     std::fs::create_dir_all(&run_dir).map_err(|e| Error::file(&run_dir, format!("cannot create: {e}")))?;
     std::fs::write(run_dir.join("config.toml"), cfg.to_toml()?).map_err(|e| Error::file(&run_dir, e))?;
 
-    let mut dispatch = start_policy(cfg)?;
+    let cross_entropy = Loss::tinker("cross_entropy", &Value::Null)?;
     let eval_set = data.eval;
     let mut loader = DataLoader::new(data.train, cfg.train.batch_size, cfg.data.shuffle_seed, true);
     let total = if cfg.train.max_steps > 0 { cfg.train.max_steps } else { cfg.train.epochs * loader.steps_per_epoch() };
 
     let mut step = 0;
     if let (true, Some((_, dir))) = (opts.resume, &existing) {
-        let state = load_checkpoint(&mut dispatch, dir)?;
+        let state = load_checkpoint(dispatch, dir)?;
         loader.set_position(state.loader);
         step = state.step;
         eprintln!("resumed from {} (step {step})", dir.display());
@@ -251,7 +227,7 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
         let t0 = Instant::now();
         let batch = loader.next_batch().ok_or_else(|| Error::input("the training set is empty"))?;
         let datums = token_mean_datums(&batch.items);
-        let out = dispatch.forward_backward(Role::Policy, &datums, "cross_entropy", &json!({}), false)?;
+        let out = dispatch.forward_backward(POLICY, &datums, Some(&cross_entropy), false)?;
         let lr = schedule.lr_at(o.lr, step);
         let adam = AdamParams {
             learning_rate: lr,
@@ -261,7 +237,7 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
             weight_decay: o.weight_decay,
             grad_clip_norm: o.grad_clip_norm,
         };
-        let grad_norm = dispatch.optim_step(Role::Policy, &adam)?;
+        let grad_norm = dispatch.optim_step(POLICY, &adam)?;
         step += 1;
         final_loss = out.metrics.value("loss:sum").unwrap_or(f64::NAN);
         let tokens: usize = batch.items.iter().map(|e| e.input_tokens.len()).sum();
@@ -269,7 +245,7 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
 
         let eval_now =
             !eval_set.is_empty() && ((cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0) || step == total);
-        let eval_loss = if eval_now { Some(eval_loss(&mut dispatch, &eval_set, cfg.train.batch_size)?) } else { None };
+        let eval_loss = if eval_now { Some(eval_loss(dispatch, &eval_set, cfg.train.batch_size)?) } else { None };
         if let Some(e) = eval_loss {
             eval_losses.push((step, e));
         }
@@ -293,17 +269,17 @@ pub fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> Result<SftSummary> {
             plot_run(&run_dir, &plot_cfg)?;
         }
         if cfg.train.checkpoint_every > 0 && step % cfg.train.checkpoint_every == 0 && step < total {
-            save_checkpoint(&mut dispatch, &run_dir, &TrainerState { step, loader: loader.position() })?;
+            save_checkpoint(dispatch, &run_dir, &TrainerState { step, loader: loader.position() })?;
         }
     }
     pb.finish_and_clear();
-    let ckpt = save_checkpoint(&mut dispatch, &run_dir, &TrainerState { step, loader: loader.position() })?;
+    let ckpt = save_checkpoint(dispatch, &run_dir, &TrainerState { step, loader: loader.position() })?;
     plot_run(&run_dir, &plot_cfg)?;
     let export_dir = if interrupted {
         eprintln!("interrupted at step {step}/{total}: checkpoint in {} (continue with --resume)", ckpt.display());
         None
     } else {
-        Some(export(&mut dispatch, cfg)?)
+        Some(export(dispatch, cfg)?)
     };
     Ok(SftSummary { steps: step, total_steps: total, final_loss, eval_losses, interrupted, run_dir, export_dir })
 }

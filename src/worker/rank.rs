@@ -10,18 +10,17 @@
 //! - `optim_step` applies AdamW (see [`super::adamw`]) and zeroes the accumulators.
 
 use candle_core::{Tensor, Var};
-use serde_json::Value;
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
 use super::config::WorkerConfig;
-use super::loss_fn::{needs_entropy, requirements, resolve_loss};
+use super::loss_fn::{needs_entropy, requirements};
 use super::micro_batch::{apply_loss, model_outputs, split};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
 use super::value_head::ValueHead;
 use crate::algo::{Loss, Metrics};
-use crate::model::{lora, Transformer};
+use crate::model::{lora, SamplerWeights, Transformer};
 use crate::{Error, Result};
 
 /// What `forward_backward` and `forward` return.
@@ -47,6 +46,8 @@ pub struct Worker {
     /// Optimizer steps applied.
     pub(super) step: u64,
     pub(super) rng: WorkerRng,
+    /// Parameters, gradients and moments are in host memory ([`super::placement`]).
+    pub(super) offloaded: bool,
 }
 
 impl Worker {
@@ -70,7 +71,17 @@ impl Worker {
             None
         };
         let n = params.len();
-        Ok(Worker { model, config, params, value_head, grads: vec![None; n], moments: vec![None; n], step: 0, rng })
+        Ok(Worker {
+            model,
+            config,
+            params,
+            value_head,
+            grads: vec![None; n],
+            moments: vec![None; n],
+            step: 0,
+            rng,
+            offloaded: false,
+        })
     }
 
     pub fn model(&self) -> &Transformer {
@@ -111,30 +122,41 @@ impl Worker {
         self.value_head.as_ref()
     }
 
+    /// A private snapshot of the weights an engine needs — the LoRA adapters for a LoRA
+    /// policy, every base parameter otherwise — versioned by the optimizer steps applied.
+    pub fn sampler_weights(&self) -> Result<SamplerWeights> {
+        self.check_resident()?;
+        SamplerWeights::snapshot(&self.model, self.config.lora.as_ref(), self.step)
+    }
+
     /// Drops the accumulated gradients.
     pub fn zero_grad(&mut self) {
         self.grads.iter_mut().for_each(|g| *g = None);
     }
 
-    /// Adds the gradient of the loss `loss_fn` (see [`super::loss_fn`]) over `batch` to the
-    /// accumulators and returns the metrics and, with `return_per_token_outputs`, per-datum
-    /// `logprobs` (or `values`) and `elementwise_loss`.
+    /// Adds the gradient of `loss` (see [`super::loss_fn`]) over `batch` to the accumulators
+    /// and returns the metrics and, with `return_per_token_outputs`, per-datum `logprobs` (or
+    /// `values`) and `elementwise_loss`. Takes the same arguments as [`Worker::forward`]; a
+    /// backward needs a loss, so `None` is an error here.
     pub fn forward_backward(
         &mut self,
         batch: &[Datum],
-        loss_fn: &str,
-        loss_fn_config: &Value,
+        loss: Option<&Loss>,
         return_per_token_outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
-        let loss = resolve_loss(loss_fn, loss_fn_config)?;
-        self.run(batch, Some(&loss), true, return_per_token_outputs)
+        let loss = loss.ok_or_else(|| Error::input("forward_backward needs a loss to differentiate"))?;
+        self.run(batch, Some(loss), true, return_per_token_outputs)
     }
 
     /// Per-datum log-probs (values for a critic) without gradients; with a loss, also its
     /// metrics and `elementwise_loss`.
-    pub fn forward(&mut self, batch: &[Datum], loss_fn: Option<(&str, &Value)>) -> Result<ForwardBackwardOutput> {
-        let loss = loss_fn.map(|(name, config)| resolve_loss(name, config)).transpose()?;
-        self.run(batch, loss.as_ref(), false, true)
+    pub fn forward(
+        &mut self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        return_per_token_outputs: bool,
+    ) -> Result<ForwardBackwardOutput> {
+        self.run(batch, loss, false, return_per_token_outputs)
     }
 
     fn run(
@@ -144,6 +166,7 @@ impl Worker {
         backward: bool,
         outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
+        self.check_resident()?;
         let critic = self.value_head.is_some();
         if let Some(loss) = loss {
             let is_value = matches!(loss, Loss::Value(_));
@@ -218,6 +241,7 @@ impl Worker {
     /// are dropped). The accumulators are zeroed either way.
     pub fn optim_step(&mut self, params: &AdamParams) -> Result<f64> {
         params.validate()?;
+        self.check_resident()?;
         let present: Vec<&Tensor> = self.grads.iter().flatten().collect();
         let norm = global_norm(&present)?;
         if !norm.is_finite() {

@@ -9,9 +9,9 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use crate::model::linear::LoraPair;
-use crate::model::lora::LoraConfig;
-use crate::model::Transformer;
+use super::linear::LoraPair;
+use super::lora::LoraConfig;
+use super::transformer::Transformer;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]
