@@ -4,12 +4,14 @@ pub mod config;
 pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
+pub mod named_tensors;
 pub mod rope;
 pub mod transformer;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
+pub use named_tensors::NamedTensors;
 pub use transformer::Transformer;
 pub mod chat_template;
 pub mod init;
