@@ -1,7 +1,12 @@
-//! `NamedTensors`: take, leftovers, dtype conversion, files.
+//! `NamedTensors` (take, leftovers, dtype conversion, files) and the weight-update snapshots.
+
+mod common;
 
 use candle_core::{DType, Device, Tensor};
-use oxrl::model::NamedTensors;
+use common::*;
+use oxrl::model::lora::{self, LoraConfig};
+use oxrl::model::weight_update::WeightUpdate;
+use oxrl::model::{NamedTensors, Transformer};
 
 fn t(shape: &[usize], start: f32) -> Tensor {
     let n: usize = shape.iter().product();
@@ -110,4 +115,71 @@ fn bad_files_are_errors_naming_the_file() {
     assert!(err.contains("nope.safetensors") && err.contains("not a valid safetensors"), "{err}");
     let err = NamedTensors::load_dir(dir.path(), &Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("neither"), "{err}");
+}
+
+fn load(arch: &str) -> Transformer {
+    Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap()
+}
+
+fn params_values(m: &Transformer) -> Vec<(String, Vec<f64>)> {
+    m.named_params().iter().map(|(n, t)| (n.clone(), values(t))).collect()
+}
+
+#[test]
+fn snapshots_are_fresh_storage() {
+    let mut trainer = load("qwen3");
+    let vars = trainer.make_trainable().unwrap();
+    let before = params_values(&trainer);
+    let snap = WeightUpdate::full_snapshot(&trainer).unwrap();
+    for (_, v) in &vars {
+        v.set(&v.as_tensor().ones_like().unwrap()).unwrap();
+    }
+    let WeightUpdate::Full(tensors) = &snap else { unreachable!() };
+    assert_eq!(tensors.len(), before.len());
+    for ((name, want), (n, got)) in before.iter().zip(tensors) {
+        assert_eq!((name.as_str(), want), (n, &values(got)), "the snapshot moved with the variable");
+    }
+
+    let cfg = LoraConfig::new(2, 4.0, &["q_proj", "up_proj"]);
+    let mut trainer = load("qwen3");
+    let vars = lora::attach_new(&mut trainer, &cfg, 3).unwrap();
+    let snap = WeightUpdate::lora_snapshot(&trainer, &cfg).unwrap();
+    let WeightUpdate::Lora { tensors, config } = &snap else { unreachable!() };
+    assert_eq!((config, tensors.len()), (&cfg, vars.len()));
+    let a_before: Vec<_> = vars.iter().map(|(_, v)| values(v.as_tensor())).collect();
+    for (_, v) in &vars {
+        v.set(&v.as_tensor().ones_like().unwrap()).unwrap();
+    }
+    for ((name, _), want) in vars.iter().zip(a_before) {
+        assert_eq!(values(tensors.get(name).unwrap()), want, "{name}: the snapshot moved with the variable");
+    }
+    // Applied to a base model it gives the adapters of the snapshot.
+    let applied = snap.apply(&load("qwen3")).unwrap();
+    let got = lora::adapter_tensors(&applied).unwrap();
+    assert_eq!(got.names().collect::<Vec<_>>(), tensors.names().collect::<Vec<_>>());
+    for ((_, a), (_, b)) in got.iter().zip(tensors) {
+        assert_eq!(values(a), values(b));
+    }
+}
+
+#[test]
+fn a_bad_update_is_refused_whole_and_names_the_tensor() {
+    let m = load("llama");
+    let before = params_values(&m);
+    let mut params = m.named_params();
+    // A good tensor first (by name) and a wrong-shaped one later: nothing may be applied.
+    let last = params.len() - 1;
+    params[last].1 = params[last].1.narrow(0, 0, 1).unwrap();
+    let bad_name = params[last].0.clone();
+    let update = WeightUpdate::Full(NamedTensors::from_vec("weight update", params).unwrap());
+    let err = update.apply(&m).unwrap_err().to_string();
+    assert!(err.contains("weight update") && err.contains(&bad_name) && err.contains("shape"), "{err}");
+    assert_eq!(params_values(&m), before);
+
+    // A converted dtype is applied in the model's dtype.
+    let bf16 = WeightUpdate::Full(
+        NamedTensors::from_vec("weight update", m.named_params()).unwrap().to_dtype(DType::BF16).unwrap(),
+    );
+    let applied = bf16.apply(&m).unwrap();
+    assert!(applied.named_params().iter().all(|(_, t)| t.dtype() == DType::F32));
 }

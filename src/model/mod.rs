@@ -7,6 +7,7 @@ pub mod logprobs;
 pub mod named_tensors;
 pub mod rope;
 pub mod transformer;
+pub mod weight_update;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};

@@ -4,7 +4,6 @@
 //! - [`request`]: what a request asks for and gets back (tokens, log-probs, weight versions).
 //! - [`engine_core`]: continuous batching over the KV-cache decode, stepped by its owner;
 //!   pause (`abort` / `keep`), resume, versioned weight updates.
-//! - [`weights`]: applying a full or LoRA-only weight update.
 //! - [`engine`]: an engine core on its own thread, driven through channels.
 //! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all.
 //! - [`chat`]: messages in, the assistant's reply out (with the tokens the trainer needs).
@@ -17,8 +16,14 @@ pub mod engine_core;
 pub mod generate;
 pub mod request;
 pub mod sampler;
-pub mod weights;
 
+/// Kept so that `super::weights::WeightUpdate` in `engine.rs` and `client.rs` still resolves;
+/// the type lives in [`crate::model::weight_update`]. Drop once those import `super::WeightUpdate`.
+pub mod weights {
+    pub use crate::model::weight_update::WeightUpdate;
+}
+
+pub use crate::model::weight_update::WeightUpdate;
 pub use chat::{chat, ChatReply};
 pub use client::EngineClient;
 pub use engine::{Engine, EngineHealth};
@@ -26,4 +31,3 @@ pub use engine_core::{EngineConfig, EngineCore, EngineStats, PauseMode, RequestI
 pub use generate::generate;
 pub use request::{Generation, Request, RequestOutput, StopReason};
 pub use sampler::SamplingParams;
-pub use weights::WeightUpdate;
