@@ -10,7 +10,7 @@ use candle_core::{DType, Device};
 use common::*;
 use oxrl::model::lora::{self, LoraConfig};
 use oxrl::model::tokenizer::Tokenizer;
-use oxrl::model::{init, Transformer};
+use oxrl::model::{init, NamedTensors, Transformer};
 use oxrl::rollout::client::continuation;
 use oxrl::rollout::{
     chat, generate, Engine, EngineClient, EngineConfig, EngineCore, Generation, PauseMode, Request, RequestOutput,
@@ -37,7 +37,11 @@ fn solo(m: &Transformer, req: Request) -> RequestOutput {
 }
 
 fn full(m: &Transformer) -> WeightUpdate {
-    WeightUpdate::Full(m.named_params())
+    WeightUpdate::full_snapshot(m).unwrap()
+}
+
+fn full_from(tensors: Vec<(String, candle_core::Tensor)>) -> WeightUpdate {
+    WeightUpdate::Full(NamedTensors::from_vec("weight update", tensors).unwrap())
 }
 
 /// Another model of the same shape.
@@ -173,8 +177,7 @@ fn keep_mode_freezes_then_continues_with_the_cache() {
 fn adapter(arch: &str) -> WeightUpdate {
     let dir = fixture_dir(arch).join("lora");
     let config = LoraConfig::from_file(&dir.join(lora::CONFIG_FILE)).unwrap();
-    let tensors =
-        candle_core::safetensors::load(dir.join(lora::WEIGHTS_FILE), &Device::Cpu).unwrap().into_iter().collect();
+    let tensors = NamedTensors::load_file(&dir.join(lora::WEIGHTS_FILE), &Device::Cpu).unwrap();
     WeightUpdate::Lora { config, tensors }
 }
 
@@ -207,12 +210,14 @@ fn lora_only_and_full_updates_and_bad_updates() {
         wrong[0].1 = wrong[0].1.narrow(0, 0, 1).unwrap();
         let mut extra = base.named_params();
         extra.push(("model.layers.9.mlp.up_proj.weight".into(), extra[0].1.clone()));
-        let WeightUpdate::Lora { config, tensors } = adapter(arch) else { unreachable!() };
-        let bad_lora = WeightUpdate::Lora { config, tensors: tensors[1..].to_vec() };
+        let WeightUpdate::Lora { config, mut tensors } = adapter(arch) else { unreachable!() };
+        let first = tensors.names().next().unwrap().to_string();
+        tensors.remove(&first).unwrap();
+        let bad_lora = WeightUpdate::Lora { config, tensors };
         for (bad, words) in [
-            (WeightUpdate::Full(missing), "missing"),
-            (WeightUpdate::Full(wrong), "shape"),
-            (WeightUpdate::Full(extra), "not a parameter"),
+            (full_from(missing), "missing"),
+            (full_from(wrong), "shape"),
+            (full_from(extra), "not a parameter"),
             (bad_lora, "missing"),
         ] {
             let msg = e.update_weights(&bad, 4).unwrap_err().to_string();
@@ -240,8 +245,7 @@ fn updates_do_not_alias_the_trainers_tensors() {
     let mut trainer = m.clone();
     let vars = trainer.make_trainable().unwrap();
     let mut e = core(&m);
-    e.update_weights(&WeightUpdate::Full(vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()), 1)
-        .unwrap();
+    e.update_weights(&full_from(vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()), 1).unwrap();
     let prompt = vec![4u32, 5, 6];
     let before = solo(&m, Request::new(prompt.clone(), params(10, 0.0, 0))).samples.remove(0).tokens;
     for (_, v) in &vars {

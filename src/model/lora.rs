@@ -17,8 +17,8 @@ use serde_json::{json, Value};
 
 use super::init::uniform;
 use super::linear::LoraPair;
+use super::named_tensors::NamedTensors;
 use super::transformer::Transformer;
-use super::weights;
 use crate::files::{read_json, write_json};
 use crate::{Error, Result};
 
@@ -171,30 +171,30 @@ impl LoraConfig {
     }
 }
 
-/// The PEFT names of a module's adapter pair (A, B).
+/// The PEFT names of a module's (A, B) adapter tensors: `base_model.model.<module>.lora_{A,B}.weight`.
+/// The one place these names are built.
 pub fn adapter_names(module: &str) -> (String, String) {
-    (a_name(module), b_name(module))
+    (format!("{PREFIX}{module}.lora_A.weight"), format!("{PREFIX}{module}.lora_B.weight"))
 }
 
-fn a_name(module: &str) -> String {
-    format!("{PREFIX}{module}.lora_A.weight")
-}
-fn b_name(module: &str) -> String {
-    format!("{PREFIX}{module}.lora_B.weight")
-}
+/// Gives the (A, B) tensors of a module: `source(module, out, in)`.
+type AdapterSource<'a> = dyn FnMut(&str, usize, usize) -> Result<(Tensor, Tensor)> + 'a;
 
-/// Attaches adapters to every targeted projection, asking `source(module, out, in)` for (A, B).
+/// Attaches adapters to every targeted projection, asking `source(module, out, in)` for (A, B),
+/// and removes any adapter from the projections `cfg` does not target: the new adapters replace
+/// whatever the model had.
 fn attach_with(
     model: &mut Transformer,
     cfg: &LoraConfig,
     trainable: bool,
-    source: &mut dyn FnMut(&str, usize, usize) -> Result<(Tensor, Tensor)>,
+    source: &mut AdapterSource,
 ) -> Result<Vec<(String, Var)>> {
     cfg.validate()?;
     let mut vars = vec![];
     let mut attached = 0;
     for (module, lin) in model.linears_mut() {
         if !cfg.targets(&module) {
+            lin.lora = None;
             continue;
         }
         let (out, inp) = lin.weight.dims2()?;
@@ -203,8 +203,9 @@ fn attach_with(
             let (va, vb) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
             a = va.as_tensor().clone();
             b = vb.as_tensor().clone();
-            vars.push((a_name(&module), va));
-            vars.push((b_name(&module), vb));
+            let (a_name, b_name) = adapter_names(&module);
+            vars.push((a_name, va));
+            vars.push((b_name, vb));
         }
         lin.lora = Some(LoraPair { a, b, scale: cfg.scale() });
         attached += 1;
@@ -228,54 +229,57 @@ pub fn attach_new(model: &mut Transformer, cfg: &LoraConfig, seed: u64) -> Resul
     })
 }
 
+/// Attaches the adapters `tensors` holds by PEFT name (converted to the model's dtype), one pair
+/// for every module `cfg` targets; they replace whatever adapters the model had. A tensor left
+/// over is an error. With `trainable` the adapters are variables, returned by PEFT name. On
+/// error the model may be half-changed: callers that must not change it work on a clone.
+pub fn attach_tensors(
+    model: &mut Transformer,
+    cfg: &LoraConfig,
+    tensors: &mut NamedTensors,
+    trainable: bool,
+) -> Result<Vec<(String, Var)>> {
+    let (dtype, r) = (model.dtype, cfg.rank);
+    let vars = attach_with(model, cfg, trainable, &mut |module, out, inp| {
+        let (a_name, b_name) = adapter_names(module);
+        Ok((tensors.take(&a_name, &[r, inp], dtype)?, tensors.take(&b_name, &[out, r], dtype)?))
+    })?;
+    tensors.reject_leftovers(|_| false, "not an adapter the LoRA config targets")?;
+    Ok(vars)
+}
+
 /// Loads a PEFT adapter directory onto the model; with `trainable` the adapters are variables.
 pub fn load_peft(model: &mut Transformer, dir: &Path, trainable: bool) -> Result<(LoraConfig, Vec<(String, Var)>)> {
     let cfg = LoraConfig::from_file(&dir.join(CONFIG_FILE))?;
-    let path = dir.join(WEIGHTS_FILE);
-    let mut tensors = weights::load_file(&path, &model.device)?;
-    let dtype = model.dtype;
-    let r = cfg.rank;
-    let mut take = |name: String, shape: [usize; 2]| -> Result<Tensor> {
-        let t = tensors.remove(&name).ok_or_else(|| Error::tensor(&path, &name, "missing from the adapter"))?;
-        if t.dims() != shape {
-            return Err(Error::tensor(&path, &name, format!("has shape {:?}, expected {:?}", t.dims(), shape)));
-        }
-        Ok(t.to_dtype(dtype)?)
-    };
-    let vars = attach_with(model, &cfg, trainable, &mut |module, out, inp| {
-        Ok((take(a_name(module), [r, inp])?, take(b_name(module), [out, r])?))
-    })?;
-    if let Some(name) = tensors.keys().next() {
-        return Err(Error::tensor(&path, name, "unexpected tensor: not a target of adapter_config.json"));
-    }
+    let mut tensors = NamedTensors::load_file(&dir.join(WEIGHTS_FILE), &model.device)?;
+    let vars = attach_tensors(model, &cfg, &mut tensors, trainable)?;
     Ok((cfg, vars))
 }
 
-/// The adapter tensors by PEFT name.
-pub fn adapter_tensors(model: &mut Transformer) -> Vec<(String, Tensor)> {
-    let mut out = vec![];
-    for (module, lin) in model.linears_mut() {
+/// The adapter tensors by PEFT name (sharing the model's storage).
+pub fn adapter_tensors(model: &Transformer) -> Result<NamedTensors> {
+    let mut out = NamedTensors::new("LoRA adapters");
+    // `linears_mut` on a clone (cheap: tensors are shared) rather than a second, shared-borrow
+    // list of the projections.
+    for (module, lin) in model.clone().linears_mut() {
         if let Some(l) = &lin.lora {
-            out.push((a_name(&module), l.a.clone()));
-            out.push((b_name(&module), l.b.clone()));
+            let (a_name, b_name) = adapter_names(&module);
+            out.insert(a_name, l.a.clone())?;
+            out.insert(b_name, l.b.clone())?;
         }
     }
-    out
+    Ok(out)
 }
 
 /// Writes the adapters in the PEFT layout (f32 tensors).
-pub fn save_peft(model: &mut Transformer, cfg: &LoraConfig, dir: &Path) -> Result<()> {
+pub fn save_peft(model: &Transformer, cfg: &LoraConfig, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
-    let class = model.config.arch.hf_class();
-    let tensors = adapter_tensors(model)
-        .into_iter()
-        .map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?)))
-        .collect::<Result<Vec<_>>>()?;
+    let tensors = adapter_tensors(model)?;
     if tensors.is_empty() {
         return Err(Error::input("the model has no LoRA adapters to save"));
     }
-    weights::save_file(&tensors, &dir.join(WEIGHTS_FILE), None)?;
-    write_json(&dir.join(CONFIG_FILE), &cfg.to_peft_json(class))
+    tensors.to_dtype(DType::F32)?.save_file(&dir.join(WEIGHTS_FILE))?;
+    write_json(&dir.join(CONFIG_FILE), &cfg.to_peft_json(model.config.arch.hf_class()))
 }
 
 /// Folds every adapter into its base weight (W + s·B·A) and removes the adapters.

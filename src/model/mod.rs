@@ -4,6 +4,7 @@ pub mod config;
 pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
+pub mod named_tensors;
 pub mod rope;
 pub mod sampler_weights;
 pub mod transformer;
@@ -12,6 +13,7 @@ pub mod weights;
 
 pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
+pub use named_tensors::NamedTensors;
 pub use sampler_weights::SamplerWeights;
 pub use transformer::Transformer;
 pub mod chat_template;

@@ -10,9 +10,7 @@
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
-
-use super::lora::{adapter_tensors, LoraConfig};
+use super::lora::LoraConfig;
 use super::transformer::Transformer;
 use super::weight_update::WeightUpdate;
 use crate::Result;
@@ -23,25 +21,13 @@ pub struct SamplerWeights {
     update: Arc<WeightUpdate>,
 }
 
-/// Fresh storage for `t` (never shared with the trainer's variable).
-fn private(t: &Tensor) -> Result<Tensor> {
-    Ok(t.detach().copy()?)
-}
-
 impl SamplerWeights {
     /// The weights of `model` as an engine needs them: the adapters only when `lora` is given
     /// (the engine's base is the same frozen base), every base parameter otherwise.
     pub fn snapshot(model: &Transformer, lora: Option<&LoraConfig>, version: u64) -> Result<Self> {
         let update = match lora {
-            Some(config) => {
-                let mut m = model.clone();
-                let tensors =
-                    adapter_tensors(&mut m).iter().map(|(n, t)| Ok((n.clone(), private(t)?))).collect::<Result<_>>()?;
-                WeightUpdate::Lora { config: config.clone(), tensors }
-            }
-            None => WeightUpdate::Full(
-                model.named_params().iter().map(|(n, t)| Ok((n.clone(), private(t)?))).collect::<Result<_>>()?,
-            ),
+            Some(config) => WeightUpdate::lora_snapshot(model, config)?,
+            None => WeightUpdate::full_snapshot(model)?,
         };
         Ok(SamplerWeights { version, update: Arc::new(update) })
     }

@@ -20,8 +20,9 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
+use super::named_tensors::NamedTensors;
 use super::rope::{self, Rope};
-use super::weights::{self, LoadedWeights};
+use super::weights;
 use crate::files::write_json;
 use crate::{Error, Result};
 
@@ -192,11 +193,16 @@ impl Transformer {
     /// Loads `DIR/config.json` and the weights, in `dtype` on `device`.
     pub fn load(dir: &std::path::Path, dtype: DType, device: &Device) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let mut w = weights::load_dir(dir, device)?;
-        Self::build(config, dtype, device, &mut |name, shape| w.take(name, shape, dtype)).and_then(|m| {
-            check_no_leftover(&w, &m)?;
-            Ok(m)
-        })
+        let mut w = NamedTensors::load_dir(dir, device)?;
+        let m = Self::build(config, dtype, device, &mut |name, shape| w.take(name, shape, dtype))?;
+        // Left over tensors are a sign of a mismatched config; only buffers that transformers
+        // itself ignores are allowed.
+        let tied = m.config.tie_word_embeddings;
+        w.reject_leftovers(
+            |name| name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight"),
+            "not part of this model's config",
+        )?;
+        Ok(m)
     }
 
     /// Builds the model, asking `source` for each parameter by HF name and shape.
@@ -403,11 +409,8 @@ impl Transformer {
     /// Writes config.json and model.safetensors (in `dtype`) to `dir`, in the HF layout.
     pub fn save(&self, dir: &std::path::Path, dtype: DType) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
-        let mut tensors = vec![];
-        for (name, t) in self.named_params() {
-            tensors.push((name, t.to_dtype(dtype)?));
-        }
-        weights::save_file(&tensors, &dir.join(weights::SINGLE_FILE), None)?;
+        let file = dir.join(weights::SINGLE_FILE);
+        NamedTensors::from_vec(&file, self.named_params())?.to_dtype(dtype)?.save_file(&file)?;
         let mut cfg = self.config.raw.clone();
         cfg["torch_dtype"] = serde_json::Value::String(weights::dtype_name(dtype).into());
         if cfg.get("dtype").is_some() {
@@ -431,17 +434,4 @@ impl Block {
             ("mlp.down_proj", &mut m.down_proj),
         ]
     }
-}
-
-/// Tensors left over after loading are a sign of a mismatched config; only buffers that
-/// transformers itself ignores are allowed.
-fn check_no_leftover(w: &LoadedWeights, m: &Transformer) -> Result<()> {
-    for (name, (_, path)) in &w.tensors {
-        let ignorable =
-            name.ends_with("rotary_emb.inv_freq") || (name == "lm_head.weight" && m.config.tie_word_embeddings);
-        if !ignorable {
-            return Err(Error::tensor(path, name, "unexpected tensor: not part of this model's config"));
-        }
-    }
-    Ok(())
 }

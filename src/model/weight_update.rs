@@ -1,99 +1,99 @@
-//! New policy weights for an engine: every base parameter, or only the LoRA adapters.
+//! New policy weights for a model: every base parameter, or only the LoRA adapters.
 //!
-//! The update is applied to a copy of the model (cheap: tensors are shared) and swapped in only
-//! when every tensor checked out, so a bad update leaves the engine on its old weights. Tensors
-//! are copied into fresh storage: the trainer updates its variables in place, and the engine's
-//! weights must not move under a running generation.
+//! The trainer takes a snapshot ([`WeightUpdate::full_snapshot`], [`WeightUpdate::lora_snapshot`])
+//! and an engine applies it with [`WeightUpdate::apply`]. The update is applied to a copy of the
+//! model (cheap: tensors are shared) that is returned only when every tensor checked out, so a
+//! bad update leaves the caller on its old weights.
+//!
+//! Storage: the trainer's variables are updated in place (candle's `Var::set`), and an engine's
+//! weights must not move under a running generation. Snapshots therefore copy every tensor into
+//! fresh storage, and `apply` relies on that: a tensor already in the model's dtype and on its
+//! device is used as it is (no second copy; the engines behind one client then share one copy).
+//! Whoever builds an update by hand must hand over tensors nobody mutates afterwards. As a
+//! safety net `apply` still copies a tensor that is a variable's own (`Tensor::is_variable`),
+//! the easy mistake of passing `Var::as_tensor()` straight through; a tensor derived from a
+//! variable without a copy (e.g. `detach()`) is not detected.
 
-use std::collections::HashMap;
+use candle_core::{DType, Device, Tensor};
 
-use candle_core::Tensor;
-
-use super::linear::LoraPair;
-use super::lora::LoraConfig;
+use super::lora::{self, LoraConfig};
+use super::named_tensors::NamedTensors;
 use super::transformer::Transformer;
-use crate::{Error, Result};
+use crate::Result;
+
+/// The source label of snapshot tensors in error messages.
+const SOURCE: &str = "weight update";
 
 #[derive(Debug, Clone)]
 pub enum WeightUpdate {
     /// Every base parameter by HF name (as [`Transformer::named_params`] lists them).
-    Full(Vec<(String, Tensor)>),
-    /// Adapters by PEFT name (`base_model.model.<module>.lora_{A,B}.weight`) for every module
-    /// `config` targets; they replace whatever adapters the engine had.
-    Lora { config: LoraConfig, tensors: Vec<(String, Tensor)> },
+    Full(NamedTensors),
+    /// Adapters by PEFT name ([`lora::adapter_names`]) for every module `config` targets; they
+    /// replace whatever adapters the model had.
+    Lora { config: LoraConfig, tensors: NamedTensors },
 }
 
-/// A private copy of `t` in the model's dtype and device.
-fn own(t: &Tensor, model: &Transformer) -> Result<Tensor> {
-    let t = t.to_device(&model.device)?;
-    let t = if t.dtype() == model.dtype { t.copy()? } else { t.to_dtype(model.dtype)? };
-    Ok(t.detach())
+/// A copy of `t` in fresh storage, detached from any graph.
+fn fresh(t: &Tensor) -> Result<Tensor> {
+    Ok(t.copy()?.detach())
 }
 
-/// The model with `update` applied; `model` itself is untouched.
-pub fn updated(model: &Transformer, update: &WeightUpdate) -> Result<Transformer> {
-    let mut m = model.clone();
-    match update {
-        WeightUpdate::Full(tensors) => {
-            let mut by_name: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let src = model.clone();
-            m.visit_params_mut(&mut |name, slot| {
-                let t = by_name
-                    .remove(name)
-                    .ok_or_else(|| Error::input(format!("weight update: parameter `{name}` is missing")))?;
-                if t.dims() != slot.dims() {
-                    return Err(Error::input(format!(
-                        "weight update: `{name}` has shape {:?}, the model's is {:?}",
-                        t.dims(),
-                        slot.dims()
-                    )));
-                }
-                *slot = own(t, &src)?;
-                Ok(())
-            })?;
-            if let Some(name) = by_name.keys().next() {
-                return Err(Error::input(format!("weight update: `{name}` is not a parameter of this model")));
-            }
+impl WeightUpdate {
+    /// Every base parameter of `model` by HF name, copied into fresh storage.
+    pub fn full_snapshot(model: &Transformer) -> Result<Self> {
+        let mut tensors = NamedTensors::new(SOURCE);
+        for (name, t) in model.named_params() {
+            tensors.insert(name, fresh(&t)?)?;
         }
-        WeightUpdate::Lora { config, tensors } => {
-            config.validate()?;
-            let mut by_name: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let src = model.clone();
-            let r = config.rank;
-            let mut attached = 0;
-            for (module, lin) in m.linears_mut() {
-                if !config.targets(&module) {
-                    lin.lora = None;
-                    continue;
-                }
-                let (out, inp) = lin.weight.dims2()?;
-                let mut take = |name: String, shape: [usize; 2]| -> Result<Tensor> {
-                    let t = by_name
-                        .remove(name.as_str())
-                        .ok_or_else(|| Error::input(format!("weight update: adapter `{name}` is missing")))?;
-                    if t.dims() != shape {
-                        return Err(Error::input(format!(
-                            "weight update: `{name}` has shape {:?}, expected {shape:?}",
-                            t.dims()
-                        )));
-                    }
-                    own(t, &src)
-                };
-                let a = take(format!("base_model.model.{module}.lora_A.weight"), [r, inp])?;
-                let b = take(format!("base_model.model.{module}.lora_B.weight"), [out, r])?;
-                lin.lora = Some(LoraPair { a, b, scale: config.scale() });
-                attached += 1;
-            }
-            if attached == 0 {
-                return Err(Error::input(format!(
-                    "weight update: LoRA target_modules {:?} match no projection",
-                    config.target_modules
-                )));
-            }
-            if let Some(name) = by_name.keys().next() {
-                return Err(Error::input(format!("weight update: `{name}` is not an adapter targeted by the config")));
-            }
-        }
+        Ok(WeightUpdate::Full(tensors))
     }
-    Ok(m)
+
+    /// The adapters of `model` by PEFT name, copied into fresh storage, with their `config`.
+    pub fn lora_snapshot(model: &Transformer, config: &LoraConfig) -> Result<Self> {
+        let mut tensors = NamedTensors::new(SOURCE);
+        for (name, t) in &lora::adapter_tensors(model)? {
+            tensors.insert(name, fresh(t)?)?;
+        }
+        Ok(WeightUpdate::Lora { config: config.clone(), tensors })
+    }
+
+    /// `model` with the update applied; `model` itself is untouched. A missing tensor, a wrong
+    /// shape or a tensor the model has no place for is an error naming it.
+    pub fn apply(&self, model: &Transformer) -> Result<Transformer> {
+        let mut m = model.clone();
+        match self {
+            WeightUpdate::Full(tensors) => {
+                let mut tensors = on_model(tensors, model)?;
+                m.visit_params_mut(&mut |name, slot| {
+                    *slot = tensors.take(name, slot.dims(), model.dtype)?;
+                    Ok(())
+                })?;
+                tensors.reject_leftovers(|_| false, "not a parameter of this model")?;
+            }
+            WeightUpdate::Lora { config, tensors } => {
+                lora::attach_tensors(&mut m, config, &mut on_model(tensors, model)?, false)?;
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// The tensors on the model's device in its dtype, copied only where needed (see the module
+/// documentation): a conversion or a move makes fresh storage anyway, a variable's own tensor is
+/// copied, anything else is used as it is.
+fn on_model(tensors: &NamedTensors, model: &Transformer) -> Result<NamedTensors> {
+    tensors.map(|_, t| private(t, model.dtype, &model.device))
+}
+
+fn private(t: &Tensor, dtype: DType, device: &Device) -> Result<Tensor> {
+    let t = if t.device().same_device(device) {
+        if t.dtype() == dtype && t.is_variable() {
+            t.copy()?
+        } else {
+            t.to_dtype(dtype)?
+        }
+    } else {
+        t.to_device(device)?.to_dtype(dtype)?
+    };
+    Ok(t.detach())
 }

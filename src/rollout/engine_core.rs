@@ -32,7 +32,7 @@ use super::request::{Generation, Request, RequestOutput, StopReason};
 use super::sampler::sample;
 use crate::model::logprobs::target_logprobs;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::weight_update::{updated, WeightUpdate};
+use crate::model::weight_update::WeightUpdate;
 use crate::model::{KvCache, Transformer};
 use crate::{Error, Result};
 
@@ -272,7 +272,7 @@ impl EngineCore {
     /// Swaps in new weights; tokens sampled from now on carry `version`. Running requests keep
     /// their KV cache (computed by the old weights), as `keep` mode intends.
     pub fn update_weights(&mut self, update: &WeightUpdate, version: u64) -> Result<()> {
-        self.model = updated(&self.model, update)?;
+        self.model = update.apply(&self.model)?;
         self.version = version;
         Ok(())
     }

@@ -14,40 +14,45 @@
 //! crash leaves either the old or the new complete checkpoint (in the worst case under the
 //! aside name), never a half one. Accumulated gradients are not saved; loading drops them.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::Tensor;
 use serde_json::{json, Value};
 
-use super::adamw::Moments;
+use super::adamw::{state_dtype, Moments};
 use super::rank::Worker;
 use super::rng::WorkerRng;
-use super::value_head;
 use crate::files::{read_json, write_dir_atomically, write_json};
-use crate::model::{lora, weights};
+use crate::model::{lora, weights, NamedTensors};
 use crate::{Error, Result};
 
 const STATE_FILE: &str = "worker_state.json";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const VALUE_HEAD_FILE: &str = "value_head.safetensors";
 const FORMAT: &str = "oxrl-worker-state-v1";
+/// The AdamW moments stored per parameter, as `KIND.NAME`.
+const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+
+fn moment_name(kind: &str, param: &str) -> String {
+    format!("{kind}.{param}")
+}
 
 impl Worker {
     /// Writes the full training state to `dir` (atomically, see the module documentation).
     pub fn save_state(&self, dir: &Path) -> Result<()> {
         write_dir_atomically(dir, |tmp| {
             self.write_params(tmp)?;
-            let mut optimizer = vec![];
+            let path = tmp.join(OPTIMIZER_FILE);
+            let mut optimizer = NamedTensors::new(&path);
             let mut param_steps = serde_json::Map::new();
             for ((name, _), moments) in self.params.iter().zip(&self.moments) {
                 if let Some(m) = moments {
-                    optimizer.push((format!("exp_avg.{name}"), m.exp_avg.clone()));
-                    optimizer.push((format!("exp_avg_sq.{name}"), m.exp_avg_sq.clone()));
+                    for (kind, t) in MOMENTS.iter().zip([&m.exp_avg, &m.exp_avg_sq]) {
+                        optimizer.insert(moment_name(kind, name), t.clone())?;
+                    }
                     param_steps.insert(name.clone(), json!(m.step));
                 }
             }
-            weights::save_file(&optimizer, &tmp.join(OPTIMIZER_FILE), None)?;
+            optimizer.save_file(&path)?;
             let state = json!({
                 "format": FORMAT,
                 "step": self.step,
@@ -99,45 +104,30 @@ impl Worker {
         };
 
         // Read everything before changing anything, so a bad checkpoint leaves the worker as it was.
-        let mut tensors = HashMap::new();
+        let device = &self.model.device;
+        let mut tensors = NamedTensors::new(dir);
         for file in self.param_files() {
-            let path = dir.join(file);
-            for (name, t) in weights::load_file(&path, &self.model.device)? {
-                tensors.insert(name, (t, path.clone()));
-            }
+            tensors.extend(NamedTensors::load_file(&dir.join(file), device)?)?;
         }
-        let opt_path = dir.join(OPTIMIZER_FILE);
-        let mut optimizer = weights::load_file(&opt_path, &self.model.device)?;
+        let mut optimizer = NamedTensors::load_file(&dir.join(OPTIMIZER_FILE), device)?;
         let mut values = Vec::with_capacity(self.params.len());
         let mut moments = Vec::with_capacity(self.params.len());
         for (name, var) in &self.params {
-            let (t, path) =
-                tensors.remove(name).ok_or_else(|| Error::tensor(dir, name, "missing from the checkpoint"))?;
-            values.push(checked(&path, name, t, var.as_tensor())?);
+            let p = var.as_tensor();
+            values.push(tensors.take(name, p.dims(), p.dtype())?);
             moments.push(match state["param_steps"].get(name) {
                 None => None,
                 Some(s) => {
                     let step = u64_field(s, &format!("param_steps.{name}"))?;
-                    let mut take = |prefix: &str| -> Result<Tensor> {
-                        let key = format!("{prefix}.{name}");
-                        let t = optimizer.remove(&key).ok_or_else(|| Error::tensor(&opt_path, &key, "missing"))?;
-                        let zeros = Moments::zeros(var.as_tensor())?;
-                        checked(&opt_path, &key, t, &zeros.exp_avg)
-                    };
-                    Some(Moments { exp_avg: take("exp_avg")?, exp_avg_sq: take("exp_avg_sq")?, step })
+                    let [exp_avg, exp_avg_sq] =
+                        MOMENTS.map(|kind| optimizer.take(&moment_name(kind, name), p.dims(), state_dtype(p.dtype())));
+                    Some(Moments { exp_avg: exp_avg?, exp_avg_sq: exp_avg_sq?, step })
                 }
             });
         }
-        let leftover = tensors
-            .iter()
-            .map(|(n, (_, p))| (n.clone(), p.clone()))
-            .chain(optimizer.keys().map(|n| (n.clone(), opt_path.clone())));
-        for (name, path) in leftover {
-            let tied_head = name == "lm_head.weight" && self.model.config.tie_word_embeddings;
-            if !tied_head {
-                return Err(Error::tensor(path, &name, "unexpected tensor: not a parameter of this worker"));
-            }
-        }
+        let tied = self.model.config.tie_word_embeddings;
+        tensors.reject_leftovers(|name| tied && name == "lm_head.weight", "not a parameter of this worker")?;
+        optimizer.reject_leftovers(|_| false, "not the moment of a parameter of this worker")?;
         for ((_, var), value) in self.params.iter().zip(&values) {
             var.set(value)?;
         }
@@ -155,7 +145,7 @@ impl Worker {
         write_dir_atomically(dir, |tmp| {
             let mut model = self.model.clone();
             match &self.config.lora {
-                Some(cfg) if !merge_lora => lora::save_peft(&mut model, cfg, tmp)?,
+                Some(cfg) if !merge_lora => lora::save_peft(&model, cfg, tmp)?,
                 Some(_) => {
                     lora::merge(&mut model)?;
                     model.save(tmp, model.dtype)?;
@@ -175,11 +165,11 @@ impl Worker {
     }
 
     fn write_params(&self, dir: &Path) -> Result<()> {
-        let mut model = self.model.clone();
+        let model = &self.model;
         match &self.config.lora {
             Some(cfg) => {
                 // Native dtype (save_peft writes f32), so that the round trip is exact.
-                weights::save_file(&lora::adapter_tensors(&mut model), &dir.join(lora::WEIGHTS_FILE), None)?;
+                lora::adapter_tensors(model)?.save_file(&dir.join(lora::WEIGHTS_FILE))?;
                 write_json(&dir.join(lora::CONFIG_FILE), &cfg.to_peft_json(model.config.arch.hf_class()))?;
             }
             None => model.save(dir, model.dtype)?,
@@ -189,20 +179,13 @@ impl Worker {
 
     fn write_value_head(&self, dir: &Path) -> Result<()> {
         if let Some(head) = &self.value_head {
-            let tensors = vec![
-                (value_head::WEIGHT.to_string(), head.weight.as_tensor().clone()),
-                (value_head::BIAS.to_string(), head.bias.as_tensor().clone()),
-            ];
-            weights::save_file(&tensors, &dir.join(VALUE_HEAD_FILE), None)?;
+            let path = dir.join(VALUE_HEAD_FILE);
+            let mut tensors = NamedTensors::new(&path);
+            for (name, var) in head.vars() {
+                tensors.insert(name, var.as_tensor().clone())?;
+            }
+            tensors.save_file(&path)?;
         }
         Ok(())
     }
-}
-
-/// `t` checked against the shape of `like` and converted to its dtype.
-fn checked(path: &Path, name: &str, t: Tensor, like: &Tensor) -> Result<Tensor> {
-    if t.dims() != like.dims() {
-        return Err(Error::tensor(path, name, format!("has shape {:?}, expected {:?}", t.dims(), like.dims())));
-    }
-    Ok(t.to_dtype(like.dtype())?)
 }
