@@ -232,3 +232,45 @@ fn arithmetic_rewards() {
     let string_answer = json!({"prompt": "What is 5 - 9?", "answer": "-4"});
     assert_eq!(reward("arithmetic", string_answer, "-4"), 1.0);
 }
+
+#[test]
+fn extreme_values_are_errors_not_panics() {
+    let max = i128::MAX.to_string();
+    // i128::MIN is reachable; negating or dividing it by -1 overflows: an error.
+    assert_eq!(evaluate(&format!("-{max} - 1")).unwrap().to_string(), i128::MIN.to_string());
+    assert!(evaluate(&format!("(-{max} - 1) / -1")).is_err());
+    assert!(evaluate(&format!("-(-{max} - 1)")).is_err());
+    assert!(evaluate(&format!("{max} + 1")).is_err());
+    // 1 / i128::MIN needs a denominator of 2^127, which does not fit.
+    assert!(evaluate(&format!("1 / (-{max} - 1)")).is_err());
+    assert!(evaluate("1000000000000000000000000000000000000000000").is_err());
+    assert!(evaluate("0.0000000000000000000000000000000000000000001").is_err());
+}
+
+#[test]
+fn random_replies_never_panic() {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    let alphabet: Vec<char> = "0123456789+-*/().,{}\\$ #:<>=%xé−boxedfracAnswer".chars().collect();
+    let mut rng = StdRng::seed_from_u64(0);
+    let envs = [
+        ("math", json!({"prompt": "p", "answer": "1/2"})),
+        ("countdown", json!({"numbers": [1, 2, 3], "target": 6})),
+        ("arithmetic", json!({"prompt": "p", "answer": 5})),
+        ("calculator", json!({"prompt": "p", "answer": "3"})),
+    ];
+    for _ in 0..3000 {
+        let len = rng.random_range(0..40);
+        let mut text: String = (0..len).map(|_| alphabet[rng.random_range(0..alphabet.len())]).collect();
+        if rng.random_bool(0.3) {
+            text = format!("\\boxed{{{text}}} <calc>{text}</calc> Answer: {text} <answer>{text}</answer>");
+        }
+        let _ = evaluate(&text);
+        let _ = answers_match(&text, "0.5");
+        let _ = extract_final_answer(&text);
+        for (name, row) in &envs {
+            let mut env = make_env(name, row, &EnvConfig::default()).unwrap();
+            let _ = env.step(&text);
+        }
+    }
+}

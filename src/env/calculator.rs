@@ -16,7 +16,8 @@
 //!
 //! The turn limit is `max_turns` of the config (at least 1): a tool call on the last allowed
 //! turn ends the episode with `truncated = true` and reward 0 (no answer, no partial credit).
-//! Unless the config sets a system prompt, [`CALCULATOR_SYSTEM_PROMPT`] explains the tool.
+//! Unless the config sets a system prompt (or the row's prompt starts with its own system
+//! message), [`CALCULATOR_SYSTEM_PROMPT`] explains the tool.
 
 use serde_json::Value;
 

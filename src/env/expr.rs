@@ -43,11 +43,14 @@ pub struct Rational {
     den: i128,
 }
 
-fn gcd(mut a: i128, mut b: i128) -> i128 {
+/// The positive gcd, computed on magnitudes so that `i128::MIN` cannot overflow `abs` or `%`.
+/// Callers never pass two zeros or a zero and `i128::MIN`, so the result fits in `i128`.
+fn gcd(a: i128, b: i128) -> i128 {
+    let (mut a, mut b) = (a.unsigned_abs(), b.unsigned_abs());
     while b != 0 {
         (a, b) = (b, a % b);
     }
-    a.abs()
+    i128::try_from(a).unwrap_or(i128::MAX)
 }
 
 const OVERFLOW: &str = "arithmetic overflow";

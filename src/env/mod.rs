@@ -9,6 +9,9 @@
 //! - [`prompts`]: prompt datasets (JSONL / Parquet) checked against their envs.
 //! - built-ins: [`arithmetic`] (with a seeded generator), [`math`], [`countdown`],
 //!   [`calculator`] (multi-turn tool use); shared checkers in [`answer`] and [`expr`].
+//!
+//! Prompt files are read with the trainer's row reader (`trainer::rows`) and `on_bad_row`
+//! policy (`trainer::config::OnBadRow`), so SFT and RL data share one reader and one policy.
 
 pub mod answer;
 pub mod arithmetic;
