@@ -7,6 +7,7 @@
 //! - [`worker`]: one data-parallel rank (forward_backward, optim_step, checkpoints).
 //! - [`dispatch`]: worker groups per role over a data-parallel mesh, colocation.
 //! - [`rollout`]: the sampling engine, its client, weight updates.
+//! - [`env`]: RL environments and rewards (text and tokens in, rewards out; no models).
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
 //! - [`cli`]: the `oxrl` command line.
 //!
@@ -17,6 +18,7 @@ pub mod actor;
 pub mod algo;
 pub mod cli;
 pub mod dispatch;
+pub mod env;
 pub mod error;
 pub mod files;
 pub mod handle;

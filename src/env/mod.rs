@@ -1,0 +1,34 @@
+//! Environments and rewards for RL: prompts as chat messages, model turns as text, rewards.
+//!
+//! This layer knows text, tokens and rewards; it does not know models, engines, devices or
+//! training. The trainer samples turns with the engine and drives an [`Env`] per episode:
+//! - [`protocol`]: the [`Env`] trait ([`Step`], [`Outcome`], [`Message`]) and [`run_episode`].
+//! - [`sequence`]: an episode's token segments to input/target tokens and a loss mask that
+//!   covers only model-generated tokens.
+//! - [`registry`]: [`make_env`], envs by name from a dataset row.
+//! - [`prompts`]: prompt datasets (JSONL / Parquet) checked against their envs.
+//! - built-ins: [`arithmetic`] (with a seeded generator), [`math`], [`countdown`],
+//!   [`calculator`] (multi-turn tool use); shared checkers in [`answer`] and [`expr`].
+//!
+//! Prompt files are read with the trainer's row reader (`trainer::rows`) and `on_bad_row`
+//! policy (`trainer::config::OnBadRow`), so SFT and RL data share one reader and one policy.
+
+pub mod answer;
+pub mod arithmetic;
+pub mod calculator;
+pub mod config;
+pub mod countdown;
+pub mod expr;
+pub mod fields;
+pub mod math;
+pub mod prompts;
+pub mod protocol;
+pub mod registry;
+pub mod sequence;
+
+pub use arithmetic::{generate_arithmetic, ArithmeticSpec};
+pub use config::EnvConfig;
+pub use prompts::{load_prompts, PromptOptions, PromptRow, PromptSet};
+pub use protocol::{messages_to_json, run_episode, Env, Message, Outcome, Step, Transcript};
+pub use registry::{make_env, try_make_env, EnvError, ENV_NAMES};
+pub use sequence::{build_sequence, Segment, Source, TrainingSequence};
