@@ -86,3 +86,8 @@ pub fn masked(t: &Tensor, valid: &[Vec<f32>]) -> Tensor {
     let v = Tensor::new(valid.to_vec().concat(), &Device::Cpu).unwrap().reshape(t.dims()).unwrap();
     (t.to_dtype(DType::F32).unwrap() * v).unwrap()
 }
+
+/// A loss parsed from its name and JSON config (as the edges do).
+pub fn loss(name: &str, config: &serde_json::Value) -> oxrl::algo::Loss {
+    oxrl::worker::resolve_loss(name, config).unwrap()
+}
