@@ -50,7 +50,7 @@ fn base_batch() -> Vec<Datum> {
 /// the clip bands.
 fn rl_batch(w: &mut Worker) -> Vec<Datum> {
     let mut batch = base_batch();
-    let lps = w.forward(&batch, None).unwrap().loss_fn_outputs;
+    let lps = w.forward(&batch, None, true).unwrap().loss_fn_outputs;
     let mut rng = Lcg(5);
     for (d, out) in batch.iter_mut().zip(lps) {
         let around = |rng: &mut Lcg, spread: f64| {
@@ -264,7 +264,8 @@ fn check(name: &str, cfg: Value, critic: bool) {
         }),
         None => (name, cfg.clone()),
     };
-    let out = w.forward_backward(&batch, loss_name, &cfg_for_worker, true).unwrap();
+    let loss = common::loss(loss_name, &cfg_for_worker);
+    let out = w.forward_backward(&batch, Some(&loss), true).unwrap();
     let loss_sum = out.metrics.value("loss:sum").unwrap();
 
     // The value, by hand from the returned per-token outputs.
@@ -328,10 +329,10 @@ fn check(name: &str, cfg: Value, critic: bool) {
             )
         })
         .collect();
+    let cross_entropy = common::loss("cross_entropy", &json!({}));
     let objective = |w: &mut Worker| -> f64 {
-        let (b, l, c) =
-            if frozen { (&surrogate_batch, "cross_entropy", &json!({})) } else { (&batch, loss_name, &cfg_for_worker) };
-        w.forward(b, Some((l, c))).unwrap().metrics.value("loss:sum").unwrap()
+        let (b, l) = if frozen { (&surrogate_batch, &cross_entropy) } else { (&batch, &loss) };
+        w.forward(b, Some(l), false).unwrap().metrics.value("loss:sum").unwrap()
     };
     let (h, rel) = (1e-5, 1e-5);
     let mut params: Vec<&str> = PERTURBED.to_vec();
