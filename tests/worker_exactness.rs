@@ -10,9 +10,10 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
+use oxrl::algo::Loss;
 use oxrl::model::Transformer;
 use oxrl::worker::{AdamParams, Datum, ForwardBackwardOutput, Worker, WorkerConfig};
-use serde_json::{json, Value};
+use serde_json::json;
 
 fn load(arch: &str) -> Transformer {
     Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap()
@@ -44,7 +45,8 @@ fn one_adamw_step_reproduces_transformers() {
     for arch in ARCHS {
         let g = Golden::load(arch);
         let mut w = worker(arch, None, None);
-        let out = w.forward_backward(&golden_datums(&g), "cross_entropy", &json!({}), true).unwrap();
+        let out =
+            w.forward_backward(&golden_datums(&g), Some(&common::loss("cross_entropy", &json!({}))), true).unwrap();
         let golden_loss = g.get("loss").to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()[0];
         let loss = out.metrics.value("loss:sum").unwrap();
         assert!((loss - golden_loss).abs() < 1e-4 * golden_loss.abs().max(1.0), "{arch}: loss {loss} vs {golden_loss}");
@@ -115,10 +117,9 @@ fn rl_batch() -> Vec<Datum> {
         .collect()
 }
 
-const PPO: &str = "ppo";
-
-fn ppo_cfg() -> Value {
-    json!({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+/// The Tinker `ppo` loss with a narrow clip band (both clip regimes occur).
+fn ppo() -> Loss {
+    common::loss("ppo", &json!({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}))
 }
 
 fn grads_of(w: &Worker) -> Vec<(String, Tensor)> {
@@ -150,14 +151,14 @@ fn assert_same_metrics(what: &str, a: &ForwardBackwardOutput, b: &ForwardBackwar
 fn any_micro_batching_gives_the_same_gradient() {
     let batch = rl_batch();
     let mut whole = worker("qwen3", None, None);
-    let reference = whole.forward_backward(&batch, PPO, &ppo_cfg(), true).unwrap();
+    let reference = whole.forward_backward(&batch, Some(&ppo()), true).unwrap();
     let reference_grads = grads_of(&whole);
     assert!(reference.metrics.value("clip_fraction:mean").unwrap() > 0.0);
 
     for (mbs, budget) in [(Some(1), None), (Some(2), None), (Some(10), None), (None, Some(26)), (Some(3), Some(20))] {
         let what = format!("micro_batch_size {mbs:?}, max_tokens {budget:?}");
         let mut w = worker("qwen3", mbs, budget);
-        let out = w.forward_backward(&batch, PPO, &ppo_cfg(), true).unwrap();
+        let out = w.forward_backward(&batch, Some(&ppo()), true).unwrap();
         assert_same_grads(&what, &grads_of(&w), &reference_grads, 1e-5);
         assert_same_metrics(&what, &out, &reference, 1e-5);
         for (i, (a, b)) in out.loss_fn_outputs.iter().zip(&reference.loss_fn_outputs).enumerate() {
@@ -170,8 +171,8 @@ fn any_micro_batching_gives_the_same_gradient() {
 
     // Two calls of half the batch each accumulate to one call of the whole.
     let mut halves = worker("qwen3", Some(4), None);
-    let a = halves.forward_backward(&batch[..5], PPO, &ppo_cfg(), true).unwrap();
-    let b = halves.forward_backward(&batch[5..], PPO, &ppo_cfg(), true).unwrap();
+    let a = halves.forward_backward(&batch[..5], Some(&ppo()), true).unwrap();
+    let b = halves.forward_backward(&batch[5..], Some(&ppo()), true).unwrap();
     assert_same_grads("two calls", &grads_of(&halves), &reference_grads, 1e-5);
     let mut merged = a.metrics.clone();
     merged.merge(&b.metrics);
@@ -191,7 +192,7 @@ fn any_micro_batching_gives_the_same_gradient() {
 fn padding_datums_change_nothing_and_the_gate_changes_only_the_records() {
     let batch = rl_batch();
     let mut plain = worker("qwen3", Some(4), None);
-    let reference = plain.forward_backward(&batch, PPO, &ppo_cfg(), true).unwrap();
+    let reference = plain.forward_backward(&batch, Some(&ppo()), true).unwrap();
     let reference_grads = grads_of(&plain);
 
     // Weight-0 copies (with junk advantages) interleaved: same loss, metrics and gradient.
@@ -204,7 +205,7 @@ fn padding_datums_change_nothing_and_the_gate_changes_only_the_records() {
         padded.push(pad);
     }
     let mut w = worker("qwen3", Some(4), None);
-    let out = w.forward_backward(&padded, PPO, &ppo_cfg(), true).unwrap();
+    let out = w.forward_backward(&padded, Some(&ppo()), true).unwrap();
     assert_same_metrics("padding", &out, &reference, 1e-6);
     assert_same_grads("padding", &grads_of(&w), &reference_grads, 1e-6);
     for (i, rec) in out.loss_fn_outputs.iter().enumerate() {
@@ -215,7 +216,7 @@ fn padding_datums_change_nothing_and_the_gate_changes_only_the_records() {
 
     // The gate: empty records, identical metrics and gradient.
     let mut gated = worker("qwen3", Some(4), None);
-    let out = gated.forward_backward(&batch, PPO, &ppo_cfg(), false).unwrap();
+    let out = gated.forward_backward(&batch, Some(&ppo()), false).unwrap();
     assert_eq!(out.loss_fn_outputs.len(), batch.len());
     assert!(out.loss_fn_outputs.iter().all(|r| r.is_empty()));
     assert_eq!(out.metrics, reference.metrics, "metrics differ with the gate off");
@@ -226,12 +227,12 @@ fn padding_datums_change_nothing_and_the_gate_changes_only_the_records() {
 fn forward_returns_logprobs_and_metrics_without_gradients() {
     let batch = rl_batch();
     let mut w = worker("qwen3", Some(3), None);
-    let fwd = w.forward(&batch, Some((PPO, &ppo_cfg()))).unwrap();
+    let fwd = w.forward(&batch, Some(&ppo()), true).unwrap();
     assert!(w.gradients().iter().all(|(_, g)| g.is_none()), "forward accumulated gradients");
-    let fb = w.forward_backward(&batch, PPO, &ppo_cfg(), true).unwrap();
+    let fb = w.forward_backward(&batch, Some(&ppo()), true).unwrap();
     assert_eq!(fwd.metrics, fb.metrics);
     assert_eq!(fwd.loss_fn_outputs, fb.loss_fn_outputs);
-    let plain = w.forward(&batch, None).unwrap();
+    let plain = w.forward(&batch, None, true).unwrap();
     assert!(plain.metrics.is_empty());
     for (a, b) in plain.loss_fn_outputs.iter().zip(&fb.loss_fn_outputs) {
         assert_eq!(a.logprobs, b.logprobs);
