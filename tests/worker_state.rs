@@ -46,8 +46,9 @@ fn params_bits(w: &Worker) -> Vec<(String, Vec<u32>)> {
 
 fn train_step(w: &mut Worker, seed: u64, loss: &str) -> f64 {
     let b = batch(seed);
-    w.forward_backward(&b[..2], loss, &json!({}), false).unwrap();
-    w.forward_backward(&b[2..], loss, &json!({}), false).unwrap();
+    let loss = common::loss(loss, &json!({}));
+    w.forward_backward(&b[..2], Some(&loss), false).unwrap();
+    w.forward_backward(&b[2..], Some(&loss), false).unwrap();
     let p = AdamParams { learning_rate: 1e-2, weight_decay: 0.01, grad_clip_norm: 0.5, ..Default::default() };
     w.optim_step(&p).unwrap()
 }
@@ -131,7 +132,7 @@ fn lora_trains_only_adapters_and_exports_peft_and_merged() {
         assert_eq!(max_abs_diff(a, &b), 0.0, "{name} changed");
     }
     let probe = batch(7);
-    let want = w.forward(&probe, None).unwrap().loss_fn_outputs;
+    let want = w.forward(&probe, None, true).unwrap().loss_fn_outputs;
 
     let tmp = tempfile::tempdir().unwrap();
     w.export(&tmp.path().join("peft"), false).unwrap();
@@ -141,7 +142,8 @@ fn lora_trains_only_adapters_and_exports_peft_and_merged() {
     w.export(&tmp.path().join("merged"), true).unwrap();
     let merged = Transformer::load(&tmp.path().join("merged"), DType::F32, &Device::Cpu).unwrap();
     for model in [m, merged] {
-        let got = Worker::new(model, WorkerConfig::default()).unwrap().forward(&probe, None).unwrap().loss_fn_outputs;
+        let got =
+            Worker::new(model, WorkerConfig::default()).unwrap().forward(&probe, None, true).unwrap().loss_fn_outputs;
         for (a, b) in got.iter().zip(&want) {
             for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
                 assert!((x - y).abs() < 1e-4, "exported model log-prob {x} vs {y}");
@@ -163,12 +165,12 @@ fn full_export_loads_as_a_model_and_critic_returns_values() {
 
     let mut critic = Worker::new(load("qwen2"), WorkerConfig { critic: true, ..Default::default() }).unwrap();
     let b = batch(3);
-    let out = critic.forward(&b, None).unwrap();
+    let out = critic.forward(&b, None, true).unwrap();
     for (d, rec) in b.iter().zip(&out.loss_fn_outputs) {
         assert_eq!(rec.values.len(), d.len());
         assert!(rec.logprobs.is_empty());
     }
-    let fb = critic.forward_backward(&b, "value", &json!({"value_clip": 0.3}), true).unwrap();
+    let fb = critic.forward_backward(&b, Some(&common::loss("value", &json!({"value_clip": 0.3}))), true).unwrap();
     assert!(fb.metrics.value("value_clip_fraction:mean").is_some() && fb.metrics.value("values:mean").is_some());
     let grads = critic.gradients();
     for name in ["value_head.weight", "value_head.bias", "model.layers.0.self_attn.q_proj.weight"] {
@@ -179,9 +181,10 @@ fn full_export_loads_as_a_model_and_critic_returns_values() {
     critic.optim_step(&AdamParams { weight_decay: 0.1, ..Default::default() }).unwrap();
     assert_eq!(max_abs_diff(&critic.model().lm_head.weight, &head_before), 0.0);
     // Critic and policy losses do not mix.
-    let err = critic.forward_backward(&b, "cross_entropy", &json!({}), true).unwrap_err().to_string();
+    let err =
+        critic.forward_backward(&b, Some(&common::loss("cross_entropy", &json!({}))), true).unwrap_err().to_string();
     assert!(err.contains("critic"), "{err}");
-    let err = w.forward_backward(&b, "value", &json!({}), true).unwrap_err().to_string();
+    let err = w.forward_backward(&b, Some(&common::loss("value", &json!({}))), true).unwrap_err().to_string();
     assert!(err.contains("critic"), "{err}");
 }
 
@@ -189,7 +192,7 @@ fn full_export_loads_as_a_model_and_critic_returns_values() {
 fn optim_step_clips_skips_non_finite_and_zeroes() {
     let mut w = Worker::new(load("llama"), WorkerConfig::default()).unwrap();
     let b = batch(5);
-    w.forward_backward(&b, "cross_entropy", &json!({}), false).unwrap();
+    w.forward_backward(&b, Some(&common::loss("cross_entropy", &json!({}))), false).unwrap();
     let grads: Vec<Tensor> = w.gradients().iter().map(|(_, g)| g.unwrap().clone()).collect();
     let norm: f64 = grads
         .iter()
@@ -200,7 +203,7 @@ fn optim_step_clips_skips_non_finite_and_zeroes() {
 
     // A non-finite gradient: the norm is reported, nothing moves, gradients are dropped.
     let mut bad = Worker::new(load("llama"), WorkerConfig::default()).unwrap();
-    bad.forward_backward(&b, "cross_entropy", &json!({}), false).unwrap();
+    bad.forward_backward(&b, Some(&common::loss("cross_entropy", &json!({}))), false).unwrap();
     let huge = b
         .iter()
         .map(|d| Datum {
@@ -208,7 +211,7 @@ fn optim_step_clips_skips_non_finite_and_zeroes() {
             ..d.clone()
         })
         .collect::<Vec<_>>();
-    bad.forward_backward(&huge, "cross_entropy", &json!({}), false).unwrap();
+    bad.forward_backward(&huge, Some(&common::loss("cross_entropy", &json!({}))), false).unwrap();
     let p0 = bad.params()[0].1.as_tensor().copy().unwrap();
     let n = bad.optim_step(&AdamParams::default()).unwrap();
     assert!(!n.is_finite(), "norm {n}");
@@ -218,7 +221,7 @@ fn optim_step_clips_skips_non_finite_and_zeroes() {
 
     // Clipping: the returned norm is the pre-clip one; with clip ≥ norm the update equals no clip.
     let mut unclipped = Worker::new(load("llama"), WorkerConfig::default()).unwrap();
-    unclipped.forward_backward(&b, "cross_entropy", &json!({}), false).unwrap();
+    unclipped.forward_backward(&b, Some(&common::loss("cross_entropy", &json!({}))), false).unwrap();
     let got =
         w.optim_step(&AdamParams { grad_clip_norm: norm * 1e-3, learning_rate: 0.0, ..Default::default() }).unwrap();
     assert!((got - norm).abs() < 1e-4 * norm, "{got} vs {norm}");
@@ -229,7 +232,7 @@ fn optim_step_clips_skips_non_finite_and_zeroes() {
     assert!(rel_err(m, &want) < 1e-5);
     unclipped.optim_step(&AdamParams { grad_clip_norm: norm * 2.0, ..Default::default() }).unwrap();
     let mut plain = Worker::new(load("llama"), WorkerConfig::default()).unwrap();
-    plain.forward_backward(&b, "cross_entropy", &json!({}), false).unwrap();
+    plain.forward_backward(&b, Some(&common::loss("cross_entropy", &json!({}))), false).unwrap();
     plain.optim_step(&AdamParams::default()).unwrap();
     for ((name, a), (_, c)) in unclipped.params().iter().zip(plain.params()) {
         assert_eq!(max_abs_diff(a.as_tensor(), c.as_tensor()), 0.0, "{name}");
@@ -267,26 +270,33 @@ fn bad_input_errors_name_the_datum_and_the_field() {
     for (mutate, loss, needles) in cases {
         let mut b = good.clone();
         mutate(&mut b);
-        let err = w.forward_backward(&b, loss, &json!({}), true).unwrap_err().to_string();
+        let err = w.forward_backward(&b, Some(&common::loss(loss, &json!({}))), true).unwrap_err().to_string();
         for needle in needles {
             assert!(err.contains(needle), "error `{err}` does not mention `{needle}`");
         }
     }
-    let err = w.forward_backward(&good, "ppo_typo", &json!({}), true).unwrap_err().to_string();
+    // A backward needs a loss.
+    let err = w.forward_backward(&good, None, true).unwrap_err().to_string();
+    assert!(err.contains("needs a loss"), "{err}");
+    // Names and configs are checked when the loss is parsed.
+    let err = oxrl::worker::resolve_loss("ppo_typo", &json!({})).unwrap_err().to_string();
     assert!(err.contains("unknown loss") && err.contains("ppo"), "{err}");
-    let err = w.forward_backward(&good, "ppo", &json!({"clip_low": 0.5}), true).unwrap_err().to_string();
+    let err = oxrl::worker::resolve_loss("ppo", &json!({"clip_low": 0.5})).unwrap_err().to_string();
     assert!(err.contains("unknown config key `clip_low`"), "{err}");
-    let err = w.forward_backward(&good, "dro", &json!({}), true).unwrap_err().to_string();
+    let err = oxrl::worker::resolve_loss("dro", &json!({})).unwrap_err().to_string();
     assert!(err.contains("beta"), "{err}");
-    let err =
-        w.forward_backward(&good, "policy/cross_entropy", &json!({"kl_coef": 0.1}), true).unwrap_err().to_string();
+    let err = w
+        .forward_backward(&good, Some(&common::loss("policy/cross_entropy", &json!({"kl_coef": 0.1}))), true)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("ref_logprobs"), "{err}");
     assert!(w.gradients().iter().all(|(_, g)| g.is_none()), "a failed call accumulated gradients");
 
     // A datum longer than the token budget.
     let mut small =
         Worker::new(load("llama"), WorkerConfig { max_tokens_per_microbatch: Some(8), ..Default::default() }).unwrap();
-    let err = small.forward_backward(&good, "cross_entropy", &json!({}), true).unwrap_err().to_string();
+    let err =
+        small.forward_backward(&good, Some(&common::loss("cross_entropy", &json!({}))), true).unwrap_err().to_string();
     assert!(err.contains("datum 1") && err.contains("max_tokens_per_microbatch"), "{err}");
 
     // Datums round-trip through JSON; unknown fields are refused.
