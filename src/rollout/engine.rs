@@ -223,6 +223,11 @@ impl Engine {
         self.actor.call(move |s| s.update_weights(&weights))
     }
 
+    /// Reads something off the engine's current model (tests, diagnostics), between steps.
+    pub fn inspect<R: Send + 'static>(&self, f: impl FnOnce(&Transformer) -> R + Send + 'static) -> Handle<R> {
+        self.actor.call(move |s| Ok(f(s.core.model())))
+    }
+
     pub fn health(&self) -> EngineHealth {
         let dead = EngineHealth { alive: false, stats: None, completed_requests: 0, failed_steps: 0, last_error: None };
         self.actor.call(|s| Ok(s.health())).wait().unwrap_or(dead)
