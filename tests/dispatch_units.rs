@@ -1,5 +1,5 @@
 //! Dispatch building blocks: mesh registration, split/merge, the in-process all-reduce, and the
-//! residency state machine of colocated roles.
+//! residency state machine of colocated models.
 
 use std::sync::Arc;
 
@@ -7,8 +7,7 @@ use candle_core::{Device, Tensor};
 use oxrl::dispatch::collective::{Collective, InProcess};
 use oxrl::dispatch::mesh::{MeshCoord, MeshRegistry, MeshShape};
 use oxrl::dispatch::residency::{Move, Parts, Residency};
-use oxrl::dispatch::split::{merge_outputs, pad_and_split};
-use oxrl::dispatch::{lcm_dp_size, Role};
+use oxrl::dispatch::split::{lcm, merge_outputs, pad_and_split};
 
 #[test]
 fn mesh_collection_ranks_and_registration() {
@@ -51,8 +50,8 @@ fn pad_split_and_merge_round_trip() {
         assert_eq!(merged, batch);
     }
     assert!(pad_and_split::<i32>(&[], 2, |x| *x).unwrap_err().to_string().contains("empty batch"));
-    assert_eq!(lcm_dp_size(&[2, 3, 4]), 12);
-    assert_eq!(lcm_dp_size(&[1]), 1);
+    assert_eq!(lcm(&[2, 3, 4]), 12);
+    assert_eq!(lcm(&[1]), 1);
 }
 
 #[test]
@@ -98,29 +97,27 @@ fn aborted_all_reduce_wakes_waiting_ranks_with_an_error() {
 #[test]
 fn residency_follows_the_colocation_rules() {
     let mut r = Residency::default();
-    assert_eq!(r.init_model(Role::Policy), vec![]);
-    assert_eq!(r.resident(Role::Policy), Parts::ALL);
-    // A new role: the policy goes to the host entirely.
-    assert_eq!(r.init_model(Role::Reference), vec![Move::Offload(Role::Policy, Parts::ALL)]);
-    assert_eq!(r.resident(Role::Policy), Parts::NONE);
-    assert_eq!(r.resident(Role::Reference), Parts::ALL);
+    let off = |id: &str, p| Move::Offload(id.to_string(), p);
+    let back = |id: &str, p| Move::Backload(id.to_string(), p);
+    assert_eq!(r.init_model("policy"), vec![]);
+    assert_eq!(r.resident("policy"), Parts::ALL);
+    // A new model: the policy goes to the host entirely.
+    assert_eq!(r.init_model("ref"), vec![off("policy", Parts::ALL)]);
+    assert_eq!(r.resident("policy"), Parts::NONE);
+    assert_eq!(r.resident("ref"), Parts::ALL);
     // Forward of the policy needs only its model.
-    assert_eq!(
-        r.prepare(Role::Policy, Parts::MODEL),
-        vec![Move::Offload(Role::Reference, Parts::ALL), Move::Backload(Role::Policy, Parts::MODEL)]
-    );
-    assert_eq!(r.resident(Role::Policy), Parts::MODEL);
+    assert_eq!(r.prepare("policy", Parts::MODEL), vec![off("ref", Parts::ALL), back("policy", Parts::MODEL)]);
+    assert_eq!(r.resident("policy"), Parts::MODEL);
     // A training step then brings back only the optimizer.
-    assert_eq!(
-        r.prepare(Role::Policy, Parts::ALL),
-        vec![Move::Backload(Role::Policy, Parts { model: false, optimizer: true })]
-    );
+    assert_eq!(r.prepare("policy", Parts::ALL), vec![back("policy", Parts { model: false, optimizer: true })]);
     // Running again with everything resident moves nothing.
-    assert_eq!(r.prepare(Role::Policy, Parts::ALL), vec![]);
-    assert_eq!(r.prepare(Role::Policy, Parts::MODEL), vec![]);
+    assert_eq!(r.prepare("policy", Parts::ALL), vec![]);
+    assert_eq!(r.prepare("policy", Parts::MODEL), vec![]);
     // The critic: the policy leaves with both parts.
-    let moves = r.prepare(Role::Critic, Parts::ALL);
-    assert_eq!(moves, vec![Move::Offload(Role::Policy, Parts::ALL), Move::Backload(Role::Critic, Parts::ALL)]);
-    assert_eq!(Role::parse("critic").unwrap(), Role::Critic);
-    assert!(Role::parse("actor").unwrap_err().to_string().contains("actor"));
+    let moves = r.prepare("critic", Parts::ALL);
+    assert_eq!(moves, vec![off("policy", Parts::ALL), back("critic", Parts::ALL)]);
+    // A dropped model is forgotten: nothing of it is resident and nothing moves it.
+    r.forget("critic");
+    assert_eq!(r.resident("critic"), Parts::NONE);
+    assert_eq!(r.prepare("policy", Parts::MODEL), vec![back("policy", Parts::MODEL)]);
 }
