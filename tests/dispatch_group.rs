@@ -1,5 +1,5 @@
 //! Worker groups over a data-parallel mesh: equivalence with one rank, ordering, staging,
-//! collection ranks, colocation and bad calls.
+//! collection ranks, colocation of models by id and bad calls.
 
 mod common;
 
@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use common::fixture_dir;
+use oxrl::algo::Loss;
 use oxrl::dispatch::group::BuildWorker;
 use oxrl::dispatch::mesh::MeshShape;
 use oxrl::dispatch::residency::Parts;
-use oxrl::dispatch::{Dispatch, Role, WorkerGroup};
+use oxrl::dispatch::{Dispatch, WorkerGroup, WorkerSpec};
 use oxrl::model::Transformer;
 use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
@@ -20,6 +21,20 @@ fn builder(micro_batch_size: Option<usize>) -> BuildWorker {
         let model = Transformer::load(&fixture_dir("qwen3"), DType::F32, &Device::Cpu)?;
         Worker::new(model, WorkerConfig { micro_batch_size, ..Default::default() })
     })
+}
+
+/// A group of `dp` ranks (one tensor-math thread each) over the qwen3 fixture.
+fn group(shape: MeshShape, micro_batch_size: Option<usize>) -> WorkerGroup {
+    WorkerGroup::new("policy", shape, 1, builder(micro_batch_size)).unwrap()
+}
+
+/// The qwen3 fixture as a model of `dp` ranks.
+fn spec(dp: usize) -> WorkerSpec {
+    WorkerSpec { mesh: MeshShape::dp(dp), ..WorkerSpec::new(fixture_dir("qwen3")) }
+}
+
+fn ce() -> Loss {
+    common::loss("cross_entropy", &json!({}))
 }
 
 /// Five datums of different lengths, token-mean weights over the whole batch.
@@ -57,26 +72,37 @@ fn rel(a: &[f64], b: &[f64]) -> f64 {
     num / den
 }
 
-/// Parameters after `steps` steps, and the pre-clip gradient norm of each step.
-fn train(g: &WorkerGroup, steps: usize) -> (Vec<f64>, Vec<f64>) {
+/// Parameters after `steps` steps, and the pre-clip gradient norm of each step. `pipelined`:
+/// every call is submitted before any is waited on (calls on one group run in submission order).
+fn train(g: &WorkerGroup, steps: usize, pipelined: bool) -> (Vec<f64>, Vec<f64>) {
     let adam = AdamParams { learning_rate: 1e-2, ..Default::default() };
     let mut norms = vec![];
+    let mut pending = vec![];
     for _ in 0..steps {
-        g.forward_backward(&batch(), "cross_entropy", &json!({}), false).unwrap();
-        norms.push(g.optim_step(&adam).unwrap());
+        let fb = g.submit_forward_backward(&batch(), Some(&ce()), false);
+        if pipelined {
+            pending.push((fb, g.submit_optim_step(adam)));
+        } else {
+            fb.wait().unwrap();
+            norms.push(g.submit_optim_step(adam).wait().unwrap());
+        }
+    }
+    for (fb, step) in pending {
+        fb.wait().unwrap();
+        norms.push(step.wait().unwrap());
     }
     (params_of(g), norms)
 }
 
 #[test]
 fn parameters_after_three_steps_do_not_depend_on_dp_or_micro_batch_size() {
-    let (reference, ref_norms) = train(&WorkerGroup::new(Role::Policy, MeshShape::dp(1), builder(None)).unwrap(), 3);
-    let initial = params_of(&WorkerGroup::new(Role::Policy, MeshShape::dp(1), builder(None)).unwrap());
+    let (reference, ref_norms) = train(&group(MeshShape::dp(1), None), 3, false);
+    let initial = params_of(&group(MeshShape::dp(1), None));
     assert!(rel(&reference, &initial) > 1e-3, "training moved nothing");
     for dp in [1usize, 2, 4] {
         for mbs in [Some(1), Some(2), None] {
-            let g = WorkerGroup::new(Role::Policy, MeshShape::dp(dp), builder(mbs)).unwrap();
-            let (got, norms) = train(&g, 3);
+            let g = group(MeshShape::dp(dp), mbs);
+            let (got, norms) = train(&g, 3, true);
             let err = rel(&got, &reference);
             assert!(err < 1e-5, "dp {dp} micro-batch {mbs:?}: parameters differ by {err} relative");
             // AdamW is blind to a gradient's scale; the norm is not (SUM, not mean, over ranks).
@@ -93,16 +119,16 @@ fn parameters_after_three_steps_do_not_depend_on_dp_or_micro_batch_size() {
 
 #[test]
 fn outputs_come_back_in_input_order_for_direct_and_staged_calls() {
-    let single = WorkerGroup::new(Role::Policy, MeshShape::dp(1), builder(None)).unwrap();
-    let want = single.forward_backward(&batch(), "cross_entropy", &json!({}), true).unwrap();
+    let single = group(MeshShape::dp(1), None);
+    let want = single.submit_forward_backward(&batch(), Some(&ce()), true).wait().unwrap();
     assert_eq!(want.loss_fn_outputs.len(), 5);
     for (d, o) in batch().iter().zip(&want.loss_fn_outputs) {
         assert_eq!(o.logprobs.len(), d.input_tokens.len());
     }
-    let mut g = WorkerGroup::new(Role::Policy, MeshShape::dp(4), builder(Some(1))).unwrap();
-    let direct = g.forward_backward(&batch(), "cross_entropy", &json!({}), true).unwrap();
-    g.stage(&[batch()[..3].to_vec(), batch()]).unwrap();
-    let staged = g.forward_backward_staged(1, "cross_entropy", &json!({}), true).unwrap();
+    let g = group(MeshShape::dp(4), Some(1));
+    let direct = g.submit_forward_backward(&batch(), Some(&ce()), true).wait().unwrap();
+    g.stage(&[batch()[..3].to_vec(), batch()]).wait().unwrap();
+    let staged = g.submit_forward_backward_staged(1, &ce(), true).wait().unwrap();
     assert_eq!(direct.loss_fn_outputs.len(), 5);
     assert_eq!(staged.loss_fn_outputs, direct.loss_fn_outputs, "staged and direct differ");
     assert_eq!(staged.metrics.reduce(), direct.metrics.reduce());
@@ -112,18 +138,18 @@ fn outputs_come_back_in_input_order_for_direct_and_staged_calls() {
             assert!((x - y).abs() < 1e-5);
         }
     }
-    let small = g.forward_backward_staged(0, "cross_entropy", &json!({}), true).unwrap();
+    let small = g.submit_forward_backward_staged(0, &ce(), true).wait().unwrap();
     assert_eq!(small.loss_fn_outputs.len(), 3);
-    let err = g.forward_backward_staged(2, "cross_entropy", &json!({}), true).unwrap_err().to_string();
+    let err = g.submit_forward_backward_staged(2, &ce(), true).wait().unwrap_err().to_string();
     assert!(err.contains("index 2") && err.contains("out of range"), "{err}");
 }
 
 #[test]
 fn tensor_parallel_replicas_are_collected_once() {
-    let single = WorkerGroup::new(Role::Policy, MeshShape::dp(1), builder(None)).unwrap();
-    let one = single.forward_backward(&batch(), "cross_entropy", &json!({}), true).unwrap().metrics.reduce();
-    let g = WorkerGroup::new(Role::Policy, MeshShape { dp: 2, tp: 2, sp: 1, pp: 1 }, builder(None)).unwrap();
-    let out = g.forward_backward(&batch(), "cross_entropy", &json!({}), true).unwrap();
+    let single = group(MeshShape::dp(1), None);
+    let one = single.submit_forward_backward(&batch(), Some(&ce()), true).wait().unwrap().metrics.reduce();
+    let g = group(MeshShape { dp: 2, tp: 2, sp: 1, pp: 1 }, None);
+    let out = g.submit_forward_backward(&batch(), Some(&ce()), true).wait().unwrap();
     let m = out.metrics.reduce();
     assert_eq!(out.loss_fn_outputs.len(), 5);
     assert!((m["loss:sum"] - one["loss:sum"]).abs() < 1e-6, "{} vs {}", m["loss:sum"], one["loss:sum"]);
@@ -133,8 +159,8 @@ fn tensor_parallel_replicas_are_collected_once() {
     assert_eq!(has_grads, vec![true; 4]);
     // The all-reduce runs per tp index: after a step all four replicas agree with dp = 1.
     let adam = AdamParams { learning_rate: 1e-2, ..Default::default() };
-    g.optim_step(&adam).unwrap();
-    single.optim_step(&adam).unwrap();
+    g.submit_optim_step(adam).wait().unwrap();
+    single.submit_optim_step(adam).wait().unwrap();
     let want = params_of(&single);
     let got = g
         .inspect(|w| {
@@ -150,15 +176,25 @@ fn tensor_parallel_replicas_are_collected_once() {
     }
 }
 
+/// The parts of model `id` resident on each rank, as its workers see them: the model unless
+/// offloaded; the optimizer when the first parameter's moments are on the device (models that
+/// have taken a step).
+fn resident(d: &Dispatch, id: &str) -> Vec<Parts> {
+    d.model(id)
+        .unwrap()
+        .inspect(|w| Parts { model: !w.is_offloaded(), optimizer: w.moments(&w.params()[0].0).is_some() })
+        .unwrap()
+}
+
 #[test]
-fn colocated_roles_offload_and_backload_bit_exactly() {
-    let mut d = Dispatch::new(true);
-    d.init_model(Role::Policy, MeshShape::dp(2), builder(None)).unwrap();
+fn colocated_models_offload_and_backload_bit_exactly() {
+    let d = Dispatch::new(true);
+    d.create_model("policy", &spec(2)).unwrap();
     let adam = AdamParams { learning_rate: 1e-2, ..Default::default() };
-    d.forward_backward(Role::Policy, &batch(), "cross_entropy", &json!({}), false).unwrap();
-    d.optim_step(Role::Policy, &adam).unwrap();
+    d.forward_backward("policy", &batch(), Some(&ce()), false).unwrap();
+    d.optim_step("policy", &adam).unwrap();
     let snapshot = |d: &Dispatch| {
-        d.group(Role::Policy)
+        d.model("policy")
             .unwrap()
             .inspect(|w| {
                 let p: Vec<Vec<f32>> =
@@ -180,38 +216,50 @@ fn colocated_roles_offload_and_backload_bit_exactly() {
     };
     let before = snapshot(&d);
     assert!(!before[0].1.is_empty(), "moments exist after a step");
-    // A reference role joins: the policy is offloaded entirely.
-    d.init_model(Role::Reference, MeshShape::dp(1), builder(None)).unwrap();
-    assert_eq!(d.residency().resident(Role::Policy), Parts::NONE);
-    let offloaded = d.group(Role::Policy).unwrap().inspect(|w| w.moments(&w.params()[0].0).is_some()).unwrap();
-    assert_eq!(offloaded, vec![false, false], "moments left the device");
-    d.forward(Role::Reference, &batch(), None).unwrap();
+    assert_eq!(resident(&d, "policy"), vec![Parts::ALL; 2]);
+    // A reference model joins: the policy is offloaded entirely.
+    d.create_model("ref", &spec(1)).unwrap();
+    assert_eq!(resident(&d, "policy"), vec![Parts::NONE; 2], "moments and parameters left the device");
+    d.forward("ref", &batch(), None, true).unwrap();
     // The policy's forward brings back its model only; the step brings the optimizer.
-    d.forward(Role::Policy, &batch(), None).unwrap();
-    assert_eq!(d.residency().resident(Role::Policy), Parts::MODEL);
-    assert_eq!(d.residency().resident(Role::Reference), Parts::NONE);
-    d.forward_backward(Role::Policy, &batch(), "cross_entropy", &json!({}), false).unwrap();
-    assert_eq!(d.residency().resident(Role::Policy), Parts::ALL);
+    d.forward("policy", &batch(), None, true).unwrap();
+    assert_eq!(resident(&d, "policy"), vec![Parts::MODEL; 2]);
+    assert!(resident(&d, "ref").iter().all(|p| !p.model), "the reference stayed on the device");
+    d.forward_backward("policy", &batch(), Some(&ce()), false).unwrap();
+    assert_eq!(resident(&d, "policy"), vec![Parts::ALL; 2]);
     let after = snapshot(&d);
     assert_eq!(before, after, "offload + backload changed parameters or moments");
-    assert_eq!(d.lcm_dp_size(), 2);
+    assert_eq!(d.batch_multiple(), 2);
+    // Dropping the reference forgets it; the policy carries on.
+    d.drop_model("ref").unwrap();
+    assert_eq!(d.ids(), vec!["policy".to_string()]);
+    d.forward("policy", &batch(), None, false).unwrap();
+    assert_eq!(resident(&d, "policy"), vec![Parts::ALL; 2]);
 }
 
 #[test]
 fn bad_calls_are_clear_errors() {
-    let mut d = Dispatch::new(false);
-    let err = d.forward(Role::Critic, &batch(), None).unwrap_err().to_string();
-    assert!(err.contains("Critic") && err.contains("no workers"), "{err}");
-    d.init_model(Role::Policy, MeshShape::dp(2), builder(None)).unwrap();
-    let err = d.forward_backward(Role::Policy, &[], "cross_entropy", &json!({}), true).unwrap_err().to_string();
+    let d = Dispatch::new(false);
+    let err = d.forward("critic", &batch(), None, true).unwrap_err().to_string();
+    assert!(err.contains("critic") && err.contains("no model"), "{err}");
+    d.create_model("policy", &spec(2)).unwrap();
+    let err = d.forward_backward("policy", &[], Some(&ce()), true).unwrap_err().to_string();
     assert!(err.contains("empty batch"), "{err}");
-    let err = d.forward_backward(Role::Policy, &batch(), "nope", &json!({}), true).unwrap_err().to_string();
+    let err = oxrl::worker::resolve_loss("nope", &json!({})).unwrap_err().to_string();
     assert!(err.contains("nope"), "{err}");
-    assert!(d.init_model(Role::Policy, MeshShape::dp(1), builder(None)).unwrap_err().to_string().contains("already"));
-    let err = d.forward_backward_staged(Role::Policy, 0, "cross_entropy", &json!({}), true).unwrap_err().to_string();
+    let err = d.forward_backward("policy", &batch(), None, true).unwrap_err().to_string();
+    assert!(err.contains("needs a loss"), "{err}");
+    assert!(d.create_model("policy", &spec(1)).unwrap_err().to_string().contains("already"));
+    let err = d.submit_forward_backward_staged("policy", 0, &ce(), true).wait().unwrap_err().to_string();
     assert!(err.contains("out of range"), "{err}");
+    let err = d.drop_model("ref").unwrap_err().to_string();
+    assert!(err.contains("ref") && err.contains("policy"), "{err}");
+    // A model directory that does not exist is reported, and no model is added.
+    let missing = WorkerSpec::new(fixture_dir("no-such-arch"));
+    assert!(d.create_model("critic", &missing).is_err());
+    assert_eq!(d.ids(), vec!["policy".to_string()]);
     // A failing builder is reported, not a hang.
     let failing: BuildWorker = Arc::new(|_| Err(oxrl::Error::input("no such model")));
-    let err = WorkerGroup::new(Role::Critic, MeshShape::dp(2), failing).err().unwrap().to_string();
+    let err = WorkerGroup::new("critic", MeshShape::dp(2), 1, failing).err().unwrap().to_string();
     assert!(err.contains("no such model"), "{err}");
 }
