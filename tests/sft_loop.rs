@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use common::fixture_dir;
+use oxrl::cli::launch::sft_dispatch;
 use oxrl::model::{logprobs::target_logprobs, lora, tokenizer::Tokenizer, Transformer};
 use oxrl::trainer::metrics::read_metrics;
-use oxrl::trainer::sft::{run_sft, SftOptions, EXPORT_DIR};
+use oxrl::trainer::sft::{SftOptions, SftSummary, EXPORT_DIR};
 use oxrl::trainer::SftConfig;
 use oxrl::worker::{Datum, Worker, WorkerConfig};
 use serde_json::json;
@@ -27,6 +28,13 @@ fn write_data(dir: &Path, rows: &[&str]) -> PathBuf {
     let p = dir.join("data.jsonl");
     std::fs::write(&p, rows.join("\n") + "\n").unwrap();
     p
+}
+
+/// One run as the CLI does it: a fresh dispatch built from the config (one tensor-math thread
+/// per rank), then the loop.
+fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> oxrl::Result<SftSummary> {
+    let dispatch = sft_dispatch(cfg, Some(1))?;
+    oxrl::trainer::sft::run_sft(cfg, &dispatch, opts)
 }
 
 fn config(dir: &Path, data: &Path, run: &str, extra: &[&str]) -> SftConfig {
@@ -134,7 +142,7 @@ fn worker_logprobs(run: &Path, lora_rank: usize, seq: &[u32]) -> Vec<f32> {
     let (_, ckpt) = oxrl::trainer::sft::latest_checkpoint(run).unwrap().unwrap();
     w.load_state(&ckpt.join("worker")).unwrap();
     let targets: Vec<u32> = seq[1..].iter().copied().chain([0]).collect();
-    let out = w.forward(&[Datum::supervised(seq.to_vec(), targets, vec![1.0; seq.len()])], None).unwrap();
+    let out = w.forward(&[Datum::supervised(seq.to_vec(), targets, vec![1.0; seq.len()])], None, true).unwrap();
     out.loss_fn_outputs[0].logprobs[..seq.len() - 1].to_vec()
 }
 
