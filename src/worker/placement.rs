@@ -30,8 +30,10 @@ pub struct HostCopy {
 }
 
 fn to_host(t: &Tensor) -> Result<Tensor> {
-    // `copy` gives new storage even on the CPU, so the host copy never aliases the device one.
-    Ok(t.to_device(&Device::Cpu)?.copy()?)
+    // `copy` gives new storage even on the CPU, so the host copy never aliases the device one;
+    // `detach` first, or the copy of a variable would record it in its autograd history and
+    // keep the device storage alive.
+    Ok(t.detach().to_device(&Device::Cpu)?.copy()?)
 }
 
 fn to_device(t: Tensor, device: &Device) -> Result<Tensor> {
