@@ -1,6 +1,7 @@
 //! The sampling engine: golden greedy tokens, log-probs equal to the trainer's, the sampled
 //! distributions (chi-square), stop ids and strings, continuous batching (64 mixed requests
-//! each equal to its solo run), and bad requests refused with a clear error.
+//! each equal to its solo run), cancelling a request, and bad requests refused with a clear
+//! error.
 
 mod common;
 
@@ -12,7 +13,9 @@ use oxrl::model::config::{Arch, ModelConfig, ModelShape};
 use oxrl::model::tokenizer::Tokenizer;
 use oxrl::model::{init, logprobs::target_logprobs, Transformer};
 use oxrl::rollout::sampler::sample;
-use oxrl::rollout::{Engine, EngineConfig, EngineCore, Generation, Request, RequestOutput, SamplingParams, StopReason};
+use oxrl::rollout::{
+    Engine, EngineConfig, EngineCore, Generation, PauseMode, Request, RequestOutput, SamplingParams, StopReason,
+};
 use rand::{rngs::StdRng, SeedableRng};
 
 fn load(arch: &str) -> Transformer {
@@ -333,9 +336,9 @@ fn sixty_four_mixed_requests_each_equal_their_solo_run() {
 
     let engine =
         Engine::start(m.clone(), EngineConfig { max_batch: 24, eos_token_ids: vec![2], ..Default::default() }).unwrap();
-    let pending: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
-    for (i, rx) in pending.into_iter().enumerate() {
-        same(&rx.recv().unwrap().unwrap(), &want[i], &format!("thread, request {i}"));
+    let pending: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone())).collect();
+    for (i, handle) in pending.into_iter().enumerate() {
+        same(&handle.wait().unwrap(), &want[i], &format!("thread, request {i}"));
     }
     let h = engine.health();
     assert!(h.alive);
@@ -406,6 +409,50 @@ fn bad_requests_are_clear_errors() {
     assert!(engine.generate(Request::new(vec![], ok.clone())).is_err());
     assert_eq!(engine.generate(Request::new(vec![5, 6], ok)).unwrap().samples[0].tokens.len(), 4);
     assert!(engine.health().alive);
+}
+
+/// A cancelled request completes at once with the tokens it has (a prefix of its full run),
+/// stop reason `cancelled`; cancelling a finished request changes nothing; the engine carries on.
+#[test]
+fn a_cancelled_request_ends_with_what_it_has() {
+    let m = load("qwen3");
+    let prompt = vec![20u32, 21, 22];
+    let req = Request { num_samples: 2, ..Request::new(prompt.clone(), params(240, 1.0, 9)) };
+    let full = solo(&m, req.clone());
+    let engine = Engine::start(m, EngineConfig::default()).unwrap();
+    let handle = engine.submit(req.clone());
+    handle.cancel();
+    let out = handle.wait().unwrap();
+    assert_eq!(out.samples.len(), 2);
+    for (g, f) in out.samples.iter().zip(&full.samples) {
+        assert_eq!(g.stop_reason, StopReason::Cancelled);
+        assert!(g.tokens.len() < 240, "the request ran to its end");
+        assert_eq!(g.tokens, f.tokens[..g.tokens.len()].to_vec());
+        assert_eq!(g.logprobs, f.logprobs[..g.tokens.len()].to_vec());
+    }
+    // Cancelled while waiting (the engine paused): nothing sampled.
+    engine.pause(PauseMode::Keep).wait().unwrap();
+    let handle = engine.submit(req.clone());
+    handle.cancel();
+    let out = handle.wait().unwrap();
+    assert!(out.samples.iter().all(|g| g.tokens.is_empty() && g.stop_reason == StopReason::Cancelled), "{out:?}");
+    engine.resume().wait().unwrap();
+    // A finished request: cancelling it is a no-op.
+    let short = Request::new(prompt, params(5, 1.0, 9));
+    let mut handle = engine.submit(short.clone());
+    let done = loop {
+        if let Some(r) = handle.try_wait() {
+            break r.unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    };
+    handle.cancel();
+    assert_eq!(done.samples[0].stop_reason, StopReason::Length);
+    assert_eq!(done.samples[0].tokens.len(), 5);
+    assert_eq!(engine.generate(short).unwrap().samples, done.samples);
+    let h = engine.health();
+    assert!(h.alive && h.last_error.is_none(), "{h:?}");
+    assert_eq!(h.stats.unwrap().running_rows, 0);
 }
 
 /// Requests that fit the KV budget only one at a time wait for room instead of failing.
