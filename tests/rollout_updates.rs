@@ -1,5 +1,6 @@
 //! Pause (abort / keep), resume, versioned weight updates (full and LoRA-only), the engine
-//! client's routing and abort-and-continue retry, and the chat entry point.
+//! client's routing, abort-and-continue retry and cancellation, snapshots that do not alias the
+//! trainer's variables, and the chat entry point.
 
 mod common;
 
@@ -10,7 +11,7 @@ use candle_core::{DType, Device};
 use common::*;
 use oxrl::model::lora::{self, LoraConfig};
 use oxrl::model::tokenizer::Tokenizer;
-use oxrl::model::{init, NamedTensors, Transformer};
+use oxrl::model::{init, NamedTensors, SamplerWeights, Transformer};
 use oxrl::rollout::client::continuation;
 use oxrl::rollout::{
     chat, generate, Engine, EngineClient, EngineConfig, EngineCore, Generation, PauseMode, Request, RequestOutput,
@@ -38,6 +39,11 @@ fn solo(m: &Transformer, req: Request) -> RequestOutput {
 
 fn full(m: &Transformer) -> WeightUpdate {
     WeightUpdate::full_snapshot(m).unwrap()
+}
+
+/// A versioned snapshot of every weight of `m`, as engines take them.
+fn snapshot(m: &Transformer, version: u64) -> SamplerWeights {
+    SamplerWeights::snapshot(m, None, version).unwrap()
 }
 
 fn full_from(tensors: Vec<(String, candle_core::Tensor)>) -> WeightUpdate {
@@ -240,14 +246,55 @@ fn lora_only_and_full_updates_and_bad_updates() {
 
 #[test]
 fn updates_do_not_alias_the_trainers_tensors() {
-    // The trainer updates its variables in place; the engine must hold its own copy.
+    // The trainer updates its variables in place (`Var::set`); an engine must keep sampling
+    // with the weights of the snapshot it was given.
     let m = load("qwen2");
+    let prompt = vec![4u32, 5, 6];
+    let before = solo(&m, Request::new(prompt.clone(), params(10, 0.0, 0))).samples.remove(0).tokens;
+
+    // Full weights: a snapshot sent to an engine thread, then every variable zeroed in place.
+    let mut trainer = m.clone();
+    let vars = trainer.make_trainable().unwrap();
+    let weights = snapshot(&trainer, 1);
+    assert!(!weights.is_lora() && weights.num_bytes() > 0);
+    let engine = Engine::start(m.clone(), EngineConfig::default()).unwrap();
+    engine.update_weights(&weights).wait().unwrap();
+    for (_, v) in &vars {
+        v.set(&v.as_tensor().zeros_like().unwrap()).unwrap();
+    }
+    let got = engine.generate(Request::new(prompt.clone(), params(10, 0.0, 0))).unwrap().samples.remove(0);
+    assert_eq!(got.tokens, before, "the snapshot changed with the trainer's variables");
+    assert_eq!(got.versions, vec![1; 10]);
+    // The snapshot itself did not move either: another engine given it later agrees.
+    let late = Engine::start(other(&m), EngineConfig::default()).unwrap();
+    late.update_weights(&weights).wait().unwrap();
+    assert_eq!(late.generate(Request::new(prompt.clone(), params(10, 0.0, 0))).unwrap().samples[0].tokens, before);
+
+    // LoRA adapters only: the engine holds the base, the snapshot the adapters.
+    let arch = "qwen2";
+    let mut with = load(arch);
+    lora::load_peft(&mut with, &fixture_dir(arch).join("lora"), false).unwrap();
+    let want_lora = solo(&with, Request::new(prompt.clone(), params(10, 0.0, 0))).samples.remove(0).tokens;
+    let mut trainer = load(arch);
+    let (config, adapters) = lora::load_peft(&mut trainer, &fixture_dir(arch).join("lora"), true).unwrap();
+    assert!(!adapters.is_empty());
+    let weights = SamplerWeights::snapshot(&trainer, Some(&config), 2).unwrap();
+    assert!(weights.is_lora());
+    let engine = Engine::start(m.clone(), EngineConfig::default()).unwrap();
+    engine.update_weights(&weights).wait().unwrap();
+    for (_, v) in &adapters {
+        v.set(&v.as_tensor().zeros_like().unwrap()).unwrap();
+    }
+    let got = engine.generate(Request::new(prompt.clone(), params(10, 0.0, 0))).unwrap().samples.remove(0);
+    assert_eq!(got.tokens, want_lora, "the LoRA snapshot changed with the trainer's adapters");
+    assert_eq!(got.versions, vec![2; 10]);
+
+    // The safety net for hand-built updates: a variable's own tensor passed straight through is
+    // copied by the engine.
     let mut trainer = m.clone();
     let vars = trainer.make_trainable().unwrap();
     let mut e = core(&m);
     e.update_weights(&full_from(vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()), 1).unwrap();
-    let prompt = vec![4u32, 5, 6];
-    let before = solo(&m, Request::new(prompt.clone(), params(10, 0.0, 0))).samples.remove(0).tokens;
     for (_, v) in &vars {
         v.set(&v.as_tensor().zeros_like().unwrap()).unwrap();
     }
@@ -281,9 +328,9 @@ fn client_abort_and_continue_across_real_pauses() {
         let h = s.spawn(|| client.generate(req.clone()).unwrap());
         for _ in 0..2 {
             assert!(wait_for(Duration::from_secs(20), || running(&client) || h.is_finished()));
-            client.pause(PauseMode::Abort).unwrap();
-            client.update_weights(&full(&m), 1).unwrap();
-            client.resume().unwrap();
+            client.pause(PauseMode::Abort).wait().unwrap();
+            client.update_weights(&snapshot(&m, 1)).wait().unwrap();
+            client.resume().wait().unwrap();
         }
         h.join().unwrap()
     });
@@ -307,9 +354,9 @@ fn client_keep_mode_update_in_flight() {
     let got = std::thread::scope(|s| {
         let h = s.spawn(|| client.generate(req.clone()).unwrap());
         assert!(wait_for(Duration::from_secs(20), || running(&client)));
-        client.pause(PauseMode::Keep).unwrap();
-        client.update_weights(&full(&m), 2).unwrap();
-        client.resume().unwrap();
+        client.pause(PauseMode::Keep).wait().unwrap();
+        client.update_weights(&snapshot(&m, 2)).wait().unwrap();
+        client.resume().wait().unwrap();
         h.join().unwrap()
     });
     let g = &got.samples[0];
@@ -317,6 +364,49 @@ fn client_keep_mode_update_in_flight() {
     assert_eq!(client.health()[0].completed_requests, 1, "keep mode must not abort");
     assert_eq!(g.versions[0], 0);
     assert_eq!(*g.versions.last().unwrap(), 2);
+}
+
+/// Cancelling a client request ends it with what it has (stop reason `cancelled`), whether
+/// its sample is in an engine or parked by an abort pause; a cancelled sample is never
+/// continued.
+#[test]
+fn client_cancel_in_flight_and_while_parked() {
+    let m = load("qwen3");
+    let req = Request::new(vec![9u32, 8, 7, 6], params(200, 0.0, 0));
+    let whole = solo(&m, req.clone()).samples.remove(0);
+    let client = EngineClient::new(vec![Engine::start(m.clone(), EngineConfig::default()).unwrap()]).unwrap();
+    let is_prefix = |g: &Generation| {
+        assert!(g.tokens.len() < 200, "the request ran to its end");
+        assert_eq!(g.tokens, whole.tokens[..g.tokens.len()].to_vec());
+        assert_close(&g.logprobs, &whole.logprobs[..g.tokens.len()], "cancelled log-probs");
+    };
+
+    // In flight.
+    let handle = client.submit(req.clone());
+    assert!(wait_for(Duration::from_secs(20), || running(&client)));
+    handle.cancel();
+    let g = handle.wait().unwrap().samples.remove(0);
+    assert_eq!(g.stop_reason, StopReason::Cancelled);
+    is_prefix(&g);
+    assert_eq!(client.health()[0].completed_requests, 1);
+
+    // Parked: the abort pause leaves the sample waiting for `resume`; cancelling ends it there.
+    let handle = client.submit(req.clone());
+    assert!(wait_for(Duration::from_secs(20), || running(&client)));
+    client.pause(PauseMode::Abort).wait().unwrap();
+    handle.cancel();
+    let g = handle.wait().unwrap().samples.remove(0);
+    assert_eq!(g.stop_reason, StopReason::Cancelled);
+    is_prefix(&g);
+    client.resume().wait().unwrap();
+    // Nothing was continued after the resume: no engine call runs, none more completed.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!running(&client));
+    assert_eq!(client.health()[0].completed_requests, 2);
+    assert_eq!(client.load(), vec![0]);
+    // The client carries on.
+    let out = client.generate(Request::new(vec![9u32, 8, 7, 6], params(20, 0.0, 0))).unwrap();
+    assert_eq!(out.samples[0].tokens, whole.tokens[..20].to_vec());
 }
 
 #[test]
