@@ -1,8 +1,9 @@
 //! `cargo bench --bench dispatch`: forward_backward throughput at dp = 2 against dp = 1, same
 //! global batch (16 × 128 tokens), qwen3-shaped 4-layer d256 model (as in benches/model.rs).
-//! Each data-parallel rank is a thread; run with RAYON_NUM_THREADS=1 so each rank's matmuls use
-//! one core (dp = 2 then uses both cores), and with 2 to compare against dp = 1 using both cores
-//! inside its matmuls.
+//! Each data-parallel rank is an actor thread with its own tensor-math pool of RAYON_NUM_THREADS
+//! threads (rayon's default when unset: one per core); run with RAYON_NUM_THREADS=1 so each
+//! rank's matmuls use one core (dp = 2 then uses both cores), and with 2 to compare against
+//! dp = 1 using both cores inside its matmuls.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,8 +11,8 @@ use std::time::Instant;
 mod common;
 
 use oxrl::dispatch::mesh::MeshShape;
-use oxrl::dispatch::{Role, WorkerGroup};
-use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+use oxrl::dispatch::WorkerGroup;
+use oxrl::worker::{resolve_loss, AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
 
 fn build_worker() -> oxrl::Result<Worker> {
@@ -32,12 +33,16 @@ fn main() {
     let threads = common::threads();
     let data = batch(16, 128);
     let tokens = (16 * 128) as f64;
+    let ce = resolve_loss("cross_entropy", &json!({})).unwrap();
     let mut base = None;
     for dp in [1usize, 2] {
-        let g = WorkerGroup::new(Role::Policy, MeshShape::dp(dp), Arc::new(|_| build_worker())).unwrap();
+        // Threads per rank 0: rayon's default for each rank's pool (RAYON_NUM_THREADS if set).
+        let g = WorkerGroup::new("policy", MeshShape::dp(dp), 0, Arc::new(|_| build_worker())).unwrap();
         let run = || {
-            g.forward_backward(&data, "cross_entropy", &json!({}), false).unwrap();
-            g.optim_step(&AdamParams::default()).unwrap();
+            let fb = g.submit_forward_backward(&data, Some(&ce), false);
+            let step = g.submit_optim_step(AdamParams::default());
+            fb.wait().unwrap();
+            step.wait().unwrap();
         };
         run(); // warm-up
         let mut times: Vec<f64> = (0..3)

@@ -5,16 +5,18 @@
 //! - decoding with the engine at 1, 16 and 64 concurrent requests (prompt 16 tokens, 32 new
 //!   tokens each, greedy, continuous batching: requests admitted in the first step), against
 //!   recomputing the full forward of the whole sequence at every step (no cache), same run;
-//! - swapping weights in a running engine: a full update (every parameter copied in) and a
-//!   LoRA-only update (rank 8, all linear projections), on the core and through the engine
-//!   thread (channel round trip included).
+//! - taking a `SamplerWeights` snapshot (the private copy engines get) of full weights and of
+//!   LoRA adapters (rank 8, all linear projections);
+//! - swapping weights in a running engine: a full update and a LoRA-only update, on the core and
+//!   through the engine thread (pause keep + update + resume, each a handle waited on).
 //!
-//! Threads: set RAYON_NUM_THREADS (candle's CPU matmul uses it).
+//! Threads: set RAYON_NUM_THREADS (candle's CPU matmul uses it; the engine thread's pool is
+//! sized by rayon's default, which follows it).
 
 mod common;
 
 use oxrl::model::lora::{self, LoraConfig};
-use oxrl::model::Transformer;
+use oxrl::model::{SamplerWeights, Transformer};
 use oxrl::rollout::{Engine, EngineConfig, EngineCore, PauseMode, Request, SamplingParams, WeightUpdate};
 
 const PROMPT: usize = 16;
@@ -67,26 +69,29 @@ fn main() {
     }
 
     let new = model(1);
-    let full = WeightUpdate::Full(new.named_params());
     let mut with = new.clone();
     let cfg = LoraConfig::new(8, 16.0, &["all-linear"]);
     lora::attach_new(&mut with, &cfg, 3).unwrap();
-    let lora_update = WeightUpdate::Lora { config: cfg, tensors: lora::adapter_tensors(&mut with) };
+    let t_full = time(5, || drop(SamplerWeights::snapshot(&new, None, 1).unwrap()));
+    let t_lora = time(5, || drop(SamplerWeights::snapshot(&with, Some(&cfg), 1).unwrap()));
+    println!("threads={threads} snapshot (private copy): full {:.2} ms, lora r8 {:.2} ms", t_full * 1e3, t_lora * 1e3);
+    let full_weights = SamplerWeights::snapshot(&new, None, 1).unwrap();
+    let lora_weights = SamplerWeights::snapshot(&with, Some(&cfg), 1).unwrap();
+    let (full, lora_update): (&WeightUpdate, &WeightUpdate) = (full_weights.update(), lora_weights.update());
     let mut e = EngineCore::new(m.clone(), EngineConfig::default()).unwrap();
     let mut v = 0;
-    for (name, u) in [("full", &full), ("lora r8", &lora_update)] {
+    for (name, u) in [("full", full), ("lora r8", lora_update)] {
         let t = time(10, || {
             v += 1;
             e.update_weights(u, v).unwrap()
         });
         println!("threads={threads} weight swap ({name}) on the core: {:.2} ms", t * 1e3);
     }
-    let engine = Engine::start(m.clone(), EngineConfig::default()).unwrap();
+    let engine = Engine::start(m.clone(), EngineConfig { threads: 0, ..Default::default() }).unwrap();
     let t = time(10, || {
-        v += 1;
-        engine.pause(PauseMode::Keep).unwrap();
-        engine.update_weights(full.clone(), v).unwrap();
-        engine.resume().unwrap();
+        engine.pause(PauseMode::Keep).wait().unwrap();
+        engine.update_weights(&full_weights).wait().unwrap();
+        engine.resume().wait().unwrap();
     });
     println!(
         "threads={threads} weight swap (full) through the engine thread, pause keep + update + resume: {:.2} ms",

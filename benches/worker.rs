@@ -15,7 +15,7 @@ mod common;
 use std::time::Instant;
 
 use common::{d256_model, median};
-use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+use oxrl::worker::{resolve_loss, AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
 
 const BIG_REPS: usize = 2;
@@ -35,9 +35,10 @@ fn main() {
     let mut w = Worker::new(d256_model(0), WorkerConfig { micro_batch_size: Some(8), ..Default::default() }).unwrap();
     let small = batch(8, 128, 1);
     let params = AdamParams::default();
+    let ce = resolve_loss("cross_entropy", &json!({})).unwrap();
     let mut step = || {
         let t = Instant::now();
-        w.forward_backward(&small, "cross_entropy", &json!({}), false).unwrap();
+        w.forward_backward(&small, Some(&ce), false).unwrap();
         w.optim_step(&params).unwrap();
         t.elapsed().as_secs_f64()
     };
@@ -56,7 +57,7 @@ fn main() {
         let order = if rep % 2 == 0 { [(0, true), (1, false)] } else { [(1, false), (0, true)] };
         for (k, outputs) in order {
             let t = Instant::now();
-            let out = w.forward_backward(&big, "cross_entropy", &json!({}), outputs).unwrap();
+            let out = w.forward_backward(&big, Some(&ce), outputs).unwrap();
             best[k] = best[k].min(t.elapsed().as_secs_f64());
             assert_eq!(out.loss_fn_outputs[0].logprobs.len(), if outputs { 512 } else { 0 });
             w.zero_grad();
