@@ -194,7 +194,14 @@ impl Shared {
     fn send(this: &Arc<Shared>, pending: &Arc<Pending>, sample: Option<usize>) {
         let req = match sample {
             None => pending.original.clone(),
-            Some(j) => continuation(&pending.original, j, &lock(&pending.state).samples[j]),
+            Some(j) => {
+                let state = lock(&pending.state);
+                // Cancelled while this continuation was on its way: `cancel` ended the sample.
+                if state.cancelled {
+                    return;
+                }
+                continuation(&pending.original, j, &state.samples[j])
+            }
         };
         let i = this.route(req.group);
         let engine = &this.engines[i];
