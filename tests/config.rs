@@ -4,8 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use oxrl::trainer::config::{OnBadRow, ScheduleKind, SftConfig, TrainOn};
+use oxrl::trainer::config::{OnBadRow, OptimizerSection, ScheduleKind, SftConfig, TrainOn};
 use oxrl::trainer::config_file::{self, edit_distance, parse_set, schema_keys, suggest};
+use oxrl::worker::AdamParams;
 use serde::{Deserialize, Serialize};
 
 const MINIMAL: &str = "[model]\npath = \"runs/m\"\n[data]\ntrain_file = \"d.jsonl\"\n";
@@ -66,6 +67,23 @@ fn defaults_round_trip_through_toml_and_list_every_key() {
     ] {
         assert!(keys.contains(&k.to_string()), "{k} missing from the schema");
     }
+}
+
+#[test]
+fn optimizer_defaults_are_the_adam_params_table() {
+    let tinker =
+        AdamParams { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0.0, grad_clip_norm: 0.0 };
+    assert_eq!(AdamParams::default(), tinker);
+    let o = SftConfig::default().optimizer;
+    assert_eq!(
+        o,
+        OptimizerSection { lr: 1e-4, betas: [0.9, 0.95], eps: 1e-12, weight_decay: 0.0, grad_clip_norm: 0.0 }
+    );
+    assert_eq!(o.adam_params(o.lr), tinker);
+    let o = OptimizerSection { lr: 2e-3, betas: [0.8, 0.99], eps: 1e-8, weight_decay: 0.1, grad_clip_norm: 1.0 };
+    let step =
+        AdamParams { learning_rate: 5e-4, beta1: 0.8, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, grad_clip_norm: 1.0 };
+    assert_eq!(o.adam_params(5e-4), step, "the lr is the schedule's");
 }
 
 #[test]
