@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use oxrl::error::nearest_name;
 use oxrl::trainer::config::{OnBadRow, OptimizerSection, ScheduleKind, SftConfig, TrainOn};
 use oxrl::trainer::config_file::{self, edit_distance, parse_set, schema_keys, suggest};
 use oxrl::worker::AdamParams;
@@ -212,6 +213,25 @@ fn suggestions_by_edit_distance() {
     assert_eq!(suggest("train.epoch", &keys).as_deref(), Some("train.epochs"));
     assert_eq!(suggest("train.epochs_total_count", &keys), None);
     assert_eq!(suggest("seed", &keys).as_deref(), Some("train.seed"));
+    assert_eq!(suggest("optimizer.ep", &keys).as_deref(), Some("optimizer.eps"), "an abbreviation");
+    let keys: Vec<String> = ["a", "a.lr", "b", "b.lr"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(suggest("b.x.lr", &keys).as_deref(), Some("b.lr"), "the key nearest the whole typed key");
+}
+
+/// The one rule behind every "did you mean" (config keys here, loss and estimator names in algo).
+#[test]
+fn nearest_name_prefers_few_edits_then_abbreviations() {
+    let names = ["ppo", "cispo", "clip_low_threshold", "clip_high_threshold", "epochs"];
+    assert_eq!(nearest_name("ppoo", &names), Some("ppo"));
+    assert_eq!(nearest_name("cipso", &names), Some("cispo"), "a swap is one edit");
+    assert_eq!(nearest_name("clip_low", &names), Some("clip_low_threshold"), "contained: an abbreviation");
+    assert_eq!(nearest_name("clip", &names), Some("clip_low_threshold"), "the first containing it");
+    assert_eq!(nearest_name("epochs_total_count", &names), None, "containing a name is not enough");
+    assert_eq!(nearest_name("dpo", &names), Some("ppo"), "1 edit for a short word");
+    assert_eq!(nearest_name("po", &names), Some("ppo"));
+    assert_eq!(nearest_name("xy", &names), None);
+    assert_eq!(nearest_name("ep", &names), None, "no abbreviation under 3 chars");
+    assert_eq!(nearest_name("anything", &[]), None);
 }
 
 /// The mechanism is generic: another config type (the RL config, later) gets the same checks.

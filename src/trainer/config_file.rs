@@ -26,7 +26,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use toml::{Table, Value};
 
-use crate::error::{Error, Result};
+use crate::error::{nearest_name, Error, Result};
 
 /// Where each key's value came from, so that an error about a value points at the file or the
 /// `--set` argument that gave it.
@@ -173,37 +173,34 @@ pub fn schema_keys<T: Serialize + Default>() -> Result<Vec<String>> {
 
 pub use crate::error::edit_distance;
 
-/// The valid key nearest to the unknown dotted key `key`, if one is near enough to be a typo.
+/// The valid key nearest to the unknown dotted key `key`, if one is near enough to be a typo
+/// (by [`nearest_name`] on the last part of the key).
 ///
 /// Siblings in the same table are preferred (`optimizer.lrr` → `optimizer.lr`); otherwise a key
 /// whose last part matches or nearly matches anywhere in the schema (`lr` → `optimizer.lr`,
-/// `data.lr` → `optimizer.lr`).
+/// `data.lr` → `optimizer.lr`), the one nearest the whole key if several share that part.
 pub fn suggest(key: &str, valid: &[String]) -> Option<String> {
-    let (parent, leaf) = match key.rsplit_once('.') {
-        Some((p, l)) => (p, l),
-        None => ("", key),
+    let split = |k: &'_ str| -> (String, String) {
+        match k.rsplit_once('.') {
+            Some((p, l)) => (p.to_string(), l.to_string()),
+            None => (String::new(), k.to_string()),
+        }
     };
-    // A typo budget that grows with the word: 1 edit for short words, about a third for long.
-    let budget = |word: &str| (word.chars().count() / 3).max(1);
-    let split = |k: &str| match k.rsplit_once('.') {
-        Some((p, l)) => (p.to_string(), l.to_string()),
-        None => (String::new(), k.to_string()),
-    };
-    let siblings = valid
-        .iter()
-        .filter(|v| split(v).0 == parent)
-        .map(|v| (edit_distance(leaf, &split(v).1), v))
-        .filter(|(d, _)| *d <= budget(leaf))
-        .min_by_key(|(d, _)| *d);
-    if let Some((_, v)) = siblings {
-        return Some(v.clone());
+    let (parent, leaf) = split(key);
+    let leaves: Vec<(String, String)> = valid.iter().map(|v| split(v)).collect();
+    let siblings: Vec<&str> = leaves.iter().filter(|(p, _)| *p == parent).map(|(_, l)| l.as_str()).collect();
+    if let Some(sibling) = nearest_name(&leaf, &siblings) {
+        return Some(join(&parent, sibling));
     }
+    let all: Vec<&str> = leaves.iter().map(|(_, l)| l.as_str()).collect();
+    let best = nearest_name(&leaf, &all)?;
     valid
         .iter()
-        .map(|v| (edit_distance(leaf, &split(v).1), v))
-        .filter(|(d, _)| *d <= budget(leaf))
-        .min_by_key(|(d, v)| (*d, edit_distance(key, v)))
-        .map(|(_, v)| v.clone())
+        .zip(&leaves)
+        .filter(|(_, (_, l))| l == best)
+        .map(|(v, _)| v)
+        .min_by_key(|v| edit_distance(key, v))
+        .cloned()
 }
 
 fn defaults_table<T: Serialize>(defaults: &T) -> Result<Table> {
