@@ -665,3 +665,15 @@ fn sliding_attention_layers_are_refused() {
     let err = oxrl::model::ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
     assert!(err.contains("config.json") && err.contains("layer_types") && err.contains("sliding_attention"), "{err}");
 }
+
+#[test]
+fn token_ids_are_checked_by_one_function_with_one_message() {
+    use oxrl::model::check_token_ids;
+    assert!(check_token_ids(&[0, 299, 5], 300, "x").is_ok());
+    assert!(check_token_ids(&[], 0, "x").is_ok());
+    let e = check_token_ids(&[1, 300, 301], 300, format_args!("datum {}: input_tokens", 4)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid input: datum 4: input_tokens: token id 300 at position 1 is out of range for vocab_size 300"
+    );
+}

@@ -5,11 +5,13 @@ pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
 pub mod rope;
+pub mod token_ids;
 pub mod transformer;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
+pub use token_ids::check_token_ids;
 pub use transformer::Transformer;
 pub mod chat_template;
 pub mod init;
