@@ -88,6 +88,30 @@ fn optimizer_defaults_are_the_adam_params_table() {
 }
 
 #[test]
+fn paths_in_a_file_are_relative_to_it_and_set_paths_to_the_working_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("configs");
+    std::fs::create_dir(&sub).unwrap();
+    let text = "[model]\npath = \"../models/m\"\n[data]\ntrain_file = \"d.jsonl\"\neval_file = \"/abs/e.jsonl\"\n";
+    let path = file_with(&sub, text);
+    let c = SftConfig::load(Some(&path), &[]).unwrap();
+    assert_eq!(c.model.path, sub.join("../models/m"));
+    assert_eq!(c.data.train_file, sub.join("d.jsonl"));
+    assert_eq!(c.data.eval_file, PathBuf::from("/abs/e.jsonl"), "absolute paths stay");
+    assert_eq!(c.output.run_dir, PathBuf::from("runs/sft"), "a default is not from the file");
+    let c = SftConfig::load(Some(&path), &sets(&["data.train_file=x.jsonl", "output.run_dir=runs/a"])).unwrap();
+    assert_eq!(c.data.train_file, PathBuf::from("x.jsonl"), "--set paths are relative to the working directory");
+    assert_eq!(c.output.run_dir, PathBuf::from("runs/a"));
+    assert_eq!(c.model.path, sub.join("../models/m"));
+    let c: SftConfig = config_file::resolve(Some(&path), &[]).unwrap();
+    assert_eq!(c.model.path, sub.join("../models/m"), "resolve does the same");
+    let keys = schema_keys::<SftConfig>().unwrap();
+    for key in <SftConfig as config_file::ConfigPaths>::PATH_KEYS {
+        assert!(keys.contains(&key.to_string()), "{key} is not a key");
+    }
+}
+
+#[test]
 fn file_then_set_overrides_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let text = "[model]\npath = \"runs/m\"\n\
@@ -248,6 +272,7 @@ fn the_mechanism_serves_any_config_type() {
         group_size: usize,
         temperature: f64,
     }
+    impl config_file::ConfigPaths for Rl {}
     impl Default for Rollout {
         fn default() -> Self {
             Rollout { group_size: 8, temperature: 1.0 }

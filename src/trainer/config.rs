@@ -3,8 +3,9 @@
 //! (defaults ← file ← `--set`).
 //!
 //! Every field has a default, written on it. No field is an `Option` (see `config_file`): an
-//! unset path is `""`, an unset limit is `0`. Relative paths are relative to the working
-//! directory of the command, not to the config file, so `--set` and the file agree.
+//! unset path is `""`, an unset limit is `0`. A relative path written in the config file is
+//! relative to the file's directory; one given with `--set`, or a default, to the working
+//! directory ([`ConfigPaths`]).
 //!
 //! The sections other than `[data]` and `[train]` are meant to be shared by the RL config.
 
@@ -12,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::config_file::Sources;
+use super::config_file::{ConfigPaths, Sources};
 use crate::error::Result;
 use crate::worker::AdamParams;
 
@@ -26,6 +27,10 @@ pub struct SftConfig {
     pub schedule: ScheduleSection,
     pub train: TrainSection,
     pub output: OutputSection,
+}
+
+impl ConfigPaths for SftConfig {
+    const PATH_KEYS: &'static [&'static str] = &["model.path", "data.train_file", "data.eval_file", "output.run_dir"];
 }
 
 /// `[model]`: which weights to train and how.
