@@ -1,5 +1,5 @@
 //! The crate's error type: every variant names the file, field or tensor at fault; and the
-//! edit distance behind the "did you mean" hints of unknown names and keys.
+//! "did you mean" rule for unknown names and keys ([`nearest_name`]), used by every such error.
 
 use std::path::PathBuf;
 
@@ -34,6 +34,22 @@ impl Error {
     pub fn input(message: impl std::fmt::Display) -> Self {
         Error::Input(message.to_string())
     }
+}
+
+/// The candidate `word` was most likely meant to be, if one is near enough to be a typo: the
+/// nearest by [`edit_distance`] within a budget of a third of the word's length (at least 1
+/// edit), else the first that contains the word (an abbreviation: `clip_low` for
+/// `clip_low_threshold`; words of 3 chars or more, as shorter ones are in too many names).
+/// Ties go to the first candidate.
+pub fn nearest_name<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let budget = (word.chars().count() / 3).max(1);
+    let nearest = candidates
+        .iter()
+        .map(|c| (edit_distance(word, c), *c))
+        .filter(|(distance, _)| *distance <= budget)
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, c)| c);
+    nearest.or_else(|| candidates.iter().copied().find(|c| word.chars().count() >= 3 && c.contains(word)))
 }
 
 /// Edit distance between two strings, in chars: insertions, deletions, substitutions and

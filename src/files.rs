@@ -1,10 +1,12 @@
 //! Reading and writing the JSON files and directories of models, adapters and checkpoints,
 //! with errors that name the file, and writes that never leave half a file or directory:
-//! everything is written under a temporary name and renamed into place.
+//! everything is written under a temporary name and renamed into place. [`JsonFields`] reads
+//! typed fields out of such a file, with errors that name the file and the field.
 
+use std::fmt::Display;
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::{Error, Result};
 
@@ -49,4 +51,113 @@ pub fn write_dir_atomically(dir: &Path, write: impl FnOnce(&Path) -> Result<()>)
         let _ = std::fs::remove_dir_all(&aside);
     }
     Ok(())
+}
+
+/// Typed, checked reads of the fields of one JSON object from the file `path` (used only in
+/// errors, which name the file and the field). A field set to `null` counts as absent, as
+/// Hugging Face files write `null` for "unset". Reads of an `opt_` kind give `None` when the
+/// field is absent; the others require it ("missing (required)").
+#[derive(Clone, Copy)]
+pub struct JsonFields<'a> {
+    path: &'a Path,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> JsonFields<'a> {
+    /// The fields of `value`, which must be an object.
+    pub fn new(path: &'a Path, value: &'a Value) -> Result<Self> {
+        let map = value.as_object().ok_or_else(|| Error::file(path, "expected a JSON object"))?;
+        Ok(JsonFields { path, map })
+    }
+
+    /// The fields of an object already taken apart.
+    pub fn of_map(path: &'a Path, map: &'a Map<String, Value>) -> Self {
+        JsonFields { path, map }
+    }
+
+    /// An error about `field` of this file.
+    pub fn err(&self, field: &str, message: impl Display) -> Error {
+        Error::field(self.path, field, message)
+    }
+
+    /// The field's value, `None` when absent or null.
+    pub fn get(&self, field: &str) -> Option<&'a Value> {
+        self.map.get(field).filter(|v| !v.is_null())
+    }
+
+    fn required<T>(&self, field: &str, value: Option<T>) -> Result<T> {
+        value.ok_or_else(|| self.err(field, "missing (required)"))
+    }
+
+    /// A non-negative integer.
+    pub fn opt_u64(&self, field: &str) -> Result<Option<u64>> {
+        self.get(field)
+            .map(|v| v.as_u64().ok_or_else(|| self.err(field, format!("expected a non-negative integer, got {v}"))))
+            .transpose()
+    }
+
+    pub fn u64(&self, field: &str) -> Result<u64> {
+        self.required(field, self.opt_u64(field)?)
+    }
+
+    /// A non-negative integer that fits a `usize`.
+    pub fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
+        self.opt_u64(field)?
+            .map(|x| usize::try_from(x).map_err(|_| self.err(field, format!("{x} is too large"))))
+            .transpose()
+    }
+
+    pub fn usize(&self, field: &str) -> Result<usize> {
+        self.required(field, self.opt_usize(field)?)
+    }
+
+    /// A finite number.
+    pub fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
+        self.get(field)
+            .map(|v| {
+                v.as_f64()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| self.err(field, format!("expected a finite number, got {v}")))
+            })
+            .transpose()
+    }
+
+    pub fn f64(&self, field: &str) -> Result<f64> {
+        self.required(field, self.opt_f64(field)?)
+    }
+
+    pub fn opt_str(&self, field: &str) -> Result<Option<&'a str>> {
+        self.get(field)
+            .map(|v| v.as_str().ok_or_else(|| self.err(field, format!("expected a string, got {v}"))))
+            .transpose()
+    }
+
+    pub fn str(&self, field: &str) -> Result<&'a str> {
+        self.required(field, self.opt_str(field)?)
+    }
+
+    pub fn opt_bool(&self, field: &str) -> Result<Option<bool>> {
+        self.get(field)
+            .map(|v| v.as_bool().ok_or_else(|| self.err(field, format!("expected true or false, got {v}"))))
+            .transpose()
+    }
+
+    /// A boolean, `default` when absent.
+    pub fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
+        Ok(self.opt_bool(field)?.unwrap_or(default))
+    }
+
+    /// Token ids written as one id or a list of ids (as `eos_token_id` is); empty when absent.
+    pub fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+        let one = |x: &Value| {
+            x.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| self.err(field, format!("expected a token id (a non-negative 32-bit integer), got {x}")))
+        };
+        match self.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(list)) => list.iter().map(one).collect(),
+            Some(x) => Ok(vec![one(x)?]),
+        }
+    }
 }

@@ -22,8 +22,8 @@ const LP: [f64; 5] = [-1.0, -0.5, -2.0, -0.8, -0.2];
 
 fn inputs(lp: Tensor) -> LossInputs {
     LossInputs::new(t(&W))
-        .with_logprobs(lp)
-        .with_old_logprobs(t(&OLD))
+        .with_learner_logprobs(lp)
+        .with_logprobs(t(&OLD))
         .with_rollout_logprobs(t(&ROLL))
         .with_advantages(t(&ADV))
         .with_ref_logprobs(t(&REF))
@@ -104,7 +104,7 @@ fn kl_and_entropy_terms_match_finite_differences() {
 fn entropy_bonus_gradient_flows_to_entropy() {
     let loss = Loss::policy("cross_entropy", &json!({"ent_coef": 0.25})).unwrap();
     let h0 = [0.5, 1.0, 1.5, 0.3, 0.2];
-    let make = |h: Tensor| LossInputs::new(t(&W)).with_logprobs(t(&LP)).with_entropy(h);
+    let make = |h: Tensor| LossInputs::new(t(&W)).with_learner_logprobs(t(&LP)).with_entropy(h);
     let grad = autograd(&loss, make, &h0);
     let fd = finite_difference(&loss, make, &h0);
     let expected: Vec<f64> = W.iter().map(|w| -0.25 * w).collect();
@@ -120,8 +120,8 @@ fn value_loss_matches_finite_differences() {
     let v0 = [0.5, 1.0, -0.2, 0.7, 2.0];
     let make = |v: Tensor| {
         LossInputs::new(t(&W))
-            .with_values(v)
-            .with_old_values(t(&[0.2, 1.1, 0.3, NAN, 1.5]))
+            .with_learner_values(v)
+            .with_values(t(&[0.2, 1.1, 0.3, NAN, 1.5]))
             .with_returns(t(&[1.0, 0.0, 0.1, NAN, 0.0]))
     };
     let grad = autograd(&loss, make, &v0);

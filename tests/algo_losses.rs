@@ -19,8 +19,8 @@ fn t(v: &[f64]) -> Tensor {
 
 fn example() -> LossInputs {
     LossInputs::new(t(&[1.0, 0.5, 2.0, 0.0]))
-        .with_logprobs(t(&[-1.0, -0.5, -2.0, NAN]))
-        .with_old_logprobs(t(&[-1.1, -0.9, -1.5, NAN]))
+        .with_learner_logprobs(t(&[-1.0, -0.5, -2.0, NAN]))
+        .with_logprobs(t(&[-1.1, -0.9, -1.5, NAN]))
         .with_rollout_logprobs(t(&[-1.0, -0.6, -2.5, INF]))
         .with_advantages(t(&[1.0, 2.0, -0.5, NAN]))
         .with_ref_logprobs(t(&[-1.2, -0.4, -2.1, -INF]))
@@ -65,7 +65,7 @@ fn tinker_cross_entropy() {
 
 #[test]
 fn tinker_cross_entropy_negative_weights() {
-    let inputs = LossInputs::new(t(&[-1.0, 2.0, 0.0])).with_logprobs(t(&[-1.0, -0.5, NAN]));
+    let inputs = LossInputs::new(t(&[-1.0, 2.0, 0.0])).with_learner_logprobs(t(&[-1.0, -0.5, NAN]));
     let out = Loss::tinker("cross_entropy", &json!({})).unwrap().compute(&inputs).unwrap();
     assert_close(out.weighted_sum.to_scalar::<f64>().unwrap(), -1.0 + 1.0, 1e-12, "sum");
     assert_eq!(out.metrics.value("ntokens:sum"), Some(2.0));
@@ -142,8 +142,8 @@ fn policy_dual_clip() {
     // r = e² with A = −1: regular gives 7.389; dual clip bounds it by −A·c = 3.
     // r = e² with A = +1: clipped to −1.2. r = e^−2 with A = −1: regular 0.8 < 3.
     let inputs = LossInputs::new(t(&[1.0, 1.0, 1.0]))
-        .with_logprobs(t(&[0.0, 0.0, -2.0]))
-        .with_old_logprobs(t(&[-2.0, -2.0, 0.0]))
+        .with_learner_logprobs(t(&[0.0, 0.0, -2.0]))
+        .with_logprobs(t(&[-2.0, -2.0, 0.0]))
         .with_advantages(t(&[-1.0, 1.0, -1.0]));
     let out = Loss::policy("dual_clip", &json!({})).unwrap().compute(&inputs).unwrap();
     let per_token = out.per_token_loss.to_vec1::<f64>().unwrap();
@@ -210,8 +210,8 @@ fn value_loss_clipped() {
     // v = [0.5, 1, −0.2], v_old = [0.2, 1.1, 0.3], R = [1, 0, 0.1], ε = 0.2:
     // ½·max((v−R)², (clip(v)−R)²) = [½·0.36, ½·1, ½·0.09]; token 0 takes the clipped term.
     let inputs = LossInputs::new(t(&[1.0, 0.5, 2.0, 0.0]))
-        .with_values(t(&[0.5, 1.0, -0.2, NAN]))
-        .with_old_values(t(&[0.2, 1.1, 0.3, INF]))
+        .with_learner_values(t(&[0.5, 1.0, -0.2, NAN]))
+        .with_values(t(&[0.2, 1.1, 0.3, INF]))
         .with_returns(t(&[1.0, 0.0, 0.1, NAN]));
     let out = Loss::value(&json!({"value_clip": 0.2})).unwrap().compute(&inputs).unwrap();
     check(&out, [0.18, 0.5, 0.045], 0.52);
@@ -227,8 +227,8 @@ fn f32_inputs_work_and_agree() {
     let f32s = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
     let e = example();
     let mut inputs = LossInputs::new(f32s(&e.weights))
+        .with_learner_logprobs(f32s(e.learner_logprobs.as_ref().unwrap()))
         .with_logprobs(f32s(e.logprobs.as_ref().unwrap()))
-        .with_old_logprobs(f32s(e.old_logprobs.as_ref().unwrap()))
         .with_advantages(f32s(e.advantages.as_ref().unwrap()));
     inputs.sequence_ids = e.sequence_ids.clone();
     for name in ["ppo", "importance_sampling", "cispo"] {
@@ -275,8 +275,8 @@ fn metrics_merge_exactly_across_micro_batches() {
     let e = example();
     let part = |a: usize, n: usize| {
         LossInputs::new(e.weights.narrow(0, a, n).unwrap())
+            .with_learner_logprobs(slice(&e.learner_logprobs, a, n))
             .with_logprobs(slice(&e.logprobs, a, n))
-            .with_old_logprobs(slice(&e.old_logprobs, a, n))
             .with_advantages(slice(&e.advantages, a, n))
     };
     let loss = Loss::tinker("ppo", &json!({})).unwrap();
@@ -335,12 +335,12 @@ fn invalid_config_values_are_errors() {
 
 #[test]
 fn missing_or_misshapen_inputs_are_errors() {
-    let only_lp = LossInputs::new(t(&[1.0])).with_logprobs(t(&[-1.0]));
+    let only_lp = LossInputs::new(t(&[1.0])).with_learner_logprobs(t(&[-1.0]));
     let e = Loss::tinker("ppo", &json!({})).unwrap().compute(&only_lp).unwrap_err().to_string();
-    assert!(e.contains("`old_logprobs`"), "{e}");
+    assert!(e.contains("`logprobs`"), "{e}");
     let e = Loss::policy("regular", &json!({"kl_coef": 0.1}))
         .unwrap()
-        .compute(&only_lp.clone().with_old_logprobs(t(&[-1.0])).with_advantages(t(&[1.0])))
+        .compute(&only_lp.clone().with_logprobs(t(&[-1.0])).with_advantages(t(&[1.0])))
         .unwrap_err()
         .to_string();
     assert!(e.contains("`ref_logprobs`"), "{e}");
@@ -351,4 +351,64 @@ fn missing_or_misshapen_inputs_are_errors() {
     let bad = example().with_advantages(t(&[1.0, 2.0]));
     let e = Loss::tinker("ppo", &json!({})).unwrap().compute(&bad).unwrap_err().to_string();
     assert!(e.contains("`advantages`") && e.contains("shape"), "{e}");
+}
+
+#[test]
+fn parse_reads_each_family_by_name() {
+    let parse = |name: &str, config: Value| Loss::parse(name, &config).unwrap();
+    assert_eq!(parse("ppo", json!({})), Loss::tinker("ppo", &json!({})).unwrap());
+    assert_eq!(parse("cispo", Value::Null), Loss::tinker("cispo", &Value::Null).unwrap());
+    assert_eq!(parse("policy/cispo", json!({})), Loss::policy("cispo", &json!({})).unwrap());
+    assert_eq!(parse("regular", json!({"kl_coef": 0.1})), Loss::policy("regular", &json!({"kl_coef": 0.1})).unwrap());
+    assert_eq!(parse("policy/regular", json!({})), Loss::policy("regular", &json!({})).unwrap());
+    assert_eq!(parse("value", json!({"value_clip": 0.5})), Loss::value(&json!({"value_clip": 0.5})).unwrap());
+    let e = error_of(Loss::parse("dual_clipp", &json!({})));
+    assert!(e.contains("unknown loss `dual_clipp`; did you mean `dual_clip`?"), "{e}");
+    assert!(e.contains("(valid: cross_entropy, importance_sampling, ppo, cispo, dro, regular, dual_clip, gspo, sapo, rollout_is, policy/regular,"), "{e}");
+    assert!(e.ends_with("policy/importance_sampling, value)"), "{e}");
+    let e = error_of(Loss::parse("policy/ppo", &json!({})));
+    assert!(e.contains("unknown policy loss `ppo`"), "{e}");
+    let e = error_of(Loss::parse("ppo", &json!({"eps_clip_low": 0.2})));
+    assert!(e.contains("`eps_clip_low`"), "{e}");
+}
+
+#[test]
+fn qualified_name_and_config_parse_back_to_the_same_loss() {
+    let losses = [
+        ("cross_entropy", json!({})),
+        ("importance_sampling", json!({})),
+        ("ppo", json!({"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})),
+        ("cispo", json!({})),
+        ("dro", json!({"beta": 0.5})),
+        ("regular", json!({"eps_clip_low": 0.1, "eps_clip_high": 0.28, "kl_coef": 0.01, "kl_estimator": "k2"})),
+        ("dual_clip", json!({"clip_ratio_c": 4.0, "ent_coef": 0.001})),
+        ("gspo", json!({})),
+        ("policy/cispo", json!({"anchor": "rollout"})),
+        ("sapo", json!({"tau_pos": 2.0})),
+        ("rollout_is", json!({})),
+        ("policy/cross_entropy", json!({"kl_coef": 0.1})),
+        ("policy/importance_sampling", json!({})),
+        ("value", json!({})),
+    ];
+    for (name, config) in losses {
+        let loss = Loss::parse(name, &config).unwrap();
+        assert_eq!(loss.qualified_name(), name);
+        assert_eq!(Loss::parse(&loss.qualified_name(), &loss.config()).unwrap(), loss, "{name}");
+    }
+    let regular = Loss::parse("regular", &json!({})).unwrap();
+    assert_eq!(
+        regular.config(),
+        json!({"eps_clip_low": 0.19999999999999996, "eps_clip_high": 0.19999999999999996, "kl_coef": 0.0, "kl_estimator": "k3", "ent_coef": 0.0})
+    );
+    assert_eq!(
+        Loss::parse("cispo", &json!({})).unwrap().config(),
+        json!({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    );
+}
+
+#[test]
+fn losses_can_be_shared_across_threads() {
+    fn shareable<T: Clone + std::fmt::Debug + Send + Sync>() {}
+    shareable::<Loss>();
+    shareable::<LossInputs>();
 }

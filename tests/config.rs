@@ -4,8 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use oxrl::trainer::config::{OnBadRow, ScheduleKind, SftConfig, TrainOn};
+use oxrl::error::nearest_name;
+use oxrl::trainer::config::{OnBadRow, OptimizerSection, ScheduleKind, SftConfig, TrainOn};
 use oxrl::trainer::config_file::{self, edit_distance, parse_set, schema_keys, suggest};
+use oxrl::worker::AdamParams;
 use serde::{Deserialize, Serialize};
 
 const MINIMAL: &str = "[model]\npath = \"runs/m\"\n[data]\ntrain_file = \"d.jsonl\"\n";
@@ -65,6 +67,47 @@ fn defaults_round_trip_through_toml_and_list_every_key() {
         "output.run_dir",
     ] {
         assert!(keys.contains(&k.to_string()), "{k} missing from the schema");
+    }
+}
+
+#[test]
+fn optimizer_defaults_are_the_adam_params_table() {
+    let tinker =
+        AdamParams { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0.0, grad_clip_norm: 0.0 };
+    assert_eq!(AdamParams::default(), tinker);
+    let o = SftConfig::default().optimizer;
+    assert_eq!(
+        o,
+        OptimizerSection { lr: 1e-4, betas: [0.9, 0.95], eps: 1e-12, weight_decay: 0.0, grad_clip_norm: 0.0 }
+    );
+    assert_eq!(o.adam_params(o.lr), tinker);
+    let o = OptimizerSection { lr: 2e-3, betas: [0.8, 0.99], eps: 1e-8, weight_decay: 0.1, grad_clip_norm: 1.0 };
+    let step =
+        AdamParams { learning_rate: 5e-4, beta1: 0.8, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, grad_clip_norm: 1.0 };
+    assert_eq!(o.adam_params(5e-4), step, "the lr is the schedule's");
+}
+
+#[test]
+fn paths_in_a_file_are_relative_to_it_and_set_paths_to_the_working_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("configs");
+    std::fs::create_dir(&sub).unwrap();
+    let text = "[model]\npath = \"../models/m\"\n[data]\ntrain_file = \"d.jsonl\"\neval_file = \"/abs/e.jsonl\"\n";
+    let path = file_with(&sub, text);
+    let c = SftConfig::load(Some(&path), &[]).unwrap();
+    assert_eq!(c.model.path, sub.join("../models/m"));
+    assert_eq!(c.data.train_file, sub.join("d.jsonl"));
+    assert_eq!(c.data.eval_file, PathBuf::from("/abs/e.jsonl"), "absolute paths stay");
+    assert_eq!(c.output.run_dir, PathBuf::from("runs/sft"), "a default is not from the file");
+    let c = SftConfig::load(Some(&path), &sets(&["data.train_file=x.jsonl", "output.run_dir=runs/a"])).unwrap();
+    assert_eq!(c.data.train_file, PathBuf::from("x.jsonl"), "--set paths are relative to the working directory");
+    assert_eq!(c.output.run_dir, PathBuf::from("runs/a"));
+    assert_eq!(c.model.path, sub.join("../models/m"));
+    let c: SftConfig = config_file::resolve(Some(&path), &[]).unwrap();
+    assert_eq!(c.model.path, sub.join("../models/m"), "resolve does the same");
+    let keys = schema_keys::<SftConfig>().unwrap();
+    for key in <SftConfig as config_file::ConfigPaths>::PATH_KEYS {
+        assert!(keys.contains(&key.to_string()), "{key} is not a key");
     }
 }
 
@@ -194,6 +237,25 @@ fn suggestions_by_edit_distance() {
     assert_eq!(suggest("train.epoch", &keys).as_deref(), Some("train.epochs"));
     assert_eq!(suggest("train.epochs_total_count", &keys), None);
     assert_eq!(suggest("seed", &keys).as_deref(), Some("train.seed"));
+    assert_eq!(suggest("optimizer.ep", &keys).as_deref(), Some("optimizer.eps"), "an abbreviation");
+    let keys: Vec<String> = ["a", "a.lr", "b", "b.lr"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(suggest("b.x.lr", &keys).as_deref(), Some("b.lr"), "the key nearest the whole typed key");
+}
+
+/// The one rule behind every "did you mean" (config keys here, loss and estimator names in algo).
+#[test]
+fn nearest_name_prefers_few_edits_then_abbreviations() {
+    let names = ["ppo", "cispo", "clip_low_threshold", "clip_high_threshold", "epochs"];
+    assert_eq!(nearest_name("ppoo", &names), Some("ppo"));
+    assert_eq!(nearest_name("cipso", &names), Some("cispo"), "a swap is one edit");
+    assert_eq!(nearest_name("clip_low", &names), Some("clip_low_threshold"), "contained: an abbreviation");
+    assert_eq!(nearest_name("clip", &names), Some("clip_low_threshold"), "the first containing it");
+    assert_eq!(nearest_name("epochs_total_count", &names), None, "containing a name is not enough");
+    assert_eq!(nearest_name("dpo", &names), Some("ppo"), "1 edit for a short word");
+    assert_eq!(nearest_name("po", &names), Some("ppo"));
+    assert_eq!(nearest_name("xy", &names), None);
+    assert_eq!(nearest_name("ep", &names), None, "no abbreviation under 3 chars");
+    assert_eq!(nearest_name("anything", &[]), None);
 }
 
 /// The mechanism is generic: another config type (the RL config, later) gets the same checks.
@@ -210,6 +272,7 @@ fn the_mechanism_serves_any_config_type() {
         group_size: usize,
         temperature: f64,
     }
+    impl config_file::ConfigPaths for Rl {}
     impl Default for Rollout {
         fn default() -> Self {
             Rollout { group_size: 8, temperature: 1.0 }

@@ -665,3 +665,50 @@ fn sliding_attention_layers_are_refused() {
     let err = oxrl::model::ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
     assert!(err.contains("config.json") && err.contains("layer_types") && err.contains("sliding_attention"), "{err}");
 }
+
+#[test]
+fn token_ids_are_checked_by_one_function_with_one_message() {
+    use oxrl::model::check_token_ids;
+    assert!(check_token_ids(&[0, 299, 5], 300, "x").is_ok());
+    assert!(check_token_ids(&[], 0, "x").is_ok());
+    let e = check_token_ids(&[1, 300, 301], 300, format_args!("datum {}: input_tokens", 4)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid input: datum 4: input_tokens: token id 300 at position 1 is out of range for vocab_size 300"
+    );
+}
+
+#[test]
+fn json_fields_read_typed_values_and_name_the_file_and_field() {
+    use oxrl::files::JsonFields;
+    let path = Path::new("dir/x.json");
+    let v = json!({"n": 3, "x": 0.5, "s": "a", "b": true, "ids": [1, 2], "id": 7, "null": null, "neg": -1});
+    let f = JsonFields::new(path, &v).unwrap();
+    assert_eq!(
+        (f.u64("n").unwrap(), f.usize("n").unwrap(), f.f64("x").unwrap(), f.f64("n").unwrap()),
+        (3, 3, 0.5, 3.0)
+    );
+    assert_eq!(
+        (f.str("s").unwrap(), f.bool_or("b", false).unwrap(), f.bool_or("null", true).unwrap()),
+        ("a", true, true)
+    );
+    assert_eq!(
+        (f.token_ids("ids").unwrap(), f.token_ids("id").unwrap(), f.token_ids("null").unwrap()),
+        (vec![1, 2], vec![7], vec![])
+    );
+    assert_eq!(
+        (f.opt_u64("null").unwrap(), f.opt_str("absent").unwrap(), f.opt_f64("absent").unwrap()),
+        (None, None, None)
+    );
+    let err = |e: oxrl::Error| e.to_string();
+    assert_eq!(err(f.u64("null").unwrap_err()), "dir/x.json: field `null`: missing (required)");
+    assert_eq!(err(f.u64("neg").unwrap_err()), "dir/x.json: field `neg`: expected a non-negative integer, got -1");
+    assert_eq!(err(f.f64("s").unwrap_err()), "dir/x.json: field `s`: expected a finite number, got \"a\"");
+    assert_eq!(err(f.str("n").unwrap_err()), "dir/x.json: field `n`: expected a string, got 3");
+    assert_eq!(err(f.bool_or("n", false).unwrap_err()), "dir/x.json: field `n`: expected true or false, got 3");
+    assert_eq!(
+        err(f.token_ids("neg").unwrap_err()),
+        "dir/x.json: field `neg`: expected a token id (a non-negative 32-bit integer), got -1"
+    );
+    assert_eq!(err(JsonFields::new(path, &json!([1])).err().unwrap()), "dir/x.json: expected a JSON object");
+}

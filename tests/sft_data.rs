@@ -477,8 +477,9 @@ fn shipped_tiny_chat_example_loads_with_the_byte_level_tokenizer() {
     let dir = tempfile::tempdir().unwrap();
     write_byte_level_tokenizer(dir.path()).unwrap();
     let tok = Tokenizer::from_dir(dir.path()).unwrap();
-    let data = DataSection { train_file: root.join(&config.data.train_file), ..config.data.clone() };
-    let ds = load_sft_dataset(&data, &tok).unwrap();
+    // The file's paths are relative to examples/.
+    assert_eq!(config.data.train_file, root.join("examples/data/tiny_chat.jsonl"));
+    let ds = load_sft_dataset(&config.data, &tok).unwrap();
     assert_eq!(ds.train.len() + ds.eval.len(), 400);
     assert_eq!((ds.train_stats.bad_rows, ds.train_stats.dropped_by_truncation, ds.train_stats.truncated), (0, 0, 0));
     assert!(ds.train.iter().all(|e| e.input_tokens.len() < config.data.max_length));

@@ -7,7 +7,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::error::edit_distance;
+use crate::error::nearest_name;
 use crate::{Error, Result};
 
 /// A validated view of one config object, for the consumer called `owner` (e.g. "loss `ppo`").
@@ -82,17 +82,8 @@ pub fn unknown_name(kind: &str, name: &str, valid: &[&str]) -> Error {
 }
 
 fn suggestion(word: &str, valid: &[&str]) -> String {
-    // A candidate containing the word (or contained in it) wins; else the nearest by edits.
-    let containing = valid.iter().find(|c| !word.is_empty() && (c.contains(word) || word.contains(**c)));
-    let closest = containing.map(|c| (0, *c)).or_else(|| {
-        valid
-            .iter()
-            .map(|candidate| (edit_distance(word, candidate), *candidate))
-            .min()
-            .filter(|(distance, candidate)| *distance <= candidate.len().max(word.len()) / 2)
-    });
-    let did_you_mean = match closest {
-        Some((_, candidate)) => format!("; did you mean `{candidate}`?"),
+    let did_you_mean = match nearest_name(word, valid) {
+        Some(candidate) => format!("; did you mean `{candidate}`?"),
         None => String::new(),
     };
     if valid.is_empty() {

@@ -1,9 +1,10 @@
 //! The loss interface shared by every loss family, and [`Loss`], any loss by name.
 //!
 //! Inputs ([`LossInputs`]) are tensors of one shape — typically 1-D, all tokens of a
-//! micro-batch concatenated — on any device, in the dtype of the differentiable input (`lp`,
-//! or `values` for the critic; the others are cast to it). A token counts when its weight is
-//! non-zero.
+//! micro-batch concatenated — on any device, in the dtype of the differentiable input
+//! (`learner_logprobs`, or `learner_values` for the critic; the others are cast to it). A token
+//! counts when its weight is non-zero. The inputs a datum carries keep the datum's field names
+//! (`logprobs` is the ratio anchor, `values` the critic's predictions at generation time).
 //!
 //! A loss returns ([`LossOutput`]):
 //! - `per_token_loss`: the loss of each token *before* its weight, differentiable, and exactly
@@ -18,7 +19,8 @@
 //!
 //! Families: [`TinkerLoss`] (the Tinker API's names), [`PolicyLoss`] (the RL trainer's names,
 //! with optional KL and entropy terms), [`ValueLoss`] (the critic). `cispo` exists in both
-//! families with different semantics, hence the separate namespaces.
+//! families with different semantics, hence the separate namespaces; [`Loss::parse`] reads
+//! any loss from one name (`cispo` vs `policy/cispo`) and its JSON config.
 
 use candle_core::{DType, Tensor};
 use serde_json::Value;
@@ -31,15 +33,18 @@ use super::value_loss::ValueLoss;
 use crate::{Error, Result};
 
 /// Per-token inputs of a loss, all of the same shape as `weights`.
+///
+/// The fields a datum carries (`worker::LossFnInputs`) have the datum's names, so that
+/// `loss_fn_inputs.X` is `LossInputs::X`; what the learner computes in this step is named
+/// `learner_*` (and `entropy`, `sequence_ids`, which no datum carries).
 #[derive(Clone, Debug)]
 pub struct LossInputs {
     /// `w`: the weight of each token's loss; `w = 0` masks the token. Any real value.
     pub weights: Tensor,
-    /// `lp`: learner log-prob of the target token (differentiable).
+    /// `lp`: the learner's log-prob of the target token (differentiable).
+    pub learner_logprobs: Option<Tensor>,
+    /// `q` (Tinker) / `old` (the RL trainer): the anchor of the ratio `r = exp(lp − q)`.
     pub logprobs: Option<Tensor>,
-    /// The anchor of the ratio `r = exp(lp − old)`: Tinker's `loss_fn_inputs.logprobs` (`q`),
-    /// the RL trainer's recomputed `old`.
-    pub old_logprobs: Option<Tensor>,
     /// `roll`: behaviour (sampler) log-probs, for `rollout_is` and `cispo` anchored on rollout.
     pub rollout_logprobs: Option<Tensor>,
     /// `A`: advantages.
@@ -50,11 +55,11 @@ pub struct LossInputs {
     pub entropy: Option<Tensor>,
     /// Index of the sequence each token belongs to (any integer dtype), for `gspo`.
     pub sequence_ids: Option<Tensor>,
-    /// Critic predictions (differentiable), for the value loss.
+    /// `v`: the critic's predictions now (differentiable), for the value loss.
+    pub learner_values: Option<Tensor>,
+    /// `v_old`: the critic's predictions when the batch was generated, for value clipping.
     pub values: Option<Tensor>,
-    /// Critic predictions when the batch was generated, for value clipping.
-    pub old_values: Option<Tensor>,
-    /// Value targets `R`.
+    /// `R`: value targets.
     pub returns: Option<Tensor>,
 }
 
@@ -62,24 +67,24 @@ impl LossInputs {
     pub fn new(weights: Tensor) -> Self {
         LossInputs {
             weights,
+            learner_logprobs: None,
             logprobs: None,
-            old_logprobs: None,
             rollout_logprobs: None,
             advantages: None,
             ref_logprobs: None,
             entropy: None,
             sequence_ids: None,
+            learner_values: None,
             values: None,
-            old_values: None,
             returns: None,
         }
     }
-    pub fn with_logprobs(mut self, t: Tensor) -> Self {
-        self.logprobs = Some(t);
+    pub fn with_learner_logprobs(mut self, t: Tensor) -> Self {
+        self.learner_logprobs = Some(t);
         self
     }
-    pub fn with_old_logprobs(mut self, t: Tensor) -> Self {
-        self.old_logprobs = Some(t);
+    pub fn with_logprobs(mut self, t: Tensor) -> Self {
+        self.logprobs = Some(t);
         self
     }
     pub fn with_rollout_logprobs(mut self, t: Tensor) -> Self {
@@ -102,12 +107,12 @@ impl LossInputs {
         self.sequence_ids = Some(t);
         self
     }
-    pub fn with_values(mut self, t: Tensor) -> Self {
-        self.values = Some(t);
+    pub fn with_learner_values(mut self, t: Tensor) -> Self {
+        self.learner_values = Some(t);
         self
     }
-    pub fn with_old_values(mut self, t: Tensor) -> Self {
-        self.old_values = Some(t);
+    pub fn with_values(mut self, t: Tensor) -> Self {
+        self.values = Some(t);
         self
     }
     pub fn with_returns(mut self, t: Tensor) -> Self {

@@ -19,6 +19,7 @@ pub mod group_advantages;
 pub mod kl;
 pub mod kl_control;
 pub mod loss;
+mod loss_name;
 pub mod masking;
 pub mod metrics;
 pub mod off_policy;

@@ -1,5 +1,8 @@
 //! The RL trainer's policy losses, per token, before the weight `w`.
 //!
+//! `lp` the learner's log-probs ([`LossInputs::learner_logprobs`]), `old` the ratio anchor
+//! ([`LossInputs::logprobs`], the datum's `logprobs`), `roll` the sampler's
+//! ([`LossInputs::rollout_logprobs`]), `ref` the reference policy's ([`LossInputs::ref_logprobs`]).
 //! `r = exp(lp − old)` unless said otherwise, `A` advantages, `sg` stop-gradient:
 //! - `regular`: `−min(r·A, clamp(r, 1−ε_lo, 1+ε_hi)·A)`; config `eps_clip_low` = `eps_clip_high`
 //!   = 0.2. Metric `clip_fraction:mean`: tokens where the clamped term is strictly chosen.
@@ -144,8 +147,8 @@ impl PolicyLoss {
     }
 
     pub fn compute(&self, inputs: &LossInputs) -> Result<LossOutput> {
-        let mut x = MaskedInputs::new(self.name(), inputs, &inputs.logprobs)?;
-        let lp = x.required("logprobs", &inputs.logprobs)?;
+        let mut x = MaskedInputs::new(self.name(), inputs, &inputs.learner_logprobs)?;
+        let lp = x.required("learner_logprobs", &inputs.learner_logprobs)?;
         let mut loss = self.objective_loss(&mut x, inputs, &lp)?;
 
         if let Some(ref_lp) = x.optional("ref_logprobs", &inputs.ref_logprobs)? {
@@ -172,18 +175,18 @@ impl PolicyLoss {
     fn objective_loss(&self, x: &mut MaskedInputs, inputs: &LossInputs, lp: &Tensor) -> Result<Tensor> {
         let name = self.name();
         let need = |t: Option<Tensor>, field: &str| t.ok_or_else(|| missing_input(name, field));
-        let old = x.optional("old_logprobs", &inputs.old_logprobs)?;
+        let old = x.optional("logprobs", &inputs.logprobs)?;
         let roll = x.optional("rollout_logprobs", &inputs.rollout_logprobs)?;
         let advantages = x.optional("advantages", &inputs.advantages)?;
         let loss = match &self.objective {
             PolicyObjective::CrossEntropy => return Ok(lp.neg()?),
             PolicyObjective::ImportanceSampling => {
-                let ratio = (lp - need(old, "old_logprobs")?)?.exp()?;
+                let ratio = (lp - need(old, "logprobs")?)?.exp()?;
                 x.mean_metric("importance_ratio", &ratio)?;
                 (ratio * need(advantages, "advantages")?)?.neg()?
             }
             PolicyObjective::Regular { band } => {
-                let ratio = (lp - need(old, "old_logprobs")?)?.exp()?;
+                let ratio = (lp - need(old, "logprobs")?)?.exp()?;
                 let (loss, clip_active) = clipped_surrogate(&ratio, &need(advantages, "advantages")?, *band)?;
                 x.mean_metric("importance_ratio", &ratio)?;
                 x.mean_metric("clip_fraction", &clip_active)?;
@@ -191,7 +194,7 @@ impl PolicyLoss {
             }
             PolicyObjective::DualClip { band, clip_ratio_c } => {
                 let advantages = need(advantages, "advantages")?;
-                let ratio = (lp - need(old, "old_logprobs")?)?.exp()?;
+                let ratio = (lp - need(old, "logprobs")?)?.exp()?;
                 let (loss, clip_active) = clipped_surrogate(&ratio, &advantages, *band)?;
                 let (loss, dual_clip_active) = dual_clip(&loss, &advantages, *clip_ratio_c)?;
                 x.mean_metric("importance_ratio", &ratio)?;
@@ -200,7 +203,7 @@ impl PolicyLoss {
                 loss
             }
             PolicyObjective::Gspo { band } => {
-                let old = need(old, "old_logprobs")?;
+                let old = need(old, "logprobs")?;
                 let ids = need(inputs.sequence_ids.clone(), "sequence_ids")?;
                 x.check_shape("sequence_ids", &ids)?;
                 let ratio = sequence_level_ratio(lp, &old, &ids, &x.mask)?;
@@ -211,7 +214,7 @@ impl PolicyLoss {
             }
             PolicyObjective::Cispo { band, anchor } => {
                 let anchor_lp = match anchor {
-                    RatioAnchor::Old => need(old, "old_logprobs")?,
+                    RatioAnchor::Old => need(old, "logprobs")?,
                     RatioAnchor::Rollout => need(roll, "rollout_logprobs")?,
                 };
                 let ratio = (lp - anchor_lp)?.exp()?;
@@ -222,7 +225,7 @@ impl PolicyLoss {
                 loss
             }
             PolicyObjective::Sapo { tau_pos, tau_neg } => {
-                let ratio = safe_exp(&(lp - need(old, "old_logprobs")?)?)?;
+                let ratio = safe_exp(&(lp - need(old, "logprobs")?)?)?;
                 x.mean_metric("importance_ratio", &ratio)?;
                 soft_adaptive_policy_loss(&ratio, &need(advantages, "advantages")?, *tau_pos, *tau_neg)?
             }

@@ -1,6 +1,7 @@
 //! The Tinker API's losses (server names), per token, before the weight `w`.
 //!
-//! `q` = `loss_fn_inputs.logprobs` (passed as [`LossInputs::old_logprobs`]), `r = exp(lp − q)`:
+//! `lp` = [`LossInputs::learner_logprobs`], `q` = `loss_fn_inputs.logprobs` ([`LossInputs::logprobs`]),
+//! `r = exp(lp − q)`:
 //!
 //! | name | per-token loss | config |
 //! |---|---|---|
@@ -65,8 +66,8 @@ impl TinkerLoss {
     }
 
     pub fn compute(&self, inputs: &LossInputs) -> Result<LossOutput> {
-        let mut x = MaskedInputs::new(self.name(), inputs, &inputs.logprobs)?;
-        let lp = x.required("logprobs", &inputs.logprobs)?;
+        let mut x = MaskedInputs::new(self.name(), inputs, &inputs.learner_logprobs)?;
+        let lp = x.required("learner_logprobs", &inputs.learner_logprobs)?;
         let loss = match self {
             Self::CrossEntropy => lp.neg()?,
             Self::ImportanceSampling => {
@@ -89,7 +90,7 @@ impl TinkerLoss {
                 loss
             }
             Self::Dro { beta } => {
-                let q = x.required("old_logprobs", &inputs.old_logprobs)?;
+                let q = x.required("logprobs", &inputs.logprobs)?;
                 let adv = x.required("advantages", &inputs.advantages)?;
                 let penalty = ((&lp - q)?.sqr()? * (0.5 * beta))?;
                 ((&lp * adv)? - penalty)?.neg()?
@@ -109,7 +110,7 @@ fn ratio_and_advantages(
     inputs: &LossInputs,
     lp: &candle_core::Tensor,
 ) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
-    let q = x.required("old_logprobs", &inputs.old_logprobs)?;
+    let q = x.required("logprobs", &inputs.logprobs)?;
     let adv = x.required("advantages", &inputs.advantages)?;
     Ok(((lp - q)?.exp()?, adv))
 }

@@ -1,7 +1,8 @@
 //! The critic's clipped value loss, per token, before the weight `w`.
 //!
-//! `v` critic prediction (differentiable), `v_old` prediction when the batch was generated,
-//! `R` return, `ε` = `value_clip` (default 0.2, ≥ 0):
+//! `v` the critic's prediction now ([`LossInputs::learner_values`], differentiable), `v_old` its
+//! prediction when the batch was generated ([`LossInputs::values`], the datum's `values`), `R`
+//! the return ([`LossInputs::returns`]), `ε` = `value_clip` (default 0.2, ≥ 0):
 //! `loss = ½ · max((v − R)², (clamp(v, v_old − ε, v_old + ε) − R)²)`.
 //! Metrics: `value_clip_fraction:mean` (tokens where the clipped term is strictly larger) and
 //! `values:mean`.
@@ -29,21 +30,20 @@ impl ValueLoss {
     }
 
     pub fn compute(&self, inputs: &LossInputs) -> Result<LossOutput> {
-        let mut x = MaskedInputs::new("value", inputs, &inputs.values)?;
-        let values = x.required("values", &inputs.values)?;
-        let old_values = x.required("old_values", &inputs.old_values)?;
+        let mut x = MaskedInputs::new("value", inputs, &inputs.learner_values)?;
+        let v = x.required("learner_values", &inputs.learner_values)?;
+        let v_old = x.required("values", &inputs.values)?;
         let returns = x.required("returns", &inputs.returns)?;
 
-        let low = (&old_values - self.value_clip)?;
-        let high = (&old_values + self.value_clip)?;
-        let clipped_values = values.maximum(&low)?.minimum(&high)?;
-        let unclipped_error = (&values - &returns)?.sqr()?;
-        let clipped_error = (clipped_values - &returns)?.sqr()?;
+        let clipped_v = v.maximum(&(&v_old - self.value_clip)?)?.minimum(&(&v_old + self.value_clip)?)?;
+        let unclipped_error = (&v - &returns)?.sqr()?;
+        let clipped_error = (clipped_v - &returns)?.sqr()?;
         let clip_active = clipped_error.detach().gt(&unclipped_error.detach())?;
         let loss = (unclipped_error.maximum(&clipped_error)? * 0.5)?;
 
         x.mean_metric("value_clip_fraction", &clip_active)?;
-        x.mean_metric("values", &values)?;
+        // `values:mean` reports the critic's current predictions `v`.
+        x.mean_metric("values", &v)?;
         x.finish(&loss)
     }
 }

@@ -104,13 +104,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.input.display(),
             s.len()
         );
-        if let Some(bad) = s.iter().find(|&&x| x as usize >= model.config.vocab_size) {
-            anyhow::bail!(
-                "{}: line {n}: token id {bad} is out of range for vocab_size {}",
-                a.input.display(),
-                model.config.vocab_size
-            );
-        }
+        crate::model::check_token_ids(s, model.config.vocab_size, format_args!("{}: line {n}", a.input.display()))?;
     }
     let mut out = std::io::stdout().lock();
     for chunk in seqs.chunks(a.batch_size) {

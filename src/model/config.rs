@@ -15,9 +15,10 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-use crate::{Error, Result};
+use crate::files::JsonFields;
+use crate::Result;
 
 /// The supported model families.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,64 +101,13 @@ pub struct ModelConfig {
     pub raw: Value,
 }
 
-struct Fields<'a> {
-    path: &'a Path,
-    map: &'a Map<String, Value>,
-}
-
-impl Fields<'_> {
-    fn err(&self, field: &str, msg: impl std::fmt::Display) -> Error {
-        Error::field(self.path, field, msg)
+/// A required positive integer field.
+fn positive(f: &JsonFields, field: &str) -> Result<usize> {
+    let v = f.usize(field)?;
+    if v == 0 {
+        return Err(f.err(field, "must be positive"));
     }
-    fn get(&self, field: &str) -> Option<&Value> {
-        self.map.get(field).filter(|v| !v.is_null())
-    }
-    fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
-        match self.get(field) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, got {v}"))),
-        }
-    }
-    fn usize(&self, field: &str) -> Result<usize> {
-        let v = self.usize_opt(field)?.ok_or_else(|| self.err(field, "missing (required)"))?;
-        if v == 0 {
-            return Err(self.err(field, "must be positive"));
-        }
-        Ok(v)
-    }
-    fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
-        match self.get(field) {
-            None => Ok(None),
-            Some(v) => match v.as_f64() {
-                Some(x) if x.is_finite() => Ok(Some(x)),
-                _ => Err(self.err(field, format!("expected a finite number, got {v}"))),
-            },
-        }
-    }
-    fn bool_opt(&self, field: &str) -> Result<Option<bool>> {
-        match self.get(field) {
-            None => Ok(None),
-            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.err(field, format!("expected true or false, got {v}"))),
-        }
-    }
-    fn ids(&self, field: &str) -> Result<Vec<u32>> {
-        match self.get(field) {
-            None => Ok(vec![]),
-            Some(Value::Array(xs)) => xs
-                .iter()
-                .map(|x| {
-                    x.as_u64().map(|x| x as u32).ok_or_else(|| self.err(field, format!("expected token ids, got {x}")))
-                })
-                .collect(),
-            Some(v) => v
-                .as_u64()
-                .map(|x| vec![x as u32])
-                .ok_or_else(|| self.err(field, format!("expected a token id, got {v}"))),
-        }
-    }
+    Ok(v)
 }
 
 impl ModelConfig {
@@ -172,8 +122,7 @@ impl ModelConfig {
 
     /// Parses a config JSON value; `path` is only used in error messages.
     pub fn from_value(raw: Value, path: &Path) -> Result<Self> {
-        let map = raw.as_object().ok_or_else(|| Error::file(path, "expected a JSON object"))?;
-        let f = Fields { path, map };
+        let f = JsonFields::new(path, &raw)?;
 
         let arch = match f.get("model_type") {
             Some(Value::String(t)) => Arch::parse(t).ok_or_else(|| {
@@ -188,16 +137,16 @@ impl ModelConfig {
             },
         };
 
-        let hidden_size = f.usize("hidden_size")?;
-        let num_attention_heads = f.usize("num_attention_heads")?;
-        let num_key_value_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let hidden_size = positive(&f, "hidden_size")?;
+        let num_attention_heads = positive(&f, "num_attention_heads")?;
+        let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
         if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
             return Err(f.err(
                 "num_key_value_heads",
                 format!("{num_key_value_heads} must divide num_attention_heads = {num_attention_heads}"),
             ));
         }
-        let head_dim = match f.usize_opt("head_dim")? {
+        let head_dim = match f.opt_usize("head_dim")? {
             Some(d) => d,
             None => {
                 if hidden_size % num_attention_heads != 0 {
@@ -215,7 +164,7 @@ impl ModelConfig {
                 return Err(f.err("hidden_act", format!("unsupported activation {act} (only \"silu\")")));
             }
         }
-        if f.bool_opt("use_sliding_window")?.unwrap_or(false) {
+        if f.bool_or("use_sliding_window", false)? {
             return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
         }
         if let Some(types) = f.get("layer_types") {
@@ -227,12 +176,12 @@ impl ModelConfig {
         if f.get("quantization_config").is_some() {
             return Err(f.err("quantization_config", "quantised checkpoints are not supported"));
         }
-        if f.usize_opt("pretraining_tp")?.unwrap_or(1) != 1 {
+        if f.opt_usize("pretraining_tp")?.unwrap_or(1) != 1 {
             return Err(f.err("pretraining_tp", "only 1 is supported"));
         }
 
         let rope_scaling = parse_rope_scaling(&f)?;
-        let attention_bias = f.bool_opt("attention_bias")?;
+        let attention_bias = f.opt_bool("attention_bias")?;
         let (qkv_bias, o_bias) = match arch {
             Arch::Qwen2 => (true, false),
             _ => {
@@ -240,7 +189,7 @@ impl ModelConfig {
                 (b, b)
             }
         };
-        let rms_norm_eps = f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
+        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
         if rms_norm_eps <= 0.0 {
             return Err(f.err("rms_norm_eps", "must be positive"));
         }
@@ -250,7 +199,7 @@ impl ModelConfig {
                 .as_f64()
                 .filter(|x| x.is_finite())
                 .ok_or_else(|| f.err("rope_parameters.rope_theta", format!("expected a finite number, got {v}")))?,
-            None => f.f64_opt("rope_theta")?.unwrap_or(10000.0),
+            None => f.opt_f64("rope_theta")?.unwrap_or(10000.0),
         };
         if rope_theta <= 0.0 {
             return Err(f.err("rope_theta", "must be positive"));
@@ -258,25 +207,25 @@ impl ModelConfig {
 
         Ok(ModelConfig {
             arch,
-            vocab_size: f.usize("vocab_size")?,
+            vocab_size: positive(&f, "vocab_size")?,
             hidden_size,
-            intermediate_size: f.usize("intermediate_size")?,
-            num_hidden_layers: f.usize("num_hidden_layers")?,
+            intermediate_size: positive(&f, "intermediate_size")?,
+            num_hidden_layers: positive(&f, "num_hidden_layers")?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
             rms_norm_eps,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(2048),
-            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
             qkv_bias,
             o_bias,
-            mlp_bias: f.bool_opt("mlp_bias")?.unwrap_or(false),
+            mlp_bias: f.bool_or("mlp_bias", false)?,
             qk_norm: arch == Arch::Qwen3,
-            bos_token_id: f.ids("bos_token_id")?.first().copied(),
-            eos_token_ids: f.ids("eos_token_id")?,
-            pad_token_id: f.ids("pad_token_id")?.first().copied(),
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.token_ids("eos_token_id")?,
+            pad_token_id: f.token_ids("pad_token_id")?.first().copied(),
             raw: raw.clone(),
         })
     }
@@ -344,7 +293,7 @@ pub struct ModelShape {
 }
 
 /// RoPE scaling from `rope_parameters` (transformers ≥ 5) or `rope_scaling` (older files).
-fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
+fn parse_rope_scaling(f: &JsonFields) -> Result<RopeScaling> {
     let field = if f.get("rope_parameters").is_some() { "rope_parameters" } else { "rope_scaling" };
     let Some(v) = f.get(field) else { return Ok(RopeScaling::None) };
     let m = v.as_object().ok_or_else(|| f.err(field, format!("expected an object or null, got {v}")))?;

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
+use crate::files::JsonFields;
 use crate::model::chat_template::{ChatTemplate, SpecialTokens, TemplateOrigin};
 
 /// Vocabulary size of [`write_byte_level_tokenizer`]'s tokenizer: 3 special tokens + 256 bytes.
@@ -133,10 +134,8 @@ impl Tokenizer {
         for name in [GENERATION_CONFIG, MODEL_CONFIG] {
             let path = dir.join(name);
             if let Some(obj) = read_json_object(&path)? {
-                if let Some(v) = obj.get("eos_token_id") {
-                    for id in token_id_list(&path, "eos_token_id", v)? {
-                        push_unique(&mut eos_token_ids, id);
-                    }
+                for id in JsonFields::of_map(&path, &obj).token_ids("eos_token_id")? {
+                    push_unique(&mut eos_token_ids, id);
                 }
             }
         }
@@ -144,16 +143,9 @@ impl Tokenizer {
             push_unique(&mut eos_token_ids, id);
         }
 
-        let clean_up_tokenization_spaces = match config.as_ref().and_then(|c| c.get("clean_up_tokenization_spaces")) {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(other) => {
-                return Err(Error::field(
-                    &config_path,
-                    "clean_up_tokenization_spaces",
-                    format!("expected true or false, found {other}"),
-                ))
-            }
+        let clean_up_tokenization_spaces = match &config {
+            Some(c) => JsonFields::of_map(&config_path, c).bool_or("clean_up_tokenization_spaces", false)?,
+            None => false,
         };
 
         let chat_template = load_chat_template(dir, &config_path, config.as_ref())?;
@@ -349,20 +341,6 @@ fn special_token_content(path: &Path, field: &str, v: &Value) -> Result<Option<S
             _ => Err(Error::field(path, field, "an object special token needs a string `content`")),
         },
         other => Err(Error::field(path, field, format!("expected a string or {{\"content\": ...}}, found {other}"))),
-    }
-}
-
-/// A token id field: an integer, a list of integers, or null.
-fn token_id_list(path: &Path, field: &str, v: &Value) -> Result<Vec<u32>> {
-    let one = |x: &Value| {
-        x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
-            Error::field(path, field, format!("expected a token id (a non-negative integer), found {x}"))
-        })
-    };
-    match v {
-        Value::Null => Ok(Vec::new()),
-        Value::Array(list) => list.iter().map(one).collect(),
-        x => Ok(vec![one(x)?]),
     }
 }
 

@@ -175,20 +175,6 @@ fn linear(
     Ok(Linear::new(w, b))
 }
 
-/// Validation of a [B, T] batch of token ids.
-fn check_token_ids(ids: &[Vec<u32>], vocab: usize) -> Result<()> {
-    for (row, r) in ids.iter().enumerate() {
-        for (pos, &id) in r.iter().enumerate() {
-            if id as usize >= vocab {
-                return Err(Error::input(format!(
-                    "token id {id} at row {row}, position {pos} is out of range for vocab_size {vocab}"
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
 impl Transformer {
     /// Loads `DIR/config.json` and the weights, in `dtype` on `device`.
     pub fn load(dir: &std::path::Path, dtype: DType, device: &Device) -> Result<Self> {
@@ -358,7 +344,9 @@ impl Transformer {
                 return Err(Error::input(format!("cache holds {} rows, batch has {b}", c.key_mask().len())));
             }
         }
-        check_token_ids(input_ids, self.config.vocab_size)?;
+        for (row, ids) in input_ids.iter().enumerate() {
+            super::check_token_ids(ids, self.config.vocab_size, format_args!("row {row}"))?;
+        }
         let dev = &self.device;
         let ids = Tensor::from_vec(input_ids.concat(), (b, t), dev)?;
         let cos_sin = self.rope.tables(positions, self.dtype)?;

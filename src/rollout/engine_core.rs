@@ -178,12 +178,7 @@ impl EngineCore {
         if req.prompt.is_empty() {
             return Err(Error::input("the prompt is empty"));
         }
-        if let Some((pos, &id)) = req.prompt.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
-            return Err(Error::input(format!(
-                "token id {id} at prompt position {pos} is out of range for vocab_size {}",
-                c.vocab_size
-            )));
-        }
+        crate::model::check_token_ids(&req.prompt, c.vocab_size, "prompt")?;
         let limit = c.max_position_embeddings;
         let len = req.prompt.len();
         if len + p.max_tokens > limit {

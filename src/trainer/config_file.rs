@@ -18,6 +18,11 @@
 //! the nearest valid key by edit distance. An integer where the default is a float is accepted
 //! (`lr = 1` means 1.0). What the schema walk cannot see (enum variants, array elements, value
 //! ranges) is checked by serde and by the config's own `validate`.
+//!
+//! Paths: a relative path written in the file is relative to the file's directory, so a config
+//! means the same from any working directory; the config type lists its path keys
+//! ([`ConfigPaths`]). A `--set` path, typed on the command line, and a default stay relative to
+//! the working directory.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -26,7 +31,13 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use toml::{Table, Value};
 
-use crate::error::{Error, Result};
+use crate::error::{nearest_name, Error, Result};
+
+/// The path fields of a config type, which a config file gives relative to itself.
+pub trait ConfigPaths {
+    /// Dotted keys of the fields that hold a path (`model.path`, ...).
+    const PATH_KEYS: &'static [&'static str] = &[];
+}
 
 /// Where each key's value came from, so that an error about a value points at the file or the
 /// `--set` argument that gave it.
@@ -89,7 +100,7 @@ impl Origin<'_> {
 /// Resolves a config: defaults, then `file`, then each `--set KEY=VALUE` of `sets` in order.
 pub fn resolve<T>(file: Option<&Path>, sets: &[String]) -> Result<T>
 where
-    T: Serialize + DeserializeOwned + Default,
+    T: Serialize + DeserializeOwned + Default + ConfigPaths,
 {
     resolve_with_sources(file, sets).map(|(config, _)| config)
 }
@@ -97,7 +108,7 @@ where
 /// [`resolve`], also returning where each value came from (for the config's own validation).
 pub fn resolve_with_sources<T>(file: Option<&Path>, sets: &[String]) -> Result<(T, Sources)>
 where
-    T: Serialize + DeserializeOwned + Default,
+    T: Serialize + DeserializeOwned + Default + ConfigPaths,
 {
     let (table, sources) = resolve_table::<T>(file, sets)?;
     let config = serde_path_to_error::deserialize(Value::Table(table)).map_err(|e| {
@@ -111,7 +122,7 @@ where
 /// [`resolve`] before deserialisation: the merged TOML table and the sources of its values.
 pub fn resolve_table<T>(file: Option<&Path>, sets: &[String]) -> Result<(Table, Sources)>
 where
-    T: Serialize + Default,
+    T: Serialize + Default + ConfigPaths,
 {
     let mut table = defaults_table(&T::default())?;
     let mut valid = Vec::new();
@@ -119,7 +130,8 @@ where
     let mut sources = Sources { file: file.map(Path::to_path_buf), sets: HashMap::new() };
     if let Some(path) = file {
         let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read config: {e}")))?;
-        let user: Table = toml::from_str(&text).map_err(|e| Error::file(path, format!("invalid TOML: {e}")))?;
+        let mut user: Table = toml::from_str(&text).map_err(|e| Error::file(path, format!("invalid TOML: {e}")))?;
+        relative_to_file(&mut user, T::PATH_KEYS, path)?;
         merge(&mut table, user, "", &valid, &Origin::File(path))?;
     }
     for arg in sets {
@@ -173,37 +185,34 @@ pub fn schema_keys<T: Serialize + Default>() -> Result<Vec<String>> {
 
 pub use crate::error::edit_distance;
 
-/// The valid key nearest to the unknown dotted key `key`, if one is near enough to be a typo.
+/// The valid key nearest to the unknown dotted key `key`, if one is near enough to be a typo
+/// (by [`nearest_name`] on the last part of the key).
 ///
 /// Siblings in the same table are preferred (`optimizer.lrr` → `optimizer.lr`); otherwise a key
 /// whose last part matches or nearly matches anywhere in the schema (`lr` → `optimizer.lr`,
-/// `data.lr` → `optimizer.lr`).
+/// `data.lr` → `optimizer.lr`), the one nearest the whole key if several share that part.
 pub fn suggest(key: &str, valid: &[String]) -> Option<String> {
-    let (parent, leaf) = match key.rsplit_once('.') {
-        Some((p, l)) => (p, l),
-        None => ("", key),
+    let split = |k: &'_ str| -> (String, String) {
+        match k.rsplit_once('.') {
+            Some((p, l)) => (p.to_string(), l.to_string()),
+            None => (String::new(), k.to_string()),
+        }
     };
-    // A typo budget that grows with the word: 1 edit for short words, about a third for long.
-    let budget = |word: &str| (word.chars().count() / 3).max(1);
-    let split = |k: &str| match k.rsplit_once('.') {
-        Some((p, l)) => (p.to_string(), l.to_string()),
-        None => (String::new(), k.to_string()),
-    };
-    let siblings = valid
-        .iter()
-        .filter(|v| split(v).0 == parent)
-        .map(|v| (edit_distance(leaf, &split(v).1), v))
-        .filter(|(d, _)| *d <= budget(leaf))
-        .min_by_key(|(d, _)| *d);
-    if let Some((_, v)) = siblings {
-        return Some(v.clone());
+    let (parent, leaf) = split(key);
+    let leaves: Vec<(String, String)> = valid.iter().map(|v| split(v)).collect();
+    let siblings: Vec<&str> = leaves.iter().filter(|(p, _)| *p == parent).map(|(_, l)| l.as_str()).collect();
+    if let Some(sibling) = nearest_name(&leaf, &siblings) {
+        return Some(join(&parent, sibling));
     }
+    let all: Vec<&str> = leaves.iter().map(|(_, l)| l.as_str()).collect();
+    let best = nearest_name(&leaf, &all)?;
     valid
         .iter()
-        .map(|v| (edit_distance(leaf, &split(v).1), v))
-        .filter(|(d, _)| *d <= budget(leaf))
-        .min_by_key(|(d, v)| (*d, edit_distance(key, v)))
-        .map(|(_, v)| v.clone())
+        .zip(&leaves)
+        .filter(|(_, (_, l))| l == best)
+        .map(|(v, _)| v)
+        .min_by_key(|v| edit_distance(key, v))
+        .cloned()
 }
 
 fn defaults_table<T: Serialize>(defaults: &T) -> Result<Table> {
@@ -234,6 +243,36 @@ fn lookup<'a>(table: &'a Table, key: &str) -> Option<&'a Value> {
         None => table.get(key),
         Some((head, rest)) => match table.get(head) {
             Some(Value::Table(t)) => lookup(t, rest),
+            _ => None,
+        },
+    }
+}
+
+/// Rewrites each relative path among `keys` in `table` (read from `file`) as `DIR/path`, DIR the
+/// file's directory as given (so still relative to the working directory if `file` is).
+fn relative_to_file(table: &mut Table, keys: &[&str], file: &Path) -> Result<()> {
+    let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
+    for key in keys {
+        // An empty path means "unset"; a value of the wrong type is reported by the merge.
+        if let Some(Value::String(p)) = lookup_mut(table, key) {
+            if !p.is_empty() && Path::new(p.as_str()).is_relative() {
+                let joined = dir.join(p.as_str());
+                *p = joined
+                    .to_str()
+                    .ok_or_else(|| Error::file(file, "the directory of the config file is not valid UTF-8"))?
+                    .to_string();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The value at dotted `key`, mutably, if there is one.
+fn lookup_mut<'a>(table: &'a mut Table, key: &str) -> Option<&'a mut Value> {
+    match key.split_once('.') {
+        None => table.get_mut(key),
+        Some((head, rest)) => match table.get_mut(head) {
+            Some(Value::Table(t)) => lookup_mut(t, rest),
             _ => None,
         },
     }

@@ -13,6 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::model::check_token_ids;
 use crate::{Error, Result};
 
 /// One sequence of a batch.
@@ -156,12 +157,12 @@ pub fn validate_batch(batch: &[Datum], vocab_size: usize, needs: &Requirements) 
         if n == 0 {
             return Err(Error::input(format!("datum {i}: input_tokens is empty")));
         }
-        check_ids(i, "input_tokens", &datum.input_tokens, vocab_size)?;
+        check_token_ids(&datum.input_tokens, vocab_size, format_args!("datum {i}: input_tokens"))?;
         let inputs = &datum.loss_fn_inputs;
         match &inputs.target_tokens {
             Some(targets) => {
                 check_len(i, "target_tokens", targets.len(), n)?;
-                check_ids(i, "loss_fn_inputs.target_tokens", targets, vocab_size)?;
+                check_token_ids(targets, vocab_size, format_args!("datum {i}: loss_fn_inputs.target_tokens"))?;
             }
             None if needs.target_tokens => return Err(missing(i, "target_tokens")),
             None => {}
@@ -205,16 +206,6 @@ fn check_len(datum: usize, field: &str, len: usize, n: usize) -> Result<()> {
     if len != n {
         return Err(Error::input(format!(
             "datum {datum}: loss_fn_inputs.{field} has length {len} but input_tokens has length {n}"
-        )));
-    }
-    Ok(())
-}
-
-fn check_ids(datum: usize, field: &str, ids: &[u32], vocab_size: usize) -> Result<()> {
-    if let Some(pos) = ids.iter().position(|&id| id as usize >= vocab_size) {
-        return Err(Error::input(format!(
-            "datum {datum}: {field} has token id {} at position {pos}, out of range for vocab_size {vocab_size}",
-            ids[pos]
         )));
     }
     Ok(())

@@ -1,46 +1,16 @@
-//! Losses by name, as the worker's callers give them, and the datum fields each one needs.
-//!
-//! Names (the families are in `algo`):
-//! - a Tinker API name (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`) is the
-//!   Tinker loss of that name ([`Loss::tinker`]);
-//! - an RL-trainer name that Tinker does not use (`regular`, `dual_clip`, `gspo`, `sapo`,
-//!   `rollout_is`) is that trainer loss ([`Loss::policy`]);
-//! - `policy/NAME` is the trainer loss NAME whatever it is, for the three names both families
-//!   use (`policy/cispo`, `policy/cross_entropy`, `policy/importance_sampling`) and for any
-//!   trainer loss with a KL penalty (`kl_coef`) or entropy bonus (`ent_coef`);
-//! - `value` is the critic's clipped value loss ([`Loss::value`]), for critic workers only.
-//!
-//! The config is validated by the loss itself: unknown keys and bad values are errors.
+//! What the worker needs to know about a loss: the datum fields it reads and whether it wants
+//! the learner's entropy. Losses are parsed by name with [`Loss::parse`].
 
 use serde_json::Value;
 
 use super::batch::{FloatField, Requirements};
-use crate::algo::config::unknown_name;
-use crate::algo::{Loss, PolicyLoss, PolicyObjective, TinkerLoss};
+use crate::algo::{Loss, PolicyObjective, TinkerLoss};
 use crate::Result;
 
-/// The trainer names reachable without the `policy/` prefix.
-const TRAINER_ONLY: [&str; 5] = ["regular", "dual_clip", "gspo", "sapo", "rollout_is"];
-
 /// The loss `name` with its config, validated.
+#[deprecated(note = "use `algo::Loss::parse`")]
 pub fn resolve_loss(name: &str, config: &Value) -> Result<Loss> {
-    if name == "value" {
-        return Loss::value(config);
-    }
-    if let Some(trainer_name) = name.strip_prefix("policy/") {
-        return Loss::policy(trainer_name, config);
-    }
-    if TinkerLoss::NAMES.contains(&name) {
-        return Loss::tinker(name, config);
-    }
-    if TRAINER_ONLY.contains(&name) {
-        return Loss::policy(name, config);
-    }
-    let mut valid: Vec<String> = TinkerLoss::NAMES.iter().chain(TRAINER_ONLY.iter()).map(|s| s.to_string()).collect();
-    valid.extend(PolicyLoss::NAMES.iter().map(|n| format!("policy/{n}")));
-    valid.push("value".into());
-    let valid: Vec<&str> = valid.iter().map(String::as_str).collect();
-    Err(unknown_name("loss", name, &valid))
+    Loss::parse(name, config)
 }
 
 /// Whether the loss wants the learner's per-token entropy (an entropy bonus is configured).

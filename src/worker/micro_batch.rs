@@ -104,19 +104,21 @@ pub fn apply_loss(
         Some(w) => w,
         None => Tensor::ones(n, dtype, device)?,
     };
+    // Each datum field goes to the loss input of the same name; the model's output is the
+    // learner's.
     let mut inputs = LossInputs::new(weights.clone());
     match loss {
         Loss::Value(_) => {
-            inputs.values = Some(outputs.main.clone());
-            inputs.old_values = get(FloatField::Values)?;
+            inputs.learner_values = Some(outputs.main.clone());
+            inputs.values = get(FloatField::Values)?;
             inputs.returns = get(FloatField::Returns)?;
         }
         _ => {
-            inputs.logprobs = Some(outputs.main.clone());
-            inputs.old_logprobs = get(FloatField::Logprobs)?;
+            inputs.learner_logprobs = Some(outputs.main.clone());
+            inputs.logprobs = get(FloatField::Logprobs)?;
             inputs.rollout_logprobs = match get(FloatField::RolloutLogprobs)? {
                 Some(roll) => Some(roll),
-                None => inputs.old_logprobs.clone(),
+                None => inputs.logprobs.clone(),
             };
             inputs.advantages = get(FloatField::Advantages)?;
             inputs.ref_logprobs = get(FloatField::RefLogprobs)?;
