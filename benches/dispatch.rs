@@ -10,9 +10,10 @@ use std::time::Instant;
 
 mod common;
 
+use oxrl::algo::Loss;
 use oxrl::dispatch::mesh::MeshShape;
 use oxrl::dispatch::WorkerGroup;
-use oxrl::worker::{resolve_loss, AdamParams, Datum, Worker, WorkerConfig};
+use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
 
 fn build_worker() -> oxrl::Result<Worker> {
@@ -33,7 +34,7 @@ fn main() {
     let threads = common::threads();
     let data = batch(16, 128);
     let tokens = (16 * 128) as f64;
-    let ce = resolve_loss("cross_entropy", &json!({})).unwrap();
+    let ce = Loss::parse("cross_entropy", &json!({})).unwrap();
     let mut base = None;
     for dp in [1usize, 2] {
         // Threads per rank 0: rayon's default for each rank's pool (RAYON_NUM_THREADS if set).

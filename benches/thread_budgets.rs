@@ -41,7 +41,7 @@ fn generate_round(engine: &Engine, seed: u64) -> f64 {
 
 /// Seconds per training step (forward_backward 8 × 128 + AdamW).
 fn train_steps(d: &Dispatch, n: usize) -> f64 {
-    let ce = oxrl::worker::resolve_loss("cross_entropy", &serde_json::Value::Null).unwrap();
+    let ce = oxrl::algo::Loss::parse("cross_entropy", &serde_json::Value::Null).unwrap();
     let batch: Vec<Datum> = (0..8)
         .map(|r| {
             let seq: Vec<u32> = (0..128).map(|i| ((r * 131 + i * 17) % 4000) as u32 + 1).collect();

@@ -19,7 +19,7 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let model = d256_model(0);
     model.save(dir.path(), DType::F32).unwrap();
-    let ce = oxrl::worker::resolve_loss("cross_entropy", &serde_json::Value::Null).unwrap();
+    let ce = oxrl::algo::Loss::parse("cross_entropy", &serde_json::Value::Null).unwrap();
     let datum = Datum::supervised((0..64).collect(), (1..65).collect(), vec![1.0 / 64.0; 64]);
     println!("| policy | snapshot (worker) | engine update | total | bytes moved |");
     println!("|---|---|---|---|---|");

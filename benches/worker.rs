@@ -15,7 +15,8 @@ mod common;
 use std::time::Instant;
 
 use common::{d256_model, median};
-use oxrl::worker::{resolve_loss, AdamParams, Datum, Worker, WorkerConfig};
+use oxrl::algo::Loss;
+use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
 
 const BIG_REPS: usize = 2;
@@ -35,7 +36,7 @@ fn main() {
     let mut w = Worker::new(d256_model(0), WorkerConfig { micro_batch_size: Some(8), ..Default::default() }).unwrap();
     let small = batch(8, 128, 1);
     let params = AdamParams::default();
-    let ce = resolve_loss("cross_entropy", &json!({})).unwrap();
+    let ce = Loss::parse("cross_entropy", &json!({})).unwrap();
     let mut step = || {
         let t = Instant::now();
         w.forward_backward(&small, Some(&ce), false).unwrap();

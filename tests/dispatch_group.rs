@@ -245,7 +245,7 @@ fn bad_calls_are_clear_errors() {
     d.create_model("policy", &spec(2)).unwrap();
     let err = d.forward_backward("policy", &[], Some(&ce()), true).unwrap_err().to_string();
     assert!(err.contains("empty batch"), "{err}");
-    let err = oxrl::worker::resolve_loss("nope", &json!({})).unwrap_err().to_string();
+    let err = oxrl::algo::Loss::parse("nope", &json!({})).unwrap_err().to_string();
     assert!(err.contains("nope"), "{err}");
     let err = d.forward_backward("policy", &batch(), None, true).unwrap_err().to_string();
     assert!(err.contains("needs a loss"), "{err}");

@@ -279,11 +279,11 @@ fn bad_input_errors_name_the_datum_and_the_field() {
     let err = w.forward_backward(&good, None, true).unwrap_err().to_string();
     assert!(err.contains("needs a loss"), "{err}");
     // Names and configs are checked when the loss is parsed.
-    let err = oxrl::worker::resolve_loss("ppo_typo", &json!({})).unwrap_err().to_string();
+    let err = oxrl::algo::Loss::parse("ppo_typo", &json!({})).unwrap_err().to_string();
     assert!(err.contains("unknown loss") && err.contains("ppo"), "{err}");
-    let err = oxrl::worker::resolve_loss("ppo", &json!({"clip_low": 0.5})).unwrap_err().to_string();
+    let err = oxrl::algo::Loss::parse("ppo", &json!({"clip_low": 0.5})).unwrap_err().to_string();
     assert!(err.contains("unknown config key `clip_low`"), "{err}");
-    let err = oxrl::worker::resolve_loss("dro", &json!({})).unwrap_err().to_string();
+    let err = oxrl::algo::Loss::parse("dro", &json!({})).unwrap_err().to_string();
     assert!(err.contains("beta"), "{err}");
     let err = w
         .forward_backward(&good, Some(&common::loss("policy/cross_entropy", &json!({"kl_coef": 0.1}))), true)

@@ -33,7 +33,6 @@ use crate::algo::Loss;
 use crate::dispatch::Dispatch;
 use crate::files::{read_json, write_dir_atomically, write_json};
 use crate::model::tokenizer::Tokenizer;
-use crate::worker::AdamParams;
 use crate::{Error, Result};
 
 /// The id of the trained model in the dispatch.
@@ -88,7 +87,7 @@ struct TrainerState {
 
 /// Trained-token mean of the negative log-likelihood over `examples`.
 pub fn eval_loss(dispatch: &Dispatch, examples: &[SftExample], batch_size: usize) -> Result<f64> {
-    let cross_entropy = Loss::tinker("cross_entropy", &Value::Null)?;
+    let cross_entropy = Loss::parse("cross_entropy", &Value::Null)?;
     let (mut loss, mut tokens) = (0.0, 0.0);
     for chunk in examples.chunks(batch_size.max(1)) {
         let datums: Vec<_> = chunk.iter().map(SftExample::to_datum).collect();
@@ -197,7 +196,7 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &SftOptions) -> Resul
     std::fs::create_dir_all(&run_dir).map_err(|e| Error::file(&run_dir, format!("cannot create: {e}")))?;
     std::fs::write(run_dir.join("config.toml"), cfg.to_toml()?).map_err(|e| Error::file(&run_dir, e))?;
 
-    let cross_entropy = Loss::tinker("cross_entropy", &Value::Null)?;
+    let cross_entropy = Loss::parse("cross_entropy", &Value::Null)?;
     let eval_set = data.eval;
     let mut loader = DataLoader::new(data.train, cfg.train.batch_size, cfg.data.shuffle_seed, true);
     let total = if cfg.train.max_steps > 0 { cfg.train.max_steps } else { cfg.train.epochs * loader.steps_per_epoch() };
@@ -229,14 +228,7 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &SftOptions) -> Resul
         let datums = token_mean_datums(&batch.items);
         let out = dispatch.forward_backward(POLICY, &datums, Some(&cross_entropy), false)?;
         let lr = schedule.lr_at(o.lr, step);
-        let adam = AdamParams {
-            learning_rate: lr,
-            beta1: o.betas[0],
-            beta2: o.betas[1],
-            eps: o.eps,
-            weight_decay: o.weight_decay,
-            grad_clip_norm: o.grad_clip_norm,
-        };
+        let adam = o.adam_params(lr);
         let grad_norm = dispatch.optim_step(POLICY, &adam)?;
         step += 1;
         final_loss = out.metrics.value("loss:sum").unwrap_or(f64::NAN);

@@ -1,17 +1,8 @@
 //! What the worker needs to know about a loss: the datum fields it reads and whether it wants
 //! the learner's entropy. Losses are parsed by name with [`Loss::parse`].
 
-use serde_json::Value;
-
 use super::batch::{FloatField, Requirements};
 use crate::algo::{Loss, PolicyObjective, TinkerLoss};
-use crate::Result;
-
-/// The loss `name` with its config, validated.
-#[deprecated(note = "use `algo::Loss::parse`")]
-pub fn resolve_loss(name: &str, config: &Value) -> Result<Loss> {
-    Loss::parse(name, config)
-}
 
 /// Whether the loss wants the learner's per-token entropy (an entropy bonus is configured).
 pub fn needs_entropy(loss: &Loss) -> bool {

@@ -31,7 +31,5 @@ pub mod value_head;
 pub use adamw::AdamParams;
 pub use batch::{Datum, LossFnInputs, LossFnOutput};
 pub use config::WorkerConfig;
-#[allow(deprecated)] // kept until callers on other branches move to `Loss::parse`
-pub use loss_fn::resolve_loss;
 pub use rank::{ForwardBackwardOutput, Worker};
 pub use schedule::LrSchedule;

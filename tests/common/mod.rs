@@ -89,5 +89,5 @@ pub fn masked(t: &Tensor, valid: &[Vec<f32>]) -> Tensor {
 
 /// A loss parsed from its name and JSON config (as the edges do).
 pub fn loss(name: &str, config: &serde_json::Value) -> oxrl::algo::Loss {
-    oxrl::worker::resolve_loss(name, config).unwrap()
+    oxrl::algo::Loss::parse(name, config).unwrap()
 }
