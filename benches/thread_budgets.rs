@@ -2,6 +2,10 @@
 //! trainer (one worker rank) on its own 1-thread pool, first alone, then side by side on the
 //! two cores; and, as the contrast, both on 2-thread pools (oversubscribed) side by side.
 //!
+//! What "the hardware explains" is measured in the same run: the same two workloads side by side
+//! in two separate processes (one thread each), where no thread budget is needed to keep them
+//! apart. One process with two 1-thread pools should match that.
+//!
 //! `cargo bench --bench thread_budgets` (leave RAYON_NUM_THREADS unset: the pools decide).
 
 mod common;
@@ -64,7 +68,53 @@ fn setup(threads: usize, dir: &std::path::Path) -> (Engine, Dispatch) {
     (engine, d)
 }
 
+/// A child process of this benchmark running one workload alone (the hardware baseline).
+fn child(role: &str, dir: &std::path::Path) {
+    let (engine, d) = setup(1, dir);
+    match role {
+        "engine" => {
+            generate_round(&engine, 0);
+            let mut rates = vec![];
+            loop {
+                rates.push(generate_round(&engine, 100 + rates.len() as u64));
+                println!("{}", rates.iter().sum::<f64>() / rates.len() as f64);
+            }
+        }
+        _ => {
+            train_steps(&d, 1);
+            println!("{}", train_steps(&d, STEPS));
+        }
+    }
+}
+
+/// Both workloads in two processes at once: (engine tokens/s, trainer s/step).
+fn separate_processes(dir: &std::path::Path) -> (f64, f64) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let spawn = |role: &str| {
+        Command::new(std::env::current_exe().unwrap())
+            .env("OXRL_BENCH_ROLE", role)
+            .env("OXRL_BENCH_DIR", dir)
+            .env("RAYON_NUM_THREADS", "1")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut engine = spawn("engine");
+    let trainer = spawn("trainer");
+    let out = trainer.wait_with_output().unwrap();
+    let train: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    engine.kill().unwrap();
+    let lines: Vec<String> = BufReader::new(engine.stdout.take().unwrap()).lines().map_while(|l| l.ok()).collect();
+    engine.wait().unwrap();
+    (lines.last().and_then(|l| l.parse().ok()).unwrap_or(f64::NAN), train)
+}
+
 fn main() {
+    oxrl::actor::confine_candle_threads();
+    if let (Ok(role), Ok(dir)) = (std::env::var("OXRL_BENCH_ROLE"), std::env::var("OXRL_BENCH_DIR")) {
+        return child(&role, dir.as_ref());
+    }
     let dir = tempfile::tempdir().unwrap();
     d256_model(0).save(dir.path(), DType::F32).unwrap();
     println!("| pools | engine alone | trainer alone | engine beside trainer | trainer beside engine |");
@@ -97,5 +147,15 @@ fn main() {
             train_beside * 1e3,
             train_alone / train_beside,
         );
+        if threads == 1 {
+            let (gen_sep, train_sep) = separate_processes(dir.path());
+            println!(
+                "| two processes, 1 thread each (hardware baseline) | {gen_alone:.0} tokens/s | {:.0} ms/step | {gen_sep:.0} tokens/s ({:.2}×) | {:.0} ms/step ({:.2}×) |",
+                train_alone * 1e3,
+                gen_sep / gen_alone,
+                train_sep * 1e3,
+                train_alone / train_sep,
+            );
+        }
     }
 }

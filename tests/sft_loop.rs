@@ -10,7 +10,7 @@ use common::fixture_dir;
 use oxrl::cli::launch::sft_dispatch;
 use oxrl::model::{logprobs::target_logprobs, lora, tokenizer::Tokenizer, Transformer};
 use oxrl::trainer::metrics::read_metrics;
-use oxrl::trainer::sft::{SftOptions, SftSummary, EXPORT_DIR};
+use oxrl::trainer::sft::{RunOptions, SftSummary, EXPORT_DIR};
 use oxrl::trainer::SftConfig;
 use oxrl::worker::{Datum, Worker, WorkerConfig};
 use serde_json::json;
@@ -32,7 +32,7 @@ fn write_data(dir: &Path, rows: &[&str]) -> PathBuf {
 
 /// One run as the CLI does it: a fresh dispatch built from the config (one tensor-math thread
 /// per rank), then the loop.
-fn run_sft(cfg: &SftConfig, opts: &SftOptions) -> oxrl::Result<SftSummary> {
+fn run_sft(cfg: &SftConfig, opts: &RunOptions) -> oxrl::Result<SftSummary> {
     let dispatch = sft_dispatch(cfg, Some(1))?;
     oxrl::trainer::sft::run_sft(cfg, &dispatch, opts)
 }
@@ -64,7 +64,7 @@ fn first_step_loss_equals_a_hand_computation() {
     let dir = tempfile::tempdir().unwrap();
     let data = write_data(dir.path(), &ROWS[..2]);
     let cfg = config(dir.path(), &data, "run", &["train.max_steps=1", "data.shuffle_seed=3"]);
-    run_sft(&cfg, &SftOptions::default()).unwrap();
+    run_sft(&cfg, &RunOptions::default()).unwrap();
     let logged = read_metrics(&dir.path().join("run/metrics.jsonl")).unwrap()[0].loss;
 
     // By hand: render each conversation, train on the assistant reply and its <|im_end|>.
@@ -112,15 +112,15 @@ fn interrupted_and_resumed_run_ends_bit_identical() {
             extra.extend(["model.lora.rank=4", "model.lora.alpha=8"]);
         }
         let whole = config(dir.path(), &data, "whole", &extra);
-        let s = run_sft(&whole, &SftOptions::default()).unwrap();
+        let s = run_sft(&whole, &RunOptions::default()).unwrap();
         assert_eq!((s.steps, s.interrupted), (7, false));
 
         let parts = config(dir.path(), &data, "parts", &extra);
-        let s = run_sft(&parts, &SftOptions { stop_after: Some(3), ..Default::default() }).unwrap();
+        let s = run_sft(&parts, &RunOptions { stop_after: Some(3), ..Default::default() }).unwrap();
         assert_eq!((s.steps, s.interrupted, s.export_dir.is_none()), (3, true, true));
-        let err = run_sft(&parts, &SftOptions::default()).unwrap_err().to_string();
+        let err = run_sft(&parts, &RunOptions::default()).unwrap_err().to_string();
         assert!(err.contains("--resume"), "{err}");
-        let s = run_sft(&parts, &SftOptions { resume: true, ..Default::default() }).unwrap();
+        let s = run_sft(&parts, &RunOptions { resume: true, ..Default::default() }).unwrap();
         assert_eq!(s.steps, 7);
 
         let file = if lora { "adapter_model.safetensors" } else { "model.safetensors" };
@@ -177,7 +177,7 @@ fn exported_models_score_like_the_in_memory_one() {
         }
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let cfg = config(dir.path(), &data, "run", &extra);
-        let s = run_sft(&cfg, &SftOptions::default()).unwrap();
+        let s = run_sft(&cfg, &RunOptions::default()).unwrap();
         let export = s.export_dir.unwrap();
         let in_memory = worker_logprobs(&s.run_dir, lora_rank, &seq);
         let scored = if lora_rank > 0 {
@@ -208,10 +208,10 @@ fn bad_rows_and_bad_configs_are_reported() {
         &[ROWS[0], "{not json", ROWS[1], r#"{"messages":[{"role":"wizard","content":"x"}]}"#, ROWS[2]],
     );
     let cfg = config(dir.path(), &data, "run", &["train.max_steps=1"]);
-    let err = run_sft(&cfg, &SftOptions::default()).unwrap_err().to_string();
+    let err = run_sft(&cfg, &RunOptions::default()).unwrap_err().to_string();
     assert!(err.contains("data.jsonl:2"), "{err}");
     let cfg = config(dir.path(), &data, "run2", &["train.max_steps=1", "data.on_bad_row=\"skip\""]);
-    let s = run_sft(&cfg, &SftOptions::default()).unwrap();
+    let s = run_sft(&cfg, &RunOptions::default()).unwrap();
     assert_eq!(s.steps, 1);
     let sets = vec!["optimizer.learning_rate=1e-3".to_string()];
     let err = SftConfig::load(None, &sets).unwrap_err().to_string();
@@ -290,7 +290,7 @@ fn max_length_beyond_the_model_context_truncates_at_the_context() {
     let data = write_data(dir.path(), ROWS);
     let mut cfg = config_with_model(dir.path(), &data, &model, &["train.max_steps=2", "data.max_length=4096"]);
     cfg.data.eval_fraction = 0.0;
-    let s = run_sft(&cfg, &SftOptions::default()).unwrap();
+    let s = run_sft(&cfg, &RunOptions::default()).unwrap();
     assert_eq!(s.steps, 2);
     assert!(s.final_loss.is_finite());
 }

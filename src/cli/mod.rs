@@ -36,6 +36,9 @@ enum Command {
 /// Runs the command line; returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    // Workloads (ranks, engines) each have their own thread pool; candle's shared one for
+    // elementwise ops would make them contend.
+    crate::actor::confine_candle_threads();
     // Decoding one sequence is faster on one thread (DESIGN.md: 619 vs 274 tokens/s).
     let default_threads = match cli.command {
         Command::Generate(_) => Some(1),

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::launch::sft_dispatch;
-use crate::trainer::sft::{run_sft, SftOptions};
+use crate::trainer::sft::{run_sft, RunOptions};
 use crate::trainer::SftConfig;
 
 #[derive(clap::Args)]
@@ -34,7 +34,7 @@ pub fn run(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
         }
         eprintln!("\ninterrupted: saving a checkpoint after this step (Ctrl-C again to quit now)");
     })?;
-    let opts = SftOptions { resume: a.resume, interrupt: Some(interrupt), progress: true, ..Default::default() };
+    let opts = RunOptions { resume: a.resume, interrupt: Some(interrupt), progress: true, ..Default::default() };
     let s = run_sft(&cfg, &dispatch, &opts)?;
     let eval = s.eval_losses.last().map(|(_, e)| format!(", eval loss {e:.4}")).unwrap_or_default();
     eprintln!("step {}/{}: train loss {:.4}{eval}", s.steps, s.total_steps, s.final_loss);

@@ -53,7 +53,7 @@ const TOKENIZER_FILES: [&str; 5] = [
 
 /// How to run, beyond the config.
 #[derive(Clone, Debug, Default)]
-pub struct SftOptions {
+pub struct RunOptions {
     /// Continue from the latest checkpoint in the run directory.
     pub resume: bool,
     /// Stop (with a checkpoint) once this many steps are done, as an interruption would.
@@ -169,7 +169,7 @@ fn progress_bar(total: usize, start: usize, enabled: bool) -> indicatif::Progres
 
 /// Runs (or resumes) SFT as `cfg` says, training model [`POLICY`] of `dispatch` (built by the
 /// launcher from the config: see `cli::launch::sft_dispatch`).
-pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &SftOptions) -> Result<SftSummary> {
+pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Result<SftSummary> {
     let run_dir = cfg.output.run_dir.clone();
     let existing = latest_checkpoint(&run_dir)?;
     if existing.is_some() && !opts.resume {
