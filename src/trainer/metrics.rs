@@ -1,18 +1,23 @@
 //! Training metrics: one JSON object per optimizer step, appended to `RUN_DIR/metrics.jsonl`.
 //!
-//! Each line is a [`StepMetrics`]: step, epoch, train loss, learning rate, pre-clip gradient
-//! norm, token counts and throughput, the eval loss on steps that evaluated, and any extra
-//! metrics (e.g. the worker's `name:reduction` keys) flattened in. Every line is flushed as it is
-//! written, so a crash loses at most the step in flight. Non-finite numbers are written as
-//! `null` (JSON has no NaN) and read back as NaN.
+//! Any trainer's records are lines of the file: [`MetricsWriter::write_line`] takes anything
+//! serialisable to a JSON object with a `step` key, and [`read_metric_lines`] reads every line
+//! back as a JSON object. SFT writes [`StepMetrics`]: step, epoch, train loss, learning rate,
+//! pre-clip gradient norm, token counts and throughput, the eval loss on steps that evaluated,
+//! and any extra metrics (e.g. the worker's `name:reduction` keys) flattened in. Every line is
+//! flushed as it is written, so a crash loses at most the step in flight. Non-finite numbers are
+//! written as `null` (JSON has no NaN; serde_json writes every non-finite float so) and read
+//! back into [`StepMetrics`] as NaN.
 //!
-//! Resuming from step `s` drops the lines after `s` ([`MetricsWriter::resume`]), so a run that
-//! crashed after its last checkpoint does not log those steps twice.
+//! Resuming from step `s` drops the lines after `s` ([`MetricsWriter::resume`]), whatever kind
+//! of records they are, so a run that crashed after its last checkpoint does not log those steps
+//! twice.
 
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
@@ -51,7 +56,8 @@ pub struct StepMetrics {
     pub extra: Map<String, Value>,
 }
 
-/// Appends [`StepMetrics`] lines to `RUN_DIR/metrics.jsonl`.
+/// Appends metrics lines (any serialisable record, one JSON object a line) to
+/// `RUN_DIR/metrics.jsonl`.
 pub struct MetricsWriter {
     path: PathBuf,
     file: File,
@@ -67,25 +73,34 @@ impl MetricsWriter {
         Ok(MetricsWriter { path, file })
     }
 
-    /// Reopens `run_dir/metrics.jsonl` for a run resumed after `step`: lines with a larger step
-    /// are dropped, the rest kept, and new lines appended.
+    /// Reopens `run_dir/metrics.jsonl` for a run resumed after `step`: lines with a larger
+    /// `step` are dropped, the rest kept as they were, and new lines appended. Works for any
+    /// kind of record; a line without an integer `step` is an error.
     pub fn resume(run_dir: &Path, step: usize) -> Result<Self> {
         let path = run_dir.join(METRICS_FILE);
-        let kept: Vec<StepMetrics> = if path.is_file() {
-            read_metrics(&path)?.into_iter().filter(|m| m.step <= step).collect()
-        } else {
-            Vec::new()
-        };
+        let mut kept = Vec::new();
+        if path.is_file() {
+            for (i, line) in read_metric_lines(&path)?.into_iter().enumerate() {
+                let s = line
+                    .get("step")
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| Error::file(&path, format!("record {}: no integer `step`, cannot resume", i + 1)))?;
+                if s <= step as u64 {
+                    kept.push(line);
+                }
+            }
+        }
         let mut writer = Self::create(run_dir)?;
-        for m in &kept {
-            writer.write(m)?;
+        for line in &kept {
+            writer.write_line(line)?;
         }
         Ok(writer)
     }
 
-    /// Appends one line and flushes it.
-    pub fn write(&mut self, metrics: &StepMetrics) -> Result<()> {
-        let mut line = serde_json::to_string(metrics)
+    /// Appends one record as one JSON line and flushes it. The record should serialise to a
+    /// JSON object with an integer `step` (what [`MetricsWriter::resume`] and the plots read).
+    pub fn write_line(&mut self, record: &impl Serialize) -> Result<()> {
+        let mut line = serde_json::to_string(record)
             .map_err(|e| Error::file(&self.path, format!("cannot serialise metrics: {e}")))?;
         line.push('\n');
         self.file
@@ -94,13 +109,29 @@ impl MetricsWriter {
             .map_err(|e| Error::file(&self.path, format!("cannot write: {e}")))
     }
 
+    /// Appends one SFT line ([`MetricsWriter::write_line`]).
+    pub fn write(&mut self, metrics: &StepMetrics) -> Result<()> {
+        self.write_line(metrics)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
 }
 
-/// Every record of a metrics file; a malformed line is an error naming its line number.
+/// Every record of an SFT metrics file; a malformed line is an error naming its line number.
 pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>> {
+    read_lines(path)
+}
+
+/// Every record of a metrics file of any trainer, as JSON objects (keys in file order; a
+/// non-finite number is `null`); a line that is not a JSON object is an error naming its line
+/// number. Blank lines are skipped.
+pub fn read_metric_lines(path: &Path) -> Result<Vec<Map<String, Value>>> {
+    read_lines(path)
+}
+
+fn read_lines<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
     text.lines()
         .enumerate()
