@@ -19,7 +19,7 @@ use super::init::uniform;
 use super::linear::LoraPair;
 use super::named_tensors::NamedTensors;
 use super::transformer::Transformer;
-use crate::files::{read_json, write_json};
+use crate::files::{read_json, write_json, JsonFields};
 use crate::{Error, Result};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -92,54 +92,46 @@ impl LoraConfig {
     /// Reads a PEFT `adapter_config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let v = read_json(path)?;
-        let field = |k: &str| v.get(k).filter(|x| !x.is_null());
-        if let Some(t) = field("peft_type") {
+        let f = JsonFields::new(path, &v)?;
+        if let Some(t) = f.get("peft_type") {
             if t.as_str() != Some("LORA") {
-                return Err(Error::field(path, "peft_type", format!("{t} is not supported (only LORA)")));
+                return Err(f.err("peft_type", format!("{t} is not supported (only LORA)")));
             }
         }
-        let rank = field("r")
-            .and_then(|x| x.as_u64())
-            .ok_or_else(|| Error::field(path, "r", "missing or not an integer"))? as usize;
-        let alpha = field("lora_alpha")
-            .and_then(|x| x.as_f64())
-            .ok_or_else(|| Error::field(path, "lora_alpha", "missing or not a number"))?;
-        let target_modules = match field("target_modules") {
+        let rank = f.usize("r")?;
+        if rank == 0 {
+            return Err(f.err("r", "the LoRA rank must be positive"));
+        }
+        let alpha = f.f64("lora_alpha")?;
+        let target_modules = match f.get("target_modules") {
             Some(Value::Array(xs)) => xs
                 .iter()
-                .map(|x| {
-                    x.as_str().map(String::from).ok_or_else(|| Error::field(path, "target_modules", "expected strings"))
-                })
+                .map(|x| x.as_str().map(String::from).ok_or_else(|| f.err("target_modules", "expected strings")))
                 .collect::<Result<Vec<_>>>()?,
             Some(Value::String(s)) if s == "all-linear" => vec![s.clone()],
             Some(other) => {
-                return Err(Error::field(
-                    path,
-                    "target_modules",
-                    format!("{other} is not supported (a list of names or \"all-linear\")"),
-                ))
+                return Err(
+                    f.err("target_modules", format!("{other} is not supported (a list of names or \"all-linear\")"))
+                )
             }
-            None => return Err(Error::field(path, "target_modules", "missing")),
-        };
-        let refuse_truthy = |k: &str| -> Result<()> {
-            match field(k) {
-                None | Some(Value::Bool(false)) => Ok(()),
-                Some(Value::Object(m)) if m.is_empty() => Ok(()),
-                Some(Value::Array(a)) if a.is_empty() => Ok(()),
-                Some(x) => Err(Error::field(path, k, format!("{x} is not supported"))),
-            }
+            None => return Err(f.err("target_modules", "missing (required)")),
         };
         for k in ["use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "lora_bias"] {
-            refuse_truthy(k)?;
-        }
-        if let Some(b) = field("bias") {
-            if b.as_str() != Some("none") {
-                return Err(Error::field(path, "bias", format!("{b} is not supported (only \"none\")")));
+            match f.get(k) {
+                None | Some(Value::Bool(false)) => {}
+                Some(Value::Object(m)) if m.is_empty() => {}
+                Some(Value::Array(a)) if a.is_empty() => {}
+                Some(x) => return Err(f.err(k, format!("{x} is not supported"))),
             }
         }
-        let use_rslora = field("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
+        if let Some(b) = f.get("bias") {
+            if b.as_str() != Some("none") {
+                return Err(f.err("bias", format!("{b} is not supported (only \"none\")")));
+            }
+        }
+        let use_rslora = f.bool_or("use_rslora", false)?;
         let cfg = LoraConfig { rank, alpha, target_modules, use_rslora };
-        cfg.validate().map_err(|e| Error::field(path, "target_modules", e))?;
+        cfg.validate().map_err(|e| f.err("target_modules", e))?;
         Ok(cfg)
     }
 

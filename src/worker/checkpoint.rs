@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use super::adamw::{state_dtype, Moments};
 use super::rank::Worker;
 use super::rng::WorkerRng;
-use crate::files::{read_json, write_dir_atomically, write_json};
+use crate::files::{read_json, write_dir_atomically, write_json, JsonFields};
 use crate::model::{lora, weights, NamedTensors};
 use crate::{Error, Result};
 
@@ -72,21 +72,15 @@ impl Worker {
     pub fn load_state(&mut self, dir: &Path) -> Result<()> {
         let state_path = dir.join(STATE_FILE);
         let state = read_json(&state_path)?;
-        if state["format"] != FORMAT {
-            return Err(Error::field(&state_path, "format", format!("expected `{FORMAT}`, got {}", state["format"])));
+        let f = JsonFields::new(&state_path, &state)?;
+        if f.opt_str("format")? != Some(FORMAT) {
+            return Err(f.err("format", format!("expected `{FORMAT}`, got {}", state["format"])));
         }
-        let flag = |key: &str, want: bool| -> Result<()> {
-            if state[key].as_bool() != Some(want) {
-                return Err(Error::field(
-                    &state_path,
-                    key,
-                    format!("the checkpoint has {}, this worker {want}", state[key]),
-                ));
+        for (key, want) in [("critic", self.value_head.is_some()), ("lora", self.config.lora.is_some())] {
+            if f.opt_bool(key)? != Some(want) {
+                return Err(f.err(key, format!("the checkpoint has {}, this worker {want}", state[key])));
             }
-            Ok(())
-        };
-        flag("critic", self.value_head.is_some())?;
-        flag("lora", self.config.lora.is_some())?;
+        }
         if let Some(cfg) = &self.config.lora {
             let path = dir.join(lora::CONFIG_FILE);
             let saved = lora::LoraConfig::from_file(&path)?;
@@ -94,13 +88,14 @@ impl Worker {
                 return Err(Error::file(path, format!("LoRA config {saved:?} differs from this worker's {cfg:?}")));
             }
         }
-        let u64_field = |v: &Value, key: &str| -> Result<u64> {
-            v.as_u64().ok_or_else(|| Error::field(&state_path, key, "missing or not a non-negative integer"))
+        // Nested fields are named by their dotted key (`rng.seed`).
+        let nested_u64 = |v: &Value, key: &str| -> Result<u64> {
+            v.as_u64().ok_or_else(|| f.err(key, format!("missing or not a non-negative integer: {v}")))
         };
-        let step = u64_field(&state["step"], "step")?;
+        let step = f.u64("step")?;
         let rng = WorkerRng {
-            seed: u64_field(&state["rng"]["seed"], "rng.seed")?,
-            draws: u64_field(&state["rng"]["draws"], "rng.draws")?,
+            seed: nested_u64(&state["rng"]["seed"], "rng.seed")?,
+            draws: nested_u64(&state["rng"]["draws"], "rng.draws")?,
         };
 
         // Read everything before changing anything, so a bad checkpoint leaves the worker as it was.
@@ -118,7 +113,7 @@ impl Worker {
             moments.push(match state["param_steps"].get(name) {
                 None => None,
                 Some(s) => {
-                    let step = u64_field(s, &format!("param_steps.{name}"))?;
+                    let step = nested_u64(s, &format!("param_steps.{name}"))?;
                     let [exp_avg, exp_avg_sq] =
                         MOMENTS.map(|kind| optimizer.take(&moment_name(kind, name), p.dims(), state_dtype(p.dtype())));
                     Some(Moments { exp_avg: exp_avg?, exp_avg_sq: exp_avg_sq?, step })
