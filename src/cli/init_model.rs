@@ -2,11 +2,8 @@
 
 use std::path::PathBuf;
 
-use candle_core::Device;
-
-use crate::files::write_json;
-use crate::model::config::{Arch, ModelConfig, ModelShape};
-use crate::model::tokenizer::{write_byte_level_tokenizer, BYTE_LEVEL_VOCAB_SIZE};
+use crate::model::config::{Arch, ModelShape};
+use crate::model::tokenizer::BYTE_LEVEL_VOCAB_SIZE;
 use crate::model::{init, weights};
 
 #[derive(clap::Args)]
@@ -70,16 +67,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_position_embeddings: a.max_position,
         tie_word_embeddings: a.tie,
     };
-    let path = a.out.join("config.json");
-    let config = ModelConfig::from_value(ModelConfig::new_json(arch, &shape), &path)?;
     let dtype = weights::parse_dtype(&a.dtype)?;
-    let model = init::random_model(config, a.seed, candle_core::DType::F32, &Device::Cpu)?;
-    model.save(&a.out, dtype)?;
-    write_json(
-        &a.out.join("generation_config.json"),
-        &serde_json::json!({"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}),
-    )?;
-    write_byte_level_tokenizer(&a.out)?;
+    let model = init::write_random_model(&a.out, arch, &shape, a.seed, dtype)?;
     eprintln!("wrote a {} model with {} parameters to {}", arch.model_type(), model.num_params(), a.out.display());
     Ok(())
 }

@@ -47,3 +47,25 @@ pub fn random_model(config: ModelConfig, seed: u64, dtype: DType, device: &Devic
         }
     })
 }
+
+/// Writes a random model of `arch` and `shape` with the byte-level tokenizer (ChatML template)
+/// to `dir` in the HF layout: config.json, model.safetensors (stored as `dtype`),
+/// generation_config.json and the tokenizer files. Returns the model (f32).
+pub fn write_random_model(
+    dir: &std::path::Path,
+    arch: super::config::Arch,
+    shape: &super::config::ModelShape,
+    seed: u64,
+    dtype: DType,
+) -> Result<Transformer> {
+    let path = dir.join("config.json");
+    let config = ModelConfig::from_value(ModelConfig::new_json(arch, shape), &path)?;
+    let model = random_model(config, seed, DType::F32, &Device::Cpu)?;
+    model.save(dir, dtype)?;
+    crate::files::write_json(
+        &dir.join("generation_config.json"),
+        &serde_json::json!({"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}),
+    )?;
+    super::tokenizer::write_byte_level_tokenizer(dir)?;
+    Ok(model)
+}

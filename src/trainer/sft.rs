@@ -139,22 +139,23 @@ fn load_checkpoint(dispatch: &Dispatch, dir: &Path) -> Result<TrainerState> {
     Ok(state)
 }
 
-/// Exports the model and copies the tokenizer files next to it (a full model then loads alone).
-fn export(dispatch: &Dispatch, cfg: &SftConfig) -> Result<PathBuf> {
-    let dir = cfg.output.run_dir.join(EXPORT_DIR);
-    dispatch.export(POLICY, &dir, false)?;
-    if cfg.model.lora.rank == 0 {
+/// Exports model `id` to `dir` (HF layout, or PEFT for LoRA) and, for a full model, copies the
+/// tokenizer files of its base `model_path` next to it, so that it loads on its own.
+pub fn export_model(dispatch: &Dispatch, id: &str, model_path: &Path, lora: bool, dir: &Path) -> Result<()> {
+    dispatch.export(id, dir, false)?;
+    if !lora {
         for f in TOKENIZER_FILES {
-            let src = cfg.model.path.join(f);
+            let src = model_path.join(f);
             if src.exists() {
                 std::fs::copy(&src, dir.join(f)).map_err(|e| Error::file(&src, format!("cannot copy: {e}")))?;
             }
         }
     }
-    Ok(dir)
+    Ok(())
 }
 
-fn progress_bar(total: usize, start: usize, enabled: bool) -> indicatif::ProgressBar {
+/// A step progress bar on stderr (hidden unless `enabled`).
+pub fn progress_bar(total: usize, start: usize, enabled: bool) -> indicatif::ProgressBar {
     if !enabled {
         return indicatif::ProgressBar::hidden();
     }
@@ -194,7 +195,9 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
         eprintln!("eval:  {}", data.eval_stats);
     }
     std::fs::create_dir_all(&run_dir).map_err(|e| Error::file(&run_dir, format!("cannot create: {e}")))?;
-    std::fs::write(run_dir.join("config.toml"), cfg.to_toml()?).map_err(|e| Error::file(&run_dir, e))?;
+    // Absolute paths: the saved copy means the same config when loaded from the run directory.
+    let saved = super::config_file::absolutize(cfg)?.to_toml()?;
+    std::fs::write(run_dir.join("config.toml"), saved).map_err(|e| Error::file(&run_dir, e))?;
 
     let cross_entropy = Loss::parse("cross_entropy", &Value::Null)?;
     let eval_set = data.eval;
@@ -271,7 +274,9 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
         eprintln!("interrupted at step {step}/{total}: checkpoint in {} (continue with --resume)", ckpt.display());
         None
     } else {
-        Some(export(dispatch, cfg)?)
+        let dir = cfg.output.run_dir.join(EXPORT_DIR);
+        export_model(dispatch, POLICY, &cfg.model.path, cfg.model.lora.rank > 0, &dir)?;
+        Some(dir)
     };
     Ok(SftSummary { steps: step, total_steps: total, final_loss, eval_losses, interrupted, run_dir, export_dir })
 }

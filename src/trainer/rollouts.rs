@@ -1,0 +1,221 @@
+//! Episodes: prompts × n samples through the sampling engines and the environments.
+//!
+//! ```text
+//! for each prompt p (a group of n episodes, one env each):
+//!     tokens = chat_template(env.initial(), generation prompt)        # Env segment
+//!     loop:                                                           # one model turn
+//!         reply = engine(tokens, max_tokens = env.max_turn_tokens)    # Model segment
+//!         match env.step(text(reply)):
+//!             Done(outcome)        -> the episode ends with its reward
+//!             Continue(observation) -> tokens += the template text the observation adds
+//! ```
+//! Every prompt's first turn is one request of n samples (they share the prefill); every
+//! request of the step is submitted before any is awaited, so the engines batch them all.
+//! Sampled tokens are kept exactly as sampled (never re-tokenized): a later turn appends the
+//! template's closing of the reply that the model did not generate (e.g. the newline after
+//! `<|im_end|>`, or the whole end-of-turn marker after a reply cut at max_tokens) and the
+//! rendering of the new messages, found as the difference of two renderings. The loss mask
+//! ([`crate::env::build_sequence`]) covers only the sampled tokens.
+//!
+//! Seeds: prompt i of a step samples with seed `hash(seed, i)`, sample j with that + j (the
+//! engine's rule), so a step's episodes do not depend on how the engines interleave them.
+
+use serde_json::Value;
+
+use crate::env::{
+    build_sequence, messages_to_json, Env, EnvConfig, Message, PromptRow, Segment, Step, TrainingSequence,
+};
+use crate::handle::Handle;
+use crate::model::tokenizer::Tokenizer;
+use crate::rollout::{EngineClient, Request, RequestOutput, SamplingParams};
+use crate::{Error, Result};
+
+/// One finished episode.
+#[derive(Clone, Debug)]
+pub struct Episode {
+    /// Index of its prompt in the step's batch (episodes of one prompt form a group).
+    pub group: usize,
+    pub uid: String,
+    /// Input/target tokens, the loss mask over sampled tokens and their sampler log-probs.
+    pub sequence: TrainingSequence,
+    pub reward: f64,
+    /// The env's verdict without format rewards (eval accuracy).
+    pub correct: bool,
+    pub truncated: bool,
+    pub turns: usize,
+    /// Sampled tokens over all turns.
+    pub response_tokens: usize,
+    /// The lowest weight version among its sampled tokens.
+    pub min_version: u64,
+}
+
+/// An episode in progress.
+struct Running {
+    group: usize,
+    uid: String,
+    env: Box<dyn Env>,
+    messages: Vec<Message>,
+    segments: Vec<Segment>,
+    /// The full token sequence so far (the next request's prompt).
+    tokens: Vec<u32>,
+    turns: usize,
+    min_version: u64,
+}
+
+/// A 64-bit mix of the step seed and a prompt index (splitmix64).
+pub fn prompt_seed(seed: u64, index: usize) -> u64 {
+    let mut z =
+        seed.wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn render(tok: &Tokenizer, messages: &[Message], generation_prompt: bool) -> Result<String> {
+    tok.apply_chat_template(&messages_to_json(messages), generation_prompt, None)
+}
+
+/// Runs `n` episodes of every prompt; episodes come back grouped, prompt by prompt.
+pub fn generate_episodes(
+    client: &EngineClient,
+    tok: &Tokenizer,
+    prompts: &[PromptRow],
+    env_config: &EnvConfig,
+    params: &SamplingParams,
+    n: usize,
+    seed: u64,
+) -> Result<Vec<Episode>> {
+    let params = SamplingParams { max_tokens: env_config.max_turn_tokens, ..params.clone() };
+    // First turns: one request of n samples per prompt.
+    let mut running: Vec<Running> = vec![];
+    let mut first: Vec<Handle<RequestOutput>> = vec![];
+    for (i, p) in prompts.iter().enumerate() {
+        let probe = p.make_env(env_config)?;
+        let messages = probe.initial();
+        let prompt = tok.encode(&render(tok, &messages, true)?, false)?;
+        let request_params = SamplingParams { seed: Some(prompt_seed(seed, i)), ..params.clone() };
+        first.push(client.submit(Request {
+            num_samples: n,
+            group: Some(i as u64),
+            ..Request::new(prompt.clone(), request_params)
+        }));
+        for j in 0..n {
+            let env = if j == 0 { p.make_env(env_config)? } else { p.make_env(env_config)? };
+            running.push(Running {
+                group: i,
+                uid: p.uid.clone(),
+                env,
+                messages: messages.clone(),
+                segments: vec![Segment::env(prompt.clone())],
+                tokens: prompt.clone(),
+                turns: 0,
+                min_version: u64::MAX,
+            });
+        }
+        drop(probe);
+    }
+    let mut replies: Vec<Option<Handle<RequestOutput>>> = vec![];
+    for h in first {
+        let out = h.wait()?;
+        if out.samples.len() != n {
+            return Err(Error::Other(format!("the engine returned {} samples for {n}", out.samples.len())));
+        }
+        for g in out.samples {
+            replies.push(Some(Handle::ready(Ok(RequestOutput { samples: vec![g], prompt_logprobs: None }))));
+        }
+    }
+
+    let mut done: Vec<Option<Episode>> = (0..running.len()).map(|_| None).collect();
+    let mut round = 0usize;
+    loop {
+        let mut next: Vec<Option<Handle<RequestOutput>>> = (0..running.len()).map(|_| None).collect();
+        let mut any = false;
+        for (k, reply) in replies.iter_mut().enumerate() {
+            let Some(h) = reply.take() else { continue };
+            let g = h.wait()?.samples.into_iter().next().ok_or_else(|| Error::Other("empty engine reply".into()))?;
+            let ep = &mut running[k];
+            let text = tok.decode(&g.tokens, true)?;
+            ep.turns += 1;
+            ep.min_version = ep.min_version.min(g.versions.iter().copied().min().unwrap_or(u64::MAX));
+            ep.tokens.extend(&g.tokens);
+            let sampled = g.tokens.clone();
+            ep.segments.push(Segment::model(g.tokens, g.logprobs));
+            match ep.env.step(&text) {
+                Step::Done(outcome) => {
+                    let sequence = build_sequence(&ep.segments)?;
+                    done[k] = Some(Episode {
+                        group: ep.group,
+                        uid: ep.uid.clone(),
+                        response_tokens: sequence.num_model_tokens(),
+                        sequence,
+                        reward: outcome.reward,
+                        correct: outcome.correct,
+                        truncated: outcome.truncated,
+                        turns: ep.turns,
+                        min_version: if ep.min_version == u64::MAX { 0 } else { ep.min_version },
+                    });
+                }
+                Step::Continue { observation } => {
+                    let added = continuation_tokens(tok, &ep.messages, &text, &sampled, &observation)?;
+                    ep.messages.push(Message::assistant(text));
+                    ep.messages.extend(observation);
+                    ep.tokens.extend(&added);
+                    ep.segments.push(Segment::env(added));
+                    let request_params =
+                        SamplingParams { seed: Some(prompt_seed(seed, 1_000_003 * (round + 1) + k)), ..params.clone() };
+                    next[k] = Some(client.submit(Request::new(ep.tokens.clone(), request_params)));
+                    any = true;
+                }
+            }
+        }
+        if !any {
+            break;
+        }
+        replies = next;
+        round += 1;
+    }
+    done.into_iter()
+        .enumerate()
+        .map(|(k, e)| e.ok_or_else(|| Error::Other(format!("episode {k} did not finish"))))
+        .collect()
+}
+
+/// The tokens that follow a sampled reply before the model's next turn: the template's closing
+/// of the reply that was not sampled, then the observation's messages and the generation
+/// prompt — all as the chat template renders them after `history` + the reply.
+fn continuation_tokens(
+    tok: &Tokenizer,
+    history: &[Message],
+    reply_text: &str,
+    reply_tokens: &[u32],
+    observation: &[Message],
+) -> Result<Vec<u32>> {
+    let prompt = render(tok, history, true)?;
+    let mut with_reply = history.to_vec();
+    with_reply.push(Message::assistant(reply_text));
+    let closed = render(tok, &with_reply, false)?;
+    let mut with_obs = with_reply.clone();
+    with_obs.extend_from_slice(observation);
+    let next = render(tok, &with_obs, true)?;
+    let template_error = |what: &str| {
+        Error::input(format!(
+            "multi-turn rollout: the chat template does not render conversations as prefixes of each other ({what})"
+        ))
+    };
+    let rendered_reply = closed.strip_prefix(&prompt).ok_or_else(|| template_error("prompt vs reply"))?;
+    let added = next.strip_prefix(&closed).ok_or_else(|| template_error("reply vs observation"))?;
+    // What the model produced, special tokens included (an end-of-turn token it sampled).
+    let sampled = tok.decode(reply_tokens, false)?;
+    let closing = match rendered_reply.strip_prefix(sampled.as_str()) {
+        Some(rest) => rest.to_string(),
+        // The sample's text differs from its rendering (e.g. the template trims it): close
+        // after the reply's plain text.
+        None => rendered_reply.strip_prefix(reply_text).map(str::to_string).unwrap_or_default(),
+    };
+    tok.encode(&format!("{closing}{added}"), false)
+}
+
+/// The JSON form of an episode's conversation so far (for logs).
+pub fn conversation_json(messages: &[Message]) -> Value {
+    Value::Array(messages_to_json(messages))
+}
