@@ -330,3 +330,26 @@ fn type_name(v: &Value) -> &'static str {
         Value::Table(_) => "a table",
     }
 }
+
+/// `cfg` with every non-empty path of [`ConfigPaths::PATH_KEYS`] made absolute: canonicalised
+/// where it exists, else joined to the working directory; an empty path ("unset") stays empty.
+/// A run saves this as `RUN_DIR/config.toml`, so that the copy means the same config when it is
+/// loaded again with `--config` (relative paths in a file are relative to the file).
+pub fn absolutize<T: ConfigPaths + Serialize + DeserializeOwned>(cfg: &T) -> Result<T> {
+    let mut table = Table::try_from(cfg).map_err(|e| Error::Other(format!("cannot serialise the config: {e}")))?;
+    for key in T::PATH_KEYS {
+        if let Some(Value::String(p)) = lookup_mut(&mut table, key) {
+            if !p.is_empty() {
+                let path = Path::new(p.as_str());
+                let abs = std::fs::canonicalize(path)
+                    .or_else(|_| std::path::absolute(path))
+                    .map_err(|e| Error::input(format!("config key `{key}`: cannot make `{p}` absolute: {e}")))?;
+                *p = abs
+                    .to_str()
+                    .ok_or_else(|| Error::input(format!("config key `{key}`: `{}` is not valid UTF-8", abs.display())))?
+                    .to_string();
+            }
+        }
+    }
+    Value::Table(table).try_into().map_err(|e| Error::Other(format!("cannot read the absolutized config back: {e}")))
+}
