@@ -2,12 +2,13 @@
 //!
 //! With `--config FILE` the result is also validated (required keys, ranges), so `config show`
 //! is the way to check a config before a run. With no file it prints the defaults of `--kind`
-//! (with any `--set` applied), which are not a runnable config: `model.path` and
-//! `data.train_file` have no default.
+//! (with any `--set` applied), which are not a runnable config: `model.path` (and for SFT
+//! `data.train_file`) has no default.
 
 use std::path::PathBuf;
 
 use crate::trainer::config::SftConfig;
+use crate::trainer::RlConfig;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -34,10 +35,13 @@ struct ShowArgs {
     set: Vec<String>,
 }
 
-/// The kinds of run config. The RL config joins here.
+/// The kinds of run config.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum ConfigKind {
+    /// `oxrl sft`.
     Sft,
+    /// `oxrl rl`.
+    Rl,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -47,6 +51,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 ConfigKind::Sft => {
                     let config: SftConfig = match &s.config {
                         Some(path) => SftConfig::load(Some(path), &s.set)?,
+                        None => crate::trainer::config_file::resolve(None, &s.set)?,
+                    };
+                    config.to_toml()?
+                }
+                ConfigKind::Rl => {
+                    let config: RlConfig = match &s.config {
+                        Some(path) => RlConfig::load(Some(path), &s.set)?,
                         None => crate::trainer::config_file::resolve(None, &s.set)?,
                     };
                     config.to_toml()?

@@ -1,14 +1,19 @@
 //! Launching: the one place that turns a run's config into ready workers — devices, meshes and
 //! thread budgets are chosen here, so trainers receive a built [`Dispatch`] and never name them.
 
+use std::sync::Arc;
+
 use crate::dispatch::mesh::MeshShape;
 use crate::dispatch::{Dispatch, WorkerSpec};
 use crate::model::lora::LoraConfig;
-use crate::model::weights;
-use crate::trainer::sft::POLICY;
-use crate::trainer::SftConfig;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{weights, Transformer};
+use crate::rollout::{Engine, EngineClient, EngineConfig};
+use crate::trainer::config::ModelSection;
+use crate::trainer::rl_ids::{CRITIC, POLICY, REFERENCE};
+use crate::trainer::{RlConfig, SftConfig};
 use crate::worker::WorkerConfig;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Cores available to this process.
 pub fn cores() -> usize {
@@ -19,10 +24,7 @@ pub fn cores() -> usize {
 /// `threads_per_rank` tensor-math threads (default: the cores shared evenly among the ranks).
 pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<Dispatch> {
     let dp = cfg.train.data_parallel.max(1);
-    let lora = (cfg.model.lora.rank > 0).then(|| {
-        let targets: Vec<&str> = cfg.model.lora.targets.iter().map(String::as_str).collect();
-        LoraConfig::new(cfg.model.lora.rank, cfg.model.lora.alpha, &targets)
-    });
+    let lora = lora_config(&cfg.model);
     let spec = WorkerSpec {
         dtype: weights::parse_dtype(&cfg.model.dtype)?,
         mesh: MeshShape::dp(dp),
@@ -40,4 +42,72 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
     let dispatch = Dispatch::new(false);
     dispatch.create_model(POLICY, &spec)?;
     Ok(dispatch)
+}
+
+/// The `[model.lora]` adapter, `None` for rank 0 (full fine-tuning).
+fn lora_config(model: &ModelSection) -> Option<LoraConfig> {
+    (model.lora.rank > 0).then(|| {
+        let targets: Vec<&str> = model.lora.targets.iter().map(String::as_str).collect();
+        LoraConfig::new(model.lora.rank, model.lora.alpha, &targets)
+    })
+}
+
+/// The workers and engines of an RL run.
+///
+/// Dispatch models: [`POLICY`] (LoRA or full per `[model]`), [`REFERENCE`] when the run has a KL
+/// penalty (full weights of the same model; only forward runs on it, so it never changes), and
+/// [`CRITIC`] (a value head) when the advantage is GAE; each with `launch.data_parallel` ranks of
+/// `threads` tensor-math threads (default `launch.trainer_threads`, 0 = the cores shared among the
+/// ranks) and `launch.micro_batch_size` / `max_tokens_per_microbatch`. Engines: `launch.engines`
+/// engines on the base model, `launch.engine_threads` threads each, stopping at the tokenizer's
+/// EOS ids, batching up to `prompts_per_step × n_samples` rows (at least 64).
+pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, EngineClient)> {
+    let l = &cfg.launch;
+    let dp = l.data_parallel.max(1);
+    let dtype = weights::parse_dtype(&cfg.model.dtype)?;
+    let threads = match threads.unwrap_or(l.trainer_threads) {
+        0 => (cores() / dp).max(1),
+        n => n,
+    };
+    let worker = WorkerConfig {
+        lora: None,
+        seed: cfg.train.seed,
+        critic: false,
+        micro_batch_size: (l.micro_batch_size > 0).then_some(l.micro_batch_size),
+        max_tokens_per_microbatch: (l.max_tokens_per_microbatch > 0).then_some(l.max_tokens_per_microbatch),
+    };
+    let base = WorkerSpec { dtype, mesh: MeshShape::dp(dp), threads, worker, ..WorkerSpec::new(&cfg.model.path) };
+    let dispatch = Dispatch::new(false);
+    let policy = WorkerConfig { lora: lora_config(&cfg.model), ..base.worker.clone() };
+    dispatch.create_model(POLICY, &WorkerSpec { worker: policy, ..base.clone() })?;
+    if cfg.needs_reference() {
+        dispatch.create_model(REFERENCE, &base)?;
+    }
+    if cfg.needs_critic() {
+        let critic = WorkerConfig { critic: true, ..base.worker.clone() };
+        dispatch.create_model(CRITIC, &WorkerSpec { worker: critic, ..base.clone() })?;
+    }
+
+    // The envs work in text: the tokenizer is required (for stop strings, and its EOS ids).
+    let tokenizer = Tokenizer::from_dir(&cfg.model.path)
+        .map_err(|e| Error::input(format!("model.path: an RL run needs the model's tokenizer: {e}")))?;
+    let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
+    let tokenizer = Arc::new(tokenizer);
+    let max_batch = (cfg.train.prompts_per_step * cfg.rollout.n_samples).max(64);
+    let mut engines = Vec::with_capacity(l.engines.max(1));
+    for _ in 0..l.engines.max(1) {
+        let model = Transformer::load(&cfg.model.path, dtype, &candle_core::Device::Cpu)?;
+        if eos_token_ids.is_empty() {
+            eos_token_ids = model.config.eos_token_ids.clone();
+        }
+        let config = EngineConfig {
+            max_batch,
+            kv_cache_tokens: None,
+            eos_token_ids: eos_token_ids.clone(),
+            tokenizer: Some(tokenizer.clone()),
+            threads: l.engine_threads.max(1),
+        };
+        engines.push(Engine::start(model, config)?);
+    }
+    Ok((dispatch, EngineClient::new(engines)?))
 }

@@ -23,6 +23,10 @@
 //! means the same from any working directory; the config type lists its path keys
 //! ([`ConfigPaths`]). A `--set` path, typed on the command line, and a default stay relative to
 //! the working directory.
+//!
+//! Open tables: a config type may declare free-form tables ([`ConfigPaths::OPEN_KEYS`], e.g. a
+//! loss's own config), whose contents are not in the schema. Any key below one is accepted as
+//! written (file and `--set` layers overlay key by key); whoever consumes the table checks it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -37,6 +41,10 @@ use crate::error::{nearest_name, Error, Result};
 pub trait ConfigPaths {
     /// Dotted keys of the fields that hold a path (`model.path`, ...).
     const PATH_KEYS: &'static [&'static str] = &[];
+    /// Dotted keys of free-form tables (`algorithm.loss_config`, ...): their default is an
+    /// empty table, and the keys and values below them are not schema-checked (the consumer
+    /// of the table checks them).
+    const OPEN_KEYS: &'static [&'static str] = &[];
 }
 
 /// Where each key's value came from, so that an error about a value points at the file or the
@@ -132,7 +140,7 @@ where
         let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read config: {e}")))?;
         let mut user: Table = toml::from_str(&text).map_err(|e| Error::file(path, format!("invalid TOML: {e}")))?;
         relative_to_file(&mut user, T::PATH_KEYS, path)?;
-        merge(&mut table, user, "", &valid, &Origin::File(path))?;
+        merge(&mut table, user, "", &valid, T::OPEN_KEYS, &Origin::File(path))?;
     }
     for arg in sets {
         let (key, mut value) = parse_set(arg)?;
@@ -145,7 +153,7 @@ where
         }
         let mut layer = Table::new();
         insert_dotted(&mut layer, &key, value);
-        merge(&mut table, layer, "", &valid, &Origin::Set(arg))?;
+        merge(&mut table, layer, "", &valid, T::OPEN_KEYS, &Origin::Set(arg))?;
         // A later --set of the same key wins; one of a key below stays more specific.
         sources.sets.retain(|k, _| !(k == &key || k.starts_with(&format!("{key}."))));
         sources.sets.insert(key, arg.clone());
@@ -294,9 +302,24 @@ fn insert_dotted(table: &mut Table, key: &str, value: Value) {
 }
 
 /// Overlays `over` on `base` (the schema with the values so far), checking keys and types.
-fn merge(base: &mut Table, over: Table, prefix: &str, valid: &[String], origin: &Origin) -> Result<()> {
+fn merge(base: &mut Table, over: Table, prefix: &str, valid: &[String], open: &[&str], origin: &Origin) -> Result<()> {
     for (key, value) in over {
         let full = join(prefix, &key);
+        // Below an open table anything goes, but the key itself must stay a table.
+        if open.contains(&full.as_str()) {
+            if let Some(slot) = base.get_mut(&key) {
+                match (slot, value) {
+                    (Value::Table(b), Value::Table(o)) => overlay(b, o),
+                    (slot, value) => {
+                        return Err(origin.error(
+                            &full,
+                            format!("expected {}, found {} `{value}`", type_name(slot), type_name(&value)),
+                        ))
+                    }
+                }
+                continue;
+            }
+        }
         let Some(slot) = base.get_mut(&key) else {
             // Suggest against the whole schema, so a key in the wrong section is found too.
             let hint = match suggest(&full, valid) {
@@ -306,7 +329,7 @@ fn merge(base: &mut Table, over: Table, prefix: &str, valid: &[String], origin: 
             return Err(origin.error(&full, format!("unknown key{hint}")));
         };
         match (slot, value) {
-            (Value::Table(b), Value::Table(o)) => merge(b, o, &full, valid, origin)?,
+            (Value::Table(b), Value::Table(o)) => merge(b, o, &full, valid, open, origin)?,
             (slot @ Value::Float(_), Value::Integer(i)) => *slot = Value::Float(i as f64),
             (slot, value) if std::mem::discriminant(slot) == std::mem::discriminant(&value) => *slot = value,
             (slot, value) => {
@@ -317,6 +340,18 @@ fn merge(base: &mut Table, over: Table, prefix: &str, valid: &[String], origin: 
         }
     }
     Ok(())
+}
+
+/// Overlays `over` on `base` without a schema: tables merge key by key, anything else replaces.
+fn overlay(base: &mut Table, over: Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(Value::Table(b)), Value::Table(o)) => overlay(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
 }
 
 fn type_name(v: &Value) -> &'static str {

@@ -5,6 +5,8 @@
 //!   suggestions; generic over the config type, so the RL config reuses it.
 //! - [`config`]: the SFT config (`[model]`, `[data]`, `[optimizer]`, `[schedule]`, `[train]`,
 //!   `[output]`).
+//! - [`rl_config`]: the RL config (the SFT sections plus `[env]`, `[rollout]`, `[algorithm]`,
+//!   `[critic]`, `[launch]`), and [`rl_ids`], the ids of an RL run's models.
 //! - [`rows`]: JSONL / Parquet rows with their file and line (or row).
 //! - [`chat_mask`]: tokens and trained-token mask of a conversation by incremental rendering.
 //! - [`sft_data`]: rows → conversations → `{input_tokens, target_tokens, weights}` examples,
@@ -21,6 +23,8 @@ pub mod config_file;
 pub mod data_loader;
 pub mod metrics;
 pub mod plot;
+pub mod rl_config;
+pub mod rl_ids;
 pub mod rows;
 pub mod sft;
 pub mod sft_data;
@@ -28,4 +32,5 @@ pub mod sft_data;
 pub use config::SftConfig;
 pub use data_loader::{DataLoader, LoaderPosition};
 pub use metrics::{MetricsWriter, StepMetrics};
+pub use rl_config::RlConfig;
 pub use sft_data::{load_sft_dataset, SftDataset, SftExample};

@@ -1,0 +1,785 @@
+//! The RL run configuration: one TOML file with sections `[model]`, `[data]`, `[env]`,
+//! `[rollout]`, `[algorithm]`, `[critic]`, `[optimizer]`, `[schedule]`, `[train]`, `[launch]` and
+//! `[output]`, resolved by [`config_file`](super::config_file) (defaults ← file ← `--set`).
+//!
+//! Every field has a default, written on it; no field is an `Option` (an unset path is `""`, an
+//! unset limit `0`). `[model]`, `[optimizer]`, `[schedule]` and `[output]` are the SFT config's
+//! sections (with RL defaults: a constant schedule, `runs/rl`). Two tables are free-form
+//! ([`ConfigPaths::OPEN_KEYS`]): `algorithm.loss_config` (checked by [`Loss::parse`]) and
+//! `algorithm.off_policy` (checked by [`OffPolicyCorrection::from_config`]); [`RlConfig::validate`]
+//! runs those parsers, so a bad key in them is reported before a run starts.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+
+use super::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
+use super::config_file::{ConfigPaths, Sources};
+use crate::algo::{
+    AdaptiveKlController, AdvantageEstimator, KlController, KlEstimator, Loss, LossReduction, OffPolicyCorrection,
+};
+use crate::env::EnvConfig;
+use crate::error::{nearest_name, Error, Result};
+use crate::rollout::SamplingParams;
+
+/// Run modes: `sync` (generate, then train, then sync weights). `async` is planned.
+pub const MODES: [&str; 1] = ["sync"];
+/// Values of `algorithm.dynamic_sampling`.
+pub const DYNAMIC_SAMPLING: [&str; 3] = ["none", "filter", "replace"];
+
+/// A full RL run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RlConfig {
+    /// `sync`: each step generates, scores, trains, then syncs the engines' weights. Default
+    /// `sync` (the only mode so far; `async` is coming).
+    pub mode: String,
+    pub model: ModelSection,
+    pub data: RlDataSection,
+    pub env: EnvSection,
+    pub rollout: RolloutSection,
+    pub algorithm: AlgorithmSection,
+    pub critic: CriticSection,
+    pub optimizer: OptimizerSection,
+    pub schedule: ScheduleSection,
+    pub train: RlTrainSection,
+    pub launch: LaunchSection,
+    pub output: OutputSection,
+}
+
+impl Default for RlConfig {
+    fn default() -> Self {
+        RlConfig {
+            mode: "sync".into(),
+            model: ModelSection::default(),
+            data: RlDataSection::default(),
+            env: EnvSection::default(),
+            rollout: RolloutSection::default(),
+            algorithm: AlgorithmSection::default(),
+            critic: CriticSection::default(),
+            optimizer: OptimizerSection::default(),
+            schedule: ScheduleSection { kind: ScheduleKind::Constant, ..ScheduleSection::default() },
+            train: RlTrainSection::default(),
+            launch: LaunchSection::default(),
+            output: OutputSection { run_dir: PathBuf::from("runs/rl") },
+        }
+    }
+}
+
+impl ConfigPaths for RlConfig {
+    const PATH_KEYS: &'static [&'static str] = &["model.path", "data.train_file", "data.eval_file", "output.run_dir"];
+    const OPEN_KEYS: &'static [&'static str] = &["algorithm.loss_config", "algorithm.off_policy"];
+}
+
+/// `[data]`: the prompts (see [`crate::env::prompts`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RlDataSection {
+    /// Training prompts, `.jsonl` or `.parquet`, one env row per line. Default `""`: a
+    /// synthetic arithmetic set (`synthetic_*` below).
+    pub train_file: PathBuf,
+    /// Evaluation prompts. Default `""`: the synthetic eval set when training on the synthetic
+    /// set, else `eval_fraction` of the training prompts.
+    pub eval_file: PathBuf,
+    /// Fraction of training prompts held out for evaluation when there is no `eval_file` (and
+    /// `train_file` is given), chosen by `shuffle_seed`. Default 0: no evaluation.
+    pub eval_fraction: f64,
+    /// The env of rows without an `env` field (one of [`crate::env::ENV_NAMES`]). Default
+    /// `arithmetic`.
+    pub env: String,
+    /// What a malformed row does: `error` (the default) or `skip` (warn and count).
+    pub on_bad_row: OnBadRow,
+    /// Seed of the prompt order and of the eval split. Default 0.
+    pub shuffle_seed: u64,
+    /// Problems in the synthetic training set. Default 2000.
+    pub synthetic_train: usize,
+    /// Problems in the synthetic eval set (none of them in the training set). Default 100.
+    pub synthetic_eval: usize,
+    /// Digits of each synthetic operand, 1 to 9. Default 1.
+    pub synthetic_digits: u32,
+    /// Operators of the synthetic problems, a non-empty string over `+-*`. Default `+`.
+    pub synthetic_ops: String,
+}
+
+impl Default for RlDataSection {
+    fn default() -> Self {
+        RlDataSection {
+            train_file: PathBuf::new(),
+            eval_file: PathBuf::new(),
+            eval_fraction: 0.0,
+            env: "arithmetic".into(),
+            on_bad_row: OnBadRow::Error,
+            shuffle_seed: 0,
+            synthetic_train: 2000,
+            synthetic_eval: 100,
+            synthetic_digits: 1,
+            synthetic_ops: "+".into(),
+        }
+    }
+}
+
+impl RlDataSection {
+    /// Whether the training prompts are the synthetic arithmetic set.
+    pub fn is_synthetic(&self) -> bool {
+        self.train_file.as_os_str().is_empty()
+    }
+
+    /// The synthetic set's generator settings.
+    pub fn arithmetic_spec(&self) -> crate::env::ArithmeticSpec {
+        crate::env::ArithmeticSpec { digits: self.synthetic_digits, ops: self.synthetic_ops.clone() }
+    }
+}
+
+/// `[env]`: settings shared by every environment ([`EnvConfig`], with sentinels for its options).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EnvSection {
+    /// Most model turns of a multi-turn episode. Default 4.
+    pub max_turns: usize,
+    /// Token budget of one model turn (the sampler's `max_tokens`). Default 256.
+    pub max_turn_tokens: usize,
+    /// Reward of a well-formed but wrong answer; negative (the default, -1) means the env's own
+    /// default.
+    pub format_reward: f64,
+    /// A system message before every prompt. Default `""`: none (for `calculator`, its tool
+    /// instructions).
+    pub system_prompt: String,
+    /// Role of tool-result messages: `user` (the default; every template renders it) or `tool`.
+    pub tool_role: String,
+}
+
+impl Default for EnvSection {
+    fn default() -> Self {
+        let e = EnvConfig::default();
+        EnvSection {
+            max_turns: e.max_turns,
+            max_turn_tokens: e.max_turn_tokens,
+            format_reward: -1.0,
+            system_prompt: String::new(),
+            tool_role: e.tool_role,
+        }
+    }
+}
+
+impl EnvSection {
+    /// The envs' settings: a negative `format_reward` and an empty `system_prompt` are `None`.
+    pub fn env_config(&self) -> EnvConfig {
+        EnvConfig {
+            max_turns: self.max_turns,
+            max_turn_tokens: self.max_turn_tokens,
+            format_reward: (self.format_reward >= 0.0).then_some(self.format_reward),
+            system_prompt: (!self.system_prompt.is_empty()).then(|| self.system_prompt.clone()),
+            tool_role: self.tool_role.clone(),
+        }
+    }
+}
+
+/// `[rollout]`: sampling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutSection {
+    /// Samples per prompt (the group size of GRPO / RLOO). Default 8.
+    pub n_samples: usize,
+    /// Sampling temperature for training rollouts; 0 = greedy. Default 1.
+    pub temperature: f64,
+    /// Nucleus sampling threshold; 1 = off. Default 1.
+    pub top_p: f64,
+    /// Top-k truncation; 0 = off. Default 0.
+    pub top_k: usize,
+    /// Samples per eval prompt: evaluation reports pass@1 (mean) and pass@`eval_samples`.
+    /// Default 4.
+    pub eval_samples: usize,
+    /// Sampling temperature at evaluation. Default 1.
+    pub eval_temperature: f64,
+}
+
+impl Default for RolloutSection {
+    fn default() -> Self {
+        RolloutSection { n_samples: 8, temperature: 1.0, top_p: 1.0, top_k: 0, eval_samples: 4, eval_temperature: 1.0 }
+    }
+}
+
+/// `[algorithm]`: advantages, the policy loss, its reduction, KL, off-policy correction,
+/// dynamic sampling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlgorithmSection {
+    /// Advantage estimator: `grpo`, `rloo`, `reinforce++` or `gae` (trains a critic, see
+    /// `[critic]`). Default `grpo`.
+    pub advantage: String,
+    /// GRPO: divide by the group's reward standard deviation. Default true.
+    pub norm_by_std: bool,
+    /// Discount of `reinforce++` and `gae`. Default 1.
+    pub gamma: f64,
+    /// GAE λ. Default 1.
+    pub lambda: f64,
+    /// Policy loss, any name [`Loss::parse`] takes: `regular` (PPO-clip, the default),
+    /// `dual_clip`, `gspo`, `sapo`, `rollout_is`, `policy/cispo`, Tinker's `ppo`, `cispo`,
+    /// `importance_sampling`, ...
+    pub loss: String,
+    /// The loss's own config (e.g. `eps_clip_low`, `eps_clip_high`), passed to [`Loss::parse`]
+    /// as JSON. Default `{}`: the loss's defaults. The KL term is set in `[algorithm.kl]`, not
+    /// here.
+    pub loss_config: toml::Table,
+    /// Loss reduction, as per-token weights: `token_mean` (the default), `sequence_mean`,
+    /// `seq_mean_token_sum_norm` (needs `max_seq_len`) or `prompt_mean`.
+    pub reduction: String,
+    /// The constant length of `seq_mean_token_sum_norm`. Default 0 (unset).
+    pub max_seq_len: usize,
+    /// KL penalty against the reference (the initial policy).
+    pub kl: KlSection,
+    /// Off-policy correction of the sampler / learner mismatch, with keys `outlier_low`,
+    /// `outlier_high`, `token_mask_low`, `token_mask_high`, `tis_level` (`token` | `sequence`),
+    /// `tis_cap`, `sequence_mask` (`geometric` | `product`), `sequence_mask_low`,
+    /// `sequence_mask_high` (see [`OffPolicyCorrection::from_config`]). Default `{}`: none.
+    pub off_policy: toml::Table,
+    /// Groups whose rewards are all equal (zero advantage under GRPO / RLOO): `none` (keep
+    /// them, the default), `filter` (drop them) or `replace` (drop them and sample more
+    /// prompts until the step has `prompts_per_step` groups, or `max_sampling_rounds`).
+    pub dynamic_sampling: String,
+    /// Rounds of sampling per step at most with `dynamic_sampling = "replace"`. Default 3.
+    pub max_sampling_rounds: usize,
+    /// Give the tokens of zero-variance groups zero weight in the loss (they still count in
+    /// the reduction's denominators). Default false.
+    pub zero_variance_filter: bool,
+}
+
+impl Default for AlgorithmSection {
+    fn default() -> Self {
+        AlgorithmSection {
+            advantage: "grpo".into(),
+            norm_by_std: true,
+            gamma: 1.0,
+            lambda: 1.0,
+            loss: "regular".into(),
+            loss_config: toml::Table::new(),
+            reduction: "token_mean".into(),
+            max_seq_len: 0,
+            kl: KlSection::default(),
+            off_policy: toml::Table::new(),
+            dynamic_sampling: "none".into(),
+            max_sampling_rounds: 3,
+            zero_variance_filter: false,
+        }
+    }
+}
+
+/// `[algorithm.kl]`: the KL penalty `coef · k(lp, ref)`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KlSection {
+    /// Coefficient; 0 (the default) turns the penalty off and no reference model is loaded.
+    pub coef: f64,
+    /// Estimator: `k1`, `k2`, `k3` (the default) or `abs`.
+    pub estimator: String,
+    /// false (the default): a per-token term of the policy loss (its `kl_coef`); true:
+    /// subtracted from the token rewards before the advantages.
+    pub in_reward: bool,
+    /// Adapt the coefficient toward `target` KL. Default false.
+    pub adaptive: bool,
+    /// Target KL of the adaptive controller. Default 0.1.
+    pub target: f64,
+    /// Horizon of the adaptive controller, in samples. Default 10000.
+    pub horizon: f64,
+}
+
+impl Default for KlSection {
+    fn default() -> Self {
+        KlSection {
+            coef: 0.0,
+            estimator: "k3".into(),
+            in_reward: false,
+            adaptive: false,
+            target: 0.1,
+            horizon: 10000.0,
+        }
+    }
+}
+
+/// `[critic]`: the value model, trained only when `algorithm.advantage = "gae"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CriticSection {
+    /// The critic's learning rate (its other AdamW settings are `[optimizer]`'s). Default 1e-4.
+    pub lr: f64,
+    /// Value-loss clip around the old values; 0 = no clipping. Default 0.2.
+    pub value_clip: f64,
+}
+
+impl Default for CriticSection {
+    fn default() -> Self {
+        CriticSection { lr: 1e-4, value_clip: 0.2 }
+    }
+}
+
+/// `[train]`: the loop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RlTrainSection {
+    /// Prompts per step (each sampled `rollout.n_samples` times). Default 16.
+    pub prompts_per_step: usize,
+    /// Optimizer steps per update epoch: the step's groups are split into this many
+    /// mini-batches. At most `prompts_per_step`. Default 1.
+    pub mini_batches: usize,
+    /// Passes over the step's samples. Default 1.
+    pub update_epochs: usize,
+    /// Steps of the run. Default 50.
+    pub max_steps: usize,
+    /// Evaluate every this many steps (and after the last); 0: only after the last. Default 10.
+    pub eval_every: usize,
+    /// Save a checkpoint every this many steps (and after the last); 0: only after the last.
+    /// Default 10.
+    pub checkpoint_every: usize,
+    /// Seed of the sampling streams, LoRA and value-head initialisation. Default 0.
+    pub seed: u64,
+}
+
+impl Default for RlTrainSection {
+    fn default() -> Self {
+        RlTrainSection {
+            prompts_per_step: 16,
+            mini_batches: 1,
+            update_epochs: 1,
+            max_steps: 50,
+            eval_every: 10,
+            checkpoint_every: 10,
+            seed: 0,
+        }
+    }
+}
+
+/// `[launch]`: workers and engines (how the run is laid out; the results do not depend on it,
+/// up to float rounding and sampling order).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LaunchSection {
+    /// Data-parallel ranks of each trained model (threads of this process). Default 1.
+    pub data_parallel: usize,
+    /// Sampling engines, each with a copy of the policy. Default 1.
+    pub engines: usize,
+    /// Tensor-math threads of each engine. Default 1.
+    pub engine_threads: usize,
+    /// Tensor-math threads of each trainer rank; 0 shares the cores among the ranks. `oxrl
+    /// --threads` overrides it. Default 1.
+    pub trainer_threads: usize,
+    /// Sequences per forward/backward call on a rank; 0 (the default): the whole mini-batch.
+    pub micro_batch_size: usize,
+    /// At most this many padded tokens per micro-batch on a rank; 0 (the default): no limit.
+    pub max_tokens_per_microbatch: usize,
+}
+
+impl Default for LaunchSection {
+    fn default() -> Self {
+        LaunchSection {
+            data_parallel: 1,
+            engines: 1,
+            engine_threads: 1,
+            trainer_threads: 1,
+            micro_batch_size: 0,
+            max_tokens_per_microbatch: 0,
+        }
+    }
+}
+
+impl RlConfig {
+    /// Defaults ← `file` ← `--set` overrides, then [`validate`](Self::validate).
+    pub fn load(file: Option<&Path>, sets: &[String]) -> Result<Self> {
+        let (config, sources): (RlConfig, _) = super::config_file::resolve_with_sources(file, sets)?;
+        config.validate(&sources)?;
+        Ok(config)
+    }
+
+    /// Checks what types cannot: required fields, names (run through the parsers the loop
+    /// uses) and value ranges. Errors name the dotted key and where its value came from.
+    pub fn validate(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
+        // Parser errors are `Error::Input(message)`; keep the message without its prefix.
+        let wrap = |key: &str, e: Error| -> Error {
+            let msg = match e {
+                Error::Input(m) => m,
+                other => other.to_string(),
+            };
+            sources.error(key, msg)
+        };
+        if !MODES.contains(&self.mode.as_str()) {
+            let msg = match self.mode.as_str() {
+                "async" => "`async` is not available yet; expected `sync`".to_string(),
+                m => unknown("mode", m, &MODES),
+            };
+            return Err(err("mode", &msg));
+        }
+        self.validate_model(sources)?;
+        self.validate_data(sources)?;
+
+        let env = &self.env;
+        if env.max_turns == 0 {
+            return Err(err("env.max_turns", &"must be positive"));
+        }
+        if env.max_turn_tokens == 0 {
+            return Err(err("env.max_turn_tokens", &"must be positive"));
+        }
+        if !env.format_reward.is_finite() {
+            return Err(err("env.format_reward", &"must be finite (negative: the env's default)"));
+        }
+        if env.tool_role.is_empty() {
+            return Err(err("env.tool_role", &"must not be empty (user or tool)"));
+        }
+
+        let r = &self.rollout;
+        if r.n_samples == 0 {
+            return Err(err("rollout.n_samples", &"must be positive"));
+        }
+        if r.n_samples < 2 && matches!(self.algorithm.advantage.as_str(), "grpo" | "rloo") {
+            return Err(err(
+                "rollout.n_samples",
+                &format!(
+                    "must be at least 2 with algorithm.advantage = \"{}\" (a group of one sample has zero advantage)",
+                    self.algorithm.advantage
+                ),
+            ));
+        }
+        for (key, t) in [("rollout.temperature", r.temperature), ("rollout.eval_temperature", r.eval_temperature)] {
+            if !non_negative(t) {
+                return Err(err(key, &"must be non-negative (0 = greedy)"));
+            }
+        }
+        if !(r.top_p.is_finite() && r.top_p > 0.0 && r.top_p <= 1.0) {
+            return Err(err("rollout.top_p", &"must be in (0, 1]"));
+        }
+        if r.eval_samples == 0 {
+            return Err(err("rollout.eval_samples", &"must be positive"));
+        }
+
+        self.validate_algorithm(sources)?;
+
+        if self.needs_critic() {
+            if !positive(self.critic.lr) {
+                return Err(err("critic.lr", &"must be positive"));
+            }
+            self.value_loss().map_err(|e| wrap("critic.value_clip", e))?;
+        }
+
+        let o = &self.optimizer;
+        if !positive(o.lr) {
+            return Err(err("optimizer.lr", &"must be positive"));
+        }
+        if !o.betas.iter().all(|b| (0.0..1.0).contains(b)) {
+            return Err(err("optimizer.betas", &"each must be in [0, 1)"));
+        }
+        if !positive(o.eps) {
+            return Err(err("optimizer.eps", &"must be positive"));
+        }
+        if !non_negative(o.weight_decay) {
+            return Err(err("optimizer.weight_decay", &"must be non-negative"));
+        }
+        if !non_negative(o.grad_clip_norm) {
+            return Err(err("optimizer.grad_clip_norm", &"must be non-negative (0 disables)"));
+        }
+        if !(0.0..=1.0).contains(&self.schedule.min_lr_ratio) {
+            return Err(err("schedule.min_lr_ratio", &"must be in [0, 1]"));
+        }
+
+        let t = &self.train;
+        if t.prompts_per_step == 0 {
+            return Err(err("train.prompts_per_step", &"must be positive"));
+        }
+        if t.mini_batches == 0 || t.mini_batches > t.prompts_per_step {
+            return Err(err(
+                "train.mini_batches",
+                &format!("must be between 1 and train.prompts_per_step ({})", t.prompts_per_step),
+            ));
+        }
+        if t.update_epochs == 0 {
+            return Err(err("train.update_epochs", &"must be positive"));
+        }
+        if t.max_steps == 0 {
+            return Err(err("train.max_steps", &"must be positive"));
+        }
+
+        let l = &self.launch;
+        for (key, n) in [
+            ("launch.data_parallel", l.data_parallel),
+            ("launch.engines", l.engines),
+            ("launch.engine_threads", l.engine_threads),
+        ] {
+            if n == 0 {
+                return Err(err(key, &"must be positive"));
+            }
+        }
+        if self.output.run_dir.as_os_str().is_empty() {
+            return Err(err("output.run_dir", &"required"));
+        }
+        Ok(())
+    }
+
+    fn validate_model(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &str| sources.error(key, msg);
+        if self.model.path.as_os_str().is_empty() {
+            return Err(err("model.path", "required: the model directory"));
+        }
+        crate::model::weights::parse_dtype(&self.model.dtype)
+            .map_err(|_| err("model.dtype", "expected f32, bf16 or f16"))?;
+        let lora = &self.model.lora;
+        if lora.rank > 0 {
+            if !positive(lora.alpha) {
+                return Err(err("model.lora.alpha", "must be positive"));
+            }
+            let targets: Vec<&str> = lora.targets.iter().map(String::as_str).collect();
+            crate::model::lora::LoraConfig::new(lora.rank, lora.alpha, &targets)
+                .validate()
+                .map_err(|e| err("model.lora.targets", &e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn validate_data(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &str| sources.error(key, msg);
+        let d = &self.data;
+        if !crate::env::ENV_NAMES.contains(&d.env.as_str()) {
+            return Err(err("data.env", &unknown("env", &d.env, crate::env::ENV_NAMES)));
+        }
+        if !(0.0..1.0).contains(&d.eval_fraction) {
+            return Err(err("data.eval_fraction", "must be in [0, 1)"));
+        }
+        if d.is_synthetic() {
+            if d.synthetic_train == 0 {
+                return Err(err("data.synthetic_train", "must be positive (or give data.train_file)"));
+            }
+            if !(1..=9).contains(&d.synthetic_digits) {
+                return Err(err("data.synthetic_digits", "must be between 1 and 9"));
+            }
+            if d.synthetic_ops.is_empty() || !d.synthetic_ops.chars().all(|c| "+-*".contains(c)) {
+                return Err(err("data.synthetic_ops", "must be a non-empty string over `+-*`"));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_algorithm(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
+        let wrap = |key: &str, e: Error| -> Error {
+            let msg = match e {
+                Error::Input(m) => m,
+                other => other.to_string(),
+            };
+            sources.error(key, msg)
+        };
+        let a = &self.algorithm;
+        if !AdvantageEstimator::NAMES.contains(&a.advantage.as_str()) {
+            return Err(err(
+                "algorithm.advantage",
+                &unknown("advantage estimator", &a.advantage, &AdvantageEstimator::NAMES),
+            ));
+        }
+        for (key, x) in [("algorithm.gamma", a.gamma), ("algorithm.lambda", a.lambda)] {
+            if !(0.0..=1.0).contains(&x) {
+                return Err(err(key, &"must be in [0, 1]"));
+            }
+        }
+        self.advantage().map_err(|e| wrap("algorithm.advantage", e))?;
+
+        // The loss: its name, then its config (a bad key there names that key).
+        if a.loss == "value" {
+            return Err(err("algorithm.loss", &"`value` is the critic's loss, not a policy loss"));
+        }
+        for key in ["kl_coef", "kl_estimator"] {
+            if a.loss_config.contains_key(key) {
+                return Err(err(
+                    &format!("algorithm.loss_config.{key}"),
+                    &"set the KL penalty in [algorithm.kl] (coef, estimator, in_reward)",
+                ));
+            }
+        }
+        if let Err(e) = Loss::parse(&a.loss, &Json::Null) {
+            return Err(wrap("algorithm.loss", e));
+        }
+        let config = toml_to_json(&a.loss_config);
+        if let Err(e) = Loss::parse(&a.loss, &config) {
+            let key = offending_key(&e, &a.loss_config)
+                .map(|k| format!("algorithm.loss_config.{k}"))
+                .unwrap_or_else(|| "algorithm.loss_config".into());
+            return Err(wrap(&key, e));
+        }
+        KlEstimator::from_name(&a.kl.estimator).map_err(|e| wrap("algorithm.kl.estimator", e))?;
+        if !non_negative(a.kl.coef) {
+            return Err(err("algorithm.kl.coef", &"must be non-negative (0 = no KL penalty)"));
+        }
+        if let Err(e) = self.loss() {
+            // The loss parsed without the KL term, so the KL term is what it refuses.
+            return Err(err(
+                "algorithm.kl.coef",
+                &format!(
+                    "loss `{}` takes no KL term ({}); use a trainer loss such as `regular` or `policy/cispo`, \
+                     or set algorithm.kl.in_reward = true",
+                    a.loss,
+                    match e {
+                        Error::Input(m) => m,
+                        other => other.to_string(),
+                    }
+                ),
+            ));
+        }
+        if a.kl.adaptive {
+            if a.kl.coef == 0.0 {
+                return Err(err("algorithm.kl.adaptive", &"needs algorithm.kl.coef > 0 (the initial coefficient)"));
+            }
+            AdaptiveKlController::new(a.kl.coef, a.kl.target, a.kl.horizon)
+                .map_err(|e| wrap("algorithm.kl.target", e))?;
+        }
+
+        let max_seq_len = (a.max_seq_len > 0).then_some(a.max_seq_len);
+        if !LossReduction::NAMES.contains(&a.reduction.as_str()) {
+            return Err(err("algorithm.reduction", &unknown("loss reduction", &a.reduction, &LossReduction::NAMES)));
+        }
+        LossReduction::from_name(&a.reduction, max_seq_len).map_err(|e| wrap("algorithm.max_seq_len", e))?;
+
+        if let Err(e) = self.off_policy() {
+            let key = offending_key(&e, &a.off_policy)
+                .map(|k| format!("algorithm.off_policy.{k}"))
+                .unwrap_or_else(|| "algorithm.off_policy".into());
+            return Err(wrap(&key, e));
+        }
+        if !DYNAMIC_SAMPLING.contains(&a.dynamic_sampling.as_str()) {
+            return Err(err(
+                "algorithm.dynamic_sampling",
+                &unknown("dynamic sampling mode", &a.dynamic_sampling, &DYNAMIC_SAMPLING),
+            ));
+        }
+        if a.dynamic_sampling == "replace" && a.max_sampling_rounds == 0 {
+            return Err(err("algorithm.max_sampling_rounds", &"must be positive"));
+        }
+        Ok(())
+    }
+
+    /// The resolved config as TOML, for `oxrl config show` and `RUN_DIR/config.toml`.
+    pub fn to_toml(&self) -> Result<String> {
+        super::config_file::to_toml_string(self)
+    }
+
+    /// The policy loss: `algorithm.loss` with `algorithm.loss_config`, and the KL term
+    /// (`kl_coef` = `algorithm.kl.coef`, `kl_estimator`) when the KL penalty is in the loss.
+    pub fn loss(&self) -> Result<Loss> {
+        self.loss_with_kl_coef(self.algorithm.kl.coef)
+    }
+
+    /// [`loss`](Self::loss) with the KL coefficient `kl_coef` (the adaptive controller's
+    /// current one); no KL term when the penalty is in the reward or `kl_coef` is 0.
+    pub fn loss_with_kl_coef(&self, kl_coef: f64) -> Result<Loss> {
+        let a = &self.algorithm;
+        let mut config = toml_to_json(&a.loss_config);
+        if kl_coef > 0.0 && !a.kl.in_reward {
+            config["kl_coef"] = Json::from(kl_coef);
+            config["kl_estimator"] = Json::from(a.kl.estimator.clone());
+        }
+        Loss::parse(&a.loss, &config)
+    }
+
+    /// The critic's loss: the clipped value loss with `critic.value_clip`.
+    pub fn value_loss(&self) -> Result<Loss> {
+        Loss::value(&serde_json::json!({ "value_clip": self.critic.value_clip }))
+    }
+
+    /// The advantage estimator, with the keys it takes among `norm_by_std`, `gamma`, `lambda`.
+    pub fn advantage(&self) -> Result<AdvantageEstimator> {
+        let a = &self.algorithm;
+        let config = match a.advantage.as_str() {
+            "grpo" => serde_json::json!({ "norm_by_std": a.norm_by_std }),
+            "reinforce++" => serde_json::json!({ "gamma": a.gamma }),
+            "gae" => serde_json::json!({ "gamma": a.gamma, "lambda": a.lambda }),
+            _ => Json::Null,
+        };
+        AdvantageEstimator::from_config(&a.advantage, &config)
+    }
+
+    /// The loss reduction (`max_seq_len` 0 is unset).
+    pub fn reduction(&self) -> Result<LossReduction> {
+        let a = &self.algorithm;
+        LossReduction::from_name(&a.reduction, (a.max_seq_len > 0).then_some(a.max_seq_len))
+    }
+
+    /// The KL estimator of `algorithm.kl.estimator`.
+    pub fn kl_estimator(&self) -> Result<KlEstimator> {
+        KlEstimator::from_name(&self.algorithm.kl.estimator)
+    }
+
+    /// The KL coefficient over the run: fixed, or adaptive toward `kl.target`.
+    pub fn kl_controller(&self) -> Result<KlController> {
+        let kl = &self.algorithm.kl;
+        Ok(if kl.adaptive {
+            KlController::Adaptive(AdaptiveKlController::new(kl.coef, kl.target, kl.horizon)?)
+        } else {
+            KlController::Fixed(kl.coef)
+        })
+    }
+
+    /// The off-policy correction; `None` when `algorithm.off_policy` is empty.
+    pub fn off_policy(&self) -> Result<Option<OffPolicyCorrection>> {
+        let table = &self.algorithm.off_policy;
+        if table.is_empty() {
+            return Ok(None);
+        }
+        OffPolicyCorrection::from_config(&toml_to_json(table)).map(Some)
+    }
+
+    /// Whether a reference model is needed: a KL penalty (`algorithm.kl.coef > 0`).
+    pub fn needs_reference(&self) -> bool {
+        self.algorithm.kl.coef > 0.0
+    }
+
+    /// Whether a critic is trained: `algorithm.advantage = "gae"`.
+    pub fn needs_critic(&self) -> bool {
+        self.algorithm.advantage == "gae"
+    }
+
+    /// Sampling parameters of a rollout turn (`eval`: of evaluation): `max_tokens` =
+    /// `env.max_turn_tokens`, the temperature, `top_p`, `top_k`; no seed, no stop strings.
+    pub fn sampling_params(&self, eval: bool) -> SamplingParams {
+        let r = &self.rollout;
+        SamplingParams {
+            max_tokens: self.env.max_turn_tokens,
+            temperature: if eval { r.eval_temperature } else { r.temperature },
+            top_k: r.top_k,
+            top_p: r.top_p,
+            seed: None,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+            ignore_eos: false,
+        }
+    }
+}
+
+/// A TOML table as a JSON object (what the algorithm parsers take).
+pub fn toml_to_json(table: &toml::Table) -> Json {
+    serde_json::to_value(table).unwrap_or(Json::Null)
+}
+
+/// The key of `table` that a parser's error message is about: the first one whose name, or
+/// whose string value (`unknown truncated IS level `word``), it quotes in backquotes.
+fn offending_key(e: &Error, table: &toml::Table) -> Option<String> {
+    let msg = e.to_string();
+    let at = |text: &str| msg.find(&format!("`{text}`"));
+    table
+        .iter()
+        .filter_map(|(k, v)| {
+            let by_value = v.as_str().and_then(at);
+            [at(k), by_value].into_iter().flatten().min().map(|pos| (pos, k))
+        })
+        .min()
+        .map(|(_, k)| k.clone())
+}
+
+fn unknown(kind: &str, name: &str, valid: &[&str]) -> String {
+    let hint = nearest_name(name, valid).map(|n| format!("; did you mean `{n}`?")).unwrap_or_default();
+    format!("unknown {kind} `{name}`{hint} (valid: {})", valid.join(", "))
+}
+
+/// Finite and above 0 (false for NaN).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// Finite and at least 0 (false for NaN).
+fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
+}
