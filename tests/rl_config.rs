@@ -337,3 +337,34 @@ fn rl_with_a_typo_fails_naming_the_key() {
         "{stderr}"
     );
 }
+
+// ---------------------------------------------------------------- the launcher
+
+/// The launcher builds the models the config needs, and the engines, on a fixture model.
+#[test]
+fn rl_runtime_builds_the_models_the_config_needs() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen2");
+    let path = model.to_str().unwrap();
+    let c = RlConfig::load(None, &sets(&[&format!("model.path={path}")])).unwrap();
+    let (dispatch, engines) = oxrl::cli::launch::rl_runtime(&c, Some(1)).unwrap();
+    assert_eq!(dispatch.ids(), vec!["policy".to_string()]);
+    assert_eq!(engines.engines().len(), 1);
+
+    let c = RlConfig::load(
+        None,
+        &sets(&[
+            &format!("model.path={path}"),
+            "model.lora.rank=2",
+            "algorithm.kl.coef=0.1",
+            "algorithm.advantage=gae",
+            "launch.engines=2",
+        ]),
+    )
+    .unwrap();
+    let (dispatch, engines) = oxrl::cli::launch::rl_runtime(&c, Some(1)).unwrap();
+    let mut ids = dispatch.ids();
+    ids.sort();
+    use oxrl::trainer::rl_ids::{CRITIC, POLICY, REFERENCE};
+    assert_eq!(ids, vec![CRITIC.to_string(), POLICY.to_string(), REFERENCE.to_string()]);
+    assert_eq!(engines.engines().len(), 2);
+}
