@@ -4,6 +4,7 @@ mod config;
 mod generate;
 mod init_model;
 pub mod launch;
+mod rl;
 mod score;
 mod sft;
 
@@ -31,6 +32,8 @@ enum Command {
     Config(config::Args),
     /// Supervised fine-tuning from a TOML config.
     Sft(sft::Args),
+    /// Reinforcement learning (GRPO, PPO, ...) from a TOML config.
+    Rl(rl::Args),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -53,6 +56,7 @@ pub fn main() -> i32 {
         Command::Generate(a) => generate::run(a),
         Command::Config(a) => config::run(a),
         Command::Sft(a) => sft::run(a, cli.threads),
+        Command::Rl(a) => rl::run(a, cli.threads),
     };
     match result {
         Ok(()) => 0,
