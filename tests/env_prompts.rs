@@ -124,15 +124,19 @@ fn arithmetic_generator_is_deterministic_and_held_out() {
 }
 
 #[test]
-fn arithmetic_generator_exhausts_small_spaces_exactly() {
-    // One digit, `+` only: 100 problems. Train 10 draws, then every remaining one as eval.
+fn arithmetic_generator_holds_out_eval_problems_first() {
+    // One digit, `+` only: 100 problems. 99 held out leave one problem, drawn every time.
     let spec = ArithmeticSpec { digits: 1, ops: "+".into() };
-    let (train, _) = generate_arithmetic(&spec, 10, 0, 1).unwrap();
-    let distinct: HashSet<String> = train.iter().map(|p| p.row["prompt"].to_string()).collect();
-    let left = 100 - distinct.len();
-    let (_, eval) = generate_arithmetic(&spec, 10, left, 1).unwrap();
-    assert_eq!(eval.len(), left);
-    assert!(generate_arithmetic(&spec, 10, left + 1, 1).is_err());
+    let (train, eval) = generate_arithmetic(&spec, 50, 99, 1).unwrap();
+    let held: HashSet<String> = eval.iter().map(|p| p.row["prompt"].to_string()).collect();
+    assert_eq!(held.len(), 99, "eval problems are distinct");
+    let trained: HashSet<String> = train.iter().map(|p| p.row["prompt"].to_string()).collect();
+    assert_eq!((train.len(), trained.len()), (50, 1), "the one problem left, drawn 50 times");
+    assert!(trained.is_disjoint(&held));
+    // A large train set over a small space is fine; holding out everything is not.
+    let (train, eval) = generate_arithmetic(&spec, 2000, 20, 3).unwrap();
+    assert_eq!((train.len(), eval.len()), (2000, 20));
+    assert!(generate_arithmetic(&spec, 10, 100, 1).is_err());
     assert!(generate_arithmetic(&ArithmeticSpec { digits: 0, ops: "+".into() }, 1, 1, 0).is_err());
     assert!(generate_arithmetic(&ArithmeticSpec { digits: 2, ops: "/".into() }, 1, 1, 0).is_err());
 }

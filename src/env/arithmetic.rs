@@ -184,9 +184,10 @@ impl ArithmeticSpec {
 /// Seed offset of the eval stream, so that train and eval never share a random sequence.
 const EVAL_STREAM: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// `n_train` train prompts (uids `train-0`, ...) and `n_eval` held-out eval prompts (`eval-0`,
-/// ...), deterministic in `seed` (module rules). An eval set larger than the problems left
-/// after the train set is an error.
+/// `n_eval` held-out eval prompts (uids `eval-0`, ...: distinct problems) and `n_train` train
+/// prompts (`train-0`, ...: drawn with repetition from the problems not held out),
+/// deterministic in `seed` (module rules). The eval set is chosen first, so the train set can
+/// be of any size; a space too small to hold out `n_eval` problems and still train is an error.
 pub fn generate_arithmetic(
     spec: &ArithmeticSpec,
     n_train: usize,
@@ -194,23 +195,22 @@ pub fn generate_arithmetic(
     seed: u64,
 ) -> Result<(Vec<PromptRow>, Vec<PromptRow>)> {
     let ops = spec.check()?;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let train: Vec<Problem> = (0..n_train).map(|_| spec.draw(&mut rng, &ops)).collect();
-    let mut taken: HashSet<Problem> = train.iter().copied().collect();
-    let available = spec.space(&ops).saturating_sub(taken.len() as u128);
-    if n_eval as u128 > available {
+    let space = spec.space(&ops);
+    if n_eval as u128 >= space && n_train > 0 {
         return Err(Error::input(format!(
-            "arithmetic: {n_eval} held-out eval problems asked, but only {available} distinct problems are not in the train set"
+            "arithmetic: {n_eval} held-out eval problems asked, but there are only {space} distinct problems \
+             (some must remain for training)"
         )));
     }
     let mut rng = StdRng::seed_from_u64(seed ^ EVAL_STREAM);
+    let mut held: HashSet<Problem> = HashSet::new();
     let mut eval = Vec::with_capacity(n_eval);
     // Rejection sampling; when most of the space is taken, fall back to a scan so that the
     // loop always ends.
     let mut misses = 0usize;
     while eval.len() < n_eval && misses < 1000 + 20 * n_eval {
         let p = spec.draw(&mut rng, &ops);
-        if taken.insert(p) {
+        if held.insert(p) {
             eval.push(p);
         } else {
             misses += 1;
@@ -222,7 +222,7 @@ pub fn generate_arithmetic(
             for a in lo..=hi {
                 for b in lo..=hi {
                     let p = Problem { a, op, b };
-                    if (op != '-' || a >= b) && taken.insert(p) {
+                    if (op != '-' || a >= b) && held.insert(p) {
                         eval.push(p);
                         if eval.len() == n_eval {
                             break 'scan;
@@ -232,20 +232,47 @@ pub fn generate_arithmetic(
             }
         }
     }
-    let rows = |problems: &[Problem], split: &str| -> Vec<PromptRow> {
-        problems
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let uid = format!("{split}-{i}");
-                PromptRow {
-                    row: p.to_row(&uid),
-                    source: format!("generated arithmetic {split} #{i} (seed {seed})"),
-                    uid,
-                    env: "arithmetic".into(),
-                }
-            })
-            .collect()
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut train = Vec::with_capacity(n_train);
+    while train.len() < n_train {
+        let p = spec.draw(&mut rng, &ops);
+        if !held.contains(&p) {
+            train.push(p);
+        }
+    }
+    Ok((to_rows(&train, "train", seed), to_rows(&eval, "eval", seed)))
+}
+
+/// `n_train` train and `n_eval` eval prompts drawn independently from the same distribution
+/// (with repetition): the eval set measures the task, and may repeat train problems. For small
+/// problem spaces (one-digit sums: 100 problems), where held-out problems would measure
+/// generalisation to unseen table entries rather than mastery of the task.
+pub fn sample_arithmetic(
+    spec: &ArithmeticSpec,
+    n_train: usize,
+    n_eval: usize,
+    seed: u64,
+) -> Result<(Vec<PromptRow>, Vec<PromptRow>)> {
+    let ops = spec.check()?;
+    let draw = |n: usize, stream: u64| {
+        let mut rng = StdRng::seed_from_u64(stream);
+        (0..n).map(|_| spec.draw(&mut rng, &ops)).collect::<Vec<_>>()
     };
-    Ok((rows(&train, "train"), rows(&eval, "eval")))
+    Ok((to_rows(&draw(n_train, seed), "train", seed), to_rows(&draw(n_eval, seed ^ EVAL_STREAM), "eval", seed)))
+}
+
+fn to_rows(problems: &[Problem], split: &str, seed: u64) -> Vec<PromptRow> {
+    problems
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let uid = format!("{split}-{i}");
+            PromptRow {
+                row: p.to_row(&uid),
+                source: format!("generated arithmetic {split} #{i} (seed {seed})"),
+                uid,
+                env: "arithmetic".into(),
+            }
+        })
+        .collect()
 }

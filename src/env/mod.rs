@@ -26,7 +26,7 @@ pub mod protocol;
 pub mod registry;
 pub mod sequence;
 
-pub use arithmetic::{generate_arithmetic, ArithmeticSpec};
+pub use arithmetic::{generate_arithmetic, sample_arithmetic, ArithmeticSpec};
 pub use config::EnvConfig;
 pub use prompts::{load_prompts, PromptOptions, PromptRow, PromptSet};
 pub use protocol::{messages_to_json, run_episode, Env, Message, Outcome, Step, Transcript};

@@ -41,7 +41,7 @@ use super::rollouts::{generate_episodes, Episode};
 use super::sft::{export_model, progress_bar, RunOptions};
 use crate::algo::KlController;
 use crate::dispatch::Dispatch;
-use crate::env::{generate_arithmetic, load_prompts, PromptOptions, PromptRow};
+use crate::env::{generate_arithmetic, load_prompts, sample_arithmetic, PromptOptions, PromptRow};
 use crate::files::{read_json, write_dir_atomically, write_json};
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
@@ -101,7 +101,8 @@ pub fn load_rl_prompts(cfg: &RlConfig) -> Result<(Vec<PromptRow>, Vec<PromptRow>
     let options =
         PromptOptions { default_env: Some(d.env.clone()), on_bad_row: d.on_bad_row, config: cfg.env.env_config() };
     if d.is_synthetic() {
-        return generate_arithmetic(&d.arithmetic_spec(), d.synthetic_train, d.synthetic_eval, d.shuffle_seed);
+        let generate = if d.synthetic_eval_disjoint { generate_arithmetic } else { sample_arithmetic };
+        return generate(&d.arithmetic_spec(), d.synthetic_train, d.synthetic_eval, d.shuffle_seed);
     }
     let train = load_prompts(&d.train_file, &options)?.rows;
     if !d.eval_file.as_os_str().is_empty() {

@@ -94,8 +94,12 @@ pub struct RlDataSection {
     pub shuffle_seed: u64,
     /// Problems in the synthetic training set. Default 2000.
     pub synthetic_train: usize,
-    /// Problems in the synthetic eval set (none of them in the training set). Default 100.
+    /// Problems in the synthetic eval set. Default 20.
     pub synthetic_eval: usize,
+    /// Eval problems are held out (none of them in the training set). Default true. `false`:
+    /// train and eval are independent draws from the same distribution, which may share
+    /// problems — the choice for small spaces such as one-digit sums (100 problems).
+    pub synthetic_eval_disjoint: bool,
     /// Digits of each synthetic operand, 1 to 9. Default 1.
     pub synthetic_digits: u32,
     /// Operators of the synthetic problems, a non-empty string over `+-*`. Default `+`.
@@ -112,7 +116,8 @@ impl Default for RlDataSection {
             on_bad_row: OnBadRow::Error,
             shuffle_seed: 0,
             synthetic_train: 2000,
-            synthetic_eval: 100,
+            synthetic_eval: 20,
+            synthetic_eval_disjoint: true,
             synthetic_digits: 1,
             synthetic_ops: "+".into(),
         }
