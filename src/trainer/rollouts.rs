@@ -20,8 +20,6 @@
 //! Seeds: prompt i of a step samples with seed `hash(seed, i)`, sample j with that + j (the
 //! engine's rule), so a step's episodes do not depend on how the engines interleave them.
 
-use serde_json::Value;
-
 use crate::env::{
     build_sequence, messages_to_json, Env, EnvConfig, Message, PromptRow, Segment, Step, TrainingSequence,
 };
@@ -29,6 +27,17 @@ use crate::handle::Handle;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineClient, Request, RequestOutput, SamplingParams};
 use crate::{Error, Result};
+
+/// Where episodes get their model turns: the engine client, or a script in tests.
+pub trait TurnSampler {
+    fn submit(&self, req: Request) -> Handle<RequestOutput>;
+}
+
+impl TurnSampler for EngineClient {
+    fn submit(&self, req: Request) -> Handle<RequestOutput> {
+        EngineClient::submit(self, req)
+    }
+}
 
 /// One finished episode.
 #[derive(Clone, Debug)]
@@ -77,7 +86,7 @@ fn render(tok: &Tokenizer, messages: &[Message], generation_prompt: bool) -> Res
 
 /// Runs `n` episodes of every prompt; episodes come back grouped, prompt by prompt.
 pub fn generate_episodes(
-    client: &EngineClient,
+    client: &dyn TurnSampler,
     tok: &Tokenizer,
     prompts: &[PromptRow],
     env_config: &EnvConfig,
@@ -90,17 +99,17 @@ pub fn generate_episodes(
     let mut running: Vec<Running> = vec![];
     let mut first: Vec<Handle<RequestOutput>> = vec![];
     for (i, p) in prompts.iter().enumerate() {
-        let probe = p.make_env(env_config)?;
-        let messages = probe.initial();
+        let envs = (0..n).map(|_| p.make_env(env_config)).collect::<Result<Vec<_>>>()?;
+        let messages = envs.first().map(|e| e.initial()).unwrap_or_default();
         let prompt = tok.encode(&render(tok, &messages, true)?, false)?;
-        let request_params = SamplingParams { seed: Some(prompt_seed(seed, i)), ..params.clone() };
+        let stop_strings = envs.first().map(|e| e.stop_strings()).unwrap_or_default();
+        let request_params = SamplingParams { seed: Some(prompt_seed(seed, i)), stop_strings, ..params.clone() };
         first.push(client.submit(Request {
             num_samples: n,
             group: Some(i as u64),
             ..Request::new(prompt.clone(), request_params)
         }));
-        for j in 0..n {
-            let env = if j == 0 { p.make_env(env_config)? } else { p.make_env(env_config)? };
+        for env in envs {
             running.push(Running {
                 group: i,
                 uid: p.uid.clone(),
@@ -112,7 +121,6 @@ pub fn generate_episodes(
                 min_version: u64::MAX,
             });
         }
-        drop(probe);
     }
     let mut replies: Vec<Option<Handle<RequestOutput>>> = vec![];
     for h in first {
@@ -213,9 +221,4 @@ fn continuation_tokens(
         None => rendered_reply.strip_prefix(reply_text).map(str::to_string).unwrap_or_default(),
     };
     tok.encode(&format!("{closing}{added}"), false)
-}
-
-/// The JSON form of an episode's conversation so far (for logs).
-pub fn conversation_json(messages: &[Message]) -> Value {
-    Value::Array(messages_to_json(messages))
 }
