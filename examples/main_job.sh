@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job, end to end on CPU: build oxrl; score and generate with the reference fixtures
 # (a base model and a LoRA adapter); make a tiny model and fine-tune it (SFT) on a small chat
-# task, with a falling eval loss; then chat with the result.
+# task, with a falling eval loss; chat with the result; and last the RL demo: a tiny model
+# learns one-digit sums with a short SFT and then GRPO (oxrl demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked
@@ -32,3 +33,9 @@ for q in "Uppercase: cat" "Reverse: stone" "What is 3 plus 4?" "What is 5 plus 2
   printf '%s -> ' "$q"
   $OXRL generate --model "$RUN/sft/final" --chat --prompt "$q" --temperature 0 --max-tokens 16 | grep -o '"text":"[^"]*"'
 done
+
+echo "== rl demo: a tiny model learns one-digit sums, short SFT then GRPO (a few minutes on 2 cores)"
+rm -rf "$RUN/demo"
+$OXRL demo --out "$RUN/demo" --seed 0
+echo "summary: $(cat "$RUN/demo/summary.json")"
+echo "curves: $RUN/demo/reward.png $RUN/demo/eval_accuracy.png"
