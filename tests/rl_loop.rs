@@ -140,3 +140,32 @@ fn algorithm_variants_run_end_to_end() {
         assert!(s.export_dir.unwrap().exists());
     }
 }
+
+#[test]
+fn a_bad_prompt_row_is_reported_with_its_file_and_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let data = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"What is 1 + 1?\", \"answer\": \"2\"}\n{\"prompt\": \"What is 2 + 2?\"}\n",
+    )
+    .unwrap();
+    let cfg = config(
+        &model,
+        &tmp.path().join("run"),
+        &[&format!("data.train_file={}", data.display()), "data.env=\"math\""],
+    );
+    let (d, engines) = runtime(&cfg);
+    let err = run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("prompts.jsonl:2") && err.contains("answer"), "{err}");
+    // With on_bad_row = skip the run goes on without it.
+    let cfg = config(
+        &model,
+        &tmp.path().join("run2"),
+        &[&format!("data.train_file={}", data.display()), "data.env=\"math\"", "data.on_bad_row=\"skip\"", "train.max_steps=1"],
+    );
+    let (d, engines) = runtime(&cfg);
+    assert_eq!(run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap().steps, 1);
+}
