@@ -147,16 +147,10 @@ fn a_bad_prompt_row_is_reported_with_its_file_and_line() {
     let model = tmp.path().join("model");
     tiny_model(&model);
     let data = tmp.path().join("prompts.jsonl");
-    std::fs::write(
-        &data,
-        "{\"prompt\": \"What is 1 + 1?\", \"answer\": \"2\"}\n{\"prompt\": \"What is 2 + 2?\"}\n",
-    )
-    .unwrap();
-    let cfg = config(
-        &model,
-        &tmp.path().join("run"),
-        &[&format!("data.train_file={}", data.display()), "data.env=\"math\""],
-    );
+    std::fs::write(&data, "{\"prompt\": \"What is 1 + 1?\", \"answer\": \"2\"}\n{\"prompt\": \"What is 2 + 2?\"}\n")
+        .unwrap();
+    let cfg =
+        config(&model, &tmp.path().join("run"), &[&format!("data.train_file={}", data.display()), "data.env=\"math\""]);
     let (d, engines) = runtime(&cfg);
     let err = run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap_err().to_string();
     assert!(err.contains("prompts.jsonl:2") && err.contains("answer"), "{err}");
@@ -164,8 +158,47 @@ fn a_bad_prompt_row_is_reported_with_its_file_and_line() {
     let cfg = config(
         &model,
         &tmp.path().join("run2"),
-        &[&format!("data.train_file={}", data.display()), "data.env=\"math\"", "data.on_bad_row=\"skip\"", "train.max_steps=1"],
+        &[
+            &format!("data.train_file={}", data.display()),
+            "data.env=\"math\"",
+            "data.on_bad_row=\"skip\"",
+            "train.max_steps=1",
+        ],
     );
     let (d, engines) = runtime(&cfg);
     assert_eq!(run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap().steps, 1);
+}
+
+/// From a random model: one-token replies, a format reward for any bare integer (the arithmetic
+/// env's `format_reward`), full reward for the right one. GRPO must raise the mean reward.
+#[test]
+fn a_short_grpo_run_on_arithmetic_raises_the_reward() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let cfg = config(
+        &model,
+        &tmp.path().join("run"),
+        &[
+            "train.max_steps=30",
+            "train.eval_every=0",
+            "train.prompts_per_step=8",
+            "rollout.n_samples=8",
+            "env.max_turn_tokens=1",
+            "env.format_reward=0.5",
+            "optimizer.lr=2e-2",
+            "train.seed=3",
+        ],
+    );
+    let (d, engines) = runtime(&cfg);
+    run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap();
+    let rewards: Vec<f64> = std::fs::read_to_string(tmp.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["reward_mean"].as_f64().unwrap())
+        .collect();
+    let first: f64 = rewards[..5].iter().sum::<f64>() / 5.0;
+    let last: f64 = rewards[25..].iter().sum::<f64>() / 5.0;
+    eprintln!("reward: first 5 steps {first:.3}, last 5 {last:.3}: {rewards:?}");
+    assert!(last > first + 0.3, "reward did not rise: {first:.3} → {last:.3}");
 }
