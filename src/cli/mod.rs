@@ -1,10 +1,12 @@
 //! The `oxrl` command line: one subcommand per file, each a thin layer over the library.
 
 mod config;
+mod demo;
 mod generate;
 mod init_model;
 pub mod launch;
 mod rl;
+mod run_args;
 mod score;
 mod sft;
 
@@ -31,9 +33,11 @@ enum Command {
     /// Run configs: `config show` prints the resolved config as TOML.
     Config(config::Args),
     /// Supervised fine-tuning from a TOML config.
-    Sft(sft::Args),
+    Sft(run_args::RunArgs),
     /// Reinforcement learning (GRPO, PPO, ...) from a TOML config.
-    Rl(rl::Args),
+    Rl(run_args::RunArgs),
+    /// A tiny model learns a task on the CPU: short SFT, then GRPO; a before/after table.
+    Demo(demo::Args),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -57,6 +61,7 @@ pub fn main() -> i32 {
         Command::Config(a) => config::run(a),
         Command::Sft(a) => sft::run(a, cli.threads),
         Command::Rl(a) => rl::run(a, cli.threads),
+        Command::Demo(a) => demo::run(a, cli.threads),
     };
     match result {
         Ok(()) => 0,

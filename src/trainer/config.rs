@@ -45,6 +45,28 @@ pub struct ModelSection {
     pub lora: LoraSection,
 }
 
+impl ModelSection {
+    /// `path` given, a known dtype, a valid LoRA section; errors name the `model.` key.
+    pub fn validate(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &str| sources.error(key, msg);
+        if self.path.as_os_str().is_empty() {
+            return Err(err("model.path", "required: the model directory"));
+        }
+        crate::model::weights::parse_dtype(&self.dtype).map_err(|_| err("model.dtype", "expected f32, bf16 or f16"))?;
+        let lora = &self.lora;
+        if lora.rank > 0 {
+            if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
+                return Err(err("model.lora.alpha", "must be positive"));
+            }
+            let targets: Vec<&str> = lora.targets.iter().map(String::as_str).collect();
+            crate::model::lora::LoraConfig::new(lora.rank, lora.alpha, &targets)
+                .validate()
+                .map_err(|e| err("model.lora.targets", &e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
 impl Default for ModelSection {
     fn default() -> Self {
         ModelSection { path: PathBuf::new(), dtype: "f32".into(), lora: LoraSection::default() }
@@ -281,21 +303,7 @@ impl SftConfig {
     /// and where its value came from (`Sources::none()` when there is no file).
     pub fn validate(&self, sources: &Sources) -> Result<()> {
         let err = |key: &str, msg: &str| sources.error(key, msg);
-        if self.model.path.as_os_str().is_empty() {
-            return Err(err("model.path", "required: the model directory"));
-        }
-        crate::model::weights::parse_dtype(&self.model.dtype)
-            .map_err(|_| err("model.dtype", "expected f32, bf16 or f16"))?;
-        let lora = &self.model.lora;
-        if lora.rank > 0 {
-            if !positive(lora.alpha) {
-                return Err(err("model.lora.alpha", "must be positive"));
-            }
-            let targets: Vec<&str> = lora.targets.iter().map(String::as_str).collect();
-            crate::model::lora::LoraConfig::new(lora.rank, lora.alpha, &targets)
-                .validate()
-                .map_err(|e| err("model.lora.targets", &e.to_string()))?;
-        }
+        self.model.validate(sources)?;
         if self.data.train_file.as_os_str().is_empty() {
             return Err(err("data.train_file", "required: a .jsonl or .parquet file"));
         }

@@ -414,7 +414,7 @@ impl RlConfig {
             };
             return Err(err("mode", &msg));
         }
-        self.validate_model(sources)?;
+        self.model.validate(sources)?;
         self.validate_data(sources)?;
 
         let env = &self.env;
@@ -514,26 +514,6 @@ impl RlConfig {
         }
         if self.output.run_dir.as_os_str().is_empty() {
             return Err(err("output.run_dir", &"required"));
-        }
-        Ok(())
-    }
-
-    fn validate_model(&self, sources: &Sources) -> Result<()> {
-        let err = |key: &str, msg: &str| sources.error(key, msg);
-        if self.model.path.as_os_str().is_empty() {
-            return Err(err("model.path", "required: the model directory"));
-        }
-        crate::model::weights::parse_dtype(&self.model.dtype)
-            .map_err(|_| err("model.dtype", "expected f32, bf16 or f16"))?;
-        let lora = &self.model.lora;
-        if lora.rank > 0 {
-            if !positive(lora.alpha) {
-                return Err(err("model.lora.alpha", "must be positive"));
-            }
-            let targets: Vec<&str> = lora.targets.iter().map(String::as_str).collect();
-            crate::model::lora::LoraConfig::new(lora.rank, lora.alpha, &targets)
-                .validate()
-                .map_err(|e| err("model.lora.targets", &e.to_string()))?;
         }
         Ok(())
     }

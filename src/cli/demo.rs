@@ -1,0 +1,222 @@
+//! `oxrl demo`: a tiny model learns a synthetic task on the CPU — a short SFT, then GRPO.
+//!
+//! ```text
+//! model    = random tiny qwen3 with the byte-level tokenizer          DIR/model
+//! problems = seeded arithmetic, train and held-out eval sets (distinct problems)
+//! base     = greedy accuracy on the eval set
+//! sft      = a few SFT steps on the train problems' answers             DIR/sft
+//! rl       = GRPO from the SFT model on the train prompts              DIR/rl
+//! print the table (base, sft, rl: held-out accuracy, sample answers), write DIR/summary.json
+//! ```
+//! Accuracy is greedy pass@1 on the held-out problems, measured the same way for all three
+//! models. The SFT is deliberately short (it teaches the answer format and part of the task);
+//! RL then has signal — some of each group's samples right, some wrong — and improves it.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde_json::json;
+
+use super::launch::{rl_runtime, sft_dispatch};
+use crate::env::{messages_to_json, sample_arithmetic, ArithmeticSpec, EnvConfig, PromptRow};
+use crate::files::write_json;
+use crate::model::config::{Arch, ModelShape};
+use crate::model::init::write_random_model;
+use crate::model::tokenizer::{Tokenizer, BYTE_LEVEL_VOCAB_SIZE};
+use crate::rollout::{Engine, EngineClient, EngineConfig, SamplingParams};
+use crate::trainer::rl::{pass_rates, run_rl};
+use crate::trainer::rollouts::generate_episodes;
+use crate::trainer::sft::{run_sft, RunOptions};
+use crate::trainer::{RlConfig, SftConfig};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where the model, the two runs and summary.json go.
+    #[arg(long, default_value = "runs/demo")]
+    out: PathBuf,
+    /// Seed of the model, the problems and both runs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// SFT steps (short on purpose: RL should have room to improve).
+    #[arg(long, default_value_t = 60)]
+    sft_steps: usize,
+    /// GRPO steps.
+    #[arg(long, default_value_t = 40)]
+    rl_steps: usize,
+    /// GRPO learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    rl_lr: f64,
+    /// Prompts per GRPO step (each sampled `--group` times).
+    #[arg(long, default_value_t = 16)]
+    prompts: usize,
+    /// Samples per prompt (the GRPO group).
+    #[arg(long, default_value_t = 8)]
+    group: usize,
+    /// Extra `--set` overrides of the SFT config (after the demo's own).
+    #[arg(long = "sft-set", hide = true)]
+    sft_set: Vec<String>,
+    /// Extra `--set` overrides of the RL config (after the demo's own).
+    #[arg(long = "rl-set", hide = true)]
+    rl_set: Vec<String>,
+}
+
+/// The task: one-digit sums, train and held-out problems.
+const DIGITS: u32 = 1;
+const OPS: &str = "+";
+const TRAIN: usize = 2000;
+const EVAL: usize = 100;
+
+fn shape() -> ModelShape {
+    ModelShape {
+        vocab_size: BYTE_LEVEL_VOCAB_SIZE,
+        hidden_size: 128,
+        intermediate_size: 512,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 32,
+        rope_theta: 10000.0,
+        max_position_embeddings: 128,
+        tie_word_embeddings: false,
+    }
+}
+
+/// Writes the SFT rows (`messages`: the env's prompt, then the answer) of `rows`.
+fn write_sft_rows(rows: &[PromptRow], path: &Path) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for r in rows {
+        let env = r.make_env(&EnvConfig::default())?;
+        let mut messages = messages_to_json(&env.initial());
+        messages.push(json!({"role": "assistant", "content": r.row["answer"].as_str().map(str::to_string).unwrap_or_else(|| r.row["answer"].to_string())}));
+        text.push_str(&serde_json::to_string(&json!({ "messages": messages }))?);
+        text.push('\n');
+    }
+    std::fs::write(path, text)?;
+    Ok(())
+}
+
+/// Greedy accuracy of the model in `dir` on `prompts`, and a few (prompt, answer) samples.
+fn accuracy(dir: &Path, prompts: &[PromptRow]) -> anyhow::Result<(f64, Vec<(String, String)>)> {
+    let tok = Tokenizer::from_dir(dir)?;
+    let model = crate::model::Transformer::load(dir, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    let engine = Engine::start(
+        model,
+        EngineConfig { eos_token_ids: tok.eos_token_ids().to_vec(), max_batch: 64, ..Default::default() },
+    )?;
+    let client = EngineClient::new(vec![engine])?;
+    let env = EnvConfig { max_turn_tokens: 8, ..Default::default() };
+    let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
+    let episodes = generate_episodes(&client, &tok, prompts, &env, &greedy, 1, 0)?;
+    let samples = episodes
+        .iter()
+        .take(3)
+        .map(|e| {
+            let question = prompts[e.group].make_env(&env).map(|x| x.initial().last().map(|m| m.content.clone()));
+            let reply =
+                tok.decode(&e.sequence.input_tokens[e.sequence.input_tokens.len() + 1 - e.response_tokens..], true);
+            (question.ok().flatten().unwrap_or_default(), reply.unwrap_or_default().trim().to_string())
+        })
+        .collect();
+    Ok((pass_rates(&episodes).0, samples))
+}
+
+pub fn run(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
+    let out = &a.out;
+    anyhow::ensure!(
+        !out.join("summary.json").exists() && !out.join("sft").exists(),
+        "{} already holds a demo run: choose another --out or remove it",
+        out.display()
+    );
+    std::fs::create_dir_all(out)?;
+    let model_dir = out.join("model");
+    write_random_model(&model_dir, Arch::Qwen3, &shape(), a.seed, candle_core::DType::F32)?;
+    let spec = ArithmeticSpec { digits: DIGITS, ops: OPS.into() };
+    let (train, eval) = sample_arithmetic(&spec, TRAIN, EVAL, a.seed)?;
+    let data = out.join("sft_data.jsonl");
+    write_sft_rows(&train, &data)?;
+    let (base_acc, base_samples) = accuracy(&model_dir, &eval)?;
+    eprintln!("base model: held-out accuracy {:.0} %", base_acc * 100.0);
+
+    // SFT: short, on the answers.
+    let t = Instant::now();
+    let sets = vec![
+        format!("model.path={}", model_dir.display()),
+        format!("data.train_file={}", data.display()),
+        format!("output.run_dir={}", out.join("sft").display()),
+        format!("train.max_steps={}", a.sft_steps),
+        "train.batch_size=16".into(),
+        "train.eval_every=0".into(),
+        "train.checkpoint_every=0".into(),
+        format!("train.seed={}", a.seed),
+        format!("data.shuffle_seed={}", a.seed),
+        "optimizer.lr=3e-3".into(),
+        "schedule.kind=constant".into(),
+    ];
+    let sets = [sets, a.sft_set.clone()].concat();
+    let sft_cfg = SftConfig::load(None, &sets)?;
+    let dispatch = sft_dispatch(&sft_cfg, threads)?;
+    let sft = run_sft(&sft_cfg, &dispatch, &RunOptions { progress: true, ..Default::default() })?;
+    drop(dispatch);
+    let sft_secs = t.elapsed().as_secs_f64();
+    let sft_dir = sft.export_dir.ok_or_else(|| anyhow::anyhow!("SFT did not finish"))?;
+    let (sft_acc, sft_samples) = accuracy(&sft_dir, &eval)?;
+    eprintln!("after SFT: held-out accuracy {:.0} % ({sft_secs:.0} s)", sft_acc * 100.0);
+
+    // GRPO from the SFT model.
+    let t = Instant::now();
+    let sets = vec![
+        format!("model.path={}", sft_dir.display()),
+        format!("output.run_dir={}", out.join("rl").display()),
+        format!("data.synthetic_train={TRAIN}"),
+        format!("data.synthetic_eval={EVAL}"),
+        format!("data.synthetic_digits={DIGITS}"),
+        format!("data.synthetic_ops=\"{OPS}\""),
+        "data.synthetic_eval_disjoint=false".into(),
+        format!("data.shuffle_seed={}", a.seed),
+        format!("train.seed={}", a.seed),
+        format!("train.max_steps={}", a.rl_steps),
+        format!("train.prompts_per_step={}", a.prompts),
+        "train.eval_every=10".into(),
+        "train.checkpoint_every=0".into(),
+        format!("rollout.n_samples={}", a.group),
+        "rollout.eval_samples=4".into(),
+        "env.max_turn_tokens=8".into(),
+        format!("optimizer.lr={}", a.rl_lr),
+        "schedule.kind=constant".into(),
+    ];
+    let sets = [sets, a.rl_set.clone()].concat();
+    let rl_cfg = RlConfig::load(None, &sets)?;
+    let (dispatch, engines) = rl_runtime(&rl_cfg, threads)?;
+    let rl = run_rl(&rl_cfg, &dispatch, &engines, &RunOptions { progress: true, ..Default::default() })?;
+    drop((dispatch, engines));
+    let rl_secs = t.elapsed().as_secs_f64();
+    let rl_dir = rl.export_dir.ok_or_else(|| anyhow::anyhow!("RL did not finish"))?;
+    let (rl_acc, rl_samples) = accuracy(&rl_dir, &eval)?;
+
+    println!("\n| model | held-out accuracy | sample answers |");
+    println!("|---|---|---|");
+    for (name, acc, samples) in [
+        ("base", base_acc, &base_samples),
+        ("after SFT", sft_acc, &sft_samples),
+        ("after RL (GRPO)", rl_acc, &rl_samples),
+    ] {
+        let shown: Vec<String> = samples.iter().map(|(q, r)| format!("{q} → {r:?}")).collect();
+        println!("| {name} | {:.0} % | {} |", acc * 100.0, shown.join("; "));
+    }
+    println!(
+        "\nSFT {sft_secs:.0} s, RL {rl_secs:.0} s; runs in {} and {}",
+        out.join("sft").display(),
+        out.join("rl").display()
+    );
+    write_json(
+        &out.join("summary.json"),
+        &json!({"accuracy": {"base": base_acc, "sft": sft_acc, "rl": rl_acc}, "seconds": {"sft": sft_secs, "rl": rl_secs}}),
+    )?;
+    for plot in ["reward.png", "eval_accuracy.png"] {
+        let src = out.join("rl").join(plot);
+        if src.exists() {
+            std::fs::copy(&src, out.join(plot))?;
+        }
+    }
+    Ok(())
+}
