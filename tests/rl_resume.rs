@@ -81,7 +81,8 @@ fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
 
     // Killed once the checkpoint of a step drawn at random (from the clock), 1 to 4 of 6, exists:
     // anywhere in the next step.
-    let kill_after = 1 + (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() % 4) as usize;
+    let kill_after =
+        1 + (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() % 4) as usize;
     let cut = write_config(tmp.path(), "cut");
     let checkpoint = tmp.path().join(format!("cut/checkpoints/step_{kill_after:06}"));
     let mut child = oxrl().args(["rl", "--config"]).arg(&cut).spawn().unwrap();
