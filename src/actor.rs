@@ -162,11 +162,14 @@ impl<S> Drop for Actor<S> {
     }
 }
 
+/// How the results of a fan-out become its answer.
+type Combine<R, T> = Box<dyn FnOnce(Vec<R>) -> Result<T> + Send>;
+
 /// Collects one result per actor and answers once all are in.
 struct Gather<R, T> {
     results: Vec<Option<Result<R>>>,
     left: usize,
-    finish: Option<(Reply<T>, Box<dyn FnOnce(Vec<R>) -> Result<T> + Send>)>,
+    finish: Option<(Reply<T>, Combine<R, T>)>,
 }
 
 impl<R, T> Gather<R, T> {
@@ -211,7 +214,7 @@ pub fn fan_out<'a, S: ActorState, R: Send + 'static, T: Send + 'static>(
     let gather = Arc::new(Mutex::new(Gather {
         results: (0..actors.len()).map(|_| None).collect(),
         left: actors.len(),
-        finish: Some((reply, Box::new(combine) as Box<dyn FnOnce(Vec<R>) -> Result<T> + Send>)),
+        finish: Some((reply, Box::new(combine) as Combine<R, T>)),
     }));
     let f = Arc::new(f);
     for (i, actor) in actors.into_iter().enumerate() {

@@ -198,9 +198,9 @@ fn handles_in_flight_complete_in_submission_order_and_equal_blocking_calls() {
     let d = Dispatch::new(false);
     d.create_model("policy", &WorkerSpec { mesh: MeshShape::dp(2), ..spec(None, DType::F32, 1) }).unwrap();
     let mut forwards = vec![d.submit_forward("policy", &probe, None, true)];
-    let mut steps = vec![];
+    let (mut steps, mut backwards) = (vec![], vec![]);
     for s in 0..4 {
-        let _ = d.submit_forward_backward("policy", &batch(s), Some(&ce), false);
+        backwards.push(d.submit_forward_backward("policy", &batch(s), Some(&ce), false));
         steps.push(d.submit_optim_step("policy", &adam()));
         forwards.push(d.submit_forward("policy", &probe, None, true));
     }
@@ -217,6 +217,9 @@ fn handles_in_flight_complete_in_submission_order_and_equal_blocking_calls() {
                 assert!((x - y).abs() < 1e-5, "forward {k}: {x} vs blocking {y}");
             }
         }
+    }
+    for h in backwards {
+        assert!(h.wait().unwrap().metrics.value("loss:sum").unwrap().is_finite());
     }
     for (h, w) in steps.into_iter().zip(want_norms) {
         let n = h.wait().unwrap();

@@ -130,7 +130,7 @@ impl Dispatch {
                 Move::Offload(id, parts) => offloads.push(self.model(id)?.submit_offload(*parts)),
                 Move::Backload(id, parts) => {
                     // Queued on the model itself, ahead of the call: FIFO order suffices.
-                    let _ = self.model(id)?.submit_backload(*parts);
+                    drop(self.model(id)?.submit_backload(*parts));
                 }
             }
         }
@@ -155,7 +155,7 @@ impl Dispatch {
         let moves = residency.prepare(id, needs);
         match self.apply(&moves) {
             Ok(offloads) if !offloads.is_empty() => {
-                let _ = group.submit_barrier(offloads);
+                drop(group.submit_barrier(offloads));
             }
             Ok(_) => {}
             Err(e) => return Handle::ready(Err(e)),

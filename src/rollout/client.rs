@@ -322,7 +322,7 @@ impl Shared {
             for (i, ticket) in live {
                 if !seen.contains(&(i, ticket)) {
                     seen.push((i, ticket));
-                    let _ = shared.engines[i].cancel(ticket);
+                    drop(shared.engines[i].cancel(ticket));
                 }
             }
         }

@@ -136,7 +136,7 @@ impl MetricPlot {
 
     /// Draws `points` (one list per series, as [`MetricPlot::points`] gives) to `path`.
     pub fn draw_points(&self, path: &Path, points: Vec<Vec<(f64, f64)>>, cfg: &PlotConfig) -> Result<()> {
-        let series: Vec<(&str, RGBColor, Vec<(f64, f64)>)> =
+        let series: Vec<Series> =
             self.series.iter().zip(points).map(|(&(_, label, color), p)| (label, color, p)).collect();
         plot_series(path, self.title, self.y_label, &series, cfg)
     }
@@ -149,19 +149,16 @@ impl MetricPlot {
     }
 }
 
+/// One labelled series: `(label, colour, (step, value) points)`.
+pub type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
 /// Writes a PNG to `path` of the named `(label, colour, (step, value) points)` series against
 /// step, with a legend. Non-finite points are left out; an empty series is not drawn (nor put in
 /// the legend); a series whose points are far apart is marked with dots too.
-pub fn plot_series(
-    path: &Path,
-    title: &str,
-    y_label: &str,
-    series: &[(&str, RGBColor, Vec<(f64, f64)>)],
-    cfg: &PlotConfig,
-) -> Result<()> {
+pub fn plot_series(path: &Path, title: &str, y_label: &str, series: &[Series], cfg: &PlotConfig) -> Result<()> {
     register_font();
     let err = |e: &dyn std::fmt::Display| Error::file(path, format!("cannot draw the {title} plot: {e}"));
-    let series: Vec<(&str, RGBColor, Vec<(f64, f64)>)> = series
+    let series: Vec<Series> = series
         .iter()
         .map(|(label, color, points)| {
             (*label, *color, points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite()).collect())

@@ -176,7 +176,9 @@ fn forward_rows(dispatch: &Dispatch, id: &str, datums: &[Datum], critic: bool) -
 fn keep_group(cfg: &RlConfig, group: &[&Episode]) -> bool {
     let same_reward = group.windows(2).all(|w| w[0].reward == w[1].reward);
     let same_verdict = group.windows(2).all(|w| w[0].correct == w[1].correct);
-    !(cfg.algorithm.zero_variance_filter && same_reward) && !(cfg.algorithm.dynamic_sampling != "none" && same_verdict)
+    let drop_for_reward = cfg.algorithm.zero_variance_filter && same_reward;
+    let drop_for_verdict = cfg.algorithm.dynamic_sampling != "none" && same_verdict;
+    !drop_for_reward && !drop_for_verdict
 }
 
 /// Renumbers the groups of `episodes` 0, 1, … in order (after filtering).
