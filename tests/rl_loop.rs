@@ -1,32 +1,14 @@
 //! The synchronous RL loop end to end on a tiny model: metrics, checkpoints, resume.
 
+mod common;
+
 use std::path::Path;
 
-use candle_core::DType;
 use oxrl::dispatch::Dispatch;
-use oxrl::model::config::{Arch, ModelShape};
-use oxrl::model::init;
-use oxrl::model::tokenizer::BYTE_LEVEL_VOCAB_SIZE;
 use oxrl::rollout::EngineClient;
 use oxrl::trainer::rl::run_rl;
 use oxrl::trainer::sft::RunOptions;
 use oxrl::trainer::RlConfig;
-
-fn tiny_model(dir: &Path) {
-    let shape = ModelShape {
-        vocab_size: BYTE_LEVEL_VOCAB_SIZE,
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_layers: 1,
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 16,
-        rope_theta: 10000.0,
-        max_position_embeddings: 256,
-        tie_word_embeddings: false,
-    };
-    init::write_random_model(dir, Arch::Qwen3, &shape, 7, DType::F32).unwrap();
-}
 
 fn config(model: &Path, run: &Path, extra: &[&str]) -> RlConfig {
     let mut sets: Vec<String> = vec![
@@ -54,7 +36,7 @@ fn runtime(cfg: &RlConfig) -> (Dispatch, EngineClient) {
 fn a_short_run_writes_metrics_checkpoints_and_exports() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    tiny_model(&model);
+    common::tiny_byte_model(&model, 32, 256, 7);
     let cfg = config(&model, &tmp.path().join("run"), &["algorithm.kl.coef=0.05", "train.checkpoint_every=2"]);
     let (d, engines) = runtime(&cfg);
     let s = run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap();
@@ -92,7 +74,7 @@ fn a_short_run_writes_metrics_checkpoints_and_exports() {
 fn algorithm_variants_run_end_to_end() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    tiny_model(&model);
+    common::tiny_byte_model(&model, 32, 256, 7);
     let variants: [&[&str]; 5] = [
         &["algorithm.advantage=\"gae\"", "algorithm.lambda=0.95", "critic.lr=1e-3"],
         &[
@@ -145,7 +127,7 @@ fn algorithm_variants_run_end_to_end() {
 fn a_bad_prompt_row_is_reported_with_its_file_and_line() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    tiny_model(&model);
+    common::tiny_byte_model(&model, 32, 256, 7);
     let data = tmp.path().join("prompts.jsonl");
     std::fs::write(&data, "{\"prompt\": \"What is 1 + 1?\", \"answer\": \"2\"}\n{\"prompt\": \"What is 2 + 2?\"}\n")
         .unwrap();
@@ -175,7 +157,7 @@ fn a_bad_prompt_row_is_reported_with_its_file_and_line() {
 fn a_short_grpo_run_on_arithmetic_raises_the_reward() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    tiny_model(&model);
+    common::tiny_byte_model(&model, 32, 256, 7);
     let cfg = config(
         &model,
         &tmp.path().join("run"),

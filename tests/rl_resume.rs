@@ -1,30 +1,11 @@
 //! Resume after SIGKILL: `oxrl rl` killed at a random step and resumed with `--resume` ends with
 //! the same parameters, bit for bit, as an uninterrupted run (and the same metrics).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-use candle_core::DType;
-use oxrl::model::config::{Arch, ModelShape};
-use oxrl::model::init;
-use oxrl::model::tokenizer::BYTE_LEVEL_VOCAB_SIZE;
-
-fn tiny(dir: &Path) {
-    let shape = ModelShape {
-        vocab_size: BYTE_LEVEL_VOCAB_SIZE,
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_layers: 1,
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 16,
-        rope_theta: 10000.0,
-        max_position_embeddings: 256,
-        tie_word_embeddings: false,
-    };
-    init::write_random_model(dir, Arch::Qwen3, &shape, 3, DType::F32).unwrap();
-}
 
 /// A config whose every step changes the policy: an entropy bonus gives gradients even when
 /// the (random) model earns no reward; GRPO with a KL term to the reference on top.
@@ -74,7 +55,7 @@ fn oxrl() -> Command {
 #[test]
 fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
     let tmp = tempfile::tempdir().unwrap();
-    tiny(&tmp.path().join("model"));
+    common::tiny_byte_model(&tmp.path().join("model"), 32, 256, 3);
     let whole = write_config(tmp.path(), "whole");
     let out = oxrl().args(["rl", "--config"]).arg(&whole).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -2,15 +2,13 @@
 //! episode runs several turns, its token sequence is the chat template's rendering of the whole
 //! conversation, and the loss mask covers exactly the sampled tokens.
 
-use std::cell::RefCell;
-use std::path::Path;
+mod common;
 
-use candle_core::DType;
+use std::cell::RefCell;
+
 use oxrl::env::{EnvConfig, PromptRow};
 use oxrl::handle::Handle;
-use oxrl::model::config::{Arch, ModelShape};
-use oxrl::model::init;
-use oxrl::model::tokenizer::{Tokenizer, BYTE_LEVEL_VOCAB_SIZE};
+use oxrl::model::tokenizer::Tokenizer;
 use oxrl::rollout::{Generation, Request, RequestOutput, SamplingParams, StopReason};
 use oxrl::trainer::rollouts::{generate_episodes, TurnSampler};
 use serde_json::json;
@@ -39,26 +37,10 @@ impl TurnSampler for Script {
     }
 }
 
-fn tiny(dir: &Path) {
-    let shape = ModelShape {
-        vocab_size: BYTE_LEVEL_VOCAB_SIZE,
-        hidden_size: 16,
-        intermediate_size: 32,
-        num_layers: 1,
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 8,
-        rope_theta: 10000.0,
-        max_position_embeddings: 512,
-        tie_word_embeddings: false,
-    };
-    init::write_random_model(dir, Arch::Qwen3, &shape, 1, DType::F32).unwrap();
-}
-
 #[test]
 fn a_calculator_episode_runs_several_turns_and_masks_only_sampled_tokens() {
     let tmp = tempfile::tempdir().unwrap();
-    tiny(tmp.path());
+    common::tiny_byte_model(tmp.path(), 16, 512, 1);
     let tok = Tokenizer::from_dir(tmp.path()).unwrap();
     let turns = vec!["<calc>17*3</calc>", "<calc>51+9</calc>", "Answer: 60"];
     let script =
@@ -119,7 +101,7 @@ fn a_calculator_episode_runs_several_turns_and_masks_only_sampled_tokens() {
 #[test]
 fn a_tool_call_on_the_last_allowed_turn_truncates_with_no_reward() {
     let tmp = tempfile::tempdir().unwrap();
-    tiny(tmp.path());
+    common::tiny_byte_model(tmp.path(), 16, 512, 1);
     let tok = Tokenizer::from_dir(tmp.path()).unwrap();
     let script = Script {
         tok: Tokenizer::from_dir(tmp.path()).unwrap(),

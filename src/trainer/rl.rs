@@ -38,7 +38,7 @@ use super::rl_config::RlConfig;
 use super::rl_ids::{CRITIC, POLICY, REFERENCE};
 use super::rl_step::{critic_datums, minibatches, policy_datums, prepare, StepRecipe};
 use super::rollouts::{generate_episodes, Episode};
-use super::sft::{export_model, progress_bar, RunOptions};
+use super::sft::{checkpoint_dir, export_model, latest_checkpoint, progress_bar, RunOptions, TRAINER_STATE};
 use crate::algo::KlController;
 use crate::dispatch::Dispatch;
 use crate::env::{generate_arithmetic, load_prompts, sample_arithmetic, PromptOptions, PromptRow};
@@ -48,8 +48,6 @@ use crate::rollout::EngineClient;
 use crate::worker::{AdamParams, Datum};
 use crate::{Error, Result};
 
-const CHECKPOINTS: &str = "checkpoints";
-const TRAINER_STATE: &str = "trainer_state.json";
 /// Where the trained policy is exported at the end of a run.
 pub const EXPORT_DIR: &str = "final";
 
@@ -119,15 +117,6 @@ pub fn load_rl_prompts(cfg: &RlConfig) -> Result<(Vec<PromptRow>, Vec<PromptRow>
         }
     }
     Ok((kept, eval))
-}
-
-fn checkpoint_dir(run_dir: &Path, step: usize) -> PathBuf {
-    run_dir.join(CHECKPOINTS).join(format!("step_{step:06}"))
-}
-
-/// The latest complete checkpoint of a run directory, by step.
-pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(usize, PathBuf)>> {
-    super::sft::latest_checkpoint(run_dir)
 }
 
 fn save_checkpoint(dispatch: &Dispatch, cfg: &RlConfig, run_dir: &Path, state: &TrainerState) -> Result<PathBuf> {

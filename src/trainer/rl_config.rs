@@ -399,14 +399,7 @@ impl RlConfig {
     /// uses) and value ranges. Errors name the dotted key and where its value came from.
     pub fn validate(&self, sources: &Sources) -> Result<()> {
         let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
-        // Parser errors are `Error::Input(message)`; keep the message without its prefix.
-        let wrap = |key: &str, e: Error| -> Error {
-            let msg = match e {
-                Error::Input(m) => m,
-                other => other.to_string(),
-            };
-            sources.error(key, msg)
-        };
+        let wrap = |key: &str, e: Error| parser_error(sources, key, e);
         if !MODES.contains(&self.mode.as_str()) {
             let msg = match self.mode.as_str() {
                 "async" => "`async` is not available yet; expected `sync`".to_string(),
@@ -543,13 +536,7 @@ impl RlConfig {
 
     fn validate_algorithm(&self, sources: &Sources) -> Result<()> {
         let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
-        let wrap = |key: &str, e: Error| -> Error {
-            let msg = match e {
-                Error::Input(m) => m,
-                other => other.to_string(),
-            };
-            sources.error(key, msg)
-        };
+        let wrap = |key: &str, e: Error| parser_error(sources, key, e);
         let a = &self.algorithm;
         if !AdvantageEstimator::NAMES.contains(&a.advantage.as_str()) {
             return Err(err(
@@ -732,6 +719,16 @@ impl RlConfig {
             ignore_eos: false,
         }
     }
+}
+
+/// A parser's error as an error on config key `key`. Parser errors are `Error::Input(message)`;
+/// the message is kept without its prefix.
+fn parser_error(sources: &Sources, key: &str, e: Error) -> Error {
+    let msg = match e {
+        Error::Input(m) => m,
+        other => other.to_string(),
+    };
+    sources.error(key, msg)
 }
 
 /// A TOML table as a JSON object (what the algorithm parsers take).

@@ -37,8 +37,9 @@ use crate::{Error, Result};
 
 /// The id of the trained model in the dispatch.
 pub const POLICY: &str = "policy";
-const CHECKPOINTS: &str = "checkpoints";
-const TRAINER_STATE: &str = "trainer_state.json";
+/// Checkpoints of a run: `RUN_DIR/checkpoints/step_N/`, complete once `trainer_state.json` is in.
+pub(super) const CHECKPOINTS: &str = "checkpoints";
+pub(super) const TRAINER_STATE: &str = "trainer_state.json";
 const WORKER_DIR: &str = "worker";
 /// Where the trained model is exported at the end of a run.
 pub const EXPORT_DIR: &str = "final";
@@ -98,7 +99,7 @@ pub fn eval_loss(dispatch: &Dispatch, examples: &[SftExample], batch_size: usize
     Ok(if tokens > 0.0 { loss / tokens } else { f64::NAN })
 }
 
-fn checkpoint_dir(run_dir: &Path, step: usize) -> PathBuf {
+pub(super) fn checkpoint_dir(run_dir: &Path, step: usize) -> PathBuf {
     run_dir.join(CHECKPOINTS).join(format!("step_{step:06}"))
 }
 

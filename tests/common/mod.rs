@@ -91,3 +91,21 @@ pub fn masked(t: &Tensor, valid: &[Vec<f32>]) -> Tensor {
 pub fn loss(name: &str, config: &serde_json::Value) -> oxrl::algo::Loss {
     oxrl::algo::Loss::parse(name, config).unwrap()
 }
+
+/// A random one-layer qwen3 with the byte-level tokenizer (ChatML template) written to `dir`:
+/// `hidden` wide (heads of 16), `max_position` positions.
+pub fn tiny_byte_model(dir: &std::path::Path, hidden: usize, max_position: usize, seed: u64) {
+    let shape = oxrl::model::config::ModelShape {
+        vocab_size: oxrl::model::tokenizer::BYTE_LEVEL_VOCAB_SIZE,
+        hidden_size: hidden,
+        intermediate_size: 2 * hidden,
+        num_layers: 1,
+        num_heads: hidden / 16,
+        num_kv_heads: 1,
+        head_dim: 16,
+        rope_theta: 10000.0,
+        max_position_embeddings: max_position,
+        tie_word_embeddings: false,
+    };
+    oxrl::model::init::write_random_model(dir, oxrl::model::config::Arch::Qwen3, &shape, seed, DType::F32).unwrap();
+}
