@@ -23,11 +23,13 @@
 //! norm clipped at 1, replies of at most 4 tokens, no in-run evaluation, all cores training.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::json;
 
 use super::launch::{rl_runtime, sft_dispatch};
+use crate::dispatch::Dispatch;
 use crate::env::{messages_to_json, sample_arithmetic, ArithmeticSpec, EnvConfig, PromptRow};
 use crate::files::write_json;
 use crate::model::config::{Arch, ModelShape};
@@ -36,7 +38,7 @@ use crate::model::tokenizer::{Tokenizer, BYTE_LEVEL_VOCAB_SIZE};
 use crate::rollout::{Engine, EngineClient, EngineConfig, SamplingParams};
 use crate::trainer::rl::{pass_rates, run_rl};
 use crate::trainer::rollouts::generate_episodes;
-use crate::trainer::sft::{run_sft, RunOptions};
+use crate::trainer::sft::{run_sft, FinishWhen, RunOptions, POLICY};
 use crate::trainer::{RlConfig, SftConfig};
 
 #[derive(clap::Args)]
@@ -47,9 +49,13 @@ pub struct Args {
     /// Seed of the model, the problems and both runs.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// SFT steps (short on purpose: RL should have room to improve).
-    #[arg(long, default_value_t = 150)]
+    /// Most SFT steps (the SFT ends earlier, once accuracy reaches `--sft-target`).
+    #[arg(long, default_value_t = 600)]
     sft_steps: usize,
+    /// The SFT ends once greedy accuracy reaches this (checked every few steps): low on
+    /// purpose, so that RL has room to improve.
+    #[arg(long, default_value_t = 0.4)]
+    sft_target: f64,
     /// GRPO steps.
     #[arg(long, default_value_t = 400)]
     rl_steps: usize,
@@ -75,6 +81,8 @@ const DIGITS: u32 = 1;
 const OPS: &str = "+";
 const TRAIN: usize = 2000;
 const EVAL: usize = 100;
+/// SFT steps between accuracy checks.
+const SFT_PROBE_EVERY: usize = 5;
 
 fn shape() -> ModelShape {
     ModelShape {
@@ -105,29 +113,43 @@ fn write_sft_rows(rows: &[PromptRow], path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Greedy accuracy of the model in `dir` on `prompts`, and a few (prompt, answer) samples.
+/// Greedy accuracy on a set of prompts, measured on an engine of its own.
+struct Probe {
+    client: EngineClient,
+    tok: Tokenizer,
+}
+
+impl Probe {
+    /// An engine holding the model in `dir`.
+    fn new(dir: &Path) -> anyhow::Result<Probe> {
+        let tok = Tokenizer::from_dir(dir)?;
+        let model = crate::model::Transformer::load(dir, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+        let config = EngineConfig { eos_token_ids: tok.eos_token_ids().to_vec(), max_batch: 64, ..Default::default() };
+        Ok(Probe { client: EngineClient::new(vec![Engine::start(model, config)?])?, tok })
+    }
+
+    /// Greedy accuracy on `prompts`, and a few (question, answer) samples.
+    fn accuracy(&self, prompts: &[PromptRow]) -> anyhow::Result<(f64, Vec<(String, String)>)> {
+        let env = EnvConfig { max_turn_tokens: 8, ..Default::default() };
+        let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
+        let episodes = generate_episodes(&self.client, &self.tok, prompts, &env, &greedy, 1, 0)?;
+        let samples = episodes
+            .iter()
+            .take(3)
+            .map(|e| {
+                let question = prompts[e.group].make_env(&env).map(|x| x.initial().last().map(|m| m.content.clone()));
+                let tokens = &e.sequence.input_tokens[e.sequence.input_tokens.len() + 1 - e.response_tokens..];
+                let reply = self.tok.decode(tokens, true);
+                (question.ok().flatten().unwrap_or_default(), reply.unwrap_or_default().trim().to_string())
+            })
+            .collect();
+        Ok((pass_rates(&episodes).0, samples))
+    }
+}
+
+/// Greedy accuracy of the model in `dir` on `prompts`, and a few (question, answer) samples.
 fn accuracy(dir: &Path, prompts: &[PromptRow]) -> anyhow::Result<(f64, Vec<(String, String)>)> {
-    let tok = Tokenizer::from_dir(dir)?;
-    let model = crate::model::Transformer::load(dir, candle_core::DType::F32, &candle_core::Device::Cpu)?;
-    let engine = Engine::start(
-        model,
-        EngineConfig { eos_token_ids: tok.eos_token_ids().to_vec(), max_batch: 64, ..Default::default() },
-    )?;
-    let client = EngineClient::new(vec![engine])?;
-    let env = EnvConfig { max_turn_tokens: 8, ..Default::default() };
-    let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
-    let episodes = generate_episodes(&client, &tok, prompts, &env, &greedy, 1, 0)?;
-    let samples = episodes
-        .iter()
-        .take(3)
-        .map(|e| {
-            let question = prompts[e.group].make_env(&env).map(|x| x.initial().last().map(|m| m.content.clone()));
-            let reply =
-                tok.decode(&e.sequence.input_tokens[e.sequence.input_tokens.len() + 1 - e.response_tokens..], true);
-            (question.ok().flatten().unwrap_or_default(), reply.unwrap_or_default().trim().to_string())
-        })
-        .collect();
-    Ok((pass_rates(&episodes).0, samples))
+    Probe::new(dir)?.accuracy(prompts)
 }
 
 pub fn run(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
@@ -165,12 +187,23 @@ pub fn run(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
     let sets = [sets, a.sft_set.clone()].concat();
     let sft_cfg = SftConfig::load(None, &sets)?;
     let dispatch = sft_dispatch(&sft_cfg, threads)?;
-    let sft = run_sft(&sft_cfg, &dispatch, &RunOptions { progress: true, ..Default::default() })?;
+    let probe = Probe::new(&model_dir)?;
+    let (probe_eval, target) = (eval.clone(), a.sft_target);
+    let finish_when = FinishWhen(Arc::new(move |step, dispatch: &Dispatch| {
+        if step % SFT_PROBE_EVERY != 0 {
+            return Ok(false);
+        }
+        probe.client.update_weights(&dispatch.sampler_weights(POLICY)?).wait()?;
+        let (acc, _) = probe.accuracy(&probe_eval).map_err(|e| crate::Error::Other(e.to_string()))?;
+        Ok(acc >= target)
+    }));
+    let opts = RunOptions { progress: true, finish_when: Some(finish_when), ..Default::default() };
+    let sft = run_sft(&sft_cfg, &dispatch, &opts)?;
     drop(dispatch);
     let sft_secs = t.elapsed().as_secs_f64();
     let sft_dir = sft.export_dir.ok_or_else(|| anyhow::anyhow!("SFT did not finish"))?;
     let (sft_acc, sft_samples) = accuracy(&sft_dir, &eval)?;
-    eprintln!("after SFT: accuracy {:.0} % ({sft_secs:.0} s)", sft_acc * 100.0);
+    eprintln!("after SFT: accuracy {:.0} % ({} steps, {sft_secs:.0} s)", sft_acc * 100.0, sft.steps);
 
     // GRPO from the SFT model.
     let t = Instant::now();

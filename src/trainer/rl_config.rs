@@ -1,6 +1,6 @@
 //! The RL run configuration: one TOML file with sections `[model]`, `[data]`, `[env]`,
-//! `[rollout]`, `[algorithm]`, `[critic]`, `[optimizer]`, `[schedule]`, `[train]`, `[launch]` and
-//! `[output]`, resolved by [`config_file`](super::config_file) (defaults ← file ← `--set`).
+//! `[rollout]`, `[algorithm]`, `[critic]`, `[optimizer]`, `[schedule]`, `[train]`, `[async_rl]`,
+//! `[launch]` and `[output]`, resolved by [`config_file`](super::config_file) (defaults ← file ← `--set`).
 //!
 //! Every field has a default, written on it; no field is an `Option` (an unset path is `""`, an
 //! unset limit `0`). `[model]`, `[optimizer]`, `[schedule]` and `[output]` are the SFT config's
@@ -23,8 +23,11 @@ use crate::env::EnvConfig;
 use crate::error::{nearest_name, Error, Result};
 use crate::rollout::SamplingParams;
 
-/// Run modes: `sync` (generate, then train, then sync weights). `async` is planned.
-pub const MODES: [&str; 1] = ["sync"];
+/// Run modes: `sync` (generate, then train, then sync weights) and `async` (generation runs
+/// on while the trainer trains; weights are updated in flight).
+pub const MODES: [&str; 2] = ["sync", "async"];
+/// Values of `async_rl.weight_update`.
+pub const WEIGHT_UPDATE_MODES: [&str; 2] = ["keep", "abort"];
 /// Values of `algorithm.dynamic_sampling`.
 pub const DYNAMIC_SAMPLING: [&str; 3] = ["none", "filter", "replace"];
 
@@ -32,8 +35,8 @@ pub const DYNAMIC_SAMPLING: [&str; 3] = ["none", "filter", "replace"];
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RlConfig {
-    /// `sync`: each step generates, scores, trains, then syncs the engines' weights. Default
-    /// `sync` (the only mode so far; `async` is coming).
+    /// `sync`: each step generates, scores, trains, then syncs the engines' weights. `async`:
+    /// generation never waits for training (see `[async_rl]`). Default `sync`.
     pub mode: String,
     pub model: ModelSection,
     pub data: RlDataSection,
@@ -44,6 +47,7 @@ pub struct RlConfig {
     pub optimizer: OptimizerSection,
     pub schedule: ScheduleSection,
     pub train: RlTrainSection,
+    pub async_rl: AsyncSection,
     pub launch: LaunchSection,
     pub output: OutputSection,
 }
@@ -61,6 +65,7 @@ impl Default for RlConfig {
             optimizer: OptimizerSection::default(),
             schedule: ScheduleSection { kind: ScheduleKind::Constant, ..ScheduleSection::default() },
             train: RlTrainSection::default(),
+            async_rl: AsyncSection::default(),
             launch: LaunchSection::default(),
             output: OutputSection { run_dir: PathBuf::from("runs/rl") },
         }
@@ -354,6 +359,47 @@ impl Default for RlTrainSection {
     }
 }
 
+/// `[async_rl]`: the fully asynchronous trainer (`mode = "async"`; ignored otherwise).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncSection {
+    /// How many steps the policy that starts a group may lag the one that trains it; 0
+    /// reproduces the synchronous trainer. Default 1.
+    pub max_staleness: u64,
+    /// Most groups generating at once; 0: `(max_staleness + 1) × prompts_per_step`. Default 0.
+    pub max_concurrent: u64,
+    /// How engines take new weights in flight: `keep` (running requests freeze, weights swap,
+    /// their caches are recomputed, decoding continues) or `abort` (running requests end and
+    /// continue on the new weights). Default `keep`.
+    pub weight_update: String,
+}
+
+impl Default for AsyncSection {
+    fn default() -> Self {
+        AsyncSection { max_staleness: 1, max_concurrent: 0, weight_update: "keep".into() }
+    }
+}
+
+impl AsyncSection {
+    /// `max_concurrent`, with 0 resolved.
+    pub fn concurrency(&self, prompts_per_step: usize) -> u64 {
+        if self.max_concurrent > 0 {
+            self.max_concurrent
+        } else {
+            (self.max_staleness + 1) * prompts_per_step as u64
+        }
+    }
+
+    /// The engines' pause mode for a weight update.
+    pub fn pause_mode(&self) -> crate::rollout::PauseMode {
+        if self.weight_update == "abort" {
+            crate::rollout::PauseMode::Abort
+        } else {
+            crate::rollout::PauseMode::Keep
+        }
+    }
+}
+
 /// `[launch]`: workers and engines (how the run is laid out; the results do not depend on it,
 /// up to float rounding and sampling order).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -401,11 +447,11 @@ impl RlConfig {
         let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
         let wrap = |key: &str, e: Error| parser_error(sources, key, e);
         if !MODES.contains(&self.mode.as_str()) {
-            let msg = match self.mode.as_str() {
-                "async" => "`async` is not available yet; expected `sync`".to_string(),
-                m => unknown("mode", m, &MODES),
-            };
-            return Err(err("mode", &msg));
+            return Err(err("mode", &unknown("mode", &self.mode, &MODES)));
+        }
+        if !WEIGHT_UPDATE_MODES.contains(&self.async_rl.weight_update.as_str()) {
+            let msg = unknown("weight update mode", &self.async_rl.weight_update, &WEIGHT_UPDATE_MODES);
+            return Err(err("async_rl.weight_update", &msg));
         }
         self.model.validate(sources)?;
         self.validate_data(sources)?;

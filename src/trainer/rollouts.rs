@@ -17,8 +17,12 @@
 //! rendering of the new messages, found as the difference of two renderings. The loss mask
 //! ([`crate::env::build_sequence`]) covers only the sampled tokens.
 //!
-//! Seeds: prompt i of a step samples with seed `hash(seed, i)`, sample j with that + j (the
-//! engine's rule), so a step's episodes do not depend on how the engines interleave them.
+//! Seeds: each group has its own seed `s` (given, or `hash(seed, i)` for prompt i); its first
+//! turn samples j with `s + j` (the engine's rule), later turns of episode j with
+//! `hash(s, 1_000_003 · turn + j)`. A group's episodes therefore depend only on its prompt and
+//! seed — not on the other prompts of the call, nor on how the engines interleave them — so the
+//! asynchronous trainer, which generates one group at a time, samples what the synchronous one
+//! does.
 
 use crate::env::{
     build_sequence, messages_to_json, Env, EnvConfig, Message, PromptRow, Segment, Step, TrainingSequence,
@@ -84,7 +88,8 @@ fn render(tok: &Tokenizer, messages: &[Message], generation_prompt: bool) -> Res
     tok.apply_chat_template(&messages_to_json(messages), generation_prompt, None)
 }
 
-/// Runs `n` episodes of every prompt; episodes come back grouped, prompt by prompt.
+/// Runs `n` episodes of every prompt (prompt i seeded with `hash(seed, i)`); episodes come
+/// back grouped, prompt by prompt.
 pub fn generate_episodes(
     client: &dyn TurnSampler,
     tok: &Tokenizer,
@@ -94,6 +99,24 @@ pub fn generate_episodes(
     n: usize,
     seed: u64,
 ) -> Result<Vec<Episode>> {
+    let seeds: Vec<u64> = (0..prompts.len()).map(|i| prompt_seed(seed, i)).collect();
+    generate_groups(client, tok, prompts, &seeds, env_config, params, n)
+}
+
+/// Runs `n` episodes of every prompt, prompt i's group seeded with `seeds[i]`; episodes come
+/// back grouped, prompt by prompt.
+pub fn generate_groups(
+    client: &dyn TurnSampler,
+    tok: &Tokenizer,
+    prompts: &[PromptRow],
+    seeds: &[u64],
+    env_config: &EnvConfig,
+    params: &SamplingParams,
+    n: usize,
+) -> Result<Vec<Episode>> {
+    if seeds.len() != prompts.len() {
+        return Err(Error::Other(format!("{} group seeds for {} prompts", seeds.len(), prompts.len())));
+    }
     let params = SamplingParams { max_tokens: env_config.max_turn_tokens, ..params.clone() };
     // First turns: one request of n samples per prompt.
     let mut running: Vec<Running> = vec![];
@@ -103,7 +126,7 @@ pub fn generate_episodes(
         let messages = envs.first().map(|e| e.initial()).unwrap_or_default();
         let prompt = tok.encode(&render(tok, &messages, true)?, false)?;
         let stop_strings = envs.first().map(|e| e.stop_strings()).unwrap_or_default();
-        let request_params = SamplingParams { seed: Some(prompt_seed(seed, i)), stop_strings, ..params.clone() };
+        let request_params = SamplingParams { seed: Some(seeds[i]), stop_strings, ..params.clone() };
         first.push(client.submit(Request {
             num_samples: n,
             group: Some(i as u64),
@@ -169,8 +192,9 @@ pub fn generate_episodes(
                     ep.messages.extend(observation);
                     ep.tokens.extend(&added);
                     ep.segments.push(Segment::env(added));
-                    let request_params =
-                        SamplingParams { seed: Some(prompt_seed(seed, 1_000_003 * (round + 1) + k)), ..params.clone() };
+                    let turn_seed = prompt_seed(seeds[ep.group], 1_000_003 * (round + 1) + k % n);
+                    let stop_strings = ep.env.stop_strings();
+                    let request_params = SamplingParams { seed: Some(turn_seed), stop_strings, ..params.clone() };
                     next[k] = Some(client.submit(Request::new(ep.tokens.clone(), request_params)));
                     any = true;
                 }

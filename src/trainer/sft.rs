@@ -63,6 +63,26 @@ pub struct RunOptions {
     pub interrupt: Option<Arc<AtomicBool>>,
     /// Draw a progress bar on stderr (only when it is a terminal).
     pub progress: bool,
+    /// Asked after each step; `true` ends the run there as finished (exported), e.g. once an
+    /// evaluation reaches a target.
+    pub finish_when: Option<FinishWhen>,
+}
+
+/// A check after each step: `(steps done, dispatch) → finish now?`.
+#[derive(Clone)]
+pub struct FinishWhen(pub Arc<dyn Fn(usize, &Dispatch) -> Result<bool> + Send + Sync>);
+
+impl std::fmt::Debug for FinishWhen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FinishWhen(..)")
+    }
+}
+
+impl RunOptions {
+    /// Whether the run should end as finished after `step` steps.
+    pub(super) fn finish_now(&self, step: usize, dispatch: &Dispatch) -> Result<bool> {
+        self.finish_when.as_ref().map_or(Ok(false), |f| (f.0)(step, dispatch))
+    }
 }
 
 /// What a run did.
@@ -266,6 +286,10 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
         }
         if cfg.train.checkpoint_every > 0 && step % cfg.train.checkpoint_every == 0 && step < total {
             save_checkpoint(dispatch, &run_dir, &TrainerState { step, loader: loader.position() })?;
+        }
+        if opts.finish_now(step, dispatch)? {
+            pb.println(format!("finished early at step {step}"));
+            break;
         }
     }
     pb.finish_and_clear();
