@@ -18,6 +18,25 @@
 //! KV budget: the cache is a dense [rows, S] block, S ≤ the longest running row's
 //! prompt + max_tokens, so a request is admitted only while rows × that length stays within
 //! `kv_cache_tokens`; one that could not fit even alone is refused at `add_request`.
+//!
+//! Weight updates ([`EngineCore::update_weights`]) land between steps. Rows running or frozen by
+//! a `keep` pause carry on in the same batch position with their own random streams, but their
+//! KV caches are recomputed under the new weights first: each row's prompt + tokens so far is
+//! prefilled alone (the admission path; identical prefixes share one prefill) and the batched
+//! cache is rebuilt in the same row order. Why: the trainer scores a sample with one forward of
+//! the weights of each token's version over the whole prefix, and the off-policy corrections
+//! (`rollout_is`, TIS, `cispo` anchored on the rollout) take the sampler's log-probs to be
+//! exactly those. With the old keys and values kept, a token sampled after the update would come
+//! from neither policy. So every token carries the version of the weights that sampled it and a
+//! log-prob equal to a full forward of those weights over the same prefix, whether the update
+//! found the request running (`keep`) or the request was aborted and continued by the client
+//! (`abort`: its continuation is prefilled the same way). The versions change once per update,
+//! where it landed. The cost is one prefill per running row and update, about what admitting the
+//! rows anew costs. The old cache is dropped first and the rebuilt one is no wider (each row's
+//! length is unchanged and all-padding columns go), so the KV budget holds. Prompt log-probs are
+//! not recomputed: they stay those of the weights that admitted the request (the version of its
+//! first token), in both modes.
+//!
 //! Simplifications: no paged attention and no prefix cache across steps (the dense padded cache
 //! is what the model's forward takes); FIFO admission (a large request at the head waits for
 //! room rather than being overtaken).
@@ -65,7 +84,8 @@ impl Default for EngineConfig {
 pub enum PauseMode {
     /// Running requests end now with what they have, stop reason `abort`.
     Abort,
-    /// Running requests freeze (KV cache kept) and continue after `resume`.
+    /// Running requests freeze and continue after `resume` where they were (a weight update in
+    /// between recomputes their KV caches under the new weights).
     Keep,
 }
 
@@ -238,16 +258,21 @@ impl EngineCore {
     pub fn pause(&mut self, mode: PauseMode) -> Vec<(RequestId, RequestOutput)> {
         self.paused = true;
         if mode == PauseMode::Abort {
-            let mut ids: Vec<RequestId> = self.active.keys().copied().collect();
-            ids.sort();
-            for id in ids {
-                let out = self.abort_active(id);
-                self.ready.push((id, out));
-            }
-            self.rows.clear();
-            self.cache = self.model.new_cache();
+            self.abort_running();
         }
         std::mem::take(&mut self.ready)
+    }
+
+    /// Ends every running request as `abort` (outputs to `ready`) and empties the batch.
+    fn abort_running(&mut self) {
+        let mut ids: Vec<RequestId> = self.active.keys().copied().collect();
+        ids.sort();
+        for id in ids {
+            let out = self.abort_active(id);
+            self.ready.push((id, out));
+        }
+        self.rows.clear();
+        self.cache = self.model.new_cache();
     }
 
     /// Drops every request, running or waiting, without output (after a failed step, whose
@@ -264,12 +289,64 @@ impl EngineCore {
         self.paused = false;
     }
 
-    /// Swaps in new weights; tokens sampled from now on carry `version`. Running requests keep
-    /// their KV cache (computed by the old weights), as `keep` mode intends.
+    /// Swaps in new weights; tokens sampled from now on carry `version`. Running (or frozen)
+    /// rows keep their place, tokens and random streams, and their KV caches are recomputed
+    /// under the new weights (see the module documentation), so their next tokens have exactly
+    /// the new weights' log-probs.
+    ///
+    /// A refused update (see [`WeightUpdate::apply`]) changes nothing. If the caches cannot be
+    /// recomputed (e.g. out of memory) the new weights stay in place, the running requests end
+    /// as `abort` with the tokens they have (returned by the next `step` or `pause`, and
+    /// continued by the engine client), and the error says so.
     pub fn update_weights(&mut self, update: &WeightUpdate, version: u64) -> Result<()> {
         self.model = update.apply(&self.model)?;
         self.version = version;
-        Ok(())
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        // The old cache goes first: the rebuilt one takes its place in the KV budget.
+        self.cache = self.model.new_cache();
+        match self.recompute_cache() {
+            Ok(cache) => {
+                self.cache = cache;
+                Ok(())
+            }
+            Err(e) => {
+                let rows = self.rows.len();
+                self.abort_running();
+                Err(Error::Other(format!(
+                    "weights updated to version {version}, but the KV caches of the {rows} running rows could not be \
+                     recomputed ({e}): their requests were aborted"
+                )))
+            }
+        }
+    }
+
+    /// The running rows' cache under the current weights, in row order: each row's prompt +
+    /// tokens so far prefilled as at admission (all but the pending token, which the next decode
+    /// step feeds), identical prefixes once.
+    fn recompute_cache(&self) -> Result<KvCache> {
+        let mut prefilled: HashMap<Vec<u32>, KvCache> = HashMap::new();
+        let mut cache = self.model.new_cache();
+        for row in &self.rows {
+            let prompt = &self.active[&row.id].req.prompt;
+            let seq: Vec<u32> = prompt.iter().chain(&row.gen.tokens).copied().collect();
+            if seq.last() != Some(&row.next_token) || row.next_pos as usize + 1 != seq.len() {
+                return Err(Error::Other(format!(
+                    "row {} of request {} is inconsistent: {} tokens, pending token at position {}",
+                    row.sample,
+                    row.id,
+                    seq.len(),
+                    row.next_pos
+                )));
+            }
+            if !prefilled.contains_key(&seq) {
+                let (one, _) = self.prefill(&seq, false)?;
+                prefilled.insert(seq.clone(), one);
+            }
+            cache.append_rows(&prefilled[&seq])?;
+        }
+        Ok(cache)
     }
 
     /// Ends one request now (waiting or running) with what it has; None if unknown.
@@ -392,7 +469,8 @@ impl EngineCore {
         Ok(())
     }
 
-    /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs.
+    /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs. Also
+    /// rebuilds a running row's cache after a weight update (prompt = prompt + tokens so far).
     fn prefill(&self, prompt: &[u32], logprobs: bool) -> Result<(KvCache, Option<Vec<f32>>)> {
         let n = prompt.len() - 1;
         if n == 0 {
