@@ -26,6 +26,7 @@ fn episode(group: usize, reward: f64, sampler: [f32; 3]) -> Episode {
         turns: 1,
         response_tokens: 3,
         min_version: 0,
+        versions: vec![],
     }
 }
 

@@ -77,7 +77,7 @@ pub const LOSS_PLOT: MetricPlot = MetricPlot {
 };
 
 /// RL: the plots [`plot_rl_run`] writes, each only if some line has one of its keys.
-pub const RL_PLOTS: [MetricPlot; 5] = [
+pub const RL_PLOTS: [MetricPlot; 6] = [
     MetricPlot {
         file: "reward.png",
         title: "reward",
@@ -107,6 +107,12 @@ pub const RL_PLOTS: [MetricPlot; 5] = [
         title: "entropy",
         y_label: "mean entropy",
         series: &[("entropy_mean", "train", PURPLE)],
+    },
+    MetricPlot {
+        file: "staleness.png",
+        title: "staleness (async)",
+        y_label: "steps",
+        series: &[("staleness_mean", "mean", TRAIN_COLOR), ("staleness_max", "max", EVAL_COLOR)],
     },
 ];
 

@@ -278,9 +278,12 @@ pub fn run_rl_async(
             line.insert("staleness_mean".into(), json!(staleness.iter().sum::<f64>() / staleness.len() as f64));
             line.insert("staleness_max".into(), json!(staleness.iter().copied().fold(0.0, f64::max)));
             line.insert("weight_version".into(), json!(version));
+            let mixed = episodes.iter().filter(|e| e.versions.windows(2).any(|w| w[0] != w[1])).count();
+            line.insert("episodes_mixed_versions".into(), json!(mixed));
             run.end_step(line, &rollouts, &trained, |run| state(run, &shared.lock()))?;
         };
-        Ok((interrupted, state(&run, &shared.lock())))
+        let last = state(&run, &shared.lock()); // the guard must be gone before `_stop` locks
+        Ok((interrupted, last))
     });
     let (interrupted, last) = outcome?;
     run.finish(interrupted, reward_mean, last)

@@ -60,6 +60,9 @@ pub struct Episode {
     pub response_tokens: usize,
     /// The lowest weight version among its sampled tokens.
     pub min_version: u64,
+    /// The weight version that sampled each sampled token, in order over the turns (an update
+    /// in flight changes it mid-sequence).
+    pub versions: Vec<u64>,
 }
 
 /// An episode in progress.
@@ -72,7 +75,7 @@ struct Running {
     /// The full token sequence so far (the next request's prompt).
     tokens: Vec<u32>,
     turns: usize,
-    min_version: u64,
+    versions: Vec<u64>,
 }
 
 /// A 64-bit mix of the step seed and a prompt index (splitmix64).
@@ -141,7 +144,7 @@ pub fn generate_groups(
                 segments: vec![Segment::env(prompt.clone())],
                 tokens: prompt.clone(),
                 turns: 0,
-                min_version: u64::MAX,
+                versions: vec![],
             });
         }
     }
@@ -167,7 +170,7 @@ pub fn generate_groups(
             let ep = &mut running[k];
             let text = tok.decode(&g.tokens, true)?;
             ep.turns += 1;
-            ep.min_version = ep.min_version.min(g.versions.iter().copied().min().unwrap_or(u64::MAX));
+            ep.versions.extend(&g.versions);
             ep.tokens.extend(&g.tokens);
             let sampled = g.tokens.clone();
             ep.segments.push(Segment::model(g.tokens, g.logprobs));
@@ -183,7 +186,8 @@ pub fn generate_groups(
                         correct: outcome.correct,
                         truncated: outcome.truncated,
                         turns: ep.turns,
-                        min_version: if ep.min_version == u64::MAX { 0 } else { ep.min_version },
+                        min_version: ep.versions.iter().copied().min().unwrap_or(0),
+                        versions: std::mem::take(&mut ep.versions),
                     });
                 }
                 Step::Continue { observation } => {
