@@ -6,13 +6,17 @@
 //!            distribution (there are only 100 distinct problems, so the eval set repeats
 //!            train problems: it measures how well the task is learnt, not generalization)
 //! base     = greedy accuracy on the eval set
-//! sft      = a few SFT steps on the train problems' answers             DIR/sft
+//! sft      = SFT on the train problems' answers until greedy accuracy   DIR/sft
+//!            reaches 40 % (checked every 5 steps; at most --sft-steps)
 //! rl       = GRPO from the SFT model on the train prompts              DIR/rl
+//!            (--mode async: the fully asynchronous trainer, max_staleness 1)
 //! print the table (base, sft, rl: accuracy, sample answers), write DIR/summary.json
 //! ```
 //! Accuracy is greedy pass@1 on the eval problems, measured the same way for all three
 //! models. The SFT is deliberately short (it teaches the answer format and part of the task);
-//! RL then has signal — some of each group's samples right, some wrong — and improves it.
+//! RL then has signal — some of each group's samples right, some wrong — and improves it. It
+//! ends at an accuracy rather than after a fixed number of steps because the steps a seed needs
+//! vary (a fixed 150 steps left seeds between 7 % and 35 %, and RL from 7 % did not reach 80 %).
 //!
 //! The model is small (hidden 64, 2 layers: more GRPO steps fit in the time than with hidden 128,
 //! which learnt less in the same minutes). GRPO settings (tuned on a 2-core CPU): 16 prompts × 16
@@ -49,6 +53,9 @@ pub struct Args {
     /// Seed of the model, the problems and both runs.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// How the RL phase runs: `sync`, or `async` (fully asynchronous, max_staleness 1).
+    #[arg(long, default_value = "sync", value_parser = ["sync", "async"])]
+    mode: String,
     /// Most SFT steps (the SFT ends earlier, once accuracy reaches `--sft-target`).
     #[arg(long, default_value_t = 600)]
     sft_steps: usize,
@@ -210,6 +217,8 @@ pub fn run(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
     let sets = vec![
         format!("model.path={}", sft_dir.display()),
         format!("output.run_dir={}", out.join("rl").display()),
+        format!("mode=\"{}\"", a.mode),
+        "async_rl.max_staleness=1".into(),
         format!("data.synthetic_train={TRAIN}"),
         format!("data.synthetic_eval={EVAL}"),
         format!("data.synthetic_digits={DIGITS}"),
