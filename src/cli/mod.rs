@@ -5,6 +5,7 @@ mod demo;
 mod generate;
 mod init_model;
 pub mod launch;
+mod plot;
 mod rl;
 mod run_args;
 mod score;
@@ -38,6 +39,8 @@ enum Command {
     Rl(run_args::RunArgs),
     /// A tiny model learns a task on the CPU: short SFT, then GRPO; a before/after table.
     Demo(demo::Args),
+    /// One metric of several runs' metrics.jsonl on one plot (PNG).
+    Plot(plot::Args),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -62,6 +65,7 @@ pub fn main() -> i32 {
         Command::Sft(a) => sft::run(a, cli.threads),
         Command::Rl(a) => rl::run(a, cli.threads),
         Command::Demo(a) => demo::run(a, cli.threads),
+        Command::Plot(a) => plot::run(a),
     };
     match result {
         Ok(()) => 0,

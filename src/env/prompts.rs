@@ -9,6 +9,9 @@
 //!   the env agree on what a valid row is. A bad row (unreadable, unknown env, missing or
 //!   mistyped field, duplicate uid) is an error at `file:line` naming the field, or with
 //!   `on_bad_row = skip` a warning (the first ten) and a count.
+//! - An optional `max_tokens` field (a positive integer) is the row's own per-turn token
+//!   budget: its turns are sampled with at most min(`max_tokens`, `env.max_turn_tokens`) tokens
+//!   ([`PromptRow::max_tokens`], applied in `trainer::rollouts`).
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -39,6 +42,22 @@ impl PromptRow {
     /// A fresh env for one episode of this prompt.
     pub fn make_env(&self, config: &EnvConfig) -> Result<Box<dyn super::Env>> {
         super::make_env(&self.env, &self.row, config)
+    }
+
+    /// The row's own per-turn token budget (its `max_tokens` field), if it has a valid one.
+    pub fn max_tokens(&self) -> Option<usize> {
+        row_max_tokens(&self.row).ok().flatten()
+    }
+}
+
+/// The `max_tokens` field of a row: absent (or null), or a positive integer.
+fn row_max_tokens(row: &Value) -> std::result::Result<Option<usize>, String> {
+    match row.get("max_tokens").filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
+            _ => Err(format!("field `max_tokens`: must be a positive integer, got {v}")),
+        },
     }
 }
 
@@ -119,6 +138,7 @@ pub fn parse_row(row: Value, index: usize, options: &PromptOptions) -> std::resu
         Some(other) => return Err(format!("field `id`: must be a non-empty string or an integer, got {other}")),
         None => index.to_string(),
     };
+    row_max_tokens(&row)?;
     try_make_env(&env, &row, &options.config).map_err(|e| e.message())?;
     Ok(PromptRow { uid, env, row, source: String::new() })
 }

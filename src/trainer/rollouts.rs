@@ -4,11 +4,13 @@
 //! for each prompt p (a group of n episodes, one env each):
 //!     tokens = chat_template(env.initial(), generation prompt)        # Env segment
 //!     loop:                                                           # one model turn
-//!         reply = engine(tokens, max_tokens = env.max_turn_tokens)    # Model segment
+//!         reply = engine(tokens, max_tokens = budget(p))              # Model segment
 //!         match env.step(text(reply)):
 //!             Done(outcome)        -> the episode ends with its reward
 //!             Continue(observation) -> tokens += the template text the observation adds
 //! ```
+//! A turn's budget is `env.max_turn_tokens`, or the prompt row's own `max_tokens` when that is
+//! smaller ([`PromptRow::max_tokens`]: per-prompt budgets, e.g. a long-tail workload).
 //! Every prompt's first turn is one request of n samples (they share the prefill); every
 //! request of the step is submitted before any is awaited, so the engines batch them all.
 //! Sampled tokens are kept exactly as sampled (never re-tokenized): a later turn appends the
@@ -120,7 +122,11 @@ pub fn generate_groups(
     if seeds.len() != prompts.len() {
         return Err(Error::Other(format!("{} group seeds for {} prompts", seeds.len(), prompts.len())));
     }
-    let params = SamplingParams { max_tokens: env_config.max_turn_tokens, ..params.clone() };
+    // Each prompt's per-turn budget: the env's, capped by the row's own `max_tokens`.
+    let budgets: Vec<usize> = prompts
+        .iter()
+        .map(|p| p.max_tokens().map_or(env_config.max_turn_tokens, |m| m.min(env_config.max_turn_tokens)))
+        .collect();
     // First turns: one request of n samples per prompt.
     let mut running: Vec<Running> = vec![];
     let mut first: Vec<Handle<RequestOutput>> = vec![];
@@ -129,7 +135,8 @@ pub fn generate_groups(
         let messages = envs.first().map(|e| e.initial()).unwrap_or_default();
         let prompt = tok.encode(&render(tok, &messages, true)?, false)?;
         let stop_strings = envs.first().map(|e| e.stop_strings()).unwrap_or_default();
-        let request_params = SamplingParams { seed: Some(seeds[i]), stop_strings, ..params.clone() };
+        let request_params =
+            SamplingParams { max_tokens: budgets[i], seed: Some(seeds[i]), stop_strings, ..params.clone() };
         first.push(client.submit(Request {
             num_samples: n,
             group: Some(i as u64),
@@ -198,7 +205,12 @@ pub fn generate_groups(
                     ep.segments.push(Segment::env(added));
                     let turn_seed = prompt_seed(seeds[ep.group], 1_000_003 * (round + 1) + k % n);
                     let stop_strings = ep.env.stop_strings();
-                    let request_params = SamplingParams { seed: Some(turn_seed), stop_strings, ..params.clone() };
+                    let request_params = SamplingParams {
+                        max_tokens: budgets[ep.group],
+                        seed: Some(turn_seed),
+                        stop_strings,
+                        ..params.clone()
+                    };
                     next[k] = Some(client.submit(Request::new(ep.tokens.clone(), request_params)));
                     any = true;
                 }
