@@ -139,6 +139,12 @@ fn bounded_staleness_with_filtering_keeps_complete_books() {
     assert_eq!(consumed.len(), 16);
     assert_complete(&state, "final checkpoint");
     assert!(tmp.path().join("run/staleness.png").exists());
+
+    // The synchronous trainer refuses to resume an asynchronous run's checkpoint.
+    let sync = config(&model, &tmp.path().join("run"), &["mode=\"sync\"", "train.max_steps=6"]);
+    let (d, engines) = runtime(&sync);
+    let err = run_rl(&sync, &d, &engines, &RunOptions { resume: true, ..Default::default() }).unwrap_err().to_string();
+    assert!(err.contains("mode = \"async\""), "{err}");
 }
 
 fn read_state(checkpoint: &Path) -> Value {

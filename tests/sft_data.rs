@@ -457,15 +457,18 @@ fn loader_resumes_exactly_from_a_serialised_position() {
 
     // A fresh loader restored to the saved position continues exactly as the uninterrupted one.
     let mut resumed = DataLoader::new(items.clone(), 5, 11, true);
-    resumed.set_position(serde_json::from_str::<LoaderPosition>(&saved).unwrap());
+    resumed.set_position(serde_json::from_str::<LoaderPosition>(&saved).unwrap()).unwrap();
     let rest_resumed: Vec<_> = (0..12).map(|_| resumed.next_batch().unwrap()).collect();
     let rest_straight: Vec<_> = (0..12).map(|_| straight.next_batch().unwrap()).collect();
     assert_eq!(rest_resumed, rest_straight);
     assert_eq!(resumed.position(), straight.position());
     // The end of an epoch is the start of the next.
     let mut l = DataLoader::new(items, 5, 11, true);
-    l.set_position(LoaderPosition { epoch: 2, index: 23 });
+    l.set_position(LoaderPosition { epoch: 2, index: 23 }).unwrap();
     assert_eq!(l.position(), LoaderPosition { epoch: 3, index: 0 });
+    // A position from other data is an error, not a panic.
+    let err = l.set_position(LoaderPosition { epoch: 0, index: 24 }).unwrap_err().to_string();
+    assert!(err.contains("past the dataset's 23 items"), "{err}");
 }
 
 // ---------------------------------------------------------------- the shipped example

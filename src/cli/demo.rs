@@ -24,7 +24,9 @@
 //! without signal replaced by fresh prompts (dynamic sampling; generation is cheap here, the
 //! training step is not), two optimizer steps per batch, lr 1e-3 after a 5-step warmup (Adam's
 //! first steps are sign-like and a larger lr collapses the policy onto wrong answers), grad
-//! norm clipped at 1, replies of at most 4 tokens, no in-run evaluation, all cores training.
+//! norm clipped at 1, an entropy bonus of 0.01 (without it some seeds collapse onto wrong
+//! answers: seed 2 stalled at 58 % with entropy 0.02, and reached 83 % with it), replies of at
+//! most 4 tokens, no in-run evaluation, all cores training.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -239,6 +241,7 @@ pub fn run(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
         "train.mini_batches=2".into(),
         format!("optimizer.lr={}", a.rl_lr),
         "optimizer.grad_clip_norm=1.0".into(),
+        "algorithm.loss_config={ ent_coef = 0.01 }".into(),
         "schedule.kind=constant".into(),
         "schedule.warmup_steps=5".into(),
         "launch.trainer_threads=0".into(),

@@ -74,19 +74,21 @@ impl<T: Clone> DataLoader<T> {
         self.position
     }
 
-    /// Moves to a saved position. Panics on an index past the end of the dataset, which no
-    /// position of a loader over the same dataset has.
-    pub fn set_position(&mut self, position: LoaderPosition) {
-        assert!(
-            position.index <= self.items.len(),
-            "loader position {position:?} is past the dataset's {} items",
-            self.items.len()
-        );
+    /// Moves to a saved position. An index past the end of the dataset (no position of a loader
+    /// over the same dataset has one: the checkpoint belongs to other data) is an error.
+    pub fn set_position(&mut self, position: LoaderPosition) -> crate::Result<()> {
+        if position.index > self.items.len() {
+            return Err(crate::Error::input(format!(
+                "loader position {position:?} is past the dataset's {} items: was the checkpoint made with other data?",
+                self.items.len()
+            )));
+        }
         if position.epoch != self.position.epoch {
             self.order = self.order_of(position.epoch);
         }
         self.position = position;
         self.normalise();
+        Ok(())
     }
 
     /// The next batch; `None` only for an empty dataset.

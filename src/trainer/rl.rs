@@ -64,7 +64,7 @@ pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts:
     let t = &cfg.train;
     let mut loader = DataLoader::new(run.train.clone(), t.prompts_per_step, cfg.data.shuffle_seed, true);
     if let Some(state) = &run.resumed {
-        loader.set_position(state.loader);
+        loader.set_position(state.loader)?;
     }
     let (env_config, params) = (cfg.env.env_config(), cfg.sampling_params(false));
     let n = cfg.rollout.n_samples;

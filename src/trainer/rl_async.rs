@@ -55,6 +55,8 @@ struct FinishedGroup {
     k: u64,
     /// The training step being worked on when its generation started.
     start_step: u64,
+    /// Seconds its generation took.
+    seconds: f64,
     episodes: Vec<Episode>,
 }
 
@@ -66,7 +68,8 @@ struct Generation {
     /// by id. The trainer removes a group when it receives it, so that [`Staleness::pick`] never
     /// misses one in transit.
     running: BTreeMap<u64, u64>,
-    /// Seconds the workers waited for capacity since the trainer last read it.
+    /// Seconds the workers waited for capacity since the trainer last read it (summed over
+    /// workers; the metric is the mean per worker).
     capacity_wait_s: f64,
     stop: bool,
 }
@@ -130,7 +133,9 @@ fn generation_worker(shared: &Shared, sampler: &GroupSampler, finished: Sender<R
             g.running.insert(k, start_step);
             (k, index, start_step)
         };
+        let started = Instant::now();
         let result = sampler.sample(k, index);
+        let seconds = started.elapsed().as_secs_f64();
         let sent = shared.update(|g| {
             match &result {
                 Ok(_) => g.staleness.finish(),
@@ -140,7 +145,7 @@ fn generation_worker(shared: &Shared, sampler: &GroupSampler, finished: Sender<R
                     g.stream.release(k);
                 }
             }
-            finished.send(result.map(|episodes| FinishedGroup { k, start_step, episodes }))
+            finished.send(result.map(|episodes| FinishedGroup { k, start_step, seconds, episodes }))
         });
         if sent.is_err() {
             return; // the trainer is gone
@@ -229,8 +234,10 @@ pub fn run_rl_async(
                         return Err(Error::Other("every generation worker has stopped".into()))
                     }
                 };
-                rollouts.add(&group.episodes);
                 let keep = keep_group(cfg, &group.episodes);
+                if !keep {
+                    rollouts.add(&group.episodes);
+                }
                 shared.update(|g| {
                     g.running.remove(&group.k);
                     if !keep {
@@ -247,6 +254,10 @@ pub fn run_rl_async(
             picked.sort_unstable_by(|a, b| b.cmp(a));
             let mut groups: Vec<FinishedGroup> = picked.into_iter().map(|i| held.remove(i)).collect();
             let time_wait_data = waited.elapsed().as_secs_f64();
+            // The step's rollout metrics: its groups, and the groups filtered while it waited.
+            for g in &groups {
+                rollouts.add(&g.episodes);
+            }
             reward_mean = rollouts.reward_mean();
 
             // Train on the step's groups in id order (deterministic, and the sync trainer's).
@@ -265,11 +276,12 @@ pub fn run_rl_async(
                     g.stream.consume(group.k);
                 }
                 g.staleness.step_done(this_step);
-                std::mem::take(&mut g.capacity_wait_s)
+                std::mem::take(&mut g.capacity_wait_s) / concurrency as f64
             });
 
             let mut line = Map::new();
-            line.insert("time_generate_s".into(), json!(time_wait_data));
+            let generate = groups.iter().map(|g| g.seconds).sum::<f64>() / groups.len() as f64;
+            line.insert("time_generate_s".into(), json!(generate));
             line.insert("time_wait_data_s".into(), json!(time_wait_data));
             line.insert("time_wait_capacity_s".into(), json!(capacity_wait));
             line.insert("time_sync_s".into(), json!(time_sync));

@@ -274,7 +274,7 @@ impl<'a> RlRun<'a> {
         let mut kl = cfg.kl_controller()?;
         let (mut step, mut evals, mut resumed) = (0, vec![], None);
         if let (true, Some((_, dir))) = (opts.resume, &existing) {
-            let state = load_checkpoint(dispatch, cfg, dir, train.len())?;
+            let state = load_checkpoint(dispatch, cfg, dir)?;
             step = state.step;
             evals = state.evals.clone();
             if let KlController::Adaptive(a) = &mut kl {
@@ -489,15 +489,17 @@ fn save_checkpoint(dispatch: &Dispatch, cfg: &RlConfig, state: &TrainerState) ->
     Ok(dir)
 }
 
-fn load_checkpoint(dispatch: &Dispatch, cfg: &RlConfig, dir: &Path, prompts: usize) -> Result<TrainerState> {
+fn load_checkpoint(dispatch: &Dispatch, cfg: &RlConfig, dir: &Path) -> Result<TrainerState> {
     let path = dir.join(TRAINER_STATE);
     let state: TrainerState =
         serde_json::from_value(read_json(&path)?).map_err(|e| Error::file(&path, format!("invalid: {e}")))?;
-    if state.loader.index > prompts {
-        return Err(Error::file(&path, format!("loader position {:?} is past the {prompts} prompts", state.loader)));
-    }
-    if cfg.mode == "async" && state.stream.is_none() {
-        return Err(Error::file(&path, "the checkpoint is a synchronous run's: resume it with mode = \"sync\""));
+    // The two trainers keep their prompts' place differently (a loader position, group ids).
+    let made_by = if state.stream.is_some() { "async" } else { "sync" };
+    if cfg.mode != made_by {
+        return Err(Error::file(
+            &path,
+            format!("the checkpoint is a mode = \"{made_by}\" run's: resume it in that mode"),
+        ));
     }
     dispatch.load_state(POLICY, &dir.join(POLICY))?;
     if cfg.needs_critic() {

@@ -228,7 +228,7 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
     let mut step = 0;
     if let (true, Some((_, dir))) = (opts.resume, &existing) {
         let state = load_checkpoint(dispatch, dir)?;
-        loader.set_position(state.loader);
+        loader.set_position(state.loader).map_err(|e| Error::file(&dir.join(TRAINER_STATE), e))?;
         step = state.step;
         eprintln!("resumed from {} (step {step})", dir.display());
     }
