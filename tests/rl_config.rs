@@ -174,7 +174,11 @@ fn bad_names_and_values_name_the_dotted_key() {
     load_err(m, &["data.synthetic_ops=/"], &["data.synthetic_ops"]);
     load_err(m, &["data.synthetic_digits=0"], &["data.synthetic_digits"]);
     load_err(m, &["mode=asyncc"], &["mode", "did you mean `async`?"]);
-    load_err(m, &["async_rl.weight_update=kept"], &["async_rl.weight_update", "did you mean `keep`?"]);
+    load_err(
+        m,
+        &["async_rl.weight_update=kept"],
+        &["async_rl.weight_update", "unknown weight update mode `kept`", "keep, abort"],
+    );
     load_err(m, &["async_rl.max_staleness=-1"], &["async_rl.max_staleness"]);
     load_err(m, &["mode=nope"], &["mode", "unknown mode `nope`", "sync"]);
     load_err(m, &["rollout.n_samples=1"], &["rollout.n_samples", "at least 2", "grpo"]);
