@@ -257,3 +257,33 @@ fn rl_on_cuda_runs_steps() {
     }
     println!("rl on cuda: {} steps, last metrics {}", s.steps, text.lines().last().unwrap());
 }
+
+/// Runs in every build: device names, and a CPU-only build refusing `cuda` with an error that
+/// names the feature (never a panic).
+#[test]
+fn device_names_and_cpu_builds_refusing_cuda() {
+    use oxrl::model::weights::{check_device_name, device_name, parse_device};
+    assert!(parse_device("cpu").unwrap().is_cpu());
+    assert_eq!(device_name(&Device::Cpu), "cpu");
+    for bad in ["tpu", "cuda:", "cuda:x", "CUDA", "cuda0"] {
+        let e = parse_device(bad).unwrap_err().to_string();
+        assert!(e.contains("unknown device") && e.contains("cuda:N"), "{bad}: {e}");
+    }
+    let sets = |device: &str| {
+        vec![format!("model.path={:?}", fixture_dir("qwen3").display().to_string()), format!("model.device={device:?}")]
+    };
+    let e = oxrl::trainer::SftConfig::load(None, &sets("gpu")).unwrap_err().to_string();
+    assert!(e.contains("model.device"), "{e}");
+    if cfg!(feature = "cuda") {
+        assert!(check_device_name("cuda:1").is_ok());
+        return;
+    }
+    for name in ["cuda", "cuda:0", "cuda:3"] {
+        let e = parse_device(name).unwrap_err().to_string();
+        assert!(e.contains("--features cuda"), "{name}: {e}");
+    }
+    let e = oxrl::trainer::SftConfig::load(None, &sets("cuda")).unwrap_err().to_string();
+    assert!(e.contains("model.device") && e.contains("--features cuda"), "{e}");
+    let e = oxrl::trainer::RlConfig::load(None, &sets("cuda:1")).unwrap_err().to_string();
+    assert!(e.contains("model.device") && e.contains("--features cuda"), "{e}");
+}
