@@ -33,6 +33,7 @@ pub fn parse_device(name: &str) -> Result<Device> {
             None => return Err(Error::input(format!("unknown device `{name}` (expected cpu, cuda or cuda:N)"))),
         },
     };
+    check_device_name(name)?;
     cuda_device(ordinal)
 }
 
