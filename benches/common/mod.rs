@@ -8,7 +8,7 @@ use oxrl::model::config::{Arch, ModelConfig, ModelShape};
 use oxrl::model::{init, Transformer};
 
 /// The benchmark model of the issues: qwen3-shaped, hidden 256, 4 layers, 4 heads of 64
-/// (2 kv heads), MLP 1024, vocab 4096, f32 on CPU.
+/// (2 kv heads), MLP 1024, vocab 4096, f32 on CPU (or on [`device`]).
 pub fn d256_config() -> ModelConfig {
     let shape = ModelShape {
         vocab_size: 4096,
@@ -26,7 +26,14 @@ pub fn d256_config() -> ModelConfig {
 }
 
 pub fn d256_model(seed: u64) -> Transformer {
-    init::random_model(d256_config(), seed, DType::F32, &Device::Cpu).unwrap()
+    init::random_model(d256_config(), seed, DType::F32, &device()).unwrap()
+}
+
+/// The benchmarks' device: `OXRL_BENCH_DEVICE` (`cpu`, `cuda`, `cuda:N`; default `cpu`). A CUDA
+/// device needs a build with `--features cuda`.
+pub fn device() -> Device {
+    let name = std::env::var("OXRL_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());
+    oxrl::model::weights::parse_device(&name).unwrap()
 }
 
 pub fn median(mut xs: Vec<f64>) -> f64 {

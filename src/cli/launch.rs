@@ -20,13 +20,14 @@ pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// The policy of an SFT run: `train.data_parallel` ranks on the CPU, each with
+/// The policy of an SFT run: `train.data_parallel` ranks on `model.device`, each with
 /// `threads_per_rank` tensor-math threads (default: the cores shared evenly among the ranks).
 pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<Dispatch> {
     let dp = cfg.train.data_parallel.max(1);
     let lora = lora_config(&cfg.model);
     let spec = WorkerSpec {
         dtype: weights::parse_dtype(&cfg.model.dtype)?,
+        device: weights::parse_device(&cfg.model.device)?,
         mesh: MeshShape::dp(dp),
         threads: threads_per_rank.unwrap_or((cores() / dp).max(1)),
         worker: WorkerConfig {
@@ -65,6 +66,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
     let l = &cfg.launch;
     let dp = l.data_parallel.max(1);
     let dtype = weights::parse_dtype(&cfg.model.dtype)?;
+    let device = weights::parse_device(&cfg.model.device)?;
     let threads = match threads.unwrap_or(l.trainer_threads) {
         0 => (cores() / dp).max(1),
         n => n,
@@ -76,7 +78,14 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         micro_batch_size: (l.micro_batch_size > 0).then_some(l.micro_batch_size),
         max_tokens_per_microbatch: (l.max_tokens_per_microbatch > 0).then_some(l.max_tokens_per_microbatch),
     };
-    let base = WorkerSpec { dtype, mesh: MeshShape::dp(dp), threads, worker, ..WorkerSpec::new(&cfg.model.path) };
+    let base = WorkerSpec {
+        dtype,
+        device: device.clone(),
+        mesh: MeshShape::dp(dp),
+        threads,
+        worker,
+        ..WorkerSpec::new(&cfg.model.path)
+    };
     let dispatch = Dispatch::new(false);
     let policy = WorkerConfig { lora: lora_config(&cfg.model), ..base.worker.clone() };
     dispatch.create_model(POLICY, &WorkerSpec { worker: policy, ..base.clone() })?;
@@ -96,7 +105,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
     let max_batch = (cfg.train.prompts_per_step * cfg.rollout.n_samples).max(64);
     let mut engines = Vec::with_capacity(l.engines.max(1));
     for _ in 0..l.engines.max(1) {
-        let model = Transformer::load(&cfg.model.path, dtype, &candle_core::Device::Cpu)?;
+        let model = Transformer::load(&cfg.model.path, dtype, &device)?;
         if eos_token_ids.is_empty() {
             eos_token_ids = model.config.eos_token_ids.clone();
         }

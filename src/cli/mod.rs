@@ -88,13 +88,17 @@ pub(crate) struct ModelArgs {
     /// Run dtype: f32 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 impl ModelArgs {
     /// The model's weights, with the adapter applied if one was given.
     pub fn load(&self) -> anyhow::Result<crate::model::Transformer> {
         let dtype = crate::model::weights::parse_dtype(&self.dtype)?;
-        let mut model = crate::model::Transformer::load(&self.model, dtype, &candle_core::Device::Cpu)?;
+        let device = crate::model::weights::parse_device(&self.device)?;
+        let mut model = crate::model::Transformer::load(&self.model, dtype, &device)?;
         if let Some(l) = &self.lora {
             crate::model::lora::load_peft(&mut model, l, false)?;
         }

@@ -1,7 +1,7 @@
-//! The Hugging Face weight files' names and dtype names. Reading and writing the tensors
+//! The Hugging Face weight files' names, dtype names and device names. Reading and writing the tensors
 //! themselves is [`super::named_tensors::NamedTensors`]'s job.
 
-use candle_core::DType;
+use candle_core::{DType, Device};
 
 use crate::{Error, Result};
 
@@ -16,6 +16,66 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
         "f16" | "float16" => Ok(DType::F16),
         "f64" | "float64" => Ok(DType::F64),
         _ => Err(Error::input(format!("unknown dtype `{name}` (expected f32, bf16, f16 or f64)"))),
+    }
+}
+
+/// Parses a device name as used in configs and on the command line: `cpu`, `cuda` (= `cuda:0`)
+/// or `cuda:N`. A CUDA device needs a build with `--features cuda` (otherwise a clear error, no
+/// panic) and a GPU (otherwise the driver's error). Each ordinal is opened once per process and
+/// the same [`Device`] is returned after: candle gives every `Device::new_cuda` its own id, and
+/// tensors of two ids can't meet in one op (a worker's weights and an engine's, say).
+pub fn parse_device(name: &str) -> Result<Device> {
+    let ordinal = match name {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => 0,
+        _ => match name.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+            Some(n) => n,
+            None => return Err(Error::input(format!("unknown device `{name}` (expected cpu, cuda or cuda:N)"))),
+        },
+    };
+    check_device_name(name)?;
+    cuda_device(ordinal)
+}
+
+/// Checks a device name without opening the device (config validation).
+pub fn check_device_name(name: &str) -> Result<()> {
+    let ok = matches!(name, "cpu" | "cuda") || name.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok());
+    if !ok {
+        return Err(Error::input(format!("unknown device `{name}` (expected cpu, cuda or cuda:N)")));
+    }
+    if name != "cpu" && !cfg!(feature = "cuda") {
+        return Err(Error::input(format!(
+            "device `{name}`: this oxrl was built without CUDA; rebuild with `cargo build --release --features cuda` \
+             (scripts/install_cuda.sh installs the toolkit)"
+        )));
+    }
+    Ok(())
+}
+
+/// The process's one [`Device`] for CUDA ordinal `ordinal`, opened on first use.
+pub fn cuda_device(ordinal: usize) -> Result<Device> {
+    check_device_name(&format!("cuda:{ordinal}"))?;
+    static OPENED: std::sync::Mutex<Vec<(usize, Device)>> = std::sync::Mutex::new(Vec::new());
+    let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, d)) = opened.iter().find(|(n, _)| *n == ordinal) {
+        return Ok(d.clone());
+    }
+    let device = Device::new_cuda(ordinal).map_err(|e| {
+        // The driver's error, without the backtrace candle may attach.
+        let e = e.to_string();
+        let e = e.lines().next().unwrap_or_default();
+        Error::input(format!("device `cuda:{ordinal}`: no CUDA device could be opened: {e}"))
+    })?;
+    opened.push((ordinal, device.clone()));
+    Ok(device)
+}
+
+/// The name [`parse_device`] reads back: `cpu` or `cuda:N`.
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
     }
 }
 

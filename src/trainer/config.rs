@@ -41,6 +41,9 @@ pub struct ModelSection {
     pub path: PathBuf,
     /// Parameter dtype for training: `f32`, `bf16` or `f16`. Default `f32`.
     pub dtype: String,
+    /// Where the model runs, its workers and engines alike: `cpu`, `cuda` or `cuda:N` (CUDA needs
+    /// a build with `--features cuda`). Default `cpu`.
+    pub device: String,
     /// LoRA adapter; rank 0 (the default) trains every parameter.
     pub lora: LoraSection,
 }
@@ -53,6 +56,7 @@ impl ModelSection {
             return Err(err("model.path", "required: the model directory"));
         }
         crate::model::weights::parse_dtype(&self.dtype).map_err(|_| err("model.dtype", "expected f32, bf16 or f16"))?;
+        crate::model::weights::check_device_name(&self.device).map_err(|e| err("model.device", &e.to_string()))?;
         let lora = &self.lora;
         if lora.rank > 0 {
             if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
@@ -69,7 +73,7 @@ impl ModelSection {
 
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { path: PathBuf::new(), dtype: "f32".into(), lora: LoraSection::default() }
+        ModelSection { path: PathBuf::new(), dtype: "f32".into(), device: "cpu".into(), lora: LoraSection::default() }
     }
 }
 

@@ -1,0 +1,289 @@
+//! The CUDA build on a GPU: the HF fixtures' log-probs, logits and gradients reproduced on
+//! `cuda:0`, a worker's forward_backward + AdamW step equal to the CPU one, the engine's greedy
+//! tokens equal to transformers', a short SFT and a short RL run through the library.
+//!
+//! Compiled in every build. Each test returns at once, printing `skipped: no CUDA device`, when
+//! oxrl was built without `--features cuda` or no device can be opened; run them with
+//! `cargo test --features cuda --test gpu -- --nocapture` on a machine with a GPU.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use oxrl::model::{logprobs::target_logprobs, Transformer};
+use oxrl::rollout::{Engine, EngineConfig, EngineCore, Request, SamplingParams, StopReason};
+use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+use serde_json::json;
+
+/// `cuda:0`, or `None` (with the reason printed) when this build or machine has none.
+fn gpu() -> Option<Device> {
+    if !cfg!(feature = "cuda") {
+        println!("skipped: no CUDA device (built without --features cuda)");
+        return None;
+    }
+    match oxrl::model::weights::parse_device("cuda") {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn load(arch: &str, device: &Device) -> Transformer {
+    Transformer::load(&fixture_dir(arch), DType::F32, device).unwrap()
+}
+
+fn cpu(t: &Tensor) -> Tensor {
+    t.to_device(&Device::Cpu).unwrap()
+}
+
+#[test]
+fn golden_logprobs_logits_and_gradients_on_cuda() {
+    let Some(dev) = gpu() else { return };
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let b = g.batch();
+        let mut m = load(arch, &dev);
+        let vars = m.make_trainable().unwrap();
+        let logits = m.forward(&b.ids, &b.positions, &b.mask, None).unwrap();
+        assert!(logits.device().is_cuda(), "{arch}: logits not on the GPU");
+        let targets = Tensor::new(b.targets.concat(), &dev).unwrap().reshape((3, ())).unwrap();
+        let lp = target_logprobs(&logits, &targets).unwrap();
+        let err = max_abs_diff(&masked(&cpu(&lp), &b.valid), g.get("target_logprobs"));
+        println!("{arch}: target log-probs max |diff| {err:.2e}");
+        assert!(err < 1e-4, "{arch}: target log-probs differ by {err}");
+        let t = logits.dim(1).unwrap();
+        let last = cpu(&logits.narrow(1, t - 1, 1).unwrap().squeeze(1).unwrap());
+        let err = max_abs_diff(&last, g.get("logits_last"));
+        println!("{arch}: last logits max |diff| {err:.2e}");
+        assert!(err < 1e-4, "{arch}: last logits differ by {err}");
+
+        let w = Tensor::new(b.weights.concat(), &dev).unwrap().reshape((3, ())).unwrap();
+        let loss = (lp * w).unwrap().neg().unwrap().sum_all().unwrap();
+        let golden_loss = g.get("loss").to_vec1::<f32>().unwrap()[0];
+        let got = loss.to_scalar::<f32>().unwrap();
+        assert!((got - golden_loss).abs() < 1e-4 * golden_loss.abs().max(1.0), "{arch}: loss {got} vs {golden_loss}");
+        let grads = loss.backward().unwrap();
+        let mut worst = 0f64;
+        for (name, t) in &g.tensors {
+            let Some(param) = name.strip_prefix("grad.") else { continue };
+            let var = &vars.iter().find(|(n, _)| n == param).unwrap().1;
+            let grad = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{arch}: no gradient for {param}"));
+            let err = rel_err(&cpu(grad), t);
+            worst = worst.max(err);
+            assert!(err < 1e-4, "{arch}: gradient of {param} off by {err} relative");
+        }
+        println!("{arch}: gradients worst relative error {worst:.2e}");
+    }
+}
+
+/// The golden batch as datums (as in worker_exactness.rs).
+fn golden_datums(g: &Golden) -> Vec<Datum> {
+    let b = g.batch();
+    (0..b.ids.len())
+        .map(|r| {
+            let start = b.mask[r].iter().position(|&m| m == 1).unwrap();
+            let tokens = &b.ids[r][start..];
+            let n = tokens.len() - 1;
+            Datum::supervised(tokens[..n].to_vec(), tokens[1..].to_vec(), b.weights[r][start..start + n].to_vec())
+        })
+        .collect()
+}
+
+#[test]
+fn worker_step_on_cuda_equals_cpu() {
+    let Some(dev) = gpu() else { return };
+    let loss = common::loss("cross_entropy", &json!({}));
+    let ppo = common::loss("ppo", &json!({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}));
+    let params = AdamParams { learning_rate: 1e-2, weight_decay: 0.01, grad_clip_norm: 1.0, ..Default::default() };
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let data = golden_datums(&g);
+        // RL inputs too, so that the PPO loss runs on the device.
+        let mut rl = data.clone();
+        for d in &mut rl {
+            let n = d.input_tokens.len();
+            d.loss_fn_inputs.logprobs = Some((0..n).map(|i| -5.5 - 0.05 * i as f32).collect());
+            d.loss_fn_inputs.advantages = Some((0..n).map(|i| if i % 2 == 0 { 1.0 } else { -0.5 }).collect());
+        }
+        let run = |device: &Device| {
+            let cfg = WorkerConfig { micro_batch_size: Some(2), ..Default::default() };
+            let mut w = Worker::new(load(arch, device), cfg).unwrap();
+            let a = w.forward_backward(&data, Some(&loss), true).unwrap();
+            let b = w.forward_backward(&rl, Some(&ppo), true).unwrap();
+            let grads: Vec<(String, Tensor)> =
+                w.gradients().into_iter().map(|(n, g)| (n.to_string(), cpu(g.expect("a gradient")))).collect();
+            let norm = w.optim_step(&params).unwrap();
+            let after: Vec<Tensor> = w.params().iter().map(|(_, v)| cpu(v.as_tensor())).collect();
+            (a, b, grads, norm, after)
+        };
+        let (ca, cb, cgrads, cnorm, cafter) = run(&Device::Cpu);
+        let (ga, gb, ggrads, gnorm, gafter) = run(&dev);
+        for (what, c, g) in [("cross_entropy", &ca, &ga), ("ppo", &cb, &gb)] {
+            let (rc, rg) = (c.metrics.reduce(), g.metrics.reduce());
+            for (k, vc) in &rc {
+                let vg = rg[k];
+                assert!((vc - vg).abs() <= 1e-4 * vc.abs().max(1.0), "{arch} {what}: metric {k} cpu {vc} cuda {vg}");
+            }
+            for (rc, rg) in c.loss_fn_outputs.iter().zip(&g.loss_fn_outputs) {
+                for (x, y) in rc.logprobs.iter().zip(&rg.logprobs) {
+                    assert!((x - y).abs() < 1e-4, "{arch} {what}: log-prob cpu {x} cuda {y}");
+                }
+            }
+        }
+        let mut worst = 0f64;
+        for ((name, c), (_, g)) in cgrads.iter().zip(&ggrads) {
+            let err = rel_err(g, c);
+            worst = worst.max(err);
+            assert!(err < 1e-4, "{arch}: gradient of {name} cpu vs cuda {err} relative");
+        }
+        assert!((cnorm - gnorm).abs() < 1e-4 * cnorm.max(1.0), "{arch}: grad norm cpu {cnorm} cuda {gnorm}");
+        let diff = cafter.iter().zip(&gafter).map(|(c, g)| max_abs_diff(c, g)).fold(0f32, f32::max);
+        println!(
+            "{arch}: gradients cpu vs cuda worst relative {worst:.2e}; parameters after AdamW max |diff| {diff:.2e}"
+        );
+        assert!(diff < 1e-4, "{arch}: parameters after the step differ by {diff}");
+    }
+}
+
+#[test]
+fn engine_greedy_tokens_on_cuda_equal_transformers() {
+    let Some(dev) = gpu() else { return };
+    let params = |n: usize| SamplingParams {
+        max_tokens: n,
+        temperature: 0.0,
+        seed: Some(0),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let (prompt, want) = g.greedy();
+        let m = load(arch, &dev);
+        let mut core =
+            EngineCore::new(m.clone(), EngineConfig { max_batch: 64, eos_token_ids: vec![2], ..Default::default() })
+                .unwrap();
+        core.add_request(Request::new(prompt.clone(), params(want.len()))).unwrap();
+        let out = core.run_until_idle().unwrap().pop().unwrap().1;
+        assert_eq!(out.samples[0].tokens, want, "{arch}: engine core on cuda");
+        assert_eq!(out.samples[0].stop_reason, StopReason::Length);
+        // Through the engine thread, with several requests batched together.
+        let e = Engine::start(m, EngineConfig::default()).unwrap();
+        let handles: Vec<_> = (0..4).map(|_| e.submit(Request::new(prompt.clone(), params(want.len())))).collect();
+        for h in handles {
+            assert_eq!(h.wait().unwrap().samples[0].tokens, want, "{arch}: engine thread on cuda");
+        }
+        println!("{arch}: greedy tokens on cuda = transformers' ({} tokens)", want.len());
+    }
+}
+
+const ROWS: &[&str] = &[
+    r#"{"messages":[{"role":"user","content":"what is 12 plus 30?"},{"role":"assistant","content":"42"}]}"#,
+    r#"{"messages":[{"role":"user","content":"say hi"},{"role":"assistant","content":"hi"}]}"#,
+    r#"{"messages":[{"role":"user","content":"quick brown"},{"role":"assistant","content":"fox jumps over"}]}"#,
+    r#"{"instruction":"Reverse the word","input":"fox","output":"xof"}"#,
+];
+
+#[test]
+fn sft_on_cuda_loss_falls_and_matches_cpu() {
+    let Some(_) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(&data, ROWS.join("\n") + "\n").unwrap();
+    let run = |device: &str| {
+        let sets: Vec<String> = vec![
+            format!("model.path={:?}", fixture_dir("qwen3").display().to_string()),
+            format!("model.device={device:?}"),
+            format!("data.train_file={:?}", data.display().to_string()),
+            format!("output.run_dir={:?}", dir.path().join(device.replace(':', "_")).display().to_string()),
+            "optimizer.lr=0.01".into(),
+            "train.batch_size=4".into(),
+            "train.micro_batch_size=2".into(),
+            "train.eval_every=0".into(),
+            "train.max_steps=12".into(),
+            "schedule.warmup_steps=1".into(),
+        ];
+        let cfg = oxrl::trainer::SftConfig::load(None, &sets).unwrap();
+        let dispatch = oxrl::cli::launch::sft_dispatch(&cfg, Some(1)).unwrap();
+        let s = oxrl::trainer::sft::run_sft(&cfg, &dispatch, &Default::default()).unwrap();
+        let m = oxrl::trainer::metrics::read_metrics(&s.run_dir.join("metrics.jsonl")).unwrap();
+        m.iter().map(|r| r.loss).collect::<Vec<f64>>()
+    };
+    let on_gpu = run("cuda");
+    let on_cpu = run("cpu");
+    println!("sft losses on cuda: {on_gpu:.4?}");
+    println!("sft losses on cpu:  {on_cpu:.4?}");
+    assert_eq!(on_gpu.len(), 12);
+    assert!(on_gpu[11] < 0.7 * on_gpu[0], "the loss did not fall: {on_gpu:?}");
+    // The same run: the first step's loss to float rounding, later ones close.
+    assert!((on_gpu[0] - on_cpu[0]).abs() < 1e-4 * on_cpu[0].abs().max(1.0), "{on_gpu:?} vs {on_cpu:?}");
+    for (g, c) in on_gpu.iter().zip(&on_cpu) {
+        assert!((g - c).abs() < 1e-2 * c.abs().max(1.0), "{on_gpu:?} vs {on_cpu:?}");
+    }
+}
+
+#[test]
+fn rl_on_cuda_runs_steps() {
+    let Some(_) = gpu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    let sets: Vec<String> = vec![
+        format!("model.path={}", model.display()),
+        "model.device=\"cuda\"".into(),
+        format!("output.run_dir={}", tmp.path().join("run").display()),
+        "data.synthetic_train=40".into(),
+        "data.synthetic_eval=8".into(),
+        "rollout.n_samples=4".into(),
+        "rollout.eval_samples=2".into(),
+        "env.max_turn_tokens=4".into(),
+        "train.prompts_per_step=4".into(),
+        "train.max_steps=3".into(),
+        "train.eval_every=2".into(),
+        "optimizer.lr=1e-3".into(),
+        "algorithm.kl.coef=0.05".into(),
+    ];
+    let cfg = oxrl::trainer::RlConfig::load(None, &sets).unwrap();
+    let (d, engines) = oxrl::cli::launch::rl_runtime(&cfg, Some(1)).unwrap();
+    let s = oxrl::trainer::rl::run_rl(&cfg, &d, &engines, &Default::default()).unwrap();
+    assert_eq!(s.steps, 3);
+    let text = std::fs::read_to_string(tmp.path().join("run/metrics.jsonl")).unwrap();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        for k in ["reward_mean", "kl_mean", "grad_norm"] {
+            assert!(v[k].as_f64().is_some_and(f64::is_finite), "{k} in {line}");
+        }
+    }
+    println!("rl on cuda: {} steps, last metrics {}", s.steps, text.lines().last().unwrap());
+}
+
+/// Runs in every build: device names, and a CPU-only build refusing `cuda` with an error that
+/// names the feature (never a panic).
+#[test]
+fn device_names_and_cpu_builds_refusing_cuda() {
+    use oxrl::model::weights::{check_device_name, device_name, parse_device};
+    assert!(parse_device("cpu").unwrap().is_cpu());
+    assert_eq!(device_name(&Device::Cpu), "cpu");
+    for bad in ["tpu", "cuda:", "cuda:x", "CUDA", "cuda0"] {
+        let e = parse_device(bad).unwrap_err().to_string();
+        assert!(e.contains("unknown device") && e.contains("cuda:N"), "{bad}: {e}");
+    }
+    let sets = |device: &str| {
+        vec![format!("model.path={:?}", fixture_dir("qwen3").display().to_string()), format!("model.device={device:?}")]
+    };
+    let e = oxrl::trainer::SftConfig::load(None, &sets("gpu")).unwrap_err().to_string();
+    assert!(e.contains("model.device"), "{e}");
+    if cfg!(feature = "cuda") {
+        assert!(check_device_name("cuda:1").is_ok());
+        return;
+    }
+    for name in ["cuda", "cuda:0", "cuda:3"] {
+        let e = parse_device(name).unwrap_err().to_string();
+        assert!(e.contains("--features cuda"), "{name}: {e}");
+    }
+    let e = oxrl::trainer::SftConfig::load(None, &sets("cuda")).unwrap_err().to_string();
+    assert!(e.contains("model.device") && e.contains("--features cuda"), "{e}");
+    let e = oxrl::trainer::RlConfig::load(None, &sets("cuda:1")).unwrap_err().to_string();
+    assert!(e.contains("model.device") && e.contains("--features cuda"), "{e}");
+}
