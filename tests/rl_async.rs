@@ -6,8 +6,6 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
 
 use oxrl::dispatch::Dispatch;
 use oxrl::rollout::EngineClient;
@@ -208,30 +206,15 @@ run_dir = "{run}"
 fn sigkill_then_resume_trains_no_prompt_twice_and_skips_none() {
     let tmp = tempfile::tempdir().unwrap();
     common::tiny_byte_model(&tmp.path().join("model"), 32, 256, 3);
-    let oxrl = || {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_oxrl"));
-        c.arg("--threads").arg("1");
-        c
-    };
     // Killed once the checkpoint of a step drawn at random (1 to 5 of 8) exists.
-    let kill_after =
-        1 + (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() % 5) as usize;
+    let kill_after = common::random_step(5);
     let cfg = write_config(tmp.path(), "cut");
     let checkpoint = tmp.path().join(format!("cut/checkpoints/step_{kill_after:06}"));
-    let mut child = oxrl().args(["rl", "--config"]).arg(&cfg).spawn().unwrap();
-    let start = Instant::now();
-    while !checkpoint.exists() && start.elapsed() < Duration::from_secs(120) {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    common::rl_killed_after(&cfg, &checkpoint);
     assert!(!tmp.path().join("cut/final").exists(), "the run finished before the kill (kill_after {kill_after})");
     let before = read_state(&checkpoint);
     assert_complete(&before, "checkpoint before the kill");
-    let out = oxrl().args(["rl", "--resume", "--config"]).arg(&cfg).output().unwrap();
+    let out = common::oxrl_command().args(["rl", "--resume", "--config"]).arg(&cfg).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("resumed from"), "killed after step {kill_after}");
 

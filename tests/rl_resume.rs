@@ -4,8 +4,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
 
 /// A config whose every step changes the policy: an entropy bonus gives gradients even when
 /// the (random) model earns no reward; GRPO with a KL term to the reference on top.
@@ -46,38 +44,21 @@ run_dir = "{run}"
     path
 }
 
-fn oxrl() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_oxrl"));
-    c.arg("--threads").arg("1");
-    c
-}
-
 #[test]
 fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
     let tmp = tempfile::tempdir().unwrap();
     common::tiny_byte_model(&tmp.path().join("model"), 32, 256, 3);
     let whole = write_config(tmp.path(), "whole");
-    let out = oxrl().args(["rl", "--config"]).arg(&whole).output().unwrap();
+    let out = common::oxrl_command().args(["rl", "--config"]).arg(&whole).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
-    // Killed once the checkpoint of a step drawn at random (from the clock), 1 to 4 of 6, exists:
-    // anywhere in the next step.
-    let kill_after =
-        1 + (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() % 4) as usize;
+    // Killed once the checkpoint of a step drawn at random, 1 to 4 of 6, exists.
+    let kill_after = common::random_step(4);
     let cut = write_config(tmp.path(), "cut");
     let checkpoint = tmp.path().join(format!("cut/checkpoints/step_{kill_after:06}"));
-    let mut child = oxrl().args(["rl", "--config"]).arg(&cut).spawn().unwrap();
-    let start = Instant::now();
-    while !checkpoint.exists() && start.elapsed() < Duration::from_secs(120) {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    common::rl_killed_after(&cut, &checkpoint);
     assert!(!tmp.path().join("cut/final").exists(), "the run finished before the kill (kill_after {kill_after})");
-    let out = oxrl().args(["rl", "--resume", "--config"]).arg(&cut).output().unwrap();
+    let out = common::oxrl_command().args(["rl", "--resume", "--config"]).arg(&cut).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("resumed from"), "killed after step {kill_after}");
 

@@ -109,3 +109,31 @@ pub fn tiny_byte_model(dir: &std::path::Path, hidden: usize, max_position: usize
     };
     oxrl::model::init::write_random_model(dir, oxrl::model::config::Arch::Qwen3, &shape, seed, DType::F32).unwrap();
 }
+
+/// `oxrl --threads 1`, the binary under test.
+pub fn oxrl_command() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_oxrl"));
+    c.arg("--threads").arg("1");
+    c
+}
+
+/// A step drawn at random (from the clock) in `1..=max`.
+pub fn random_step(max: usize) -> usize {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    1 + nanos as usize % max
+}
+
+/// Runs `oxrl rl --config CONFIG` and SIGKILLs it as soon as `checkpoint` exists (anywhere in the
+/// next step), or when 120 s have passed.
+pub fn rl_killed_after(config: &std::path::Path, checkpoint: &std::path::Path) {
+    let mut child = oxrl_command().args(["rl", "--config"]).arg(config).spawn().unwrap();
+    let start = std::time::Instant::now();
+    while !checkpoint.exists() && start.elapsed() < std::time::Duration::from_secs(120) {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+}
