@@ -9,6 +9,7 @@
 //! - [`rollout`]: the sampling engine, its client, weight updates.
 //! - [`env`]: RL environments and rewards (text and tokens in, rewards out; no models).
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
+//! - [`server`]: the Tinker-compatible HTTP server (`oxrl serve`).
 //! - [`cli`]: the `oxrl` command line.
 //!
 //! Beside them: [`handle`] (results of submitted calls, awaited or waited on) and [`actor`]
@@ -24,6 +25,7 @@ pub mod files;
 pub mod handle;
 pub mod model;
 pub mod rollout;
+pub mod server;
 pub mod trainer;
 pub mod worker;
 

@@ -9,6 +9,7 @@ mod plot;
 mod rl;
 mod run_args;
 mod score;
+mod serve;
 mod sft;
 
 use clap::{Parser, Subcommand};
@@ -41,6 +42,8 @@ enum Command {
     Demo(demo::Args),
     /// One metric of several runs' metrics.jsonl on one plot (PNG).
     Plot(plot::Args),
+    /// The Tinker-compatible training server: the `tinker` SDK trains LoRA adapters over HTTP.
+    Serve(serve::Args),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -66,6 +69,7 @@ pub fn main() -> i32 {
         Command::Rl(a) => rl::run(a, cli.threads),
         Command::Demo(a) => demo::run(a, cli.threads),
         Command::Plot(a) => plot::run(a),
+        Command::Serve(a) => serve::run_cmd(a, cli.threads),
     };
     match result {
         Ok(()) => 0,

@@ -1,0 +1,111 @@
+//! `oxrl serve`: the Tinker HTTP protocol (`specs/tinker-protocol.md`), so that the official
+//! `tinker` Python SDK and the tinker-cookbook recipes train on oxrl unchanged.
+//!
+//! Architecture (the server knows the lower layers only through their APIs):
+//! ```text
+//!  SDK ──HTTP/1.1 JSON | protobuf──► routes (axum handlers: parse, check key/session)
+//!                                      │
+//!          ┌───────────────────────────┼──────────────────────────────┐
+//!          ▼                           ▼                              ▼
+//!   store (SQLite:             models: one LoRA training        futures: request id →
+//!   sessions, models,          model per SDK client over a      outcome; retrieve_future
+//!   futures, checkpoints)      shared base (Dispatch), a        long-polls, then try_again
+//!                              seq_id-ordered queue per model
+//! ```
+//! A training call (forward_backward, optim_step, …) is queued on its model in seq_id order and,
+//! in its turn, submitted to the [`crate::dispatch::Dispatch`] (non-blocking: a
+//! [`crate::handle::Handle`]); a tokio task awaits the handle and completes the future.
+//! Gradients accumulate in the worker across forward_backward calls until optim_step.
+//!
+//! Files: [`routes`] (endpoints), [`types`] (JSON wire types, datum and output conversions),
+//! [`proto`] (protobuf messages), [`futures`], [`models`], [`store`], [`errors`].
+
+pub mod errors;
+pub mod futures;
+pub mod models;
+pub mod proto;
+pub mod routes;
+pub mod store;
+pub mod types;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use models::{Models, ServedModel};
+use store::Store;
+
+/// How `oxrl serve` runs.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Base model directories (Hugging Face layout); clients name them by directory name or path.
+    pub models: Vec<PathBuf>,
+    pub host: String,
+    pub port: u16,
+    /// SQLite database and checkpoints.
+    pub data_dir: PathBuf,
+    /// One API key per line (blank lines and `#` comments ignored); `None`: no authentication.
+    pub api_keys: Option<PathBuf>,
+    /// Tensor-math threads per training model.
+    pub threads: usize,
+    /// Largest request body in bytes.
+    pub body_limit: usize,
+    /// How long `retrieve_future` waits before answering `try_again`.
+    pub long_poll: Duration,
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub served: Vec<ServedModel>,
+    pub models: Arc<Models>,
+    pub futures: futures::Futures,
+    pub store: Arc<Store>,
+    pub api_keys: Option<HashSet<String>>,
+    pub body_limit: usize,
+}
+
+fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let keys: HashSet<String> =
+        text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
+    if keys.is_empty() {
+        anyhow::bail!("{}: no API keys in the file", path.display());
+    }
+    Ok(keys)
+}
+
+/// Builds the shared state: served models checked, data dir and database opened.
+pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
+    if config.models.is_empty() {
+        anyhow::bail!("no model to serve: give at least one --model DIR");
+    }
+    let served = config.models.iter().map(|p| ServedModel::from_dir(p)).collect::<crate::Result<Vec<_>>>()?;
+    std::fs::create_dir_all(&config.data_dir).map_err(|e| anyhow::anyhow!("{}: {e}", config.data_dir.display()))?;
+    let store = Arc::new(Store::open(&config.data_dir.join("server.sqlite")).map_err(|e| anyhow::anyhow!(e.message))?);
+    let api_keys = config.api_keys.as_deref().map(read_api_keys).transpose()?;
+    Ok(Arc::new(AppState {
+        served,
+        models: Arc::new(Models::new(config.threads)),
+        futures: futures::Futures::new(store.clone(), config.long_poll),
+        store,
+        api_keys,
+        body_limit: config.body_limit,
+    }))
+}
+
+/// Serves until the process is stopped (blocking; runs its own tokio runtime).
+pub fn run(config: ServerConfig) -> anyhow::Result<()> {
+    let state = state(&config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", config.host, config.port);
+        let listener =
+            tokio::net::TcpListener::bind(&addr).await.map_err(|e| anyhow::anyhow!("binding {addr}: {e}"))?;
+        let local = listener.local_addr()?;
+        let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
+        eprintln!("oxrl serve: listening on http://{local} (models: {})", names.join(", "));
+        axum::serve(listener, routes::router(state)).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,214 @@
+//! Training clients: one LoRA adapter per SDK training client, all over the served base models,
+//! created through [`Dispatch::create_model`] (LoRA models over one base share its weights).
+//!
+//! Ordering: the SDK numbers each training client's requests with `seq_id` 1, 2, 3, … and may
+//! send them out of order and concurrently. Each model keeps a queue: a request waits until every
+//! smaller seq_id has been submitted, then is submitted to the dispatch, whose calls on one model
+//! run in submission order; so requests run strictly in seq_id order. A repeated
+//! `(model_id, seq_id)` (the SDK resends on retry) returns the original request id. A model's
+//! queue stays closed until the model is built, so requests may arrive while it loads.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+
+use super::errors::{ApiError, ApiResult};
+use super::types::LoraConfigWire;
+use crate::dispatch::{Dispatch, WorkerSpec};
+use crate::model::lora::LoraConfig;
+use crate::worker::WorkerConfig;
+
+/// A base model the server serves.
+#[derive(Clone, Debug)]
+pub struct ServedModel {
+    /// The directory's name (or the config's `_name_or_path`), as clients name it.
+    pub name: String,
+    pub path: PathBuf,
+    pub arch: Option<String>,
+    pub max_context_length: Option<u64>,
+}
+
+impl ServedModel {
+    pub fn from_dir(path: &std::path::Path) -> crate::Result<ServedModel> {
+        let config_path = path.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| crate::Error::file(&config_path, e))?;
+        let config: Value = serde_json::from_str(&text).map_err(|e| crate::Error::file(&config_path, e))?;
+        let name = path
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| path.display().to_string());
+        Ok(ServedModel {
+            name,
+            path: path.to_path_buf(),
+            arch: config.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).map(String::from),
+            max_context_length: config.get("max_position_embeddings").and_then(Value::as_u64),
+        })
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        name == self.name || std::path::Path::new(name) == self.path
+    }
+}
+
+/// LoRA alpha for Tinker's adapters: the scale is alpha / rank.
+pub const LORA_ALPHA: f64 = 32.0;
+
+/// Tinker's LoRA switches as the worker's target modules.
+pub fn lora_config(wire: &LoraConfigWire) -> ApiResult<LoraConfig> {
+    if wire.rank == 0 {
+        return Err(ApiError::user("lora_config.rank must be at least 1"));
+    }
+    let mut targets = vec![];
+    if wire.train_attn {
+        targets.extend(["q_proj", "k_proj", "v_proj", "o_proj"]);
+    }
+    if wire.train_mlp {
+        targets.extend(["gate_proj", "up_proj", "down_proj"]);
+    }
+    if wire.train_unembed {
+        targets.push("lm_head");
+    }
+    if targets.is_empty() {
+        return Err(ApiError::user(
+            "lora_config: train_attn, train_mlp and train_unembed are all false: nothing to train",
+        ));
+    }
+    Ok(LoraConfig::new(wire.rank, LORA_ALPHA, &targets))
+}
+
+/// A job waiting for its turn: it submits its call(s) to the dispatch (non-blocking).
+pub type Job = Box<dyn FnOnce(&Arc<Dispatch>) + Send>;
+
+#[derive(Default)]
+struct Queue {
+    /// Submission is held until the model is built.
+    open: bool,
+    /// The next seq_id to submit.
+    next: i64,
+    waiting: BTreeMap<i64, Job>,
+    /// seq_id → request id, for repeated requests.
+    seen: HashMap<i64, String>,
+}
+
+pub struct TrainingModel {
+    pub id: String,
+    pub session_id: String,
+    pub base: ServedModel,
+    pub lora: LoraConfigWire,
+    queue: Mutex<Queue>,
+}
+
+pub struct Models {
+    pub dispatch: Arc<Dispatch>,
+    models: Mutex<HashMap<String, Arc<TrainingModel>>>,
+    /// Tensor-math threads per model.
+    threads: usize,
+}
+
+impl Models {
+    pub fn new(threads: usize) -> Self {
+        Models { dispatch: Arc::new(Dispatch::new(false)), models: Mutex::new(HashMap::new()), threads }
+    }
+
+    pub fn get(&self, id: &str) -> ApiResult<Arc<TrainingModel>> {
+        self.models
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(format!("no training model `{id}`")))
+    }
+
+    /// Registers model `id` (its queue closed) and returns a closure that builds it (blocking:
+    /// run it off the async threads), then opens the queue.
+    pub fn register(
+        self: &Arc<Self>,
+        id: &str,
+        session_id: &str,
+        base: ServedModel,
+        lora: LoraConfigWire,
+    ) -> ApiResult<impl FnOnce() -> ApiResult<Value> + Send + 'static> {
+        let config = lora_config(&lora)?;
+        let model = Arc::new(TrainingModel {
+            id: id.to_string(),
+            session_id: session_id.to_string(),
+            base: base.clone(),
+            lora: lora.clone(),
+            queue: Mutex::new(Queue { open: false, next: 1, ..Default::default() }),
+        });
+        {
+            let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+            if models.contains_key(id) {
+                return Err(ApiError::user(format!("model `{id}` already exists")));
+            }
+            models.insert(id.to_string(), model.clone());
+        }
+        let spec = WorkerSpec {
+            threads: self.threads,
+            worker: WorkerConfig { lora: Some(config), seed: lora.seed.unwrap_or(0), ..Default::default() },
+            ..WorkerSpec::new(base.path.clone())
+        };
+        let me = self.clone();
+        let id = id.to_string();
+        Ok(move || {
+            let built = me.dispatch.create_model(&id, &spec);
+            if built.is_err() {
+                me.models.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            }
+            // Open the queue either way: queued calls then fail with the dispatch's error.
+            me.open(&model);
+            built.map_err(ApiError::from)?;
+            Ok(json!({"model_id": id, "type": "create_model"}))
+        })
+    }
+
+    fn open(&self, model: &TrainingModel) {
+        let mut q = model.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.open = true;
+        self.pump(&mut q);
+    }
+
+    /// Queues a call of `model` with `seq_id`: `make` creates its future (returning the request
+    /// id) and the job; a repeated seq_id returns the first request id and queues nothing.
+    pub fn submit(
+        &self,
+        model: &TrainingModel,
+        seq_id: i64,
+        make: impl FnOnce() -> ApiResult<(String, Job)>,
+    ) -> ApiResult<String> {
+        let mut q = model.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(id) = q.seen.get(&seq_id) {
+            return Ok(id.clone());
+        }
+        if seq_id < 1 {
+            return Err(ApiError::user(format!("seq_id must be at least 1, got {seq_id}")));
+        }
+        if seq_id < q.next {
+            return Err(ApiError::user(format!(
+                "seq_id {seq_id} of model `{}` was already used (next is {})",
+                model.id, q.next
+            )));
+        }
+        let (request_id, job) = make()?;
+        q.seen.insert(seq_id, request_id.clone());
+        q.waiting.insert(seq_id, job);
+        self.pump(&mut q);
+        Ok(request_id)
+    }
+
+    fn pump(&self, q: &mut Queue) {
+        if !q.open {
+            return;
+        }
+        while let Some(job) = {
+            let next = q.next;
+            q.waiting.remove(&next)
+        } {
+            q.next += 1;
+            job(&self.dispatch);
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! The HTTP endpoints (`/api/v1/...`), each a thin handler: parse the body, check the caller,
+//! hand the work to [`Models`] / [`Futures`], answer in the shape the SDK validates.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, HeaderMap};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use super::errors::{ApiError, ApiResult};
+use super::futures::{new_id, to_outcome, PROTOBUF};
+use super::models::Job;
+use super::store::StoredOutcome;
+use super::types::{self, FwdBwd};
+use super::AppState;
+use crate::algo::Loss;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let api = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/get_server_capabilities", get(capabilities))
+        .route("/client/config", post(empty_object))
+        .route("/client/dynamic_config", post(empty_object))
+        .route("/telemetry", post(telemetry))
+        .route("/create_session", post(create_session))
+        .route("/session_heartbeat", post(session_heartbeat))
+        .route("/sessions/{id}/finish", post(finish_session))
+        .route("/create_model", post(create_model))
+        .route("/get_info", post(get_info))
+        .route("/forward_backward", post(forward_backward))
+        .route("/forward", post(forward))
+        .route("/optim_step", post(optim_step))
+        .route("/retrieve_future", post(retrieve_future));
+    Router::new()
+        .nest("/api/v1", api)
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(middleware::from_fn_with_state(state.clone(), check_api_key))
+        .layer(DefaultBodyLimit::max(state.body_limit))
+        .with_state(state)
+}
+
+/// With an API-key file, every request but `healthz` needs a listed `X-API-Key`.
+async fn check_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(keys) = &state.api_keys {
+        if !req.uri().path().ends_with("/healthz") {
+            let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
+            if !key.is_some_and(|k| keys.contains(k)) {
+                return ApiError::unauthorized("missing or unknown API key (header X-API-Key)").into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn api_key(headers: &HeaderMap) -> Option<String> {
+    headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(String::from)
+}
+
+/// The caller may use session `id`: it exists and, with API keys, was created with the
+/// caller's key.
+fn check_session(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<()> {
+    let owner = state.store.session_key(id)?.ok_or_else(|| ApiError::not_found(format!("no session `{id}`")))?;
+    if state.api_keys.is_some() && owner != api_key(headers) {
+        return Err(ApiError::not_found(format!("no session `{id}`")));
+    }
+    Ok(())
+}
+
+async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn empty_object() -> Json<Value> {
+    Json(json!({}))
+}
+
+async fn telemetry() -> Json<Value> {
+    Json(json!({"status": "accepted"}))
+}
+
+async fn capabilities(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let models: Vec<Value> = state
+        .served
+        .iter()
+        .map(|m| {
+            json!({"model_name": m.name, "max_context_length": m.max_context_length,
+                   "trainable": true, "sampleable": false})
+        })
+        .collect();
+    Json(json!({"supported_models": models}))
+}
+
+async fn create_session(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::CreateSessionRequest = types::parse_json(&body, "create_session")?;
+    let id = new_id();
+    let tags = serde_json::to_string(&req.tags).unwrap_or_default();
+    let meta = req.user_metadata.map(|m| m.to_string()).unwrap_or_default();
+    state.store.add_session(&id, api_key(&headers).as_deref(), &tags, &meta, req.sdk_version.as_deref())?;
+    Ok(Json(json!({"type": "create_session", "session_id": id})))
+}
+
+async fn session_heartbeat(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    let req: types::SessionRequest = types::parse_json(&body, "session_heartbeat")?;
+    check_session(&state, &headers, &req.session_id)?;
+    state.store.heartbeat(&req.session_id)?;
+    Ok(Json(json!({"type": "session_heartbeat"})))
+}
+
+async fn finish_session(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    check_session(&state, &headers, &id)?;
+    state.store.finish_session(&id)?;
+    Ok(Json(json!({})))
+}
+
+fn future_response(request_id: String, model_id: Option<&str>) -> Json<Value> {
+    match model_id {
+        Some(m) => Json(json!({"request_id": request_id, "model_id": m})),
+        None => Json(json!({"request_id": request_id})),
+    }
+}
+
+async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::CreateModelRequest = types::parse_json(&body, "create_model")?;
+    check_session(&state, &headers, &req.session_id)?;
+    let base = state.served.iter().find(|m| m.matches(&req.base_model)).cloned().ok_or_else(|| {
+        let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
+        ApiError::user(format!("unknown base_model `{}` (served: {})", req.base_model, names.join(", ")))
+    })?;
+    if let Some(opt) = &req.optimizer_config {
+        let ty = opt.get("type").and_then(Value::as_str).unwrap_or("adamw");
+        if ty != "adamw" {
+            return Err(ApiError::user(format!("optimizer `{ty}` is not supported (only adamw)")));
+        }
+    }
+    let model_id = format!("{}:train:{}", req.session_id, req.model_seq_id);
+    let lora = req.lora_config.clone().unwrap_or_default();
+    let build = state.models.register(&model_id, &req.session_id, base.clone(), lora.clone())?;
+    state.store.add_model(
+        &model_id,
+        &req.session_id,
+        &base.name,
+        &serde_json::to_string(&lora).unwrap_or_default(),
+        &req.user_metadata.map(|m| m.to_string()).unwrap_or_default(),
+    )?;
+    let request_id = state.futures.create(Some(&model_id), "create_model")?;
+    let (st, rid) = (state.clone(), request_id.clone());
+    tokio::spawn(async move {
+        let result = tokio::task::spawn_blocking(build)
+            .await
+            .unwrap_or_else(|e| Err(ApiError::server(format!("building the model failed: {e}"))));
+        st.futures.complete_json(&rid, result);
+    });
+    Ok(future_response(request_id, Some(&model_id)))
+}
+
+async fn get_info(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::ModelRequest = types::parse_json(&body, "get_info")?;
+    let model = state.models.get(&req.model_id)?;
+    check_session(&state, &headers, &model.session_id)?;
+    Ok(Json(json!({
+        "type": "get_info",
+        "model_id": model.id,
+        "model_data": {"arch": model.base.arch, "model_name": model.base.name,
+                       "tokenizer_id": model.base.path.display().to_string()},
+        "is_lora": true,
+        "lora_rank": model.lora.rank,
+        "model_name": model.base.name,
+    })))
+}
+
+async fn forward_backward(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    run_fwdbwd(state, headers, body, false).await
+}
+
+async fn forward(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    run_fwdbwd(state, headers, body, true).await
+}
+
+async fn run_fwdbwd(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+    forward_path: bool,
+) -> ApiResult<Json<Value>> {
+    if headers.get(header::CONTENT_ENCODING).is_some_and(|v| v != "identity") {
+        return Err(ApiError::user("compressed request bodies are not supported (Content-Encoding)"));
+    }
+    let is_proto =
+        headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with(PROTOBUF));
+    let req = if is_proto { FwdBwd::from_proto(&body)? } else { FwdBwd::from_json(&body, forward_path)? };
+    let model = state.models.get(&req.model_id)?;
+    check_session(&state, &headers, &model.session_id)?;
+    let forward_only = req.forward_only || forward_path;
+    let kind = if forward_only { "forward" } else { "forward_backward" };
+    let st = state.clone();
+    let model_id = model.id.clone();
+    let request_id = state.models.submit(&model, req.seq_id, move || {
+        let request_id = st.futures.create(Some(&model_id), kind)?;
+        let rid = request_id.clone();
+        let job: Job = Box::new(move |dispatch| {
+            // A bad loss name or config fails this future, in its turn.
+            let loss = match Loss::parse(&req.loss_fn, &req.loss_fn_config) {
+                Ok(l) => l,
+                Err(e) => return st.futures.complete(&rid, to_outcome(Err(e.into()))),
+            };
+            let handle = if forward_only {
+                dispatch.submit_forward(&model_id, &req.data, Some(&loss), true)
+            } else {
+                dispatch.submit_forward_backward(&model_id, &req.data, Some(&loss), true)
+            };
+            tokio::spawn(async move {
+                let outcome = match handle.await {
+                    Ok(out) => StoredOutcome::Proto {
+                        proto: types::output_to_proto(&out),
+                        json: types::output_to_json(&out).to_string(),
+                    },
+                    Err(e) => to_outcome(Err(e.into())),
+                };
+                st.futures.complete(&rid, outcome);
+            });
+        });
+        Ok((request_id, job))
+    })?;
+    Ok(future_response(request_id, Some(&model.id)))
+}
+
+async fn optim_step(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::OptimStepRequest = types::parse_json(&body, "optim_step")?;
+    let model = state.models.get(&req.model_id)?;
+    check_session(&state, &headers, &model.session_id)?;
+    let params = req.adam_params.unwrap_or_default().to_params();
+    let st = state.clone();
+    let model_id = model.id.clone();
+    let request_id = state.models.submit(&model, req.seq_id, move || {
+        let request_id = st.futures.create(Some(&model_id), "optim_step")?;
+        let rid = request_id.clone();
+        let job: Job = Box::new(move |dispatch| {
+            if let Err(e) = params.validate() {
+                return st.futures.complete(&rid, to_outcome(Err(e.into())));
+            }
+            let handle = dispatch.submit_optim_step(&model_id, &params);
+            tokio::spawn(async move {
+                let result = handle.await.map_err(ApiError::from).map(|grad_norm| {
+                    let metrics: BTreeMap<&str, f64> =
+                        [("grad_norm:mean", grad_norm), ("learning_rate:mean", params.learning_rate)].into();
+                    json!({"metrics": metrics})
+                });
+                st.futures.complete_json(&rid, result);
+            });
+        });
+        Ok((request_id, job))
+    })?;
+    Ok(future_response(request_id, Some(&model.id)))
+}
+
+async fn retrieve_future(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Response> {
+    let req: types::RetrieveFutureRequest = types::parse_json(&body, "retrieve_future")?;
+    let accept_proto = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains(PROTOBUF));
+    state.futures.retrieve(&req.request_id, accept_proto).await
+}

@@ -1,0 +1,176 @@
+//! [`Store`]: the server's durable records in SQLite (`<data-dir>/server.sqlite`): sessions,
+//! training models, futures (status and result) and checkpoint metadata. Checkpoints themselves
+//! are files under the data dir; this is their registry.
+//!
+//! Writes are small and synchronous under one connection (WAL mode). On open, a future still
+//! `pending` belongs to a server that died: it is marked failed with a clear error, so that a
+//! client polling it after a restart gets an answer instead of hanging.
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::errors::{ApiError, ApiResult, Category};
+
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+/// A finished future as stored: a JSON result, a protobuf result (with its JSON twin for
+/// clients that do not accept protobuf), or an error.
+#[derive(Clone, Debug)]
+pub enum StoredOutcome {
+    Json(String),
+    Proto { proto: Vec<u8>, json: String },
+    Error { message: String, category: Category },
+}
+
+pub const RESTART_ERROR: &str =
+    "the server restarted while this request was pending; its result is lost (submit it again)";
+
+pub fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+impl Store {
+    pub fn open(path: &Path) -> ApiResult<Store> {
+        let conn = Connection::open(path).map_err(|e| ApiError::server(format!("{}: {e}", path.display())))?;
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL;
+             PRAGMA synchronous = NORMAL;
+             CREATE TABLE IF NOT EXISTS sessions (
+                 id TEXT PRIMARY KEY, api_key TEXT, tags TEXT, user_metadata TEXT,
+                 sdk_version TEXT, created REAL, last_heartbeat REAL, finished INTEGER DEFAULT 0);
+             CREATE TABLE IF NOT EXISTS models (
+                 id TEXT PRIMARY KEY, session_id TEXT, base_model TEXT, lora_config TEXT,
+                 user_metadata TEXT, created REAL);
+             CREATE TABLE IF NOT EXISTS futures (
+                 id TEXT PRIMARY KEY, model_id TEXT, kind TEXT, status TEXT, json TEXT, proto BLOB,
+                 error TEXT, category TEXT, created REAL, finished REAL);
+             CREATE TABLE IF NOT EXISTS checkpoints (
+                 run_id TEXT, kind TEXT, name TEXT, path TEXT, created REAL,
+                 PRIMARY KEY (run_id, kind, name));",
+        )?;
+        conn.execute(
+            "UPDATE futures SET status = 'failed', error = ?1, category = 'server', finished = ?2
+             WHERE status = 'pending'",
+            params![RESTART_ERROR, now()],
+        )?;
+        Ok(Store { conn: Mutex::new(conn) })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn add_session(
+        &self,
+        id: &str,
+        api_key: Option<&str>,
+        tags: &str,
+        user_metadata: &str,
+        sdk_version: Option<&str>,
+    ) -> ApiResult<()> {
+        let t = now();
+        self.conn().execute(
+            "INSERT INTO sessions (id, api_key, tags, user_metadata, sdk_version, created, last_heartbeat)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
+            params![id, api_key, tags, user_metadata, sdk_version, t],
+        )?;
+        Ok(())
+    }
+
+    /// The API key that created session `id` (`Some(None)`: created without one); `None` if
+    /// there is no such session.
+    pub fn session_key(&self, id: &str) -> ApiResult<Option<Option<String>>> {
+        Ok(self
+            .conn()
+            .query_row("SELECT api_key FROM sessions WHERE id = ?1", params![id], |r| r.get::<_, Option<String>>(0))
+            .optional()?)
+    }
+
+    pub fn heartbeat(&self, id: &str) -> ApiResult<bool> {
+        let n = self.conn().execute("UPDATE sessions SET last_heartbeat = ?1 WHERE id = ?2", params![now(), id])?;
+        Ok(n == 1)
+    }
+
+    pub fn finish_session(&self, id: &str) -> ApiResult<bool> {
+        let n = self.conn().execute("UPDATE sessions SET finished = 1 WHERE id = ?1", params![id])?;
+        Ok(n == 1)
+    }
+
+    pub fn add_model(
+        &self,
+        id: &str,
+        session_id: &str,
+        base_model: &str,
+        lora_config: &str,
+        user_metadata: &str,
+    ) -> ApiResult<()> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO models (id, session_id, base_model, lora_config, user_metadata, created)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![id, session_id, base_model, lora_config, user_metadata, now()],
+        )?;
+        Ok(())
+    }
+
+    pub fn add_future(&self, id: &str, model_id: Option<&str>, kind: &str) -> ApiResult<()> {
+        self.conn().execute(
+            "INSERT INTO futures (id, model_id, kind, status, created) VALUES (?1, ?2, ?3, 'pending', ?4)",
+            params![id, model_id, kind, now()],
+        )?;
+        Ok(())
+    }
+
+    pub fn finish_future(&self, id: &str, outcome: &StoredOutcome) -> ApiResult<()> {
+        let conn = self.conn();
+        let t = now();
+        match outcome {
+            StoredOutcome::Json(json) => conn.execute(
+                "UPDATE futures SET status = 'done', json = ?1, finished = ?2 WHERE id = ?3",
+                params![json, t, id],
+            )?,
+            StoredOutcome::Proto { proto, json } => conn.execute(
+                "UPDATE futures SET status = 'done', json = ?1, proto = ?2, finished = ?3 WHERE id = ?4",
+                params![json, proto, t, id],
+            )?,
+            StoredOutcome::Error { message, category } => conn.execute(
+                "UPDATE futures SET status = 'failed', error = ?1, category = ?2, finished = ?3 WHERE id = ?4",
+                params![message, category.as_str(), t, id],
+            )?,
+        };
+        Ok(())
+    }
+
+    /// A finished future's outcome; `Ok(None)` while pending; an error if unknown.
+    pub fn future(&self, id: &str) -> ApiResult<Option<StoredOutcome>> {
+        let row = self
+            .conn()
+            .query_row("SELECT status, json, proto, error, category FROM futures WHERE id = ?1", params![id], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, Option<String>>(1)?,
+                    r.get::<_, Option<Vec<u8>>>(2)?,
+                    r.get::<_, Option<String>>(3)?,
+                    r.get::<_, Option<String>>(4)?,
+                ))
+            })
+            .optional()?;
+        let (status, json, proto, error, category) =
+            row.ok_or_else(|| ApiError::not_found(format!("no request `{id}`")))?;
+        Ok(match status.as_str() {
+            "pending" => None,
+            "failed" => Some(StoredOutcome::Error {
+                message: error.unwrap_or_default(),
+                category: Category::parse(category.as_deref().unwrap_or("server")),
+            }),
+            _ => match proto {
+                Some(proto) => Some(StoredOutcome::Proto { proto, json: json.unwrap_or_else(|| "{}".into()) }),
+                None => Some(StoredOutcome::Json(json.unwrap_or_else(|| "{}".into()))),
+            },
+        })
+    }
+}

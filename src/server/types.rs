@@ -1,0 +1,429 @@
+//! Wire types: the JSON bodies the SDK sends and expects, and the conversions between the
+//! protocol's datums / outputs (JSON or protobuf) and the worker's [`Datum`] /
+//! [`ForwardBackwardOutput`]. Unknown JSON fields are ignored (newer SDKs add some); a field of
+//! the wrong type or a tensor of the wrong length is a user error naming it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+use super::errors::{ApiError, ApiResult};
+use super::proto;
+use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, LossFnInputs, LossFnOutput};
+
+#[derive(Deserialize)]
+pub struct CreateSessionRequest {
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(default)]
+    pub user_metadata: Option<Value>,
+    #[serde(default)]
+    pub sdk_version: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub struct SessionRequest {
+    pub session_id: String,
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug)]
+pub struct LoraConfigWire {
+    #[serde(default = "default_rank")]
+    pub rank: usize,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default = "yes")]
+    pub train_unembed: bool,
+    #[serde(default = "yes")]
+    pub train_mlp: bool,
+    #[serde(default = "yes")]
+    pub train_attn: bool,
+}
+
+fn default_rank() -> usize {
+    32
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for LoraConfigWire {
+    fn default() -> Self {
+        LoraConfigWire { rank: 32, seed: None, train_unembed: true, train_mlp: true, train_attn: true }
+    }
+}
+
+#[derive(Deserialize)]
+pub struct CreateModelRequest {
+    pub session_id: String,
+    pub model_seq_id: i64,
+    pub base_model: String,
+    #[serde(default)]
+    pub lora_config: Option<LoraConfigWire>,
+    #[serde(default)]
+    pub optimizer_config: Option<Value>,
+    #[serde(default)]
+    pub user_metadata: Option<Value>,
+}
+
+#[derive(Deserialize)]
+pub struct ModelRequest {
+    pub model_id: String,
+}
+
+#[derive(Deserialize)]
+pub struct OptimStepRequest {
+    pub model_id: String,
+    pub seq_id: i64,
+    #[serde(default)]
+    pub adam_params: Option<AdamParamsWire>,
+}
+
+/// Tinker's `AdamParams`; absent fields take the crate's (= Tinker's) defaults.
+#[derive(Deserialize, Default)]
+pub struct AdamParamsWire {
+    pub learning_rate: Option<f64>,
+    pub beta1: Option<f64>,
+    pub beta2: Option<f64>,
+    pub eps: Option<f64>,
+    pub weight_decay: Option<f64>,
+    pub grad_clip_norm: Option<f64>,
+}
+
+impl AdamParamsWire {
+    pub fn to_params(&self) -> AdamParams {
+        let d = AdamParams::default();
+        AdamParams {
+            learning_rate: self.learning_rate.unwrap_or(d.learning_rate),
+            beta1: self.beta1.unwrap_or(d.beta1),
+            beta2: self.beta2.unwrap_or(d.beta2),
+            eps: self.eps.unwrap_or(d.eps),
+            weight_decay: self.weight_decay.unwrap_or(d.weight_decay),
+            grad_clip_norm: self.grad_clip_norm.unwrap_or(d.grad_clip_norm),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+pub struct RetrieveFutureRequest {
+    pub request_id: String,
+}
+
+/// A forward / forward_backward request, from either encoding.
+pub struct FwdBwd {
+    pub model_id: String,
+    pub seq_id: i64,
+    pub data: Vec<Datum>,
+    pub loss_fn: String,
+    pub loss_fn_config: Value,
+    pub forward_only: bool,
+}
+
+/// Parses a JSON body; a malformed one is a user error with serde's message (and path).
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> ApiResult<T> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        if path.is_empty() || path == "." {
+            ApiError::user(format!("{what}: malformed JSON body: {}", e.inner()))
+        } else {
+            ApiError::user(format!("{what}: field `{path}`: {}", e.inner()))
+        }
+    })
+}
+
+// ---- forward_backward: protobuf ----
+
+impl FwdBwd {
+    pub fn from_proto(body: &[u8]) -> ApiResult<FwdBwd> {
+        use prost::Message;
+        let req = proto::ForwardBackwardRequest::decode(body)
+            .map_err(|e| ApiError::user(format!("forward_backward: malformed protobuf body: {e}")))?;
+        let mut data = Vec::with_capacity(req.data.len());
+        for (i, d) in req.data.iter().enumerate() {
+            data.push(datum_from_proto(i, d)?);
+        }
+        // v2 (numbers and strings) wins over the legacy numbers-only map.
+        let mut config = Map::new();
+        for (k, v) in &req.loss_fn_config {
+            config.insert(k.clone(), json!(v));
+        }
+        for (k, v) in &req.loss_fn_config_v2 {
+            match &v.value {
+                Some(proto::loss_config_value::Value::Number(x)) => config.insert(k.clone(), json!(x)),
+                Some(proto::loss_config_value::Value::Text(s)) => config.insert(k.clone(), json!(s)),
+                None => None,
+            };
+        }
+        Ok(FwdBwd {
+            model_id: req.model_id,
+            seq_id: req.seq_id as i64,
+            data,
+            loss_fn: req.loss_fn,
+            loss_fn_config: Value::Object(config),
+            forward_only: req.forward_only,
+        })
+    }
+
+    /// The JSON form older SDKs send: `{model_id, seq_id, forward_backward_input: {data,
+    /// loss_fn, loss_fn_config}}` (`forward_input` for `forward`).
+    pub fn from_json(body: &[u8], forward_only: bool) -> ApiResult<FwdBwd> {
+        #[derive(Deserialize)]
+        struct Input {
+            data: Vec<JsonDatum>,
+            loss_fn: String,
+            #[serde(default)]
+            loss_fn_config: Option<Map<String, Value>>,
+        }
+        #[derive(Deserialize)]
+        struct Req {
+            model_id: String,
+            #[serde(default)]
+            seq_id: Option<i64>,
+            #[serde(default)]
+            forward_backward_input: Option<Input>,
+            #[serde(default)]
+            forward_input: Option<Input>,
+        }
+        let what = if forward_only { "forward" } else { "forward_backward" };
+        let req: Req = parse_json(body, what)?;
+        let input = req
+            .forward_backward_input
+            .or(req.forward_input)
+            .ok_or_else(|| ApiError::user(format!("{what}: missing `forward_backward_input`")))?;
+        let data = input.data.iter().enumerate().map(|(i, d)| d.to_datum(i)).collect::<ApiResult<Vec<_>>>()?;
+        Ok(FwdBwd {
+            model_id: req.model_id,
+            seq_id: req.seq_id.unwrap_or(0),
+            data,
+            loss_fn: input.loss_fn,
+            loss_fn_config: Value::Object(input.loss_fn_config.unwrap_or_default()),
+            forward_only,
+        })
+    }
+}
+
+fn datum_from_proto(i: usize, d: &proto::Datum) -> ApiResult<Datum> {
+    let mut tokens = vec![];
+    for c in &d.model_input {
+        match &c.chunk {
+            Some(proto::chunk::Chunk::EncodedText(t)) => {
+                if t.tokens.len() % 4 != 0 {
+                    return Err(ApiError::user(format!(
+                        "datum {i}: model_input tokens are {} bytes, not a multiple of 4 (int32)",
+                        t.tokens.len()
+                    )));
+                }
+                for b in t.tokens.chunks_exact(4) {
+                    let v = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    tokens.push(token_id(i, "model_input", v as i64)?);
+                }
+            }
+            Some(_) => return Err(ApiError::user(format!("datum {i}: only encoded_text chunks are supported"))),
+            None => {}
+        }
+    }
+    let mut fields = BTreeMap::new();
+    for (name, t) in &d.loss_fn_inputs {
+        fields.insert(name.clone(), tensor_from_proto(i, name, t)?);
+    }
+    make_datum(i, tokens, fields)
+}
+
+/// A loss input as numbers (f64 holds every int64 token id and f32 exactly).
+enum Values {
+    Float(Vec<f32>),
+    Int(Vec<i64>),
+}
+
+fn tensor_from_proto(i: usize, name: &str, t: &proto::Tensor) -> ApiResult<Values> {
+    let dense = match &t.encoding {
+        Some(proto::tensor::Encoding::Dense(b)) => b,
+        Some(proto::tensor::Encoding::SparseCsr(_)) => {
+            return Err(ApiError::user(format!("datum {i}: loss_fn_inputs.{name}: sparse tensors are not supported")))
+        }
+        None => return Ok(Values::Float(vec![])),
+    };
+    let bad = |w: usize| {
+        ApiError::user(format!("datum {i}: loss_fn_inputs.{name}: {} bytes is not a multiple of {w}", dense.len()))
+    };
+    match proto::DType::try_from(t.dtype) {
+        Ok(proto::DType::Float32) => {
+            if dense.len() % 4 != 0 {
+                return Err(bad(4));
+            }
+            Ok(Values::Float(dense.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()))
+        }
+        Ok(proto::DType::Int64) => {
+            if dense.len() % 8 != 0 {
+                return Err(bad(8));
+            }
+            Ok(Values::Int(dense.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()))
+        }
+        Ok(proto::DType::Int32) => {
+            if dense.len() % 4 != 0 {
+                return Err(bad(4));
+            }
+            Ok(Values::Int(dense.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64).collect()))
+        }
+        _ => Err(ApiError::user(format!("datum {i}: loss_fn_inputs.{name}: unsupported dtype {}", t.dtype))),
+    }
+}
+
+fn token_id(i: usize, field: &str, v: i64) -> ApiResult<u32> {
+    u32::try_from(v).map_err(|_| ApiError::user(format!("datum {i}: {field}: token id {v} is out of range")))
+}
+
+/// The loss inputs Tinker's losses read, by their wire names.
+const FLOAT_INPUTS: [&str; 7] =
+    ["weights", "logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "values", "returns"];
+
+fn make_datum(i: usize, input_tokens: Vec<u32>, fields: BTreeMap<String, Values>) -> ApiResult<Datum> {
+    let mut inputs = LossFnInputs::default();
+    for (name, values) in fields {
+        if name == "target_tokens" {
+            let ids = match values {
+                Values::Int(v) => v
+                    .into_iter()
+                    .map(|x| token_id(i, "loss_fn_inputs.target_tokens", x))
+                    .collect::<ApiResult<Vec<_>>>()?,
+                Values::Float(v) => v
+                    .into_iter()
+                    .map(|x| {
+                        if x.fract() != 0.0 {
+                            return Err(ApiError::user(format!(
+                                "datum {i}: loss_fn_inputs.target_tokens: {x} is not an integer"
+                            )));
+                        }
+                        token_id(i, "loss_fn_inputs.target_tokens", x as i64)
+                    })
+                    .collect::<ApiResult<Vec<_>>>()?,
+            };
+            inputs.target_tokens = Some(ids);
+            continue;
+        }
+        let floats = match values {
+            Values::Float(v) => v,
+            Values::Int(v) => v.into_iter().map(|x| x as f32).collect(),
+        };
+        let slot = match name.as_str() {
+            "weights" => &mut inputs.weights,
+            "logprobs" => &mut inputs.logprobs,
+            "advantages" => &mut inputs.advantages,
+            "ref_logprobs" => &mut inputs.ref_logprobs,
+            "rollout_logprobs" => &mut inputs.rollout_logprobs,
+            "values" => &mut inputs.values,
+            "returns" => &mut inputs.returns,
+            other => {
+                let mut valid = vec!["target_tokens"];
+                valid.extend(FLOAT_INPUTS);
+                return Err(ApiError::user(format!(
+                    "datum {i}: unknown loss_fn_inputs key `{other}` (valid: {})",
+                    valid.join(", ")
+                )));
+            }
+        };
+        *slot = Some(floats);
+    }
+    Ok(Datum { input_tokens, loss_fn_inputs: inputs })
+}
+
+// ---- forward_backward: JSON ----
+
+#[derive(Deserialize)]
+struct JsonDatum {
+    model_input: JsonModelInput,
+    #[serde(default)]
+    loss_fn_inputs: HashMap<String, JsonTensor>,
+}
+
+#[derive(Deserialize)]
+struct JsonModelInput {
+    chunks: Vec<Value>,
+}
+
+#[derive(Deserialize)]
+struct JsonTensor {
+    data: Vec<f64>,
+    #[serde(default)]
+    dtype: Option<String>,
+}
+
+impl JsonDatum {
+    fn to_datum(&self, i: usize) -> ApiResult<Datum> {
+        let mut tokens = vec![];
+        for c in &self.model_input.chunks {
+            let ty = c.get("type").and_then(Value::as_str).unwrap_or("encoded_text");
+            if ty != "encoded_text" {
+                return Err(ApiError::user(format!("datum {i}: only encoded_text chunks are supported, not `{ty}`")));
+            }
+            let ids = c
+                .get("tokens")
+                .and_then(Value::as_array)
+                .ok_or_else(|| ApiError::user(format!("datum {i}: an encoded_text chunk needs `tokens`")))?;
+            for v in ids {
+                let v = v.as_i64().ok_or_else(|| ApiError::user(format!("datum {i}: token {v} is not an integer")))?;
+                tokens.push(token_id(i, "model_input", v)?);
+            }
+        }
+        let mut fields = BTreeMap::new();
+        for (name, t) in &self.loss_fn_inputs {
+            let values = match t.dtype.as_deref() {
+                Some("int64") => Values::Int(t.data.iter().map(|x| *x as i64).collect()),
+                _ if name == "target_tokens" => Values::Int(t.data.iter().map(|x| *x as i64).collect()),
+                _ => Values::Float(t.data.iter().map(|x| *x as f32).collect()),
+            };
+            fields.insert(name.clone(), values);
+        }
+        make_datum(i, tokens, fields)
+    }
+}
+
+// ---- outputs ----
+
+/// The worker's metrics as the protocol wants them: `name:reduction` → value.
+pub fn metrics(out: &ForwardBackwardOutput) -> BTreeMap<String, f64> {
+    out.metrics.reduce()
+}
+
+/// `ForwardBackwardOutput` as protobuf: one batched `ArrayRecord` with `logprobs` and
+/// `elementwise_loss` (float32, one slice per datum, byte offsets).
+pub fn output_to_proto(out: &ForwardBackwardOutput) -> Vec<u8> {
+    use prost::Message;
+    let batched = |field: fn(&LossFnOutput) -> &Vec<f32>| {
+        let mut data = Vec::new();
+        let mut offsets = Vec::with_capacity((out.loss_fn_outputs.len() + 1) * 8);
+        offsets.extend_from_slice(&0i64.to_le_bytes());
+        for o in &out.loss_fn_outputs {
+            for x in field(o) {
+                data.extend_from_slice(&x.to_le_bytes());
+            }
+            offsets.extend_from_slice(&(data.len() as i64).to_le_bytes());
+        }
+        proto::BatchedTensor { data, offsets, dtype: proto::DType::Float32 as i32, trailing_shape: vec![] }
+    };
+    let mut fields = HashMap::new();
+    fields.insert("logprobs".to_string(), batched(|o| &o.logprobs));
+    fields.insert("elementwise_loss".to_string(), batched(|o| &o.elementwise_loss));
+    let record =
+        proto::ArrayRecord { type_tag: "ArrayRecord".into(), fields, num_datums: out.loss_fn_outputs.len() as i64 };
+    proto::ForwardBackwardOutput {
+        loss_fn_output_type: "ArrayRecord".into(),
+        loss_fn_outputs: vec![record],
+        metrics: metrics(out).into_iter().collect(),
+    }
+    .encode_to_vec()
+}
+
+/// `ForwardBackwardOutput` as JSON (for clients that do not accept protobuf).
+pub fn output_to_json(out: &ForwardBackwardOutput) -> Value {
+    let tensor = |v: &[f32]| json!({"data": v, "dtype": "float32", "shape": [v.len()]});
+    let outputs: Vec<Value> = out
+        .loss_fn_outputs
+        .iter()
+        .map(|o| json!({"logprobs": tensor(&o.logprobs), "elementwise_loss": tensor(&o.elementwise_loss)}))
+        .collect();
+    json!({"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": metrics(out)})
+}
