@@ -214,6 +214,11 @@ impl Dispatch {
         self.on_model(id, Parts::ALL, |g| g.submit_load_state(dir))
     }
 
+    /// Loads only the parameters of a state (the optimizer starts afresh).
+    pub fn submit_load_weights(&self, id: &str, dir: &Path) -> Handle<()> {
+        self.on_model(id, Parts::ALL, |g| g.submit_load_weights(dir))
+    }
+
     pub fn submit_export(&self, id: &str, dir: &Path, merge_lora: bool) -> Handle<()> {
         self.on_model(id, Parts::MODEL, |g| g.submit_export(dir, merge_lora))
     }

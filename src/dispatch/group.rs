@@ -305,6 +305,12 @@ impl WorkerGroup {
         self.submit_unit(move |s| s.worker.load_state(&dir))
     }
 
+    /// Loads only the parameters of a training state into every rank (fresh optimizer).
+    pub fn submit_load_weights(&self, dir: &Path) -> Handle<()> {
+        let dir = dir.to_path_buf();
+        self.submit_unit(move |s| s.worker.load_weights(&dir))
+    }
+
     /// Exports the model (HF layout, or PEFT for LoRA) from dp rank 0.
     pub fn submit_export(&self, dir: &Path, merge_lora: bool) -> Handle<()> {
         let dir: PathBuf = dir.to_path_buf();

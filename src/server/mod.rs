@@ -18,8 +18,10 @@
 //! Gradients accumulate in the worker across forward_backward calls until optim_step.
 //!
 //! Files: [`routes`] (endpoints), [`types`] (JSON wire types, datum and output conversions),
-//! [`proto`] (protobuf messages), [`futures`], [`models`], [`store`], [`errors`].
+//! [`proto`] (protobuf messages), [`futures`], [`models`], [`store`], [`checkpoints`] (names and
+//! paths), [`errors`].
 
+pub mod checkpoints;
 pub mod errors;
 pub mod futures;
 pub mod models;
@@ -63,6 +65,7 @@ pub struct AppState {
     pub store: Arc<Store>,
     pub api_keys: Option<HashSet<String>>,
     pub body_limit: usize,
+    pub data_dir: PathBuf,
 }
 
 fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
@@ -91,6 +94,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
         store,
         api_keys,
         body_limit: config.body_limit,
+        data_dir: config.data_dir.clone(),
     }))
 }
 

@@ -79,6 +79,9 @@ pub fn lora_config(wire: &LoraConfigWire) -> ApiResult<LoraConfig> {
     Ok(LoraConfig::new(wire.rank, LORA_ALPHA, &targets))
 }
 
+/// Runs on a freshly built model before its queue opens (e.g. loading a checkpoint).
+pub type AfterBuild = Box<dyn FnOnce(&Dispatch, &str) -> crate::Result<()> + Send>;
+
 /// A job waiting for its turn: it submits its call(s) to the dispatch (non-blocking).
 pub type Job = Box<dyn FnOnce(&Arc<Dispatch>) + Send>;
 
@@ -130,6 +133,7 @@ impl Models {
         session_id: &str,
         base: ServedModel,
         lora: LoraConfigWire,
+        after_build: Option<AfterBuild>,
     ) -> ApiResult<impl FnOnce() -> ApiResult<Value> + Send + 'static> {
         let config = lora_config(&lora)?;
         let model = Arc::new(TrainingModel {
@@ -154,7 +158,13 @@ impl Models {
         let me = self.clone();
         let id = id.to_string();
         Ok(move || {
-            let built = me.dispatch.create_model(&id, &spec);
+            let mut built = me.dispatch.create_model(&id, &spec);
+            if let (Ok(()), Some(after)) = (&built, after_build) {
+                built = after(&me.dispatch, &id);
+                if built.is_err() {
+                    let _ = me.dispatch.drop_model(&id);
+                }
+            }
             if built.is_err() {
                 me.models.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             }

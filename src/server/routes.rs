@@ -13,10 +13,12 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
+use super::checkpoints::{CheckpointRef, Kind};
 use super::errors::{ApiError, ApiResult};
 use super::futures::{new_id, to_outcome, PROTOBUF};
 use super::models::Job;
-use super::store::StoredOutcome;
+use super::models::TrainingModel;
+use super::store::{now, CheckpointRow, StoredOutcome};
 use super::types::{self, FwdBwd};
 use super::AppState;
 use crate::algo::Loss;
@@ -36,6 +38,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/forward_backward", post(forward_backward))
         .route("/forward", post(forward))
         .route("/optim_step", post(optim_step))
+        .route("/save_weights", post(save_weights))
+        .route("/load_weights", post(load_weights))
+        .route("/weights_info", post(weights_info))
         .route("/retrieve_future", post(retrieve_future));
     Router::new()
         .nest("/api/v1", api)
@@ -148,7 +153,7 @@ async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     }
     let model_id = format!("{}:train:{}", req.session_id, req.model_seq_id);
     let lora = req.lora_config.clone().unwrap_or_default();
-    let build = state.models.register(&model_id, &req.session_id, base.clone(), lora.clone())?;
+    let build = state.models.register(&model_id, &req.session_id, base.clone(), lora.clone(), None)?;
     state.store.add_model(
         &model_id,
         &req.session_id,
@@ -275,4 +280,145 @@ async fn retrieve_future(State(state): State<Arc<AppState>>, headers: HeaderMap,
     let req: types::RetrieveFutureRequest = types::parse_json(&body, "retrieve_future")?;
     let accept_proto = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains(PROTOBUF));
     state.futures.retrieve(&req.request_id, accept_proto).await
+}
+
+/// Queues `work` on `model` at `seq_id` with a new future of `kind`; `work` runs in the model's
+/// turn with the state, the dispatch and the request id, and must complete the future.
+fn queue(
+    state: &Arc<AppState>,
+    model: &TrainingModel,
+    seq_id: i64,
+    kind: &'static str,
+    work: impl FnOnce(Arc<AppState>, &Arc<crate::dispatch::Dispatch>, String) + Send + 'static,
+) -> ApiResult<Json<Value>> {
+    let st = state.clone();
+    let model_id = model.id.clone();
+    let request_id = state.models.submit(model, seq_id, move || {
+        let request_id = st.futures.create(Some(&model_id), kind)?;
+        let rid = request_id.clone();
+        let job: Job = Box::new(move |dispatch| work(st, dispatch, rid));
+        Ok((request_id, job))
+    })?;
+    Ok(future_response(request_id, Some(&model.id)))
+}
+
+/// The registry entry of `c`, if the caller may use it (with API keys: created by the caller's
+/// key); otherwise a user error naming it.
+fn find_checkpoint(state: &AppState, headers: &HeaderMap, c: &CheckpointRef) -> ApiResult<CheckpointRow> {
+    let missing = || ApiError::not_found(format!("no checkpoint `{}`", c.uri()));
+    let row = state.store.checkpoint(c)?.ok_or_else(missing)?;
+    check_session(state, headers, &row.session_id).map_err(|_| missing())?;
+    Ok(row)
+}
+
+async fn save_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::SaveWeightsRequest = types::parse_json(&body, "save_weights")?;
+    let model = state.models.get(&req.model_id)?;
+    check_session(&state, &headers, &model.session_id)?;
+    let name = req.path.clone().unwrap_or_else(|| format!("seq-{}", req.seq_id));
+    let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
+    let model_id = model.id.clone();
+    queue(&state, &model, req.seq_id, "save_weights", move |st, dispatch, rid| {
+        let prepared = CheckpointRef::new(&model_id, Kind::Weights, &name).and_then(|c| {
+            if !req.overwrite && st.store.checkpoint(&c)?.is_some() {
+                return Err(ApiError::user(format!("checkpoint `{}` exists (pass overwrite=True)", c.uri())));
+            }
+            Ok(c)
+        });
+        let c = match prepared {
+            Ok(c) => c,
+            Err(e) => return st.futures.complete_json(&rid, Err(e)),
+        };
+        let dir = c.dir(&st.data_dir);
+        let handle = dispatch.submit_save_state(&model_id, &dir);
+        tokio::spawn(async move {
+            let result = async {
+                handle.await?;
+                let row = CheckpointRow {
+                    path: dir.display().to_string(),
+                    created: now(),
+                    session_id,
+                    base_model: base,
+                    lora_config: serde_json::to_string(&lora).unwrap_or_default(),
+                };
+                st.store.add_checkpoint(&c, &row)?;
+                Ok(json!({"path": c.uri(), "type": "save_weights"}))
+            }
+            .await;
+            st.futures.complete_json(&rid, result);
+        });
+    })
+}
+
+async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::LoadWeightsRequest = types::parse_json(&body, "load_weights")?;
+    let c = CheckpointRef::parse(&req.path)?;
+    if c.kind != Kind::Weights {
+        return Err(ApiError::user(format!(
+            "`{}` holds sampler weights; load_weights needs a save_state checkpoint (tinker://RUN/weights/NAME)",
+            req.path
+        )));
+    }
+    let row = find_checkpoint(&state, &headers, &c)?;
+    let dir = std::path::PathBuf::from(&row.path);
+    let optimizer = req.optimizer;
+    let load = move |dispatch: &crate::dispatch::Dispatch, id: &str| {
+        if optimizer {
+            dispatch.submit_load_state(id, &dir)
+        } else {
+            dispatch.submit_load_weights(id, &dir)
+        }
+    };
+    match (&req.model_id, &req.session_id) {
+        (Some(model_id), None) => {
+            let model = state.models.get(model_id)?;
+            check_session(&state, &headers, &model.session_id)?;
+            let seq_id =
+                req.seq_id.ok_or_else(|| ApiError::user("load_weights: `seq_id` is required with `model_id`"))?;
+            let (id, uri) = (model.id.clone(), c.uri());
+            queue(&state, &model, seq_id, "load_weights", move |st, dispatch, rid| {
+                let handle = load(dispatch, &id);
+                tokio::spawn(async move {
+                    let result = handle.await.map_err(ApiError::from);
+                    let result = result.map(|()| json!({"path": uri, "model_id": id, "type": "load_weights"}));
+                    st.futures.complete_json(&rid, result);
+                });
+            })
+        }
+        (None, Some(session_id)) => {
+            check_session(&state, &headers, session_id)?;
+            let model_seq_id = req
+                .model_seq_id
+                .ok_or_else(|| ApiError::user("load_weights: `model_seq_id` is required with `session_id`"))?;
+            let base_name = req.base_model.clone().unwrap_or(row.base_model.clone());
+            let base = state.served.iter().find(|m| m.matches(&base_name)).cloned().ok_or_else(|| {
+                ApiError::user(format!("the checkpoint's base model `{base_name}` is not served here"))
+            })?;
+            let lora: types::LoraConfigWire = serde_json::from_str(&row.lora_config)
+                .map_err(|e| ApiError::server(format!("checkpoint `{}`: bad LoRA record: {e}", c.uri())))?;
+            let model_id = format!("{session_id}:train:{model_seq_id}");
+            let after: super::models::AfterBuild = Box::new(move |d, id| load(d, id).wait());
+            let build = state.models.register(&model_id, session_id, base.clone(), lora.clone(), Some(after))?;
+            state.store.add_model(&model_id, session_id, &base.name, &row.lora_config, "")?;
+            let request_id = state.futures.create(Some(&model_id), "load_weights")?;
+            let (st, rid, uri) = (state.clone(), request_id.clone(), c.uri());
+            tokio::spawn(async move {
+                let result = tokio::task::spawn_blocking(build)
+                    .await
+                    .unwrap_or_else(|e| Err(ApiError::server(format!("building the model failed: {e}"))));
+                let result = result.map(|v| json!({"path": uri, "model_id": v["model_id"], "type": "load_weights"}));
+                st.futures.complete_json(&rid, result);
+            });
+            Ok(future_response(request_id, Some(&model_id)))
+        }
+        _ => Err(ApiError::user("load_weights: give either `model_id` + `seq_id` or `session_id` + `model_seq_id`")),
+    }
+}
+
+async fn weights_info(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::WeightsInfoRequest = types::parse_json(&body, "weights_info")?;
+    let c = CheckpointRef::parse(&req.tinker_path)?;
+    let row = find_checkpoint(&state, &headers, &c)?;
+    let lora: Value = serde_json::from_str(&row.lora_config).unwrap_or(Value::Null);
+    Ok(Json(json!({"base_model": row.base_model, "is_lora": true, "lora_rank": lora["rank"]})))
 }

@@ -12,6 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use rusqlite::{params, Connection, OptionalExtension};
 
+use super::checkpoints::CheckpointRef;
 use super::errors::{ApiError, ApiResult, Category};
 
 pub struct Store {
@@ -27,6 +28,20 @@ pub enum StoredOutcome {
     Error { message: String, category: Category },
 }
 
+/// A checkpoint's registry entry.
+#[derive(Clone, Debug)]
+pub struct CheckpointRow {
+    pub path: String,
+    pub created: f64,
+    pub session_id: String,
+    pub base_model: String,
+    /// The LoRA config as JSON (`LoraConfigWire`).
+    pub lora_config: String,
+}
+
+/// The layout of the tables below (`PRAGMA user_version`).
+const SCHEMA_VERSION: i64 = 1;
+
 pub const RESTART_ERROR: &str =
     "the server restarted while this request was pending; its result is lost (submit it again)";
 
@@ -37,6 +52,13 @@ pub fn now() -> f64 {
 impl Store {
     pub fn open(path: &Path) -> ApiResult<Store> {
         let conn = Connection::open(path).map_err(|e| ApiError::server(format!("{}: {e}", path.display())))?;
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if version != 0 && version != SCHEMA_VERSION {
+            return Err(ApiError::server(format!(
+                "{}: database schema version {version}, this server knows {SCHEMA_VERSION}",
+                path.display()
+            )));
+        }
         conn.execute_batch(
             "PRAGMA journal_mode = WAL;
              PRAGMA synchronous = NORMAL;
@@ -50,9 +72,10 @@ impl Store {
                  id TEXT PRIMARY KEY, model_id TEXT, kind TEXT, status TEXT, json TEXT, proto BLOB,
                  error TEXT, category TEXT, created REAL, finished REAL);
              CREATE TABLE IF NOT EXISTS checkpoints (
-                 run_id TEXT, kind TEXT, name TEXT, path TEXT, created REAL,
-                 PRIMARY KEY (run_id, kind, name));",
+                 run_id TEXT, kind TEXT, name TEXT, path TEXT, created REAL, session_id TEXT,
+                 base_model TEXT, lora_config TEXT, PRIMARY KEY (run_id, kind, name));",
         )?;
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         conn.execute(
             "UPDATE futures SET status = 'failed', error = ?1, category = 'server', finished = ?2
              WHERE status = 'pending'",
@@ -172,5 +195,44 @@ impl Store {
                 None => Some(StoredOutcome::Json(json.unwrap_or_else(|| "{}".into()))),
             },
         })
+    }
+
+    pub fn add_checkpoint(&self, c: &CheckpointRef, row: &CheckpointRow) -> ApiResult<()> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO checkpoints
+             (run_id, kind, name, path, created, session_id, base_model, lora_config)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![
+                c.run_id,
+                c.kind.as_str(),
+                c.name,
+                row.path,
+                row.created,
+                row.session_id,
+                row.base_model,
+                row.lora_config
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn checkpoint(&self, c: &CheckpointRef) -> ApiResult<Option<CheckpointRow>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT path, created, session_id, base_model, lora_config FROM checkpoints
+                 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+                params![c.run_id, c.kind.as_str(), c.name],
+                |r| {
+                    Ok(CheckpointRow {
+                        path: r.get(0)?,
+                        created: r.get(1)?,
+                        session_id: r.get(2)?,
+                        base_model: r.get(3)?,
+                        lora_config: r.get(4)?,
+                    })
+                },
+            )
+            .optional()?)
     }
 }

@@ -107,6 +107,40 @@ impl AdamParamsWire {
 }
 
 #[derive(Deserialize)]
+pub struct SaveWeightsRequest {
+    pub model_id: String,
+    #[serde(default)]
+    pub path: Option<String>,
+    pub seq_id: i64,
+    #[serde(default)]
+    pub overwrite: bool,
+}
+
+/// `load_weights`: onto an existing model (`model_id` + `seq_id`) or creating one from the
+/// checkpoint (`session_id` + `model_seq_id`).
+#[derive(Deserialize)]
+pub struct LoadWeightsRequest {
+    #[serde(default)]
+    pub model_id: Option<String>,
+    #[serde(default)]
+    pub seq_id: Option<i64>,
+    #[serde(default)]
+    pub session_id: Option<String>,
+    #[serde(default)]
+    pub model_seq_id: Option<i64>,
+    #[serde(default)]
+    pub base_model: Option<String>,
+    pub path: String,
+    #[serde(default)]
+    pub optimizer: bool,
+}
+
+#[derive(Deserialize)]
+pub struct WeightsInfoRequest {
+    pub tinker_path: String,
+}
+
+#[derive(Deserialize)]
 pub struct RetrieveFutureRequest {
     pub request_id: String,
 }

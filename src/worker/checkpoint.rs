@@ -133,6 +133,15 @@ impl Worker {
         Ok(())
     }
 
+    /// Restores only the parameters of a state written by [`Worker::save_state`]: the optimizer
+    /// starts afresh (no moments, step 0), as Tinker's `load_state` without optimizer does.
+    pub fn load_weights(&mut self, dir: &Path) -> Result<()> {
+        self.load_state(dir)?;
+        self.moments = vec![None; self.params.len()];
+        self.step = 0;
+        Ok(())
+    }
+
     /// Writes the weights for use elsewhere: full fine-tuning in the HF layout; LoRA in the PEFT
     /// layout, or with `merge_lora` the adapters folded into the base weights in the HF layout.
     /// A critic's value head goes to `value_head.safetensors` beside them. Atomic, like saving.
