@@ -1,0 +1,214 @@
+//! The Tinker protocol at the HTTP level, without the SDK: request ordering by seq_id, repeated
+//! requests, long-poll and `try_again`, JSON forward_backward (older SDKs), errors and API keys.
+//! The server runs in-process on loopback.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use oxrl::server::{routes, state, ServerConfig};
+use serde_json::{json, Value};
+
+struct Reply {
+    status: u16,
+    body: Value,
+}
+
+fn request(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) -> Reply {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let key = key.map(|k| format!("X-API-Key: {k}\r\n")).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{key}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let status = raw[9..12].parse().unwrap();
+    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Reply { status, body: serde_json::from_str(body).unwrap_or(Value::String(body.to_string())) }
+}
+
+fn post(port: u16, path: &str, body: Value) -> Reply {
+    request(port, "POST", &format!("/api/v1/{path}"), Some("k1"), &body.to_string())
+}
+
+/// Polls a future until it is not `try_again`.
+fn result(port: u16, request_id: &str) -> Value {
+    loop {
+        let r = post(port, "retrieve_future", json!({"request_id": request_id, "allow_metadata_only": false}));
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.body["type"] != "try_again" {
+            return r.body;
+        }
+    }
+}
+
+fn serve(dir: &std::path::Path, long_poll: Duration) -> u16 {
+    let model = dir.join("tiny");
+    common::tiny_byte_model(&model, 32, 64, 3);
+    std::fs::write(dir.join("keys"), "# test keys\nk1\nk2\n").unwrap();
+    let config = ServerConfig {
+        models: vec![model],
+        host: "127.0.0.1".into(),
+        port: 0,
+        data_dir: dir.join("data"),
+        api_keys: Some(dir.join("keys")),
+        threads: 1,
+        body_limit: 1 << 20,
+        long_poll,
+    };
+    let state = state(&config).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(listener, routes::router(state)).await.unwrap();
+        });
+    });
+    port
+}
+
+fn fwdbwd_body(model_id: &str, seq_id: i64, loss_fn: &str) -> Value {
+    let tokens: Vec<u32> = b"hello there".iter().map(|&b| b as u32).collect();
+    json!({
+        "model_id": model_id,
+        "seq_id": seq_id,
+        "forward_backward_input": {
+            "data": [{
+                "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[..tokens.len() - 1]}]},
+                "loss_fn_inputs": {
+                    "target_tokens": {"data": tokens[1..], "dtype": "int64"},
+                    "weights": {"data": vec![1.0; tokens.len() - 1], "dtype": "float32"}
+                }
+            }],
+            "loss_fn": loss_fn,
+            "loss_fn_config": null
+        }
+    })
+}
+
+#[test]
+fn protocol_ordering_errors_and_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+
+    // Keys: healthz is open; anything else needs a listed key.
+    assert_eq!(request(port, "GET", "/api/v1/healthz", None, "").status, 200);
+    assert_eq!(request(port, "GET", "/api/v1/get_server_capabilities", None, "").status, 401);
+    assert_eq!(request(port, "GET", "/api/v1/get_server_capabilities", Some("nope"), "").status, 401);
+    let caps = request(port, "GET", "/api/v1/get_server_capabilities", Some("k1"), "");
+    assert_eq!(caps.body["supported_models"][0]["model_name"], "tiny");
+
+    // Malformed bodies are 400 user errors naming the problem.
+    let r = request(port, "POST", "/api/v1/create_session", Some("k1"), "{not json");
+    assert_eq!((r.status, r.body["category"].as_str()), (400, Some("user")), "{}", r.body);
+    let r = post(port, "create_model", json!({"session_id": "x"}));
+    assert_eq!(r.status, 400);
+    assert!(r.body["error"].as_str().unwrap().contains("model_seq_id"), "{}", r.body);
+
+    let session = post(port, "create_session", json!({"tags": [], "sdk_version": "test", "type": "create_session"}));
+    let session_id = session.body["session_id"].as_str().unwrap().to_string();
+    assert_eq!(post(port, "session_heartbeat", json!({"session_id": session_id})).status, 200);
+
+    // Unknown base model, nothing to train: user errors.
+    let r = post(port, "create_model", json!({"session_id": session_id, "model_seq_id": 0, "base_model": "huge"}));
+    assert_eq!(r.status, 400);
+    assert!(r.body["error"].as_str().unwrap().contains("huge"), "{}", r.body);
+    let off = json!({"rank": 4, "train_attn": false, "train_mlp": false, "train_unembed": false});
+    let r = post(
+        port,
+        "create_model",
+        json!({"session_id": session_id, "model_seq_id": 0, "base_model": "tiny", "lora_config": off}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+
+    // Another key cannot use this session.
+    let r =
+        request(port, "POST", "/api/v1/session_heartbeat", Some("k2"), &json!({"session_id": session_id}).to_string());
+    assert_eq!(r.status, 404);
+
+    let lora = json!({"rank": 4, "train_attn": true, "train_mlp": false, "train_unembed": false});
+    let r = post(
+        port,
+        "create_model",
+        json!({"session_id": session_id, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let model_id = format!("{session_id}:train:0");
+    assert_eq!(r.body["model_id"], model_id.as_str());
+    // Requests sent in reverse seq_id order, before the model is even built: 3 forward,
+    // 2 optim_step, 1 forward_backward. They must run 1, 2, 3.
+    let mut fwd = fwdbwd_body(&model_id, 3, "cross_entropy");
+    fwd["forward_input"] = fwd["forward_backward_input"].take();
+    let f3 = post(port, "forward", fwd);
+    let adam = json!({"learning_rate": 0.05, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12});
+    let f2 = post(port, "optim_step", json!({"model_id": model_id, "seq_id": 2, "adam_params": adam}));
+    let f1 = post(port, "forward_backward", fwdbwd_body(&model_id, 1, "cross_entropy"));
+    // A repeated (model_id, seq_id) returns the original future.
+    let again = post(port, "optim_step", json!({"model_id": model_id, "seq_id": 2, "adam_params": adam}));
+    assert_eq!(again.body["request_id"], f2.body["request_id"]);
+    assert_eq!(result(port, r.body["request_id"].as_str().unwrap())["model_id"], model_id.as_str());
+
+    let out1 = result(port, f1.body["request_id"].as_str().unwrap());
+    let step = result(port, f2.body["request_id"].as_str().unwrap());
+    let out3 = result(port, f3.body["request_id"].as_str().unwrap());
+    let grad_norm = step["metrics"]["grad_norm:mean"].as_f64().unwrap();
+    assert!(grad_norm > 0.0, "optim_step ran before forward_backward: {step}");
+    let (loss1, loss3) = (out1["metrics"]["loss:sum"].as_f64().unwrap(), out3["metrics"]["loss:sum"].as_f64().unwrap());
+    assert!(loss3 < loss1, "the forward did not see the step: {loss1} -> {loss3}");
+    // loss:sum equals Σ −logprob (weights 1), from the JSON output.
+    let lp: Vec<f64> = out1["loss_fn_outputs"][0]["logprobs"]["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(lp.len(), 10);
+    assert!((loss1 + lp.iter().sum::<f64>()).abs() < 1e-4 * loss1, "{loss1} vs {lp:?}");
+
+    // A used seq_id, an unknown loss (its future fails in turn), an unknown input key.
+    let r = post(port, "forward_backward", fwdbwd_body(&model_id, 1, "cross_entropy"));
+    assert_eq!(r.body["request_id"], f1.body["request_id"], "a repeat of seq 1 is the same future");
+    let bad = post(port, "forward_backward", fwdbwd_body(&model_id, 4, "ppo_typo"));
+    let failed = result(port, bad.body["request_id"].as_str().unwrap());
+    assert_eq!(failed["category"], "user", "{failed}");
+    assert!(failed["error"].as_str().unwrap().contains("ppo_typo"), "{failed}");
+    let mut body = fwdbwd_body(&model_id, 5, "cross_entropy");
+    body["forward_backward_input"]["data"][0]["loss_fn_inputs"]["wieghts"] = json!({"data": [1.0]});
+    let r = post(port, "forward_backward", body);
+    assert_eq!(r.status, 400);
+    assert!(r.body["error"].as_str().unwrap().contains("wieghts"), "{}", r.body);
+    // Seq 5 was not consumed by the rejected request: a token id out of range fails seq 5's future.
+    let mut body = fwdbwd_body(&model_id, 5, "cross_entropy");
+    body["forward_backward_input"]["data"][0]["loss_fn_inputs"]["target_tokens"]["data"][0] = json!(100000);
+    let r = post(port, "forward_backward", body);
+    let failed = result(port, r.body["request_id"].as_str().unwrap());
+    assert_eq!(failed["category"], "user", "{failed}");
+
+    // Long-poll: a future waiting on a missing seq_id answers try_again after the long-poll time.
+    let waiting = post(port, "optim_step", json!({"model_id": model_id, "seq_id": 7}));
+    let r = post(port, "retrieve_future", json!({"request_id": waiting.body["request_id"]}));
+    assert_eq!(r.body["type"], "try_again", "{}", r.body);
+    let r = post(port, "retrieve_future", json!({"request_id": "nope"}));
+    assert_eq!(r.status, 404);
+
+    // get_info, checkpoint names.
+    let info = post(port, "get_info", json!({"model_id": model_id}));
+    assert_eq!(
+        (info.body["model_data"]["model_name"].as_str(), info.body["lora_rank"].as_u64()),
+        (Some("tiny"), Some(4))
+    );
+    let r = post(port, "save_weights", json!({"model_id": model_id, "seq_id": 6, "path": "../escape"}));
+    let failed = result(port, r.body["request_id"].as_str().unwrap());
+    assert!(failed["error"].as_str().unwrap().contains("invalid checkpoint name"), "{failed}");
+    let r = post(port, "get_info", json!({"model_id": "nope"}));
+    assert_eq!(r.status, 404);
+}
