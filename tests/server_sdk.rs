@@ -127,6 +127,23 @@ fn sdk_sft_loop_and_losses() {
     assert!(stdout.contains("sft: loss") && stdout.contains("importance_sampling: loss:sum"), "{stdout}");
 }
 
+/// Sampling: ephemeral and named sampler weights, num_samples 2, log-probs equal to the
+/// trainer's, compute_logprobs, seeds, stop token ids.
+#[test]
+fn sdk_sampling() {
+    let Some(python) = sdk_python() else {
+        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    common::tiny_byte_model(&model, 64, 128, 5);
+    let port = free_port();
+    let _server = start_server(&model, &dir.path().join("data"), port);
+    let stdout = run_script(&python, "sampling.py", port, dir.path());
+    assert!(stdout.contains("log-probs equal the trainer's") && stdout.contains("named sampler weights"), "{stdout}");
+}
+
 /// save_state, create-from-state with and without optimizer, load_state; then `kill -9` of the
 /// server and a restart on the same data dir: the checkpoint is loadable and reproduces the
 /// saved log-probs.

@@ -18,7 +18,7 @@
 //! Gradients accumulate in the worker across forward_backward calls until optim_step.
 //!
 //! Files: [`routes`] (endpoints), [`types`] (JSON wire types, datum and output conversions),
-//! [`proto`] (protobuf messages), [`futures`], [`models`], [`store`], [`checkpoints`] (names and
+//! [`proto`] (protobuf messages), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
 //! paths), [`errors`].
 
 pub mod checkpoints;
@@ -27,6 +27,7 @@ pub mod futures;
 pub mod models;
 pub mod proto;
 pub mod routes;
+pub mod samplers;
 pub mod store;
 pub mod types;
 
@@ -61,6 +62,7 @@ pub struct ServerConfig {
 pub struct AppState {
     pub served: Vec<ServedModel>,
     pub models: Arc<Models>,
+    pub samplers: samplers::Samplers,
     pub futures: futures::Futures,
     pub store: Arc<Store>,
     pub api_keys: Option<HashSet<String>>,
@@ -90,6 +92,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
     Ok(Arc::new(AppState {
         served,
         models: Arc::new(Models::new(config.threads)),
+        samplers: samplers::Samplers::default(),
         futures: futures::Futures::new(store.clone(), config.long_poll),
         store,
         api_keys,

@@ -151,3 +151,26 @@ pub enum StopReason {
     Stop = 0,
     Length = 1,
 }
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SampleResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub sequences: Vec<SampledSequence>,
+    /// float32 little-endian, one per prompt token (NaN where there is none: index 0).
+    #[prost(bytes = "vec", optional, tag = "2")]
+    pub prompt_logprobs: Option<Vec<u8>>,
+    #[prost(int32, tag = "4")]
+    pub prompt_cache_hit_tokens: i32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SampledSequence {
+    #[prost(enumeration = "StopReason", tag = "1")]
+    pub stop_reason: i32,
+    /// int32 little-endian.
+    #[prost(bytes = "vec", tag = "2")]
+    pub tokens: Vec<u8>,
+    /// float32 little-endian.
+    #[prost(bytes = "vec", optional, tag = "3")]
+    pub logprobs: Option<Vec<u8>>,
+}

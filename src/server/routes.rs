@@ -41,6 +41,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/save_weights", post(save_weights))
         .route("/load_weights", post(load_weights))
         .route("/weights_info", post(weights_info))
+        .route("/save_weights_for_sampler", post(save_weights_for_sampler))
+        .route("/create_sampling_session", post(create_sampling_session))
+        .route("/samplers/{id}", get(get_sampler))
+        .route("/asample", post(asample))
         .route("/retrieve_future", post(retrieve_future));
     Router::new()
         .nest("/api/v1", api)
@@ -95,7 +99,7 @@ async fn capabilities(State(state): State<Arc<AppState>>) -> Json<Value> {
         .iter()
         .map(|m| {
             json!({"model_name": m.name, "max_context_length": m.max_context_length,
-                   "trainable": true, "sampleable": false})
+                   "trainable": true, "sampleable": true})
         })
         .collect();
     Json(json!({"supported_models": models}))
@@ -421,4 +425,166 @@ async fn weights_info(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     let row = find_checkpoint(&state, &headers, &c)?;
     let lora: Value = serde_json::from_str(&row.lora_config).unwrap_or(Value::Null);
     Ok(Json(json!({"base_model": row.base_model, "is_lora": true, "lora_rank": lora["rank"]})))
+}
+
+/// Where an ephemeral sampler's adapter is exported.
+fn ephemeral_dir(state: &AppState, sampler_id: &str) -> std::path::PathBuf {
+    state.data_dir.join("ephemeral").join(sampler_id.replace(':', "_"))
+}
+
+async fn save_weights_for_sampler(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    let req: types::SaveWeightsForSamplerRequest = types::parse_json(&body, "save_weights_for_sampler")?;
+    let model = state.models.get(&req.model_id)?;
+    check_session(&state, &headers, &model.session_id)?;
+    let (session_id, base, lora) = (model.session_id.clone(), model.base.clone(), model.lora.clone());
+    let model_id = model.id.clone();
+    queue(&state, &model, req.seq_id, "save_weights_for_sampler", move |st, dispatch, rid| {
+        // Named: a registered checkpoint. Ephemeral: a sampling session over the weights now.
+        let target = match (&req.path, req.sampling_session_seq_id) {
+            (Some(name), _) => CheckpointRef::new(&model_id, Kind::SamplerWeights, name).map(|c| (Some(c), None)),
+            (None, Some(n)) => Ok((None, Some(format!("{session_id}:sample:{n}")))),
+            (None, None) => Err(ApiError::user("save_weights_for_sampler: give `path` or `sampling_session_seq_id`")),
+        };
+        let (named, sampler_id) = match target {
+            Ok(t) => t,
+            Err(e) => return st.futures.complete_json(&rid, Err(e)),
+        };
+        let dir = match (&named, &sampler_id) {
+            (Some(c), _) => c.dir(&st.data_dir),
+            (None, Some(id)) => ephemeral_dir(&st, id),
+            (None, None) => unreachable!("one of the two is set above"),
+        };
+        let handle = dispatch.submit_export(&model_id, &dir, false);
+        tokio::spawn(async move {
+            let result = async {
+                handle.await?;
+                if let Some(c) = named {
+                    let row = CheckpointRow {
+                        path: dir.display().to_string(),
+                        created: now(),
+                        session_id,
+                        base_model: base.name.clone(),
+                        lora_config: serde_json::to_string(&lora).unwrap_or_default(),
+                    };
+                    st.store.add_checkpoint(&c, &row)?;
+                    return Ok(json!({"path": c.uri(), "type": "save_weights_for_sampler"}));
+                }
+                let id = sampler_id.unwrap_or_default();
+                let st2 = st.clone();
+                let sid = id.clone();
+                tokio::task::spawn_blocking(move || st2.samplers.create(&sid, &base, Some(&dir), None))
+                    .await
+                    .map_err(|e| ApiError::server(format!("starting the sampler failed: {e}")))??;
+                Ok(json!({"sampling_session_id": id, "type": "save_weights_for_sampler"}))
+            }
+            .await;
+            st.futures.complete_json(&rid, result);
+        });
+    })
+}
+
+/// The sampler for a `tinker://` path: the checkpoint's base with its adapter.
+async fn sampler_for_path(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    id: &str,
+    path: &str,
+) -> ApiResult<Arc<super::samplers::Sampler>> {
+    let c = CheckpointRef::parse(path)?;
+    let row = find_checkpoint(state, headers, &c)?;
+    let base = state.served.iter().find(|m| m.matches(&row.base_model)).cloned().ok_or_else(|| {
+        ApiError::user(format!("the checkpoint's base model `{}` is not served here", row.base_model))
+    })?;
+    let (st, id, uri) = (state.clone(), id.to_string(), c.uri());
+    let dir = std::path::PathBuf::from(row.path);
+    Ok(tokio::task::spawn_blocking(move || st.samplers.create(&id, &base, Some(&dir), Some(uri)))
+        .await
+        .map_err(|e| ApiError::server(format!("starting the sampler failed: {e}")))??)
+}
+
+async fn sampler_for_base(state: &Arc<AppState>, name: &str) -> ApiResult<Arc<super::samplers::Sampler>> {
+    let base = state.served.iter().find(|m| m.matches(name)).cloned().ok_or_else(|| {
+        let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
+        ApiError::user(format!("unknown base_model `{name}` (served: {})", names.join(", ")))
+    })?;
+    let st = state.clone();
+    let id = format!("base:{}", base.name);
+    Ok(tokio::task::spawn_blocking(move || st.samplers.create(&id, &base, None, None))
+        .await
+        .map_err(|e| ApiError::server(format!("starting the sampler failed: {e}")))??)
+}
+
+async fn create_sampling_session(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    let req: types::CreateSamplingSessionRequest = types::parse_json(&body, "create_sampling_session")?;
+    check_session(&state, &headers, &req.session_id)?;
+    let id = format!("{}:sample:{}", req.session_id, req.sampling_session_seq_id);
+    let sampler = match (&req.model_path, &req.base_model) {
+        (Some(path), _) => sampler_for_path(&state, &headers, &id, path).await?,
+        (None, Some(base)) => {
+            let shared = sampler_for_base(&state, base).await?;
+            let (st, sid, b) = (state.clone(), id.clone(), shared.base.clone());
+            tokio::task::spawn_blocking(move || st.samplers.create(&sid, &b, None, None))
+                .await
+                .map_err(|e| ApiError::server(format!("starting the sampler failed: {e}")))??
+        }
+        (None, None) => return Err(ApiError::user("create_sampling_session: give `model_path` or `base_model`")),
+    };
+    Ok(Json(json!({"sampling_session_id": sampler.id, "type": "create_sampling_session"})))
+}
+
+async fn get_sampler(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    let s = state.samplers.get(&id)?;
+    Ok(Json(json!({"sampler_id": s.id, "base_model": s.base.name, "model_path": s.model_path})))
+}
+
+/// Samples per request at most.
+const MAX_SAMPLES: usize = 256;
+
+async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::SampleRequest = types::parse_json(&body, "asample")?;
+    let sampler = match (&req.sampling_session_id, &req.model_path, &req.base_model) {
+        (Some(id), _, _) => state.samplers.get(id)?,
+        (None, Some(path), _) => sampler_for_path(&state, &headers, &format!("path:{path}"), path).await?,
+        (None, None, Some(base)) => sampler_for_base(&state, base).await?,
+        _ => return Err(ApiError::user("asample: give `sampling_session_id`, `model_path` or `base_model`")),
+    };
+    if req.num_samples == 0 || req.num_samples > MAX_SAMPLES {
+        return Err(ApiError::user(format!("num_samples must be in 1..={MAX_SAMPLES}, got {}", req.num_samples)));
+    }
+    if req.topk_prompt_logprobs.is_some_and(|k| k > 0) {
+        return Err(ApiError::user("topk_prompt_logprobs is not supported yet"));
+    }
+    let prompt = req.prompt.tokens("prompt")?;
+    if prompt.is_empty() {
+        return Err(ApiError::user("prompt: no tokens"));
+    }
+    let params = req.sampling_params.to_params()?;
+    let request = crate::rollout::Request {
+        num_samples: req.num_samples,
+        prompt_logprobs: req.prompt_logprobs.unwrap_or(false),
+        ..crate::rollout::Request::new(prompt, params)
+    };
+    let request_id = state.futures.create(None, "sample")?;
+    let handle = sampler.submit(request);
+    let (st, rid) = (state.clone(), request_id.clone());
+    tokio::spawn(async move {
+        let outcome = match handle.await {
+            Ok(out) => {
+                let (proto, json) = types::sample_to_proto_and_json(&out);
+                StoredOutcome::Proto { proto, json: json.to_string() }
+            }
+            Err(e) => to_outcome(Err(e.into())),
+        };
+        st.futures.complete(&rid, outcome);
+    });
+    let ids: Vec<String> = (0..req.num_samples).map(|j| format!("{request_id}:{j}")).collect();
+    Ok(Json(json!({"request_id": request_id, "sample_sequence_ids": ids})))
 }

@@ -141,6 +141,124 @@ pub struct WeightsInfoRequest {
 }
 
 #[derive(Deserialize)]
+pub struct SaveWeightsForSamplerRequest {
+    pub model_id: String,
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub sampling_session_seq_id: Option<i64>,
+    pub seq_id: i64,
+}
+
+#[derive(Deserialize)]
+pub struct CreateSamplingSessionRequest {
+    pub session_id: String,
+    pub sampling_session_seq_id: i64,
+    #[serde(default)]
+    pub model_path: Option<String>,
+    #[serde(default)]
+    pub base_model: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub struct SampleRequest {
+    #[serde(default = "one")]
+    pub num_samples: usize,
+    pub prompt: JsonModelInput,
+    #[serde(default)]
+    pub sampling_params: SamplingParamsWire,
+    #[serde(default)]
+    pub sampling_session_id: Option<String>,
+    #[serde(default)]
+    pub base_model: Option<String>,
+    #[serde(default)]
+    pub model_path: Option<String>,
+    #[serde(default)]
+    pub prompt_logprobs: Option<bool>,
+    #[serde(default)]
+    pub topk_prompt_logprobs: Option<i64>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// Tinker's `stop`: a string, strings, or token ids.
+#[derive(Deserialize, Clone, Debug)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Ids(Vec<i64>),
+    Strings(Vec<String>),
+}
+
+#[derive(Deserialize, Default, Clone, Debug)]
+pub struct SamplingParamsWire {
+    pub max_tokens: Option<i64>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub temperature: Option<f64>,
+    pub top_k: Option<i64>,
+    pub top_p: Option<f64>,
+}
+
+/// Tokens when `max_tokens` is absent.
+pub const DEFAULT_MAX_TOKENS: usize = 64;
+
+impl SamplingParamsWire {
+    /// The engine's parameters: `top_k` −1 (Tinker's "all") is 0; `stop` absent = stop at EOS,
+    /// given (even `[]`) = exactly those stops.
+    pub fn to_params(&self) -> ApiResult<crate::rollout::SamplingParams> {
+        let max_tokens = match self.max_tokens {
+            None => DEFAULT_MAX_TOKENS,
+            Some(n) if n >= 1 => n as usize,
+            Some(n) => return Err(ApiError::user(format!("sampling_params.max_tokens must be ≥ 1, got {n}"))),
+        };
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => k as usize,
+            Some(k) => return Err(ApiError::user(format!("sampling_params.top_k must be -1 or ≥ 1, got {k}"))),
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(temperature >= 0.0 && temperature.is_finite()) {
+            return Err(ApiError::user(format!("sampling_params.temperature must be ≥ 0, got {temperature}")));
+        }
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::user(format!("sampling_params.top_p must be in (0, 1], got {top_p}")));
+        }
+        let mut params = crate::rollout::SamplingParams {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed: self.seed,
+            ..Default::default()
+        };
+        match &self.stop {
+            None => {}
+            Some(stop) => {
+                params.ignore_eos = true;
+                match stop {
+                    Stop::One(s) => params.stop_strings = vec![s.clone()],
+                    Stop::Strings(v) => params.stop_strings = v.clone(),
+                    Stop::Ids(v) => {
+                        params.stop_token_ids = v
+                            .iter()
+                            .map(|&x| {
+                                u32::try_from(x)
+                                    .map_err(|_| ApiError::user(format!("stop token id {x} is out of range")))
+                            })
+                            .collect::<ApiResult<_>>()?
+                    }
+                }
+            }
+        }
+        Ok(params)
+    }
+}
+
+#[derive(Deserialize)]
 pub struct RetrieveFutureRequest {
     pub request_id: String,
 }
@@ -374,8 +492,32 @@ struct JsonDatum {
 }
 
 #[derive(Deserialize)]
-struct JsonModelInput {
+pub struct JsonModelInput {
     chunks: Vec<Value>,
+}
+
+impl JsonModelInput {
+    /// The token ids of the encoded_text chunks (other chunk types are a user error).
+    pub fn tokens(&self, what: &str) -> ApiResult<Vec<u32>> {
+        let mut tokens = vec![];
+        for c in &self.chunks {
+            let ty = c.get("type").and_then(Value::as_str).unwrap_or("encoded_text");
+            if ty != "encoded_text" {
+                return Err(ApiError::user(format!("{what}: only encoded_text chunks are supported, not `{ty}`")));
+            }
+            let ids = c
+                .get("tokens")
+                .and_then(Value::as_array)
+                .ok_or_else(|| ApiError::user(format!("{what}: an encoded_text chunk needs `tokens`")))?;
+            for v in ids {
+                let v = v.as_i64().ok_or_else(|| ApiError::user(format!("{what}: token {v} is not an integer")))?;
+                tokens.push(
+                    u32::try_from(v).map_err(|_| ApiError::user(format!("{what}: token id {v} is out of range")))?,
+                );
+            }
+        }
+        Ok(tokens)
+    }
 }
 
 #[derive(Deserialize)]
@@ -387,21 +529,7 @@ struct JsonTensor {
 
 impl JsonDatum {
     fn to_datum(&self, i: usize) -> ApiResult<Datum> {
-        let mut tokens = vec![];
-        for c in &self.model_input.chunks {
-            let ty = c.get("type").and_then(Value::as_str).unwrap_or("encoded_text");
-            if ty != "encoded_text" {
-                return Err(ApiError::user(format!("datum {i}: only encoded_text chunks are supported, not `{ty}`")));
-            }
-            let ids = c
-                .get("tokens")
-                .and_then(Value::as_array)
-                .ok_or_else(|| ApiError::user(format!("datum {i}: an encoded_text chunk needs `tokens`")))?;
-            for v in ids {
-                let v = v.as_i64().ok_or_else(|| ApiError::user(format!("datum {i}: token {v} is not an integer")))?;
-                tokens.push(token_id(i, "model_input", v)?);
-            }
-        }
+        let tokens = self.model_input.tokens(&format!("datum {i}: model_input"))?;
         let mut fields = BTreeMap::new();
         for (name, t) in &self.loss_fn_inputs {
             let values = match t.dtype.as_deref() {
@@ -460,4 +588,43 @@ pub fn output_to_json(out: &ForwardBackwardOutput) -> Value {
         .map(|o| json!({"logprobs": tensor(&o.logprobs), "elementwise_loss": tensor(&o.elementwise_loss)}))
         .collect();
     json!({"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": metrics(out)})
+}
+
+/// A sampling result as protobuf `SampleResponse` and as JSON.
+pub fn sample_to_proto_and_json(out: &crate::rollout::RequestOutput) -> (Vec<u8>, Value) {
+    use crate::rollout::StopReason;
+    use prost::Message;
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let sequences = out
+        .samples
+        .iter()
+        .map(|g| proto::SampledSequence {
+            stop_reason: match g.stop_reason {
+                StopReason::Length => proto::StopReason::Length as i32,
+                _ => proto::StopReason::Stop as i32,
+            },
+            tokens: g.tokens.iter().flat_map(|&t| (t as i32).to_le_bytes()).collect(),
+            logprobs: Some(f32s(&g.logprobs)),
+        })
+        .collect();
+    // Tinker's prompt log-probs: one per prompt token, none (NaN) for the first.
+    let prompt = out.prompt_logprobs.as_ref().map(|lp| {
+        let mut v = vec![f32::NAN];
+        v.extend_from_slice(lp);
+        v
+    });
+    let msg =
+        proto::SampleResponse { sequences, prompt_logprobs: prompt.as_deref().map(f32s), prompt_cache_hit_tokens: 0 };
+    let json_sequences: Vec<Value> = out
+        .samples
+        .iter()
+        .map(|g| {
+            let reason = if g.stop_reason == StopReason::Length { "length" } else { "stop" };
+            json!({"tokens": g.tokens, "logprobs": g.logprobs, "stop_reason": reason})
+        })
+        .collect();
+    let prompt_json: Option<Vec<Option<f32>>> =
+        prompt.map(|v| v.into_iter().map(|x| if x.is_nan() { None } else { Some(x) }).collect());
+    let json = json!({"type": "sample", "sequences": json_sequences, "prompt_logprobs": prompt_json});
+    (msg.encode_to_vec(), json)
 }

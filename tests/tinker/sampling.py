@@ -1,0 +1,98 @@
+"""Sampling through the official SDK (run by tests/server_sdk.rs).
+
+- save_weights_and_get_sampling_client (ephemeral): sample with num_samples 2 returns 2 sequences
+  of max_tokens tokens with stop reason "length" (stop=[] never stops), and each sampled token's
+  log-prob equals the training client's forward log-prob of that token (same weights, T = 1);
+- compute_logprobs: None first, then the forward log-probs of the prompt;
+- a seeded request is reproducible;
+- named sampler weights: save_weights_for_sampler(name) -> tinker://.../sampler_weights/name, and a
+  sampling client from that path computes the same log-probs;
+- stop token ids: generation ends at the first stop token, which is included.
+"""
+
+import os
+import sys
+
+import numpy as np
+import tinker
+from tinker import types
+
+MODEL = os.environ["OXRL_MODEL"]
+
+
+def forward_logprobs(client, tokens: list[int]) -> np.ndarray:
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    out = client.forward([d], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].to_numpy(), dtype=np.float64)
+
+
+def main() -> None:
+    service = tinker.ServiceClient()
+    trainer = service.create_lora_training_client(base_model=MODEL, rank=4).result()
+    text = list(b"one two three four")
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(text[:-1]),
+        loss_fn_inputs={"target_tokens": text[1:], "weights": [1.0] * (len(text) - 1)},
+    )
+    for _ in range(2):  # move the adapter away from zero, so the LoRA path matters
+        trainer.forward_backward([d], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt = list(b"one two")
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=123)
+    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result()
+    assert len(res.sequences) == 2, res
+    for seq in res.sequences:
+        assert len(seq.tokens) == 6 and seq.stop_reason == "length", seq
+        assert seq.logprobs is not None and len(seq.logprobs) == 6
+        want = forward_logprobs(trainer, prompt + list(seq.tokens))[len(prompt) - 1 :]
+        assert np.allclose(seq.logprobs, want, atol=1e-4), (seq.logprobs, want)
+    print(f"sample: 2 x 6 tokens, log-probs equal the trainer's: {[list(s.tokens) for s in res.sequences]}")
+
+    again = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result()
+    assert [list(s.tokens) for s in again.sequences] == [list(s.tokens) for s in res.sequences]
+    print("seeded sampling is reproducible")
+
+    scored = list(b"one two three")
+    lps = sampler.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+    assert lps[0] is None and len(lps) == len(scored), lps
+    want = forward_logprobs(trainer, scored)
+    assert np.allclose(np.asarray(lps[1:], dtype=np.float64), want, atol=1e-4), (lps, want)
+    print("compute_logprobs: None, then the trainer's log-probs")
+
+    named = trainer.save_weights_for_sampler("s1").result()
+    assert named.path == f"tinker://{trainer.model_id}/sampler_weights/s1", named.path
+    from_path = service.create_sampling_client(model_path=named.path)
+    lps2 = from_path.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+    assert np.allclose(np.asarray(lps2[1:], dtype=np.float64), want, atol=1e-4)
+    print(f"named sampler weights: {named.path}, same log-probs")
+
+    # Stop at a token id: the first one generated ends the sample and is included.
+    # (Seeded sampling: the same draws up to the stop.)
+    free_params = types.SamplingParams(max_tokens=8, temperature=1.0, stop=[], seed=7)
+    free = sampler.sample(types.ModelInput.from_ints(prompt), 1, free_params).result().sequences[0]
+    toks = list(free.tokens)
+    # A token first generated at a position > 0, so that the stop truncates a real prefix.
+    first = next((i for i in range(1, len(toks)) if toks[i] not in toks[:i]), 0)
+    stop_id = toks[first]
+    stopped = sampler.sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=8, temperature=1.0, stop=[stop_id], seed=7)
+    ).result().sequences[0]
+    assert list(stopped.tokens) == list(free.tokens[: first + 1]) and stopped.stop_reason == "stop", (stopped, free)
+    assert first > 0, toks
+    print(f"stop token {stop_id}: {list(stopped.tokens)} (free run {toks})")
+    print("ok")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(1)
