@@ -144,6 +144,25 @@ fn sdk_sampling() {
     assert!(stdout.contains("log-probs equal the trainer's") && stdout.contains("named sampler weights"), "{stdout}");
 }
 
+/// RestClient listings and checkpoint deletion; ppo, cispo and dro loss:sum recomputed client-side;
+/// four SDK clients training concurrently.
+#[test]
+fn sdk_listings_rl_losses_and_concurrent_clients() {
+    let Some(python) = sdk_python() else {
+        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    common::tiny_byte_model(&model, 64, 128, 9);
+    let port = free_port();
+    let _server = start_server(&model, &dir.path().join("data"), port);
+    let stdout = run_script(&python, "rest_and_losses.py", port, dir.path());
+    for want in ["listings:", "ppo: loss:sum", "cispo: loss:sum", "dro: loss:sum", "four concurrent clients"] {
+        assert!(stdout.contains(want), "{want}: {stdout}");
+    }
+}
+
 /// save_state, create-from-state with and without optimizer, load_state; then `kill -9` of the
 /// server and a restart on the same data dir: the checkpoint is loadable and reproduces the
 /// saved log-probs.

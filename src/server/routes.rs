@@ -45,6 +45,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/create_sampling_session", post(create_sampling_session))
         .route("/samplers/{id}", get(get_sampler))
         .route("/asample", post(asample))
+        .route("/training_runs", get(training_runs))
+        .route("/training_runs/{run}", get(training_run))
+        .route("/training_runs/{run}/checkpoints", get(run_checkpoints))
+        .route("/training_runs/{run}/checkpoints/{segment}/{name}", axum::routing::delete(delete_checkpoint))
+        .route("/checkpoints", get(all_checkpoints))
         .route("/retrieve_future", post(retrieve_future));
     Router::new()
         .nest("/api/v1", api)
@@ -587,4 +592,138 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
     });
     let ids: Vec<String> = (0..req.num_samples).map(|j| format!("{request_id}:{j}")).collect();
     Ok(Json(json!({"request_id": request_id, "sample_sequence_ids": ids})))
+}
+
+/// `limit` and `offset` from the query string (defaults 20 and 0).
+fn page(uri: &axum::http::Uri) -> ApiResult<(usize, usize)> {
+    let (mut limit, mut offset) = (20usize, 0usize);
+    for pair in uri.query().unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let parse =
+            |v: &str| v.parse::<usize>().map_err(|_| ApiError::user(format!("query `{k}`: `{v}` is not a count")));
+        match k {
+            "limit" => limit = parse(v)?,
+            "offset" => offset = parse(v)?,
+            _ => {}
+        }
+    }
+    Ok((limit, offset))
+}
+
+fn cursor(offset: usize, limit: usize, total: usize) -> Value {
+    json!({"offset": offset, "limit": limit, "total_count": total})
+}
+
+fn checkpoint_json(c: &CheckpointRef, row: &CheckpointRow) -> Value {
+    let size: u64 = std::fs::read_dir(&row.path)
+        .map(|d| d.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
+        .unwrap_or(0);
+    json!({
+        "checkpoint_id": format!("{}/{}", c.kind.as_str(), c.name),
+        "checkpoint_type": if c.kind == Kind::Weights { "training" } else { "sampler" },
+        "time": row.created,
+        "tinker_path": c.uri(),
+        "size_bytes": size,
+    })
+}
+
+/// The caller's training runs as the SDK's `TrainingRun`s.
+fn visible_runs(state: &AppState, headers: &HeaderMap) -> ApiResult<Vec<Value>> {
+    let checkpoints = state.store.checkpoints(None)?;
+    let mut runs = vec![];
+    for (id, session_id, base_model, lora, created) in state.store.models()? {
+        if check_session(state, headers, &session_id).is_err() {
+            continue;
+        }
+        let lora: Value = serde_json::from_str(&lora).unwrap_or(Value::Null);
+        let last = |kind: Kind| {
+            checkpoints
+                .iter()
+                .filter(|(c, _)| c.run_id == id && c.kind == kind)
+                .last()
+                .map(|(c, r)| checkpoint_json(c, r))
+        };
+        runs.push(json!({
+            "training_run_id": id,
+            "base_model": base_model,
+            "model_owner": session_id,
+            "is_lora": true,
+            "lora_rank": lora["rank"],
+            "last_request_time": created,
+            "last_checkpoint": last(Kind::Weights),
+            "last_sampler_checkpoint": last(Kind::SamplerWeights),
+        }));
+    }
+    Ok(runs)
+}
+
+async fn training_runs(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> ApiResult<Json<Value>> {
+    let (limit, offset) = page(&uri)?;
+    let runs = visible_runs(&state, &headers)?;
+    let total = runs.len();
+    let page: Vec<Value> = runs.into_iter().skip(offset).take(limit).collect();
+    Ok(Json(json!({"training_runs": page, "cursor": cursor(offset, limit, total)})))
+}
+
+async fn training_run(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(run): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let runs = visible_runs(&state, &headers)?;
+    let found = runs.into_iter().find(|r| r["training_run_id"] == run.as_str());
+    Ok(Json(found.ok_or_else(|| ApiError::not_found(format!("no training run `{run}`")))?))
+}
+
+/// The caller's checkpoints (of one run if given).
+fn visible_checkpoints(state: &AppState, headers: &HeaderMap, run: Option<&str>) -> ApiResult<Vec<Value>> {
+    let mut out = vec![];
+    for (c, row) in state.store.checkpoints(run)? {
+        if check_session(state, headers, &row.session_id).is_ok() {
+            out.push(checkpoint_json(&c, &row));
+        }
+    }
+    Ok(out)
+}
+
+async fn run_checkpoints(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(run): Path<String>,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(json!({"checkpoints": visible_checkpoints(&state, &headers, Some(&run))?})))
+}
+
+async fn all_checkpoints(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> ApiResult<Json<Value>> {
+    let (limit, offset) = page(&uri)?;
+    let all = visible_checkpoints(&state, &headers, None)?;
+    let total = all.len();
+    let page: Vec<Value> = all.into_iter().skip(offset).take(limit).collect();
+    Ok(Json(json!({"checkpoints": page, "cursor": cursor(offset, limit, total)})))
+}
+
+async fn delete_checkpoint(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((run, segment, name)): Path<(String, String, String)>,
+) -> ApiResult<Json<Value>> {
+    let c = CheckpointRef::new(&run, Kind::parse(&segment)?, &name)?;
+    let row = find_checkpoint(&state, &headers, &c)?;
+    state.store.delete_checkpoint(&c)?;
+    // The registry entry goes first: a crash in between leaves an orphan directory, never a
+    // listed checkpoint without files.
+    let dir = c.dir(&state.data_dir);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| ApiError::server(format!("removing {}: {e}", dir.display())))?;
+    }
+    let _ = row;
+    Ok(Json(json!({})))
 }

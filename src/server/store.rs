@@ -235,4 +235,48 @@ impl Store {
             )
             .optional()?)
     }
+
+    /// Every training model: (id, session_id, base_model, lora_config JSON, created), oldest first.
+    pub fn models(&self) -> ApiResult<Vec<(String, String, String, String, f64)>> {
+        let conn = self.conn();
+        let mut stmt =
+            conn.prepare("SELECT id, session_id, base_model, lora_config, created FROM models ORDER BY created, id")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
+    /// Every checkpoint (of run `run_id` if given), oldest first.
+    pub fn checkpoints(&self, run_id: Option<&str>) -> ApiResult<Vec<(CheckpointRef, CheckpointRow)>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT run_id, kind, name, path, created, session_id, base_model, lora_config FROM checkpoints
+             WHERE ?1 IS NULL OR run_id = ?1 ORDER BY created, run_id, kind, name",
+        )?;
+        let rows = stmt.query_map(params![run_id], |r| {
+            Ok((
+                (r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?),
+                CheckpointRow {
+                    path: r.get(3)?,
+                    created: r.get(4)?,
+                    session_id: r.get(5)?,
+                    base_model: r.get(6)?,
+                    lora_config: r.get(7)?,
+                },
+            ))
+        })?;
+        let mut out = vec![];
+        for row in rows {
+            let ((run, kind, name), row) = row?;
+            out.push((CheckpointRef { run_id: run, kind: super::checkpoints::Kind::parse(&kind)?, name }, row));
+        }
+        Ok(out)
+    }
+
+    pub fn delete_checkpoint(&self, c: &CheckpointRef) -> ApiResult<bool> {
+        let n = self.conn().execute(
+            "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+            params![c.run_id, c.kind.as_str(), c.name],
+        )?;
+        Ok(n == 1)
+    }
 }
