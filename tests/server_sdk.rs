@@ -163,6 +163,26 @@ fn sdk_listings_rl_losses_and_concurrent_clients() {
     }
 }
 
+/// A cookbook-style RL loop (sample → reward → importance_sampling → optim_step, new sampler
+/// weights every iteration): the reward rises on a toy task.
+#[test]
+fn sdk_rl_loop_reward_rises() {
+    let Some(python) = sdk_python() else {
+        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    common::tiny_byte_model(&model, 64, 128, 13);
+    let port = free_port();
+    let _server = start_server(&model, &dir.path().join("data"), port);
+    let stdout = run_script(&python, "rl_loop.py", port, dir.path());
+    assert!(stdout.contains("reward "), "{stdout}");
+    // 40 iterations, 40 ephemeral samplers: only the newest MAX_EPHEMERAL (32) are kept.
+    let kept = std::fs::read_dir(dir.path().join("data/ephemeral")).unwrap().count();
+    assert_eq!(kept, oxrl::server::samplers::MAX_EPHEMERAL);
+}
+
 /// save_state, create-from-state with and without optimizer, load_state; then `kill -9` of the
 /// server and a restart on the same data dir: the checkpoint is loadable and reproduces the
 /// saved log-probs.

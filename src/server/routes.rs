@@ -481,7 +481,7 @@ async fn save_weights_for_sampler(
                 let id = sampler_id.unwrap_or_default();
                 let st2 = st.clone();
                 let sid = id.clone();
-                tokio::task::spawn_blocking(move || st2.samplers.create(&sid, &base, Some(&dir), None))
+                tokio::task::spawn_blocking(move || st2.samplers.create_ephemeral(&sid, &base, &dir))
                     .await
                     .map_err(|e| ApiError::server(format!("starting the sampler failed: {e}")))??;
                 Ok(json!({"sampling_session_id": id, "type": "save_weights_for_sampler"}))

@@ -6,8 +6,8 @@
 //! engine. The target is one engine batch with a per-request adapter — a rollout-layer
 //! change; this module is where it plugs in (`Samplers::submit`).
 
-use std::collections::HashMap;
-use std::path::Path;
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::errors::{ApiError, ApiResult};
@@ -32,7 +32,14 @@ pub struct Samplers {
     /// Engines of the bare bases, by served name.
     base_engines: Mutex<HashMap<String, Arc<Engine>>>,
     samplers: Mutex<HashMap<String, Arc<Sampler>>>,
+    /// Ephemeral samplers (from `save_weights_and_get_sampling_client`), oldest first, with the
+    /// directory of their adapter.
+    ephemeral: Mutex<VecDeque<(String, PathBuf)>>,
 }
+
+/// Ephemeral samplers kept at most (an RL loop makes one per iteration); the oldest is dropped
+/// (its engine stopped, its adapter files removed) and later requests to it are unknown ids.
+pub const MAX_EPHEMERAL: usize = 32;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -94,6 +101,26 @@ impl Samplers {
         };
         let sampler = Arc::new(Sampler { id: id.to_string(), base: base.clone(), model_path, engine });
         lock(&self.samplers).insert(id.to_string(), sampler.clone());
+        Ok(sampler)
+    }
+}
+
+impl Samplers {
+    /// [`Samplers::create`] for an ephemeral sampler over the adapter in `dir` (blocking), then
+    /// drops the oldest ephemeral samplers beyond [`MAX_EPHEMERAL`].
+    pub fn create_ephemeral(&self, id: &str, base: &ServedModel, dir: &Path) -> crate::Result<Arc<Sampler>> {
+        let sampler = self.create(id, base, Some(dir), None)?;
+        let evicted: Vec<(String, PathBuf)> = {
+            let mut q = lock(&self.ephemeral);
+            q.push_back((id.to_string(), dir.to_path_buf()));
+            let n = q.len().saturating_sub(MAX_EPHEMERAL);
+            q.drain(..n).collect()
+        };
+        for (old, old_dir) in evicted {
+            let dropped = lock(&self.samplers).remove(&old);
+            drop(dropped); // stops its engine once no request holds it
+            let _ = std::fs::remove_dir_all(old_dir);
+        }
         Ok(sampler)
     }
 }
