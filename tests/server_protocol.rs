@@ -17,15 +17,21 @@ struct Reply {
 }
 
 fn request(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) -> Reply {
+    request_typed(port, method, path, key, "application/json", body.as_bytes())
+}
+
+fn request_typed(port: u16, method: &str, path: &str, key: Option<&str>, content_type: &str, body: &[u8]) -> Reply {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let key = key.map(|k| format!("X-API-Key: {k}\r\n")).unwrap_or_default();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{key}Content-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: {content_type}\r\n{key}Content-Length: {}\r\n\r\n",
         body.len()
     )
     .unwrap();
+    // The server may answer (413) before reading a large body: a failed write is fine.
+    let _ = s.write_all(body);
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
     let status = raw[9..12].parse().unwrap();
@@ -107,7 +113,14 @@ fn protocol_ordering_errors_and_keys() {
     let caps = request(port, "GET", "/api/v1/get_server_capabilities", Some("k1"), "");
     assert_eq!(caps.body["supported_models"][0]["model_name"], "tiny");
 
-    // Malformed bodies are 400 user errors naming the problem.
+    // Malformed bodies are 400 user errors naming the problem; a body over the limit is a 413.
+    let r =
+        request_typed(port, "POST", "/api/v1/forward_backward", Some("k1"), "application/x-protobuf", b"\xff\xff\xff");
+    assert_eq!((r.status, r.body["category"].as_str()), (400, Some("user")), "{}", r.body);
+    assert!(r.body["error"].as_str().unwrap().contains("malformed protobuf"), "{}", r.body);
+    let big = vec![b' '; 2 << 20];
+    let r = request_typed(port, "POST", "/api/v1/create_session", Some("k1"), "application/json", &big);
+    assert_eq!(r.status, 413);
     let r = request(port, "POST", "/api/v1/create_session", Some("k1"), "{not json");
     assert_eq!((r.status, r.body["category"].as_str()), (400, Some("user")), "{}", r.body);
     let r = post(port, "create_model", json!({"session_id": "x"}));
@@ -211,4 +224,26 @@ fn protocol_ordering_errors_and_keys() {
     assert!(failed["error"].as_str().unwrap().contains("invalid checkpoint name"), "{failed}");
     let r = post(port, "get_info", json!({"model_id": "nope"}));
     assert_eq!(r.status, 404);
+}
+
+/// A future pending when the server died reports an error after the restart instead of hanging.
+#[test]
+fn pending_futures_fail_after_a_restart() {
+    use oxrl::server::store::{Store, StoredOutcome, RESTART_ERROR};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("server.sqlite");
+    {
+        let store = Store::open(&path).unwrap();
+        store.add_future("done", None, "optim_step").unwrap();
+        store.finish_future("done", &StoredOutcome::Json(r#"{"metrics":{}}"#.into())).unwrap();
+        store.add_future("pending", Some("m"), "forward_backward").unwrap();
+        assert!(store.future("pending").unwrap().is_none());
+    } // the process "dies" here: nothing else is written
+    let store = Store::open(&path).unwrap();
+    match store.future("pending").unwrap() {
+        Some(StoredOutcome::Error { message, .. }) => assert_eq!(message, RESTART_ERROR),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(store.future("done").unwrap(), Some(StoredOutcome::Json(j)) if j.contains("metrics")));
+    assert!(store.future("unknown").is_err());
 }
