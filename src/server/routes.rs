@@ -18,7 +18,7 @@ use super::errors::{ApiError, ApiResult};
 use super::futures::{new_id, to_outcome, PROTOBUF};
 use super::models::Job;
 use super::models::TrainingModel;
-use super::store::{now, CheckpointRow, StoredOutcome};
+use super::store::{now, CheckpointRow, ModelRow, StoredOutcome};
 use super::types::{self, FwdBwd};
 use super::AppState;
 use crate::algo::Loss;
@@ -631,17 +631,13 @@ fn checkpoint_json(c: &CheckpointRef, row: &CheckpointRow) -> Value {
 fn visible_runs(state: &AppState, headers: &HeaderMap) -> ApiResult<Vec<Value>> {
     let checkpoints = state.store.checkpoints(None)?;
     let mut runs = vec![];
-    for (id, session_id, base_model, lora, created) in state.store.models()? {
+    for ModelRow { id, session_id, base_model, lora_config: lora, created } in state.store.models()? {
         if check_session(state, headers, &session_id).is_err() {
             continue;
         }
         let lora: Value = serde_json::from_str(&lora).unwrap_or(Value::Null);
         let last = |kind: Kind| {
-            checkpoints
-                .iter()
-                .filter(|(c, _)| c.run_id == id && c.kind == kind)
-                .last()
-                .map(|(c, r)| checkpoint_json(c, r))
+            checkpoints.iter().rev().find(|(c, _)| c.run_id == id && c.kind == kind).map(|(c, r)| checkpoint_json(c, r))
         };
         runs.push(json!({
             "training_run_id": id,

@@ -25,10 +25,13 @@ pub struct Sampler {
     engine: Arc<Engine>,
 }
 
+/// A loaded base model, its tokenizer (for stop strings) and EOS ids.
+type Base = (Transformer, Option<Arc<Tokenizer>>, Vec<u32>);
+
 #[derive(Default)]
 pub struct Samplers {
     /// Loaded base models by served name (their tensors are shared by every engine).
-    bases: Mutex<HashMap<String, (Transformer, Option<Arc<Tokenizer>>, Vec<u32>)>>,
+    bases: Mutex<HashMap<String, Base>>,
     /// Engines of the bare bases, by served name.
     base_engines: Mutex<HashMap<String, Arc<Engine>>>,
     samplers: Mutex<HashMap<String, Arc<Sampler>>>,
@@ -50,7 +53,7 @@ impl Samplers {
         lock(&self.samplers).get(id).cloned().ok_or_else(|| ApiError::not_found(format!("no sampling session `{id}`")))
     }
 
-    fn base(&self, base: &ServedModel) -> crate::Result<(Transformer, Option<Arc<Tokenizer>>, Vec<u32>)> {
+    fn base(&self, base: &ServedModel) -> crate::Result<Base> {
         if let Some(b) = lock(&self.bases).get(&base.name) {
             return Ok(b.clone());
         }

@@ -39,6 +39,17 @@ pub struct CheckpointRow {
     pub lora_config: String,
 }
 
+/// A training model's registry entry.
+#[derive(Clone, Debug)]
+pub struct ModelRow {
+    pub id: String,
+    pub session_id: String,
+    pub base_model: String,
+    /// The LoRA config as JSON (`LoraConfigWire`).
+    pub lora_config: String,
+    pub created: f64,
+}
+
 /// The layout of the tables below (`PRAGMA user_version`).
 const SCHEMA_VERSION: i64 = 1;
 
@@ -236,12 +247,20 @@ impl Store {
             .optional()?)
     }
 
-    /// Every training model: (id, session_id, base_model, lora_config JSON, created), oldest first.
-    pub fn models(&self) -> ApiResult<Vec<(String, String, String, String, f64)>> {
+    /// Every training model, oldest first.
+    pub fn models(&self) -> ApiResult<Vec<ModelRow>> {
         let conn = self.conn();
         let mut stmt =
             conn.prepare("SELECT id, session_id, base_model, lora_config, created FROM models ORDER BY created, id")?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?;
+        let rows = stmt.query_map([], |r| {
+            Ok(ModelRow {
+                id: r.get(0)?,
+                session_id: r.get(1)?,
+                base_model: r.get(2)?,
+                lora_config: r.get(3)?,
+                created: r.get(4)?,
+            })
+        })?;
         Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 
