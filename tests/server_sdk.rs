@@ -18,8 +18,14 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The venv's python with the SDK installed, or None when there is no Python at all.
+/// The venv's python with the SDK installed, or None when there is no Python at all. Made once
+/// per test process (the tests run in parallel).
 fn sdk_python() -> Option<PathBuf> {
+    static PYTHON: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(make_sdk_python).clone()
+}
+
+fn make_sdk_python() -> Option<PathBuf> {
     let venv = repo().join(".venv-tinker");
     let python = venv.join("bin/python");
     let has_sdk = |p: &Path| {
