@@ -66,7 +66,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0.4)]
     sft_target: f64,
     /// GRPO steps.
-    #[arg(long, default_value_t = 400)]
+    #[arg(long, default_value_t = 500)]
     rl_steps: usize,
     /// GRPO learning rate.
     #[arg(long, default_value_t = 1e-3)]
