@@ -1,8 +1,9 @@
 //! The official `tinker` SDK (pinned 0.38.0) against `oxrl serve` on loopback with a tiny model.
 //!
-//! The SDK lives in a virtual environment at `.venv-tinker/` (git-ignored), created here on first
-//! use (`python3 -m venv` + `pip install tinker==0.38.0`; `.ci/run` does the same beforehand).
-//! The test is skipped, with a message, only when no Python 3 is installed.
+//! The SDK lives in a virtual environment at `.venv-tinker/` (git-ignored) that `.ci/run`
+//! installs (`python3 -m venv` + `pip install tinker==0.38.0`): tests download nothing, so
+//! without it they fail with the command to run. They are skipped, with a message, only when no
+//! Python 3 is installed.
 
 mod common;
 
@@ -18,14 +19,14 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The venv's python with the SDK installed, or None when there is no Python at all. Made once
+/// The venv's python with the SDK installed, or None when there is no Python at all. Found once
 /// per test process (the tests run in parallel).
 fn sdk_python() -> Option<PathBuf> {
     static PYTHON: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
-    PYTHON.get_or_init(make_sdk_python).clone()
+    PYTHON.get_or_init(find_sdk_python).clone()
 }
 
-fn make_sdk_python() -> Option<PathBuf> {
+fn find_sdk_python() -> Option<PathBuf> {
     let venv = repo().join(".venv-tinker");
     let python = venv.join("bin/python");
     let has_sdk = |p: &Path| {
@@ -37,15 +38,12 @@ fn make_sdk_python() -> Option<PathBuf> {
     if python.exists() && has_sdk(&python) {
         return Some(python);
     }
-    let system = ["python3", "python"].into_iter().find(|p| Command::new(p).arg("--version").output().is_ok())?;
-    if !python.exists() {
-        let made = Command::new(system).args(["-m", "venv"]).arg(&venv).status().expect("python3 -m venv");
-        assert!(made.success(), "python3 -m venv {} failed", venv.display());
-    }
-    let pip = Command::new(&python).args(["-m", "pip", "install", "-q", TINKER]).status().expect("pip");
-    assert!(pip.success(), "pip install {TINKER} into {} failed (is the network reachable?)", venv.display());
-    assert!(has_sdk(&python), "{TINKER} is not importable from {}", python.display());
-    Some(python)
+    ["python3", "python"].into_iter().find(|p| Command::new(p).arg("--version").output().is_ok())?;
+    panic!(
+        "{TINKER} is not installed in {}: run `.ci/run` once, or `python3 -m venv .venv-tinker && \
+         .venv-tinker/bin/python -m pip install {TINKER}`",
+        venv.display()
+    );
 }
 
 fn free_port() -> u16 {
