@@ -224,6 +224,11 @@ fn protocol_ordering_errors_and_keys() {
     assert!(failed["error"].as_str().unwrap().contains("invalid checkpoint name"), "{failed}");
     let r = post(port, "get_info", json!({"model_id": "nope"}));
     assert_eq!(r.status, 404);
+
+    // Finishing the session frees its models: they are unknown afterwards.
+    let r = post(port, &format!("sessions/{session_id}/finish"), json!({"reason": {"type": "user"}, "detail": ""}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(post(port, "get_info", json!({"model_id": model_id})).status, 404);
 }
 
 /// A future pending when the server died reports an error after the restart instead of hanging.
