@@ -67,6 +67,7 @@ fn serve(dir: &std::path::Path, long_poll: Duration) -> u16 {
         threads: 1,
         body_limit: 1 << 20,
         long_poll,
+        session_timeout: Duration::from_millis(1500),
     };
     let state = state(&config).unwrap();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -75,6 +76,7 @@ fn serve(dir: &std::path::Path, long_poll: Duration) -> u16 {
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         rt.block_on(async move {
+            oxrl::server::spawn_session_reaper(state.clone());
             let listener = tokio::net::TcpListener::from_std(listener).unwrap();
             axum::serve(listener, routes::router(state)).await.unwrap();
         });
@@ -224,6 +226,29 @@ fn protocol_ordering_errors_and_keys() {
     assert!(failed["error"].as_str().unwrap().contains("invalid checkpoint name"), "{failed}");
     let r = post(port, "get_info", json!({"model_id": "nope"}));
     assert_eq!(r.status, 404);
+
+    // A session whose heartbeats stop is finished after the timeout (1.5 s here), its models freed.
+    let quiet = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let r = post(
+        port,
+        "create_model",
+        json!({"session_id": quiet, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
+    );
+    result(port, r.body["request_id"].as_str().unwrap());
+    let quiet_model = format!("{quiet}:train:0");
+    assert_eq!(post(port, "get_info", json!({"model_id": quiet_model})).status, 200);
+    for _ in 0..5 {
+        // The other session keeps sending heartbeats: it stays.
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(post(port, "session_heartbeat", json!({"session_id": session_id})).status, 200);
+    }
+    assert_eq!(post(port, "get_info", json!({"model_id": quiet_model})).status, 404);
+    assert_eq!(post(port, "get_info", json!({"model_id": model_id})).status, 200);
+
+    // Finishing the session frees its models: they are unknown afterwards.
+    let r = post(port, &format!("sessions/{session_id}/finish"), json!({"reason": {"type": "user"}, "detail": ""}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(post(port, "get_info", json!({"model_id": model_id})).status, 404);
 }
 
 /// A future pending when the server died reports an error after the restart instead of hanging.

@@ -20,6 +20,9 @@ pub struct Args {
     /// A file of API keys, one per line; without it, no authentication.
     #[arg(long)]
     pub api_keys: Option<PathBuf>,
+    /// A session without a heartbeat for this many seconds is finished and its models freed.
+    #[arg(long, default_value_t = 600)]
+    pub session_timeout_s: u64,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 256)]
     pub max_body_mib: usize,
@@ -35,5 +38,6 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
         threads: threads.unwrap_or(1),
         body_limit: args.max_body_mib << 20,
         long_poll: Duration::from_secs(30),
+        session_timeout: Duration::from_secs(args.session_timeout_s),
     })
 }

@@ -56,6 +56,9 @@ pub struct ServerConfig {
     pub body_limit: usize,
     /// How long `retrieve_future` waits before answering `try_again`.
     pub long_poll: Duration,
+    /// A session without a heartbeat for this long is finished: its models and samplers are
+    /// freed (the SDK sends one every 10 s). Checked every `session_timeout / 4`.
+    pub session_timeout: Duration,
 }
 
 /// What every handler shares.
@@ -68,6 +71,7 @@ pub struct AppState {
     pub api_keys: Option<HashSet<String>>,
     pub body_limit: usize,
     pub data_dir: PathBuf,
+    pub session_timeout: Duration,
 }
 
 fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
@@ -98,6 +102,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
         api_keys,
         body_limit: config.body_limit,
         data_dir: config.data_dir.clone(),
+        session_timeout: config.session_timeout,
     }))
 }
 
@@ -112,7 +117,33 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         let local = listener.local_addr()?;
         let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
         eprintln!("oxrl serve: listening on http://{local} (models: {})", names.join(", "));
+        spawn_session_reaper(state.clone());
         axum::serve(listener, routes::router(state)).await?;
         Ok(())
     })
+}
+
+/// Finishes sessions whose heartbeats stopped (see [`ServerConfig::session_timeout`]), freeing
+/// their models and samplers. Runs on the current tokio runtime until the process ends.
+pub fn spawn_session_reaper(state: Arc<AppState>) {
+    tokio::spawn(async move {
+        let period = (state.session_timeout / 4).max(Duration::from_millis(10));
+        loop {
+            tokio::time::sleep(period).await;
+            let st = state.clone();
+            let reaped = tokio::task::spawn_blocking(move || -> Result<usize, errors::ApiError> {
+                let stale = st.store.stale_sessions(st.session_timeout.as_secs_f64())?;
+                for id in &stale {
+                    st.store.finish_session(id)?;
+                    st.models.drop_session(id);
+                    st.samplers.drop_session(id);
+                }
+                Ok(stale.len())
+            })
+            .await;
+            if let Ok(Err(e)) = reaped {
+                eprintln!("oxrl serve: session reaper: {}", e.message);
+            }
+        }
+    });
 }

@@ -175,6 +175,22 @@ impl Models {
         })
     }
 
+    /// Drops every model of session `session_id` (they answer 404 afterwards).
+    pub fn drop_session(&self, session_id: &str) {
+        let dropped: Vec<String> = {
+            let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+            let ids: Vec<String> =
+                models.values().filter(|m| m.session_id == session_id).map(|m| m.id.clone()).collect();
+            for id in &ids {
+                models.remove(id);
+            }
+            ids
+        };
+        for id in dropped {
+            let _ = self.dispatch.drop_model(&id);
+        }
+    }
+
     fn open(&self, model: &TrainingModel) {
         let mut q = model.queue.lock().unwrap_or_else(|e| e.into_inner());
         q.open = true;

@@ -137,6 +137,16 @@ async fn finish_session(
 ) -> ApiResult<Json<Value>> {
     check_session(&state, &headers, &id)?;
     state.store.finish_session(&id)?;
+    // Free the session's training models and samplers (their checkpoints stay). Dropping a model
+    // waits for its queued calls: off the async threads.
+    let st = state.clone();
+    let sid = id.clone();
+    tokio::task::spawn_blocking(move || {
+        st.models.drop_session(&sid);
+        st.samplers.drop_session(&sid);
+    })
+    .await
+    .map_err(|e| ApiError::server(format!("finishing the session failed: {e}")))?;
     Ok(Json(json!({})))
 }
 

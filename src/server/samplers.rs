@@ -128,6 +128,20 @@ impl Samplers {
     }
 }
 
+impl Samplers {
+    /// Drops the sampling sessions of session `session_id` (`{session_id}:sample:{n}`).
+    pub fn drop_session(&self, session_id: &str) {
+        let prefix = format!("{session_id}:sample:");
+        let dropped: Vec<Arc<Sampler>> = {
+            let mut samplers = lock(&self.samplers);
+            let ids: Vec<String> = samplers.keys().filter(|k| k.starts_with(&prefix)).cloned().collect();
+            ids.iter().filter_map(|id| samplers.remove(id)).collect()
+        };
+        lock(&self.ephemeral).retain(|(id, _)| !id.starts_with(&prefix));
+        drop(dropped);
+    }
+}
+
 impl Sampler {
     pub fn submit(&self, req: Request) -> Handle<RequestOutput> {
         self.engine.submit(req)

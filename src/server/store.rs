@@ -298,4 +298,12 @@ impl Store {
         )?;
         Ok(n == 1)
     }
+
+    /// Unfinished sessions whose last heartbeat is older than `timeout_s` seconds.
+    pub fn stale_sessions(&self, timeout_s: f64) -> ApiResult<Vec<String>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT id FROM sessions WHERE finished = 0 AND last_heartbeat < ?1")?;
+        let rows = stmt.query_map(params![now() - timeout_s], |r| r.get(0))?;
+        Ok(rows.collect::<Result<Vec<String>, _>>()?)
+    }
 }
