@@ -11,7 +11,6 @@ Writes $OXRL_OUT/checkpoint.json for tests/tinker/restart.py.
 
 import json
 import os
-import sys
 
 import numpy as np
 import tinker
@@ -85,10 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        sys.exit(1)
+    main()  # an exception prints its traceback and exits with status 1

@@ -8,7 +8,6 @@ official SDK (run by tests/server_sdk.rs).
 """
 
 import os
-import sys
 import threading
 
 import numpy as np
@@ -136,10 +135,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        sys.exit(1)
+    main()  # an exception prints its traceback and exits with status 1

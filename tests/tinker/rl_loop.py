@@ -6,7 +6,6 @@ rise.
 """
 
 import os
-import sys
 
 import numpy as np
 import tinker
@@ -64,10 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        sys.exit(1)
+    main()  # an exception prints its traceback and exits with status 1
