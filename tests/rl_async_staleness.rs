@@ -101,7 +101,8 @@ fn random_schedules_keep_the_invariants() {
         let mut s = Staleness::new(max_staleness, max_concurrent, mbs).unwrap();
         let mut stream = PromptStream::new(7, case, true, StreamState::default()).unwrap();
         // (id, start step) of running groups, and of finished ones the trainer holds (finish order).
-        let (mut running, mut finished): (Vec<(u64, u64)>, Vec<(u64, u64)>) = (vec![], vec![]);
+        let mut running: Vec<(u64, u64)> = vec![];
+        let mut finished: Vec<(u64, u64)> = vec![];
         let (mut trained_steps, mut events, mut max_seen) = (0, 0, 0);
         // Cancelled ids not handed out again yet.
         let mut released = std::collections::BTreeSet::new();

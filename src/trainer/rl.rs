@@ -78,9 +78,8 @@ pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts:
     };
 
     let interrupted = loop {
-        match run.should_stop() {
-            (true, interrupted) => break interrupted,
-            (false, _) => {}
+        if let (true, interrupted) = run.should_stop() {
+            break interrupted;
         }
         // Generate: n episodes per prompt; groups without signal dropped or replaced.
         let t0 = Instant::now();

@@ -421,7 +421,8 @@ impl<'a> RlRun<'a> {
         line.insert("episodes_trained".into(), json!(trained.episodes));
         line.insert("time_reference_s".into(), json!(trained.time_reference));
         line.insert("time_train_s".into(), json!(trained.time_train));
-        let eval_now = !self.eval.is_empty() && ((t.eval_every > 0 && step % t.eval_every == 0) || step == t.max_steps);
+        let eval_now =
+            !self.eval.is_empty() && ((t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == t.max_steps);
         if eval_now {
             let (p1, pn) = evaluate(self.cfg, self.engines, &self.tok, &self.eval, t.seed ^ 0xE7A1)?;
             line.insert("eval_pass_at_1".into(), json!(p1));
@@ -439,7 +440,7 @@ impl<'a> RlRun<'a> {
         if eval_now {
             super::plot::plot_rl_run(&self.cfg.output.run_dir, &super::plot::PlotConfig::default())?;
         }
-        if t.checkpoint_every > 0 && step % t.checkpoint_every == 0 && step < t.max_steps {
+        if t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every) && step < t.max_steps {
             save_checkpoint(self.dispatch, self.cfg, &state(self))?;
         }
         Ok(())

@@ -68,9 +68,12 @@ pub struct RunOptions {
     pub finish_when: Option<FinishWhen>,
 }
 
+/// `(steps done, dispatch) → finish now?`
+pub type FinishCheck = dyn Fn(usize, &Dispatch) -> Result<bool> + Send + Sync;
+
 /// A check after each step: `(steps done, dispatch) → finish now?`.
 #[derive(Clone)]
-pub struct FinishWhen(pub Arc<dyn Fn(usize, &Dispatch) -> Result<bool> + Send + Sync>);
+pub struct FinishWhen(pub Arc<FinishCheck>);
 
 impl std::fmt::Debug for FinishWhen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -228,7 +231,7 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
     let mut step = 0;
     if let (true, Some((_, dir))) = (opts.resume, &existing) {
         let state = load_checkpoint(dispatch, dir)?;
-        loader.set_position(state.loader).map_err(|e| Error::file(&dir.join(TRAINER_STATE), e))?;
+        loader.set_position(state.loader).map_err(|e| Error::file(dir.join(TRAINER_STATE), e))?;
         step = state.step;
         eprintln!("resumed from {} (step {step})", dir.display());
     }
