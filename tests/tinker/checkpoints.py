@@ -16,18 +16,12 @@ import numpy as np
 import tinker
 from tinker import types
 
+from common import text_datum
+
 MODEL = os.environ["OXRL_MODEL"]
 
 
-def datum(text: bytes) -> types.Datum:
-    tokens = list(text)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-
-
-BATCH = [datum(b"the cat sat on the mat"), datum(b"a dog ran in the park!")]
+BATCH = [text_datum(b"the cat sat on the mat"), text_datum(b"a dog ran in the park!")]
 ADAM = types.AdamParams(learning_rate=5e-3)
 
 

@@ -14,24 +14,14 @@ import numpy as np
 import tinker
 from tinker import types
 
+from common import close, rl_datum, text_datum
+
 MODEL = os.environ["OXRL_MODEL"]
-
-
-def sft_datum(text: bytes) -> types.Datum:
-    t = list(text)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(t[:-1]),
-        loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)},
-    )
-
-
-def close(a: float, b: float, tol: float = 1e-4) -> bool:
-    return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
 
 
 def check_rl_losses(client) -> None:
     texts = [b"seven eight nine", b"red green blue!!"]
-    base = [sft_datum(t) for t in texts]
+    base = [text_datum(t) for t in texts]
     fwd = client.forward(base, "cross_entropy").result()
     rng = np.random.default_rng(1)
     data, inputs = [], []
@@ -40,16 +30,7 @@ def check_rl_losses(client) -> None:
         q = (lp + 0.3 * rng.standard_normal(lp.shape)).astype(np.float32)  # ratios around 1, some clipped
         adv = rng.standard_normal(lp.shape).astype(np.float32)
         inputs.append((q.astype(np.float64), adv.astype(np.float64)))
-        data.append(
-            types.Datum(
-                model_input=d.model_input,
-                loss_fn_inputs={
-                    "target_tokens": d.loss_fn_inputs["target_tokens"],
-                    "logprobs": types.TensorData.from_numpy(q),
-                    "advantages": types.TensorData.from_numpy(adv),
-                },
-            )
-        )
+        data.append(rl_datum(d, q, adv))
     lo, hi, beta = 0.8, 1.2, 0.5
     cases = {
         "ppo": ({"clip_low_threshold": lo, "clip_high_threshold": hi},
@@ -73,7 +54,7 @@ def check_rl_losses(client) -> None:
 def train_alone(service, index: int, results: dict) -> None:
     try:
         client = service.create_lora_training_client(base_model=MODEL, rank=2 + index).result()
-        batch = [sft_datum(f"client {index} says hi {index}".encode())]
+        batch = [text_datum(f"client {index} says hi {index}".encode())]
         losses = []
         for _ in range(4):
             out = client.forward_backward(batch, "cross_entropy").result()
@@ -88,7 +69,7 @@ def main() -> None:
     service = tinker.ServiceClient()
     rest = service.create_rest_client()
     client = service.create_lora_training_client(base_model=MODEL, rank=4).result()
-    client.forward_backward([sft_datum(b"listing test")], "cross_entropy").result()
+    client.forward_backward([text_datum(b"listing test")], "cross_entropy").result()
     client.optim_step(types.AdamParams()).result()
     a = client.save_state("a").result().path
     client.save_state("b").result()

@@ -12,27 +12,14 @@ Prints one line per check; exits non-zero on the first failure.
 
 import math
 import os
-import sys
 
 import numpy as np
 import tinker
 from tinker import types
 
+from common import close, rl_datum, text_datum
+
 MODEL = os.environ["OXRL_MODEL"]
-
-
-def datum(text: bytes, prompt_len: int) -> types.Datum:
-    tokens = list(text)
-    inputs, targets = tokens[:-1], tokens[1:]
-    weights = [0.0] * prompt_len + [1.0] * (len(targets) - prompt_len)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(inputs),
-        loss_fn_inputs={"target_tokens": targets, "weights": weights},
-    )
-
-
-def close(a: float, b: float, tol: float = 1e-4) -> bool:
-    return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
 
 
 def main() -> None:
@@ -47,7 +34,7 @@ def main() -> None:
     assert info.model_data.model_name == MODEL, info
     print(f"get_info: {info.model_id} lora_rank={info.lora_rank}")
 
-    batch = [datum(b"Q: 2+2? A: four.", 10), datum(b"Q: 3+3? A: six!!", 10)]
+    batch = [text_datum(b"Q: 2+2? A: four.", 10), text_datum(b"Q: 3+3? A: six!!", 10)]
     weights = [np.asarray(d.loss_fn_inputs["weights"].to_numpy(), dtype=np.float64) for d in batch]
     losses = []
     for step in range(10):
@@ -83,16 +70,7 @@ def main() -> None:
         n = len(d.loss_fn_inputs["target_tokens"].to_numpy())
         q = (-3.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
         adv = rng.standard_normal(n).astype(np.float32)
-        rl.append(
-            types.Datum(
-                model_input=d.model_input,
-                loss_fn_inputs={
-                    "target_tokens": d.loss_fn_inputs["target_tokens"],
-                    "logprobs": types.TensorData.from_numpy(q),
-                    "advantages": types.TensorData.from_numpy(adv),
-                },
-            )
-        )
+        rl.append(rl_datum(d, q, adv))
     fb = client.forward_backward(rl, "importance_sampling").result()
     recomputed = 0.0
     for out, d in zip(fb.loss_fn_outputs, rl):
@@ -118,11 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # print and fail
-        import traceback
-
-        traceback.print_exc()
-        sys.exit(1)
-    sys.exit(0)
+    main()  # an exception prints its traceback and exits with status 1
