@@ -25,7 +25,7 @@
 //! training step is not), two optimizer steps per batch, lr 1e-3 after a 5-step warmup (Adam's
 //! first steps are sign-like and a larger lr collapses the policy onto wrong answers), grad
 //! norm clipped at 1, an entropy bonus of 0.01 (without it some seeds collapse onto wrong
-//! answers: seed 2 stalled at 58 % with entropy 0.02, and reached 83 % with it), replies of at
+//! answers: seed 2 stalled at 58 %, entropy 0.04 by step 200; with it, 87 % after 500 steps), replies of at
 //! most 4 tokens, no in-run evaluation, all cores training.
 
 use std::path::{Path, PathBuf};
