@@ -17,6 +17,17 @@ pub struct LoraPair {
     pub scale: f64,
 }
 
+impl LoraPair {
+    /// s·(x·Aᵀ)·Bᵀ for x [..., in]: [..., out].
+    pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
+        let mut dims = x.dims().to_vec();
+        let in_dim = *dims.last().expect("linear input has at least one dimension");
+        let d = (x.reshape(((), in_dim))?.matmul(&self.a.t()?)?.matmul(&self.b.t()?)? * self.scale)?;
+        *dims.last_mut().unwrap() = self.b.dim(0)?;
+        Ok(d.reshape(dims)?)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// [out, in]
@@ -40,8 +51,7 @@ impl Linear {
             y = y.broadcast_add(b)?;
         }
         if let Some(l) = &self.lora {
-            let delta = x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
-            y = (y + (delta * l.scale)?)?;
+            y = (y + l.delta(&x2)?)?;
         }
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = self.weight.dim(0)?;

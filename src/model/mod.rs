@@ -6,6 +6,7 @@ pub mod linear;
 pub mod logprobs;
 pub mod named_tensors;
 pub mod rope;
+pub mod row_adapters;
 pub mod sampler_weights;
 pub mod token_ids;
 pub mod transformer;

@@ -22,6 +22,7 @@ use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::named_tensors::NamedTensors;
 use super::rope::{self, Rope};
+use super::row_adapters::RowAdapters;
 use super::weights;
 use crate::files::write_json;
 use crate::{Error, Result};
@@ -124,14 +125,17 @@ impl Attention {
         cos_sin: &(Tensor, Tensor),
         bias: &Tensor,
         cache: Option<(&mut KvCache, usize)>,
+        adapters: Option<(&RowAdapters, usize)>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
+        let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
+        let proj = |lin: &Linear, k: usize, x: &Tensor| RowAdapters::forward(ad, lin, x, first + k);
         let (h, kvh, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let rep = h / kvh;
         let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, d))?.transpose(1, 2)?) };
-        let mut q = heads(self.q_proj.forward(x)?, h)?;
-        let mut k = heads(self.k_proj.forward(x)?, kvh)?;
-        let v = heads(self.v_proj.forward(x)?, kvh)?.contiguous()?;
+        let mut q = heads(proj(&self.q_proj, 0, x)?, h)?;
+        let mut k = heads(proj(&self.k_proj, 1, x)?, kvh)?;
+        let v = heads(proj(&self.v_proj, 2, x)?, kvh)?.contiguous()?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = rms_norm(&q, qn, cfg.rms_norm_eps)?;
             k = rms_norm(&k, kn, cfg.rms_norm_eps)?;
@@ -152,14 +156,16 @@ impl Attention {
             .broadcast_add(&bias.to_dtype(norm_dtype(x.dtype()))?)?;
         let probs = softmax_last_dim(&scores)?.to_dtype(x.dtype())?.reshape((b, kvh, rep * t, s))?;
         let out = probs.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
-        self.o_proj.forward(&out)
+        proj(&self.o_proj, 3, &out)
     }
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(x)?.silu()?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    fn forward(&self, x: &Tensor, adapters: Option<(&RowAdapters, usize)>) -> Result<Tensor> {
+        let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
+        let proj = |lin: &Linear, k: usize, x: &Tensor| RowAdapters::forward(ad, lin, x, first + k);
+        let gate = proj(&self.gate_proj, 4, x)?.silu()?;
+        proj(&self.down_proj, 6, &(gate * proj(&self.up_proj, 5, x)?)?)
     }
 }
 
@@ -319,7 +325,19 @@ impl Transformer {
         input_ids: &[Vec<u32>],
         positions: &[Vec<u32>],
         mask: &[Vec<u8>],
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        self.forward_hidden_adapted(input_ids, positions, mask, cache, None)
+    }
+
+    /// [`Transformer::forward_hidden`] with per-row LoRA adapters (see [`RowAdapters`]).
+    pub fn forward_hidden_adapted(
+        &self,
+        input_ids: &[Vec<u32>],
+        positions: &[Vec<u32>],
+        mask: &[Vec<u8>],
         mut cache: Option<&mut KvCache>,
+        adapters: Option<&RowAdapters>,
     ) -> Result<Tensor> {
         let b = input_ids.len();
         if b == 0 {
@@ -365,17 +383,25 @@ impl Transformer {
         let eps = self.config.rms_norm_eps;
         for (i, layer) in self.layers.iter().enumerate() {
             let x = rms_norm(&h, &layer.input_layernorm, eps)?;
-            let a = layer.self_attn.forward(&x, &self.config, &cos_sin, &bias, cache.as_deref_mut().map(|c| (c, i)))?;
+            let first = i * Block::LINEARS;
+            let cache = cache.as_deref_mut().map(|c| (c, i));
+            let a = layer.self_attn.forward(&x, &self.config, &cos_sin, &bias, cache, adapters.map(|a| (a, first)))?;
             h = (h + a)?;
             let x = rms_norm(&h, &layer.post_attention_layernorm, eps)?;
-            h = (h + layer.mlp.forward(&x)?)?;
+            h = (h + layer.mlp.forward(&x, adapters.map(|a| (a, first)))?)?;
         }
         rms_norm(&h, &self.norm, eps)
     }
 
     /// Logits in f32 for hidden states [..., hidden].
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+        self.logits_adapted(hidden, None)
+    }
+
+    /// [`Transformer::logits`] with per-row LoRA adapters.
+    pub fn logits_adapted(&self, hidden: &Tensor, adapters: Option<&RowAdapters>) -> Result<Tensor> {
+        let index = self.layers.len() * Block::LINEARS;
+        Ok(RowAdapters::forward(adapters, &self.lm_head, hidden, index)?.to_dtype(DType::F32)?)
     }
 
     /// Full-vocabulary logits [B, T, V] in f32.
@@ -409,8 +435,12 @@ impl Transformer {
 }
 
 impl Block {
+    /// Projections per block: q, k, v, o, gate, up, down, in this order (projection index
+    /// `layer · LINEARS + k`; lm_head comes after the last block's).
+    pub const LINEARS: usize = 7;
+
     /// The projections of one block by their name inside it.
-    pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
+    pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); Block::LINEARS] {
         let (a, m) = (&mut self.self_attn, &mut self.mlp);
         [
             ("self_attn.q_proj", &mut a.q_proj),

@@ -358,6 +358,7 @@ pub fn continuation(original: &Request, sample: usize, so_far: &Generation) -> R
         num_samples: 1,
         prompt_logprobs: false,
         group: original.group,
+        adapter: original.adapter.clone(),
         rng_skip: original.rng_skip + so_far.tokens.len(),
     }
 }

@@ -18,6 +18,7 @@ use super::engine_core::{EngineConfig, EngineCore, EngineStats, PauseMode, Reque
 use super::request::{Request, RequestOutput, StopReason};
 use crate::actor::{Actor, ActorState};
 use crate::handle::{self, Handle};
+use crate::model::row_adapters::Adapter;
 use crate::model::{SamplerWeights, Transformer};
 use crate::{Error, Result};
 
@@ -221,6 +222,22 @@ impl Engine {
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
         let weights = weights.clone();
         self.actor.call(move |s| s.update_weights(&weights))
+    }
+
+    /// Registers LoRA adapter `name` for later requests (`Request::adapter`); replaces one of
+    /// that name.
+    pub fn add_adapter(&self, name: &str, adapter: Arc<Adapter>) -> Handle<()> {
+        let name = name.to_string();
+        self.actor.call(move |s| {
+            s.core.add_adapter(&name, adapter);
+            Ok(())
+        })
+    }
+
+    /// Unregisters adapter `name` (requests already submitted keep it); yields whether it existed.
+    pub fn remove_adapter(&self, name: &str) -> Handle<bool> {
+        let name = name.to_string();
+        self.actor.call(move |s| Ok(s.core.remove_adapter(&name)))
     }
 
     /// Reads something off the engine's current model (tests, diagnostics), between steps.

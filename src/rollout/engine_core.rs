@@ -37,6 +37,11 @@
 //! not recomputed: they stay those of the weights that admitted the request (the version of its
 //! first token), in both modes.
 //!
+//! LoRA adapters ([`EngineCore::add_adapter`]) are registered by name over the engine's model;
+//! a request names one (or none) and its rows carry it, so the rows of many adapters decode in
+//! one batched forward ([`RowAdapters`]). A row samples exactly as it would with its adapter
+//! attached to the model alone; removing an adapter affects only later requests.
+//!
 //! Simplifications: no paged attention and no prefix cache across steps (the dense padded cache
 //! is what the model's forward takes); FIFO admission (a large request at the head waits for
 //! room rather than being overtaken).
@@ -50,6 +55,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use super::request::{Generation, Request, RequestOutput, StopReason};
 use super::sampler::sample;
 use crate::model::logprobs::target_logprobs;
+use crate::model::row_adapters::{Adapter, RowAdapters};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weight_update::WeightUpdate;
 use crate::model::{KvCache, Transformer};
@@ -111,6 +117,7 @@ struct Row {
     next_pos: u32,
     rng: StdRng,
     gen: Generation,
+    adapter: Option<Arc<Adapter>>,
 }
 
 /// An admitted request: its samples as they finish.
@@ -130,7 +137,9 @@ pub struct EngineCore {
     paused: bool,
     cache: KvCache,
     rows: Vec<Row>,
-    waiting: VecDeque<(RequestId, Request)>,
+    /// Queued requests with their adapter, resolved at `add_request`.
+    waiting: VecDeque<(RequestId, Request, Option<Arc<Adapter>>)>,
+    adapters: HashMap<String, Arc<Adapter>>,
     active: HashMap<RequestId, Active>,
     /// Outputs ready for the next `step` to return (aborts, max_tokens = 0).
     ready: Vec<(RequestId, RequestOutput)>,
@@ -156,6 +165,7 @@ impl EngineCore {
             cache,
             rows: vec![],
             waiting: VecDeque::new(),
+            adapters: HashMap::new(),
             active: HashMap::new(),
             ready: vec![],
             next_id: 0,
@@ -176,15 +186,31 @@ impl EngineCore {
         2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.size_in_bytes()
     }
 
+    /// Registers LoRA adapter `name` (replacing one of that name) for later requests.
+    pub fn add_adapter(&mut self, name: &str, adapter: Arc<Adapter>) {
+        self.adapters.insert(name.to_string(), adapter);
+    }
+
+    /// Unregisters adapter `name`: requests already queued or running keep it. Whether it existed.
+    pub fn remove_adapter(&mut self, name: &str) -> bool {
+        self.adapters.remove(name).is_some()
+    }
+
     /// Checks the request and queues it; it is admitted by a later `step`.
     pub fn add_request(&mut self, mut req: Request) -> Result<RequestId> {
         self.validate(&req)?;
+        let adapter = match &req.adapter {
+            None => None,
+            Some(name) => Some(self.adapters.get(name).cloned().ok_or_else(|| {
+                Error::input(format!("unknown LoRA adapter `{name}` (not registered on this engine)"))
+            })?),
+        };
         // Fix the seed now so that every sample's stream is known (and a continuation can
         // resume it).
         req.params.seed.get_or_insert_with(rand::random);
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back((id, req));
+        self.waiting.push_back((id, req, adapter));
         Ok(id)
     }
 
@@ -326,11 +352,11 @@ impl EngineCore {
     /// tokens so far prefilled as at admission (all but the pending token, which the next decode
     /// step feeds), identical prefixes once.
     fn recompute_cache(&self) -> Result<KvCache> {
-        let mut prefilled: HashMap<Vec<u32>, KvCache> = HashMap::new();
+        let mut prefilled: HashMap<(Option<String>, Vec<u32>), KvCache> = HashMap::new();
         let mut cache = self.model.new_cache();
         for row in &self.rows {
-            let prompt = &self.active[&row.id].req.prompt;
-            let seq: Vec<u32> = prompt.iter().chain(&row.gen.tokens).copied().collect();
+            let req = &self.active[&row.id].req;
+            let seq: Vec<u32> = req.prompt.iter().chain(&row.gen.tokens).copied().collect();
             if seq.last() != Some(&row.next_token) || row.next_pos as usize + 1 != seq.len() {
                 return Err(Error::Other(format!(
                     "row {} of request {} is inconsistent: {} tokens, pending token at position {}",
@@ -340,19 +366,20 @@ impl EngineCore {
                     row.next_pos
                 )));
             }
-            if !prefilled.contains_key(&seq) {
-                let (one, _) = self.prefill(&seq, false)?;
-                prefilled.insert(seq.clone(), one);
+            let key = (req.adapter.clone(), seq);
+            if !prefilled.contains_key(&key) {
+                let (one, _) = self.prefill(&key.1, false, row.adapter.as_ref())?;
+                prefilled.insert(key.clone(), one);
             }
-            cache.append_rows(&prefilled[&seq])?;
+            cache.append_rows(&prefilled[&key])?;
         }
         Ok(cache)
     }
 
     /// Ends one request now (waiting or running) with what it has; None if unknown.
     pub fn abort(&mut self, id: RequestId) -> Result<Option<RequestOutput>> {
-        if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
-            let (_, req) = self.waiting.remove(i).expect("index is in range");
+        if let Some(i) = self.waiting.iter().position(|(w, ..)| *w == id) {
+            let (_, req, _) = self.waiting.remove(i).expect("index is in range");
             let g = Generation { stop_reason: StopReason::Abort, ..Generation::empty() };
             return Ok(Some(RequestOutput { samples: vec![g; req.num_samples], prompt_logprobs: None }));
         }
@@ -409,21 +436,22 @@ impl EngineCore {
     }
 
     fn admit(&mut self) -> Result<()> {
-        // Prefills of this round by prompt: identical prompts share one.
-        let mut prefilled: HashMap<Vec<u32>, (KvCache, Option<Vec<f32>>)> = HashMap::new();
+        // Prefills of this round by adapter and prompt: identical ones share one.
+        type Prefilled = HashMap<(Option<String>, Vec<u32>), (KvCache, Option<Vec<f32>>)>;
+        let mut prefilled = Prefilled::new();
         let mut longest = self.rows.iter().map(|r| self.active[&r.id].final_len()).max().unwrap_or(0);
-        while let Some((_, req)) = self.waiting.front() {
+        while let Some((_, req, _)) = self.waiting.front() {
             let n = req.num_samples;
             let len = req.prompt.len() + req.params.max_tokens;
             let rows = self.rows.len() + n;
             if rows > self.config.max_batch || rows * longest.max(len) > self.budget {
                 break;
             }
-            let (id, req) = self.waiting.pop_front().expect("front exists");
+            let (id, req, adapter) = self.waiting.pop_front().expect("front exists");
             longest = longest.max(len);
-            let key = req.prompt.clone();
+            let key = (req.adapter.clone(), req.prompt.clone());
             if !prefilled.contains_key(&key) || (req.prompt_logprobs && prefilled[&key].1.is_none()) {
-                let p = self.prefill(&req.prompt, req.prompt_logprobs)?;
+                let p = self.prefill(&req.prompt, req.prompt_logprobs, adapter.as_ref())?;
                 prefilled.insert(key.clone(), p);
             }
             let (one, plp) = &prefilled[&key];
@@ -462,6 +490,7 @@ impl EngineCore {
                     next_pos: last as u32,
                     rng,
                     gen: Generation::empty(),
+                    adapter: adapter.clone(),
                 });
             }
             self.active.insert(id, active);
@@ -471,7 +500,12 @@ impl EngineCore {
 
     /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs. Also
     /// rebuilds a running row's cache after a weight update (prompt = prompt + tokens so far).
-    fn prefill(&self, prompt: &[u32], logprobs: bool) -> Result<(KvCache, Option<Vec<f32>>)> {
+    fn prefill(
+        &self,
+        prompt: &[u32],
+        logprobs: bool,
+        adapter: Option<&Arc<Adapter>>,
+    ) -> Result<(KvCache, Option<Vec<f32>>)> {
         let n = prompt.len() - 1;
         if n == 0 {
             return Ok((KvCache::with_empty_rows(self.model.config.num_hidden_layers, 1), logprobs.then(Vec::new)));
@@ -480,10 +514,11 @@ impl EngineCore {
         let ids = [prompt[..n].to_vec()];
         let pos = [(0..n as u32).collect::<Vec<_>>()];
         let mask = [vec![1u8; n]];
+        let adapters = RowAdapters::new(&[adapter], &self.model.device)?;
         // Without prompt log-probs the lm_head (the largest matmul here) is skipped.
-        let hidden = self.model.forward_hidden(&ids, &pos, &mask, Some(&mut cache))?;
+        let hidden = self.model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut cache), adapters.as_ref())?;
         let lp = if logprobs {
-            let logits = self.model.logits(&hidden)?;
+            let logits = self.model.logits_adapted(&hidden, adapters.as_ref())?;
             let targets = Tensor::new(&prompt[1..], &self.model.device)?.unsqueeze(0)?;
             Some(target_logprobs(&logits, &targets)?.squeeze(0)?.to_device(&Device::Cpu)?.to_vec1()?)
         } else {
@@ -496,7 +531,10 @@ impl EngineCore {
         let ids: Vec<Vec<u32>> = self.rows.iter().map(|r| vec![r.next_token]).collect();
         let pos: Vec<Vec<u32>> = self.rows.iter().map(|r| vec![r.next_pos]).collect();
         let mask = vec![vec![1u8]; self.rows.len()];
-        let logits = self.model.forward(&ids, &pos, &mask, Some(&mut self.cache))?;
+        let adapters: Vec<Option<&Arc<Adapter>>> = self.rows.iter().map(|r| r.adapter.as_ref()).collect();
+        let adapters = RowAdapters::new(&adapters, &self.model.device)?;
+        let hidden = self.model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut self.cache), adapters.as_ref())?;
+        let logits = self.model.logits_adapted(&hidden, adapters.as_ref())?;
         let logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_device(&Device::Cpu)?.to_vec2()?;
         let mut finished = vec![];
         for (i, (row, z)) in self.rows.iter_mut().zip(&logits).enumerate() {

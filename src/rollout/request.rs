@@ -60,11 +60,14 @@ pub struct Request {
     /// Random draws to skip before sampling: a continuation after an abort passes the number of
     /// tokens it already has, so a seeded sample continues its own stream.
     pub rng_skip: usize,
+    /// The LoRA adapter (registered on the engine by this name) the request samples with; None =
+    /// the engine's model as it is.
+    pub adapter: Option<String>,
 }
 
 impl Request {
     pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
-        Request { prompt, params, num_samples: 1, prompt_logprobs: false, group: None, rng_skip: 0 }
+        Request { prompt, params, num_samples: 1, prompt_logprobs: false, group: None, rng_skip: 0, adapter: None }
     }
 }
 

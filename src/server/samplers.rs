@@ -1,10 +1,10 @@
 //! Sampling sessions: a sampler is the served base model with, optionally, a LoRA adapter from a
-//! checkpoint directory (PEFT layout), on a continuous-batching [`Engine`].
+//! checkpoint directory (PEFT layout).
 //!
-//! Today each sampler with an adapter runs its own engine (the base weights are shared in
-//! memory; the KV caches and the engine threads are not); samplers of the bare base share one
-//! engine. The target is one engine batch with a per-request adapter — a rollout-layer
-//! change; this module is where it plugs in (`Samplers::submit`).
+//! Every sampler of a base runs on that base's one continuous-batching [`Engine`]: a sampler's
+//! adapter is registered on the engine under the sampler id and its requests name it, so the
+//! requests of many LoRA clients decode together in one batch (per-row adapters, see
+//! [`crate::model::row_adapters`]), each exactly as it would alone.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex};
 use super::errors::{ApiError, ApiResult};
 use super::models::ServedModel;
 use crate::handle::Handle;
+use crate::model::row_adapters::Adapter;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::{lora, Transformer};
+use crate::model::Transformer;
 use crate::rollout::{Engine, EngineConfig, Request, RequestOutput};
 
 pub struct Sampler {
@@ -22,18 +23,24 @@ pub struct Sampler {
     pub base: ServedModel,
     /// The `tinker://` path it samples from (None: the bare base model).
     pub model_path: Option<String>,
+    /// Whether its adapter is registered on the engine (under `id`).
+    has_adapter: bool,
     engine: Arc<Engine>,
 }
 
-/// A loaded base model, its tokenizer (for stop strings) and EOS ids.
-type Base = (Transformer, Option<Arc<Tokenizer>>, Vec<u32>);
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        if self.has_adapter {
+            // Requests already submitted keep the adapter; later ones cannot name it.
+            let _ = self.engine.remove_adapter(&self.id);
+        }
+    }
+}
 
 #[derive(Default)]
 pub struct Samplers {
-    /// Loaded base models by served name (their tensors are shared by every engine).
-    bases: Mutex<HashMap<String, Base>>,
-    /// Engines of the bare bases, by served name.
-    base_engines: Mutex<HashMap<String, Arc<Engine>>>,
+    /// One engine per served base (by name), loaded at its first sampler.
+    engines: Mutex<HashMap<String, Arc<Engine>>>,
     samplers: Mutex<HashMap<String, Arc<Sampler>>>,
     /// Ephemeral samplers (from `save_weights_and_get_sampling_client`), oldest first, with the
     /// directory of their adapter.
@@ -41,7 +48,7 @@ pub struct Samplers {
 }
 
 /// Ephemeral samplers kept at most (an RL loop makes one per iteration); the oldest is dropped
-/// (its engine stopped, its adapter files removed) and later requests to it are unknown ids.
+/// (its adapter unregistered, its files removed) and later requests to it are unknown ids.
 pub const MAX_EPHEMERAL: usize = 32;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -53,27 +60,26 @@ impl Samplers {
         lock(&self.samplers).get(id).cloned().ok_or_else(|| ApiError::not_found(format!("no sampling session `{id}`")))
     }
 
-    fn base(&self, base: &ServedModel) -> crate::Result<Base> {
-        if let Some(b) = lock(&self.bases).get(&base.name) {
-            return Ok(b.clone());
+    /// The engine of `base`, started (model loaded) at the first call.
+    fn engine(&self, base: &ServedModel) -> crate::Result<Arc<Engine>> {
+        let mut engines = lock(&self.engines);
+        if let Some(e) = engines.get(&base.name) {
+            return Ok(e.clone());
         }
         let model = Transformer::load(&base.path, candle_core::DType::F32, &candle_core::Device::Cpu)?;
         let tokenizer = Tokenizer::from_dir(&base.path).ok().map(Arc::new);
-        let eos = match &tokenizer {
+        let eos_token_ids = match &tokenizer {
             Some(t) => t.eos_token_ids().to_vec(),
             None => model.config.eos_token_ids.clone(),
         };
-        let entry = (model, tokenizer, eos);
-        lock(&self.bases).insert(base.name.clone(), entry.clone());
-        Ok(entry)
-    }
-
-    fn engine(&self, model: Transformer, tokenizer: Option<Arc<Tokenizer>>, eos: Vec<u32>) -> crate::Result<Engine> {
-        Engine::start(model, EngineConfig { eos_token_ids: eos, tokenizer, threads: 1, ..Default::default() })
+        let config = EngineConfig { eos_token_ids, tokenizer, threads: 1, ..Default::default() };
+        let engine = Arc::new(Engine::start(model, config)?);
+        engines.insert(base.name.clone(), engine.clone());
+        Ok(engine)
     }
 
     /// Creates sampler `id` over `base` with the adapter in `adapter_dir` (blocking: loads
-    /// weights and starts an engine). An existing id is returned as is.
+    /// weights, and the base's engine at its first sampler). An existing id is returned as is.
     pub fn create(
         &self,
         id: &str,
@@ -84,25 +90,15 @@ impl Samplers {
         if let Some(s) = lock(&self.samplers).get(id) {
             return Ok(s.clone());
         }
-        let (mut model, tokenizer, eos) = self.base(base)?;
-        let engine = match adapter_dir {
-            Some(dir) => {
-                lora::load_peft(&mut model, dir, false)?;
-                Arc::new(self.engine(model, tokenizer, eos)?)
-            }
-            None => {
-                let existing = lock(&self.base_engines).get(&base.name).cloned();
-                match existing {
-                    Some(e) => e,
-                    None => {
-                        let e = Arc::new(self.engine(model, tokenizer, eos)?);
-                        lock(&self.base_engines).insert(base.name.clone(), e.clone());
-                        e
-                    }
-                }
-            }
-        };
-        let sampler = Arc::new(Sampler { id: id.to_string(), base: base.clone(), model_path, engine });
+        let engine = self.engine(base)?;
+        if let Some(dir) = adapter_dir {
+            // Read here (not on the engine thread, which keeps decoding), with shapes checked
+            // against the engine's base (a cheap clone: tensors are shared).
+            let model = engine.inspect(|m| m.clone()).wait()?;
+            engine.add_adapter(id, Arc::new(Adapter::load_peft(&model, dir)?)).wait()?;
+        }
+        let has_adapter = adapter_dir.is_some();
+        let sampler = Arc::new(Sampler { id: id.to_string(), base: base.clone(), model_path, has_adapter, engine });
         lock(&self.samplers).insert(id.to_string(), sampler.clone());
         Ok(sampler)
     }
@@ -121,7 +117,7 @@ impl Samplers {
         };
         for (old, old_dir) in evicted {
             let dropped = lock(&self.samplers).remove(&old);
-            drop(dropped); // stops its engine once no request holds it
+            drop(dropped); // unregisters its adapter
             let _ = std::fs::remove_dir_all(old_dir);
         }
         Ok(sampler)
@@ -143,7 +139,8 @@ impl Samplers {
 }
 
 impl Sampler {
-    pub fn submit(&self, req: Request) -> Handle<RequestOutput> {
+    pub fn submit(&self, mut req: Request) -> Handle<RequestOutput> {
+        req.adapter = self.has_adapter.then(|| self.id.clone());
         self.engine.submit(req)
     }
 }
