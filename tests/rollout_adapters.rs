@@ -102,6 +102,12 @@ fn per_row_adapter_logits_equal_the_attached_models() {
             assert!(max_abs_diff(&got_r, &bare) > 1e-3, "row {r}: adapter had no effect");
         }
     }
+    // A batch of one adapter computes exactly what the attached adapter computes.
+    let all = vec![Some(&ads[1].1); rows.len()];
+    let ra = RowAdapters::new(&all, &Device::Cpu).unwrap();
+    let h = base.forward_hidden_adapted(&rows, &pos, &mask, None, ra.as_ref()).unwrap();
+    let got = base.logits_adapted(&h, ra.as_ref()).unwrap();
+    assert_eq!(max_abs_diff(&got, &ads[1].0.forward(&rows, &pos, &mask, None).unwrap()), 0.0);
 }
 
 /// Sixteen requests: adapters 0, 1, 2 and the bare base in turn, mixed lengths, temperatures,

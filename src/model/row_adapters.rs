@@ -7,14 +7,16 @@
 //!     y[R_a] += s_a · (x[R_a]·A_aᵀ)·B_aᵀ
 //! ```
 //! An [`Adapter`] is a PEFT adapter detached from any model: one (A, B, s) per projection it
-//! targets, in [`Transformer::linears_mut`] order. [`RowAdapters`] groups a batch's rows by
-//! adapter; each group costs a row gather, two rank-r matmuls and a scatter-add per targeted
-//! projection, so the cost grows with the adapters in use, not with the rows. A row's result is
-//! the same computation as the adapter attached to the model alone (up to float summation order
-//! of the matmuls over fewer rows).
+//! targets, in [`Transformer::linears_mut`] order. [`RowAdapters`] orders a batch's rows by
+//! adapter; per targeted projection the input rows are gathered into that order once, each
+//! adapter's rank-r product runs on its contiguous rows, and the deltas are gathered back and
+//! added once, so the copies do not grow with the number of adapters (only the small matmuls
+//! do). A batch of one adapter needs no reordering and computes exactly what the adapter attached
+//! to the model computes; in a mixed batch a row's result differs from that only by the float
+//! summation order of matmuls over fewer rows.
 //!
-//! Simplifications: the rows of a group are gathered per projection (no segmented kernel as in
-//! Punica/S-LoRA); adapters must be over the same base shapes (checked when loaded).
+//! Simplifications: gathers instead of a segmented kernel (Punica/S-LoRA's SGMV); adapters must
+//! be over the same base shapes (checked when loaded).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -54,19 +56,28 @@ impl Adapter {
     }
 }
 
-/// A batch's rows grouped by the adapter they use (rows without one are in no group).
-#[derive(Debug, Default)]
+/// A batch's rows grouped by the adapter they use.
+#[derive(Debug)]
 pub struct RowAdapters {
-    /// (row indices as a u32 tensor, their adapter).
-    groups: Vec<(Tensor, Arc<Adapter>)>,
+    /// Batch rows reordered so that each adapter's rows are contiguous (rows without an adapter
+    /// last); None when the batch is already in that order.
+    order: Option<(Tensor, Tensor)>,
+    /// Per adapter in use: (first row in the reordered batch, rows, adapter).
+    spans: Vec<(usize, usize, Arc<Adapter>)>,
+    /// Rows without an adapter (at the end of the reordered batch).
+    bare: usize,
 }
 
 impl RowAdapters {
     /// Groups `rows` (one entry per batch row) by adapter; None when no row has one.
     pub fn new(rows: &[Option<&Arc<Adapter>>], device: &Device) -> Result<Option<Self>> {
         let mut groups: Vec<(Vec<u32>, Arc<Adapter>)> = vec![];
+        let mut bare = vec![];
         for (r, a) in rows.iter().enumerate() {
-            let Some(a) = a else { continue };
+            let Some(a) = a else {
+                bare.push(r as u32);
+                continue;
+            };
             match groups.iter_mut().find(|(_, g)| Arc::ptr_eq(g, a)) {
                 Some((idx, _)) => idx.push(r as u32),
                 None => groups.push((vec![r as u32], (*a).clone())),
@@ -75,23 +86,61 @@ impl RowAdapters {
         if groups.is_empty() {
             return Ok(None);
         }
-        let groups = groups
+        let perm: Vec<u32> =
+            groups.iter().flat_map(|(idx, _)| idx.iter().copied()).chain(bare.iter().copied()).collect();
+        let order = if perm.iter().enumerate().all(|(i, &r)| i == r as usize) {
+            None
+        } else {
+            let mut inverse = vec![0u32; perm.len()];
+            for (i, &r) in perm.iter().enumerate() {
+                inverse[r as usize] = i as u32;
+            }
+            Some((Tensor::new(perm.as_slice(), device)?, Tensor::new(inverse.as_slice(), device)?))
+        };
+        let mut start = 0;
+        let spans = groups
             .into_iter()
-            .map(|(idx, a)| Ok((Tensor::new(idx.as_slice(), device)?, a)))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Some(RowAdapters { groups }))
+            .map(|(idx, a)| {
+                start += idx.len();
+                (start - idx.len(), idx.len(), a)
+            })
+            .collect();
+        Ok(Some(RowAdapters { order, spans, bare: bare.len() }))
     }
 
-    /// `lin.forward(x)` plus each group's adapter delta of projection `index` on its rows
-    /// (rows are dim 0 of `x`).
+    /// `lin.forward(x)` plus, on each row (dim 0 of `x`), its adapter's delta of projection
+    /// `index`. One gather of the rows into adapter order, one rank-r product per adapter, one
+    /// gather back: the copies do not grow with the number of adapters.
     pub fn forward(adapters: Option<&Self>, lin: &Linear, x: &Tensor, index: usize) -> Result<Tensor> {
-        let mut y = lin.forward(x)?;
-        for (rows, adapter) in adapters.map_or(&[][..], |a| &a.groups) {
-            if let Some(pair) = adapter.pair(index) {
-                let delta = pair.delta(&x.index_select(rows, 0)?)?;
-                y = y.index_add(rows, &delta, 0)?;
-            }
+        let y = lin.forward(x)?;
+        let Some(ra) = adapters else { return Ok(y) };
+        if ra.spans.iter().all(|(.., a)| a.pair(index).is_none()) {
+            return Ok(y);
         }
-        Ok(y)
+        let xs = match &ra.order {
+            Some((perm, _)) => x.index_select(perm, 0)?,
+            None => x.clone(),
+        };
+        let zeros = |rows: usize| -> Result<Tensor> {
+            let mut dims = y.dims().to_vec();
+            dims[0] = rows;
+            Ok(Tensor::zeros(dims, y.dtype(), y.device())?)
+        };
+        let mut parts = Vec::with_capacity(ra.spans.len() + 1);
+        for (start, len, a) in &ra.spans {
+            parts.push(match a.pair(index) {
+                Some(pair) => pair.delta(&xs.narrow(0, *start, *len)?)?,
+                None => zeros(*len)?,
+            });
+        }
+        if ra.bare > 0 {
+            parts.push(zeros(ra.bare)?);
+        }
+        let delta = if parts.len() == 1 { parts.pop().expect("one part") } else { Tensor::cat(&parts, 0)? };
+        let delta = match &ra.order {
+            Some((_, inverse)) => delta.index_select(inverse, 0)?,
+            None => delta,
+        };
+        Ok((y + delta)?)
     }
 }
