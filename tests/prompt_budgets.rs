@@ -43,9 +43,10 @@ impl TurnSampler for Script {
             logprobs: vec![-0.5; tokens.len()],
             versions: vec![0; tokens.len()],
             tokens,
+            topk: vec![],
             stop_reason: StopReason::Stop,
         };
-        let out = RequestOutput { samples: vec![g; req.num_samples], prompt_logprobs: None };
+        let out = RequestOutput { samples: vec![g; req.num_samples], prompt_logprobs: None, prompt_topk: None };
         self.calls.borrow_mut().push(req);
         Handle::ready(Ok(out))
     }

@@ -29,9 +29,10 @@ impl TurnSampler for Script {
             logprobs: (0..tokens.len()).map(|i| -0.1 * (i + 1) as f32).collect(),
             versions: vec![3; tokens.len()],
             tokens,
+            topk: vec![],
             stop_reason: StopReason::Stop,
         };
-        let out = RequestOutput { samples: vec![g; req.num_samples], prompt_logprobs: None };
+        let out = RequestOutput { samples: vec![g; req.num_samples], prompt_logprobs: None, prompt_topk: None };
         self.calls.borrow_mut().push(req);
         Handle::ready(Ok(out))
     }

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::engine::{Engine, EngineHealth, Ticket};
 use super::engine_core::PauseMode;
-use super::request::{Generation, Request, RequestOutput, StopReason};
+use super::request::{Generation, Request, RequestOutput, StopReason, TopLogprobs};
 use crate::actor::fan_out;
 use crate::handle::{self, Handle, Reply};
 use crate::model::SamplerWeights;
@@ -57,6 +57,7 @@ struct PendingState {
     /// Each sample as accumulated so far.
     samples: Vec<Generation>,
     prompt_logprobs: Option<Vec<f32>>,
+    prompt_topk: Option<Vec<TopLogprobs>>,
     /// Samples not yet really stopped.
     left: usize,
     /// The engine call each sample is in, if any.
@@ -110,6 +111,7 @@ impl EngineClient {
             state: Mutex::new(PendingState {
                 samples: vec![Generation::empty(); n],
                 prompt_logprobs: None,
+                prompt_topk: None,
                 left: n,
                 live: vec![None; n],
                 cancelled: false,
@@ -245,6 +247,7 @@ impl Shared {
             let parts: Vec<(usize, Generation)> = match sample {
                 None => {
                     st.prompt_logprobs = out.prompt_logprobs.take();
+                    st.prompt_topk = out.prompt_topk.take();
                     out.samples.into_iter().enumerate().collect()
                 }
                 Some(j) => out.samples.into_iter().take(1).map(|g| (j, g)).collect(),
@@ -334,7 +337,8 @@ impl Pending {
         let mut st = lock(&this.state);
         if let Some(reply) = st.reply.take() {
             let samples = std::mem::take(&mut st.samples);
-            reply.send(Ok(RequestOutput { samples, prompt_logprobs: st.prompt_logprobs.take() }));
+            let (prompt_logprobs, prompt_topk) = (st.prompt_logprobs.take(), st.prompt_topk.take());
+            reply.send(Ok(RequestOutput { samples, prompt_logprobs, prompt_topk }));
         }
     }
 
@@ -357,6 +361,8 @@ pub fn continuation(original: &Request, sample: usize, so_far: &Generation) -> R
         params,
         num_samples: 1,
         prompt_logprobs: false,
+        prompt_topk: 0,
+        sample_topk: original.sample_topk,
         group: original.group,
         adapter: original.adapter.clone(),
         rng_skip: original.rng_skip + so_far.tokens.len(),

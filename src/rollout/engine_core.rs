@@ -52,8 +52,9 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::request::{Generation, Request, RequestOutput, StopReason};
+use super::request::{Generation, Request, RequestOutput, StopReason, TopLogprobs};
 use super::sampler::sample;
+use super::top_logprobs::top_logprobs;
 use crate::model::logprobs::target_logprobs;
 use crate::model::row_adapters::{Adapter, RowAdapters};
 use crate::model::tokenizer::Tokenizer;
@@ -125,8 +126,35 @@ struct Active {
     req: Request,
     stops: Vec<u32>,
     samples: Vec<Option<Generation>>,
-    prompt_logprobs: Option<Vec<f32>>,
+    prompt: PromptScores,
     left: usize,
+}
+
+/// What a prefill scored on the prompt (positions 1..L), when asked.
+#[derive(Clone, Default)]
+struct PromptScores {
+    logprobs: Option<Vec<f32>>,
+    /// (k, the top k at each position).
+    topk: Option<(usize, Vec<TopLogprobs>)>,
+}
+
+impl PromptScores {
+    /// Whether these scores hold what `req` asks for.
+    fn serve(&self, req: &Request) -> bool {
+        (!req.prompt_logprobs || self.logprobs.is_some())
+            && (req.prompt_topk == 0 || self.topk.as_ref().is_some_and(|(k, _)| *k >= req.prompt_topk))
+    }
+
+    /// The scores `req` asked for.
+    fn for_request(&self, req: &Request) -> PromptScores {
+        let topk = match (&self.topk, req.prompt_topk) {
+            (Some((_, rows)), k) if k > 0 => {
+                Some((k, rows.iter().map(|r| r.iter().take(k).copied().collect()).collect()))
+            }
+            _ => None,
+        };
+        PromptScores { logprobs: self.logprobs.clone().filter(|_| req.prompt_logprobs), topk }
+    }
 }
 
 pub struct EngineCore {
@@ -368,7 +396,7 @@ impl EngineCore {
             }
             let key = (req.adapter.clone(), seq);
             if !prefilled.contains_key(&key) {
-                let (one, _) = self.prefill(&key.1, false, row.adapter.as_ref())?;
+                let (one, _) = self.prefill(&key.1, false, 0, row.adapter.as_ref())?;
                 prefilled.insert(key.clone(), one);
             }
             cache.append_rows(&prefilled[&key])?;
@@ -381,7 +409,8 @@ impl EngineCore {
         if let Some(i) = self.waiting.iter().position(|(w, ..)| *w == id) {
             let (_, req, _) = self.waiting.remove(i).expect("index is in range");
             let g = Generation { stop_reason: StopReason::Abort, ..Generation::empty() };
-            return Ok(Some(RequestOutput { samples: vec![g; req.num_samples], prompt_logprobs: None }));
+            let samples = vec![g; req.num_samples];
+            return Ok(Some(RequestOutput { samples, prompt_logprobs: None, prompt_topk: None }));
         }
         if !self.active.contains_key(&id) {
             return Ok(None);
@@ -406,7 +435,11 @@ impl EngineCore {
             .samples
             .into_iter()
             .map(|s| s.unwrap_or_else(|| Generation { stop_reason: StopReason::Abort, ..Generation::empty() }));
-        RequestOutput { samples: samples.collect(), prompt_logprobs: a.prompt_logprobs }
+        RequestOutput {
+            samples: samples.collect(),
+            prompt_logprobs: a.prompt.logprobs,
+            prompt_topk: a.prompt.topk.map(|t| t.1),
+        }
     }
 
     /// One engine step: admit, decode one token for every running row, retire finished rows.
@@ -437,7 +470,7 @@ impl EngineCore {
 
     fn admit(&mut self) -> Result<()> {
         // Prefills of this round by adapter and prompt: identical ones share one.
-        type Prefilled = HashMap<(Option<String>, Vec<u32>), (KvCache, Option<Vec<f32>>)>;
+        type Prefilled = HashMap<(Option<String>, Vec<u32>), (KvCache, PromptScores)>;
         let mut prefilled = Prefilled::new();
         let mut longest = self.rows.iter().map(|r| self.active[&r.id].final_len()).max().unwrap_or(0);
         while let Some((_, req, _)) = self.waiting.front() {
@@ -450,22 +483,16 @@ impl EngineCore {
             let (id, req, adapter) = self.waiting.pop_front().expect("front exists");
             longest = longest.max(len);
             let key = (req.adapter.clone(), req.prompt.clone());
-            if !prefilled.contains_key(&key) || (req.prompt_logprobs && prefilled[&key].1.is_none()) {
-                let p = self.prefill(&req.prompt, req.prompt_logprobs, adapter.as_ref())?;
+            if !prefilled.get(&key).is_some_and(|(_, scores)| scores.serve(&req)) {
+                let p = self.prefill(&req.prompt, req.prompt_logprobs, req.prompt_topk, adapter.as_ref())?;
                 prefilled.insert(key.clone(), p);
             }
-            let (one, plp) = &prefilled[&key];
+            let (one, scores) = &prefilled[&key];
             let mut stops = req.params.stop_token_ids.clone();
             if !req.params.ignore_eos {
                 stops.extend_from_slice(&self.config.eos_token_ids);
             }
-            let mut active = Active {
-                samples: vec![None; n],
-                prompt_logprobs: plp.clone().filter(|_| req.prompt_logprobs),
-                left: n,
-                stops,
-                req,
-            };
+            let mut active = Active { samples: vec![None; n], prompt: scores.for_request(&req), left: n, stops, req };
             if active.req.params.max_tokens == 0 {
                 active.samples = vec![Some(Generation::empty()); n];
                 self.ready.push((id, active.into_output()));
@@ -498,17 +525,21 @@ impl EngineCore {
         Ok(())
     }
 
-    /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs. Also
-    /// rebuilds a running row's cache after a weight update (prompt = prompt + tokens so far).
+    /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs and top
+    /// `topk` tokens per position. Also rebuilds a running row's cache after a weight update
+    /// (prompt = prompt + tokens so far).
     fn prefill(
         &self,
         prompt: &[u32],
         logprobs: bool,
+        topk: usize,
         adapter: Option<&Arc<Adapter>>,
-    ) -> Result<(KvCache, Option<Vec<f32>>)> {
+    ) -> Result<(KvCache, PromptScores)> {
         let n = prompt.len() - 1;
         if n == 0 {
-            return Ok((KvCache::with_empty_rows(self.model.config.num_hidden_layers, 1), logprobs.then(Vec::new)));
+            let scores =
+                PromptScores { logprobs: logprobs.then(Vec::new), topk: (topk > 0).then(|| (topk, Vec::new())) };
+            return Ok((KvCache::with_empty_rows(self.model.config.num_hidden_layers, 1), scores));
         }
         let mut cache = self.model.new_cache();
         let ids = [prompt[..n].to_vec()];
@@ -517,14 +548,20 @@ impl EngineCore {
         let adapters = RowAdapters::new(&[adapter], &self.model.device)?;
         // Without prompt log-probs the lm_head (the largest matmul here) is skipped.
         let hidden = self.model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut cache), adapters.as_ref())?;
-        let lp = if logprobs {
+        let mut scores = PromptScores::default();
+        if logprobs || topk > 0 {
             let logits = self.model.logits_adapted(&hidden, adapters.as_ref())?;
-            let targets = Tensor::new(&prompt[1..], &self.model.device)?.unsqueeze(0)?;
-            Some(target_logprobs(&logits, &targets)?.squeeze(0)?.to_device(&Device::Cpu)?.to_vec1()?)
-        } else {
-            None
-        };
-        Ok((cache, lp))
+            if logprobs {
+                let targets = Tensor::new(&prompt[1..], &self.model.device)?.unsqueeze(0)?;
+                let lp = target_logprobs(&logits, &targets)?.squeeze(0)?.to_device(&Device::Cpu)?.to_vec1()?;
+                scores.logprobs = Some(lp);
+            }
+            if topk > 0 {
+                let rows: Vec<Vec<f32>> = logits.squeeze(0)?.to_device(&Device::Cpu)?.to_vec2()?;
+                scores.topk = Some((topk, rows.iter().map(|z| top_logprobs(z, topk, 1.0)).collect()));
+            }
+        }
+        Ok((cache, scores))
     }
 
     fn decode(&mut self) -> Result<()> {
@@ -544,6 +581,10 @@ impl EngineCore {
             row.gen.tokens.push(tok);
             row.gen.logprobs.push(lp);
             row.gen.versions.push(self.version);
+            if a.req.sample_topk > 0 {
+                let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
+                row.gen.topk.push(top_logprobs(z, a.req.sample_topk, t));
+            }
             row.next_token = tok;
             row.next_pos += 1;
             let stop = a.stops.contains(&tok)
@@ -582,7 +623,8 @@ impl Active {
     fn into_output(self) -> RequestOutput {
         RequestOutput {
             samples: self.samples.into_iter().map(|s| s.expect("every sample finished")).collect(),
-            prompt_logprobs: self.prompt_logprobs,
+            prompt_logprobs: self.prompt.logprobs,
+            prompt_topk: self.prompt.topk.map(|t| t.1),
         }
     }
 }

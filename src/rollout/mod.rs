@@ -16,6 +16,7 @@ pub mod engine_core;
 pub mod generate;
 pub mod request;
 pub mod sampler;
+pub mod top_logprobs;
 
 pub use crate::model::weight_update::WeightUpdate;
 pub use chat::{chat, ChatReply};

@@ -30,12 +30,18 @@ pub struct Generation {
     pub logprobs: Vec<f32>,
     /// The weight version that produced each token.
     pub versions: Vec<u64>,
+    /// With `Request::sample_topk` > 0: the most likely tokens at each step, with their log-probs
+    /// (see [`super::top_logprobs`]); empty otherwise.
+    pub topk: Vec<TopLogprobs>,
     pub stop_reason: StopReason,
 }
 
+/// (token, log-prob) pairs, most likely first.
+pub type TopLogprobs = Vec<(u32, f32)>;
+
 impl Generation {
     pub fn empty() -> Self {
-        Generation { tokens: vec![], logprobs: vec![], versions: vec![], stop_reason: StopReason::Length }
+        Generation { tokens: vec![], logprobs: vec![], versions: vec![], topk: vec![], stop_reason: StopReason::Length }
     }
 
     /// Appends a continuation: its tokens, log-probs and versions; its stop reason wins.
@@ -43,6 +49,7 @@ impl Generation {
         self.tokens.extend(next.tokens);
         self.logprobs.extend(next.logprobs);
         self.versions.extend(next.versions);
+        self.topk.extend(next.topk);
         self.stop_reason = next.stop_reason;
     }
 }
@@ -55,6 +62,10 @@ pub struct Request {
     pub num_samples: usize,
     /// Also return log p(prompt[i] | prompt[..i]) for i ≥ 1.
     pub prompt_logprobs: bool,
+    /// Also return the `prompt_topk` most likely tokens at each prompt position i ≥ 1.
+    pub prompt_topk: usize,
+    /// Also return the `sample_topk` most likely tokens at each sampled position.
+    pub sample_topk: usize,
     /// Requests of one group (e.g. the n prompts of a GRPO group) go to the same engine.
     pub group: Option<u64>,
     /// Random draws to skip before sampling: a continuation after an abort passes the number of
@@ -67,7 +78,17 @@ pub struct Request {
 
 impl Request {
     pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
-        Request { prompt, params, num_samples: 1, prompt_logprobs: false, group: None, rng_skip: 0, adapter: None }
+        Request {
+            prompt,
+            params,
+            num_samples: 1,
+            prompt_logprobs: false,
+            prompt_topk: 0,
+            sample_topk: 0,
+            group: None,
+            rng_skip: 0,
+            adapter: None,
+        }
     }
 }
 
@@ -77,4 +98,6 @@ pub struct RequestOutput {
     pub samples: Vec<Generation>,
     /// One per prompt token after the first, when asked for.
     pub prompt_logprobs: Option<Vec<f32>>,
+    /// One per prompt token after the first, when `prompt_topk` > 0.
+    pub prompt_topk: Option<Vec<TopLogprobs>>,
 }

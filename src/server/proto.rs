@@ -159,8 +159,26 @@ pub struct SampleResponse {
     /// float32 little-endian, one per prompt token (NaN where there is none: index 0).
     #[prost(bytes = "vec", optional, tag = "2")]
     pub prompt_logprobs: Option<Vec<u8>>,
+    #[prost(message, optional, tag = "3")]
+    pub topk_prompt_logprobs: Option<TopkLogprobs>,
     #[prost(int32, tag = "4")]
     pub prompt_cache_hit_tokens: i32,
+}
+
+/// Dense [length, k] matrices; empty slots hold token 0 with log-prob −99999 (a row of only
+/// those reads as None in the SDK).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TopkLogprobs {
+    /// int32 little-endian.
+    #[prost(bytes = "vec", tag = "1")]
+    pub token_ids: Vec<u8>,
+    /// float32 little-endian.
+    #[prost(bytes = "vec", tag = "2")]
+    pub logprobs: Vec<u8>,
+    #[prost(uint32, tag = "3")]
+    pub k: u32,
+    #[prost(uint32, tag = "4")]
+    pub length: u32,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -173,4 +191,6 @@ pub struct SampledSequence {
     /// float32 little-endian.
     #[prost(bytes = "vec", optional, tag = "3")]
     pub logprobs: Option<Vec<u8>>,
+    #[prost(message, optional, tag = "4")]
+    pub topk_sampled_logprobs: Option<TopkLogprobs>,
 }

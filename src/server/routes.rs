@@ -562,6 +562,8 @@ async fn get_sampler(State(state): State<Arc<AppState>>, Path(id): Path<String>)
 
 /// Samples per request at most.
 const MAX_SAMPLES: usize = 256;
+/// Top-k log-probs per position at most.
+const MAX_TOPK: i64 = 1024;
 
 async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::SampleRequest = types::parse_json(&body, "asample")?;
@@ -574,17 +576,46 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
     if req.num_samples == 0 || req.num_samples > MAX_SAMPLES {
         return Err(ApiError::user(format!("num_samples must be in 1..={MAX_SAMPLES}, got {}", req.num_samples)));
     }
-    if req.topk_prompt_logprobs.is_some_and(|k| k > 0) {
-        return Err(ApiError::user("topk_prompt_logprobs is not supported yet"));
+    if req.target_prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::user("target_prompt_logprobs is not supported by this server"));
+    }
+    if req.prompt_alt_tokens_k.is_some_and(|k| k != 0) {
+        return Err(ApiError::user("prompt_alt_tokens_k is not supported by this server"));
     }
     let prompt = req.prompt.tokens("prompt")?;
     if prompt.is_empty() {
         return Err(ApiError::user("prompt: no tokens"));
     }
+    let count = |v: Option<i64>, name: &str| -> ApiResult<usize> {
+        match v.unwrap_or(0) {
+            k @ 0..=MAX_TOPK => Ok(k as usize),
+            k => Err(ApiError::user(format!("{name} must be in 0..={MAX_TOPK}, got {k}"))),
+        }
+    };
+    let topk = (
+        count(req.topk_prompt_logprobs, "topk_prompt_logprobs")?,
+        count(req.topk_sample_logprobs, "topk_sample_logprobs")?,
+    );
+    let prompt_logprobs = req.prompt_logprobs.unwrap_or(false);
+    let last_n = match req.prompt_logprobs_last_n {
+        None => None,
+        Some(n) if !prompt_logprobs => {
+            return Err(ApiError::user(format!("prompt_logprobs_last_n ({n}) needs prompt_logprobs")))
+        }
+        Some(n) if n < 1 || n as usize >= prompt.len() => {
+            return Err(ApiError::user(format!(
+                "prompt_logprobs_last_n must be in 1..={} (the prompt length − 1), got {n}",
+                prompt.len() - 1
+            )))
+        }
+        Some(n) => Some(n as usize),
+    };
     let params = req.sampling_params.to_params()?;
     let request = crate::rollout::Request {
         num_samples: req.num_samples,
-        prompt_logprobs: req.prompt_logprobs.unwrap_or(false),
+        prompt_logprobs,
+        prompt_topk: topk.0,
+        sample_topk: topk.1,
         ..crate::rollout::Request::new(prompt, params)
     };
     let request_id = state.futures.create(None, "sample")?;
@@ -593,7 +624,7 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
     tokio::spawn(async move {
         let outcome = match handle.await {
             Ok(out) => {
-                let (proto, json) = types::sample_to_proto_and_json(&out);
+                let (proto, json) = types::sample_to_proto_and_json(&out, topk, last_n);
                 StoredOutcome::Proto { proto, json: json.to_string() }
             }
             Err(e) => to_outcome(Err(e.into())),

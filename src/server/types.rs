@@ -177,6 +177,15 @@ pub struct SampleRequest {
     pub prompt_logprobs: Option<bool>,
     #[serde(default)]
     pub topk_prompt_logprobs: Option<i64>,
+    #[serde(default)]
+    pub topk_sample_logprobs: Option<i64>,
+    #[serde(default)]
+    pub prompt_logprobs_last_n: Option<i64>,
+    /// Not supported: refused when present.
+    #[serde(default)]
+    pub target_prompt_logprobs: Option<Value>,
+    #[serde(default)]
+    pub prompt_alt_tokens_k: Option<i64>,
 }
 
 fn one() -> usize {
@@ -590,11 +599,39 @@ pub fn output_to_json(out: &ForwardBackwardOutput) -> Value {
     json!({"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": metrics(out)})
 }
 
-/// A sampling result as protobuf `SampleResponse` and as JSON.
-pub fn sample_to_proto_and_json(out: &crate::rollout::RequestOutput) -> (Vec<u8>, Value) {
+/// The SDK's filler for an empty top-k slot.
+const TOPK_MASK_LOGPROB: f32 = -99999.0;
+
+/// Top-k rows (None = a position without scores) as Tinker's dense `TopkLogprobs` and as JSON.
+fn topk_to_proto_and_json(rows: &[Option<&[(u32, f32)]>], k: usize) -> (proto::TopkLogprobs, Value) {
+    let (mut ids, mut lps) = (Vec::with_capacity(rows.len() * k * 4), Vec::with_capacity(rows.len() * k * 4));
+    for row in rows {
+        let row = row.unwrap_or(&[]);
+        for j in 0..k {
+            let (id, lp) = row.get(j).map_or((0, TOPK_MASK_LOGPROB), |&(id, lp)| (id as i32, lp));
+            ids.extend(id.to_le_bytes());
+            lps.extend(lp.to_le_bytes());
+        }
+    }
+    let json: Vec<Value> =
+        rows.iter().map(|r| json!(r.map(|r| r.iter().map(|&(id, lp)| json!([id, lp])).collect::<Vec<_>>()))).collect();
+    (proto::TopkLogprobs { token_ids: ids, logprobs: lps, k: k as u32, length: rows.len() as u32 }, Value::Array(json))
+}
+
+/// A sampling result as protobuf `SampleResponse` and as JSON. `topk` = (prompt k, sample k);
+/// `last_n`: only the last n prompt positions are reported (earlier ones as absent).
+pub fn sample_to_proto_and_json(
+    out: &crate::rollout::RequestOutput,
+    topk: (usize, usize),
+    last_n: Option<usize>,
+) -> (Vec<u8>, Value) {
     use crate::rollout::StopReason;
     use prost::Message;
     let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let sample_topk = |g: &crate::rollout::Generation| {
+        (topk.1 > 0)
+            .then(|| topk_to_proto_and_json(&g.topk.iter().map(|r| Some(r.as_slice())).collect::<Vec<_>>(), topk.1))
+    };
     let sequences = out
         .samples
         .iter()
@@ -605,26 +642,46 @@ pub fn sample_to_proto_and_json(out: &crate::rollout::RequestOutput) -> (Vec<u8>
             },
             tokens: g.tokens.iter().flat_map(|&t| (t as i32).to_le_bytes()).collect(),
             logprobs: Some(f32s(&g.logprobs)),
+            topk_sampled_logprobs: sample_topk(g).map(|t| t.0),
         })
         .collect();
-    // Tinker's prompt log-probs: one per prompt token, none (NaN) for the first.
+    // Tinker's prompt scores: one per prompt token, none for the first (and, with `last_n`, for
+    // all but the last n).
+    let first_scored = |len: usize| last_n.map_or(1, |n| len.saturating_sub(n).max(1));
     let prompt = out.prompt_logprobs.as_ref().map(|lp| {
-        let mut v = vec![f32::NAN];
-        v.extend_from_slice(lp);
+        let len = lp.len() + 1;
+        let mut v = vec![f32::NAN; first_scored(len)];
+        v.extend_from_slice(&lp[first_scored(len) - 1..]);
         v
     });
-    let msg =
-        proto::SampleResponse { sequences, prompt_logprobs: prompt.as_deref().map(f32s), prompt_cache_hit_tokens: 0 };
+    let prompt_topk = out.prompt_topk.as_ref().filter(|_| topk.0 > 0).map(|rows| {
+        let from = first_scored(rows.len() + 1);
+        let rows: Vec<Option<&[(u32, f32)]>> =
+            (0..=rows.len()).map(|i| (i >= from).then(|| rows[i - 1].as_slice())).collect();
+        topk_to_proto_and_json(&rows, topk.0)
+    });
+    let msg = proto::SampleResponse {
+        sequences,
+        prompt_logprobs: prompt.as_deref().map(f32s),
+        topk_prompt_logprobs: prompt_topk.as_ref().map(|t| t.0.clone()),
+        prompt_cache_hit_tokens: 0,
+    };
     let json_sequences: Vec<Value> = out
         .samples
         .iter()
         .map(|g| {
             let reason = if g.stop_reason == StopReason::Length { "length" } else { "stop" };
-            json!({"tokens": g.tokens, "logprobs": g.logprobs, "stop_reason": reason})
+            let topk = sample_topk(g).map(|t| t.1);
+            json!({"tokens": g.tokens, "logprobs": g.logprobs, "stop_reason": reason, "topk_logprobs": topk})
         })
         .collect();
     let prompt_json: Option<Vec<Option<f32>>> =
         prompt.map(|v| v.into_iter().map(|x| if x.is_nan() { None } else { Some(x) }).collect());
-    let json = json!({"type": "sample", "sequences": json_sequences, "prompt_logprobs": prompt_json});
+    let json = json!({
+        "type": "sample",
+        "sequences": json_sequences,
+        "prompt_logprobs": prompt_json,
+        "topk_prompt_logprobs": prompt_topk.map(|t| t.1),
+    });
     (msg.encode_to_vec(), json)
 }

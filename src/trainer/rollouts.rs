@@ -162,7 +162,11 @@ pub fn generate_groups(
             return Err(Error::Other(format!("the engine returned {} samples for {n}", out.samples.len())));
         }
         for g in out.samples {
-            replies.push(Some(Handle::ready(Ok(RequestOutput { samples: vec![g], prompt_logprobs: None }))));
+            replies.push(Some(Handle::ready(Ok(RequestOutput {
+                samples: vec![g],
+                prompt_logprobs: None,
+                prompt_topk: None,
+            }))));
         }
     }
 

@@ -8,6 +8,8 @@
 - named sampler weights: save_weights_for_sampler(name) -> tinker://.../sampler_weights/name, and a
   sampling client from that path computes the same log-probs;
 - stop token ids: generation ends at the first stop token, which is included;
+- top-k log-probs of prompt positions and of sampled tokens, consistent with the trainer's
+  log-probs; prompt_logprobs_last_n scores only the last n prompt tokens;
 - two LoRA clients' samplers (one engine batch on the server): requests of both in flight at once
   give exactly what each gives alone, and the two adapters sample differently.
 """
@@ -86,6 +88,39 @@ def main() -> None:
     assert list(stopped.tokens) == list(free.tokens[: first + 1]) and stopped.stop_reason == "stop", (stopped, free)
     assert first > 0, toks
     print(f"stop token {stop_id}: {list(stopped.tokens)} (free run {toks})")
+
+    # Top-k log-probs: most likely first; the prompt token's own log-prob (the trainer's) appears
+    # among them with that value, or lies below the k-th.
+    k = 5
+    topk_params = types.SamplingParams(max_tokens=4, temperature=1.0, stop=[], seed=3)
+    res = sampler.sample(
+        types.ModelInput.from_ints(text), 1, topk_params,
+        include_prompt_logprobs=True, topk_prompt_logprobs=k, topk_sample_logprobs=3,
+    ).result()
+    rows = res.topk_prompt_logprobs
+    assert rows is not None and rows[0] is None and len(rows) == len(text), rows
+    want = forward_logprobs(trainer, text)
+    for i in range(1, len(text)):
+        ids, lps = [t for t, _ in rows[i]], [lp for _, lp in rows[i]]
+        assert len(ids) == k and lps == sorted(lps, reverse=True) and np.exp(lps).sum() <= 1 + 1e-5, rows[i]
+        if text[i] in ids:
+            assert abs(lps[ids.index(text[i])] - want[i - 1]) < 1e-4, (i, rows[i], want[i - 1])
+        else:
+            assert want[i - 1] <= lps[-1] + 1e-5, (i, rows[i], want[i - 1])
+    seq = res.sequences[0]
+    assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens), seq
+    for tok, lp, row in zip(seq.tokens, seq.logprobs, seq.topk_logprobs):
+        assert len(row) == 3
+        if tok in [t for t, _ in row]:
+            assert abs(dict(row)[tok] - lp) < 1e-5, (tok, lp, row)
+    last = sampler.sample(
+        types.ModelInput.from_ints(text), 1, topk_params,
+        include_prompt_logprobs=True, prompt_logprobs_last_n=3, topk_prompt_logprobs=2,
+    ).result()
+    assert all(x is None for x in last.prompt_logprobs[:-3]), last.prompt_logprobs
+    assert np.allclose(last.prompt_logprobs[-3:], want[-3:], atol=1e-4), (last.prompt_logprobs, want)
+    assert all(r is None for r in last.topk_prompt_logprobs[:-3]) and all(len(r) == 2 for r in last.topk_prompt_logprobs[-3:])
+    print("top-k log-probs of prompt and samples; prompt_logprobs_last_n")
 
     # A second LoRA client with another adapter; both samplers decode in one engine batch.
     other = service.create_lora_training_client(base_model=MODEL, rank=8).result()
