@@ -60,6 +60,11 @@ impl<T> Handle<T> {
         self
     }
 
+    /// The cancel hook, to cancel the call from elsewhere once the handle is being awaited.
+    pub fn canceller(&self) -> Option<Arc<dyn Fn() + Send + Sync>> {
+        self.cancel.clone()
+    }
+
     /// Asks the owner to cancel the call; the handle still completes. A no-op for calls that
     /// cannot be cancelled or have finished.
     pub fn cancel(&self) {

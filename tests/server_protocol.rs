@@ -55,8 +55,13 @@ fn result(port: u16, request_id: &str) -> Value {
 }
 
 fn serve(dir: &std::path::Path, long_poll: Duration) -> u16 {
+    serve_context(dir, long_poll, 64)
+}
+
+/// A server over a tiny model with `max_position` positions.
+fn serve_context(dir: &std::path::Path, long_poll: Duration, max_position: usize) -> u16 {
     let model = dir.join("tiny");
-    common::tiny_byte_model(&model, 32, 64, 3);
+    common::tiny_byte_model(&model, 32, max_position, 3);
     std::fs::write(dir.join("keys"), "# test keys\nk1\nk2\n").unwrap();
     let config = ServerConfig {
         models: vec![model],
@@ -252,6 +257,48 @@ fn protocol_ordering_errors_and_keys() {
 }
 
 /// A future pending when the server died reports an error after the restart instead of hanging.
+#[test]
+fn cancel_future_ends_a_pending_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve_context(dir.path(), Duration::from_millis(300), 4096);
+    let flags = post(port, "client/dynamic_config", json!({"sdk_version": "test"}));
+    assert_eq!(flags.body["sample_cancel_enabled"], true, "{}", flags.body);
+    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let s = post(
+        port,
+        "create_sampling_session",
+        json!({"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"}),
+    );
+    let sampler = s.body["sampling_session_id"].as_str().unwrap().to_string();
+    let sample = |max_tokens: usize| {
+        let r = post(
+            port,
+            "asample",
+            json!({
+                "sampling_session_id": sampler, "seq_id": 0, "num_samples": 64,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [104, 105]}]},
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "stop": []}
+            }),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.body["request_id"].as_str().unwrap().to_string()
+    };
+    // 64 × 4,000 tokens take seconds; the cancel arrives within milliseconds.
+    let long = sample(4000);
+    let t = std::time::Instant::now();
+    assert_eq!(post(port, "cancel_future", json!({"request_id": long})).status, 200);
+    let out = result(port, &long);
+    assert!(out["error"].as_str().unwrap().contains("cancelled"), "{out}");
+    assert_eq!(out["category"], "user");
+    assert!(t.elapsed() < Duration::from_secs(2), "cancel took {:?}", t.elapsed());
+    // Cancelling a finished future changes nothing; an unknown one is 404.
+    let short = sample(3);
+    let done = result(port, &short);
+    assert_eq!(post(port, "cancel_future", json!({"request_id": short})).status, 200);
+    assert_eq!(result(port, &short), done);
+    assert_eq!(post(port, "cancel_future", json!({"request_id": "nope"})).status, 404);
+}
+
 #[test]
 fn pending_futures_fail_after_a_restart() {
     use oxrl::server::store::{Store, StoredOutcome, RESTART_ERROR};

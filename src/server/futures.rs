@@ -5,7 +5,8 @@
 //! The outcome of a finished future lives in the [`Store`] (so it survives a restart); while a
 //! future is pending, an in-memory slot lets pollers wait for it. A poll long-polls up to
 //! [`LONG_POLL`] (the SDK's read timeout is 45 s), then answers `try_again` and the SDK polls
-//! again at once.
+//! again at once. A pending sampling future can be cancelled (`cancel_future`, which the SDK sends
+//! for samples it abandoned): its engine request ends at once and the future fails as cancelled.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,7 +27,15 @@ pub const PROTOBUF: &str = "application/x-protobuf";
 pub struct Futures {
     store: Arc<Store>,
     pending: Mutex<HashMap<String, Arc<Notify>>>,
+    /// Cancel hooks of pending cancellable futures.
+    cancels: Mutex<HashMap<String, Canceller>>,
     long_poll: Duration,
+}
+
+type Canceller = Arc<dyn Fn() + Send + Sync>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A fresh random id (128 bits, hex).
@@ -36,15 +45,37 @@ pub fn new_id() -> String {
 
 impl Futures {
     pub fn new(store: Arc<Store>, long_poll: Duration) -> Self {
-        Futures { store, pending: Mutex::new(HashMap::new()), long_poll }
+        Futures { store, pending: Mutex::new(HashMap::new()), cancels: Mutex::new(HashMap::new()), long_poll }
     }
 
     /// Registers a new pending future; returns its request id.
     pub fn create(&self, model_id: Option<&str>, kind: &str) -> ApiResult<String> {
         let id = new_id();
         self.store.add_future(&id, model_id, kind)?;
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), Arc::new(Notify::new()));
+        lock(&self.pending).insert(id.clone(), Arc::new(Notify::new()));
         Ok(id)
+    }
+
+    /// Makes pending future `id` cancellable with `cancel` (which must make it complete soon).
+    pub fn set_canceller(&self, id: &str, cancel: Option<Canceller>) {
+        if let Some(c) = cancel {
+            if lock(&self.pending).contains_key(id) {
+                lock(&self.cancels).insert(id.to_string(), c);
+            }
+        }
+    }
+
+    /// Cancels future `id` if it is pending and cancellable; a no-op for a finished one, 404 for
+    /// an unknown one.
+    pub fn cancel(&self, id: &str) -> ApiResult<()> {
+        let hook = lock(&self.cancels).get(id).cloned();
+        match hook {
+            Some(c) => {
+                c();
+                Ok(())
+            }
+            None => self.store.future(id).map(|_| ()),
+        }
     }
 
     /// Records the outcome and wakes the pollers.
@@ -54,7 +85,8 @@ impl Futures {
             let _ =
                 self.store.finish_future(id, &StoredOutcome::Error { message: e.message, category: Category::Server });
         }
-        let notify = self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        lock(&self.cancels).remove(id);
+        let notify = lock(&self.pending).remove(id);
         if let Some(n) = notify {
             n.notify_waiters();
         }
@@ -68,7 +100,7 @@ impl Futures {
     pub async fn retrieve(&self, id: &str, accept_proto: bool) -> ApiResult<Response> {
         let deadline = tokio::time::Instant::now() + self.long_poll;
         loop {
-            let notify = self.pending.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned();
+            let notify = lock(&self.pending).get(id).cloned();
             let notified = notify.as_ref().map(|n| n.notified());
             if let Some(outcome) = self.store.future(id)? {
                 return Ok(respond(outcome, accept_proto));

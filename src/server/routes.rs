@@ -28,7 +28,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/get_server_capabilities", get(capabilities))
         .route("/client/config", post(empty_object))
-        .route("/client/dynamic_config", post(empty_object))
+        .route("/client/dynamic_config", post(dynamic_config))
+        .route("/cancel_future", post(cancel_future))
         .route("/telemetry", post(telemetry))
         .route("/create_session", post(create_session))
         .route("/session_heartbeat", post(session_heartbeat))
@@ -92,6 +93,17 @@ async fn healthz() -> Json<Value> {
 
 async fn empty_object() -> Json<Value> {
     Json(json!({}))
+}
+
+/// The SDK's feature flags: cancel abandoned samples (`cancel_future`); the rest default.
+async fn dynamic_config() -> Json<Value> {
+    Json(json!({"sample_cancel_enabled": true}))
+}
+
+async fn cancel_future(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Json<Value>> {
+    let req: types::RetrieveFutureRequest = types::parse_json(&body, "cancel_future")?;
+    state.futures.cancel(&req.request_id)?;
+    Ok(Json(json!({})))
 }
 
 async fn telemetry() -> Json<Value> {
@@ -620,9 +632,13 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
     };
     let request_id = state.futures.create(None, "sample")?;
     let handle = sampler.submit(request);
+    state.futures.set_canceller(&request_id, handle.canceller());
     let (st, rid) = (state.clone(), request_id.clone());
     tokio::spawn(async move {
         let outcome = match handle.await {
+            Ok(out) if out.samples.iter().any(|g| g.stop_reason == crate::rollout::StopReason::Cancelled) => {
+                to_outcome(Err(ApiError::user("the sampling request was cancelled (cancel_future)")))
+            }
             Ok(out) => {
                 let (proto, json) = types::sample_to_proto_and_json(&out, topk, last_n);
                 StoredOutcome::Proto { proto, json: json.to_string() }
