@@ -34,6 +34,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/create_session", post(create_session))
         .route("/session_heartbeat", post(session_heartbeat))
         .route("/sessions/{id}/finish", post(finish_session))
+        .route("/sessions", get(sessions))
+        .route("/sessions/{id}", get(session))
         .route("/create_model", post(create_model))
         .route("/get_info", post(get_info))
         .route("/forward_backward", post(forward_backward))
@@ -85,6 +87,24 @@ fn check_session(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<(
         return Err(ApiError::not_found(format!("no session `{id}`")));
     }
     Ok(())
+}
+
+/// Training model `id` of the caller's. A model the store knows but memory does not was lost in
+/// a restart (models live in memory, checkpoints on disk): the error says how to go on.
+fn training_model(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<Arc<TrainingModel>> {
+    match state.models.get(id) {
+        Ok(model) => {
+            check_session(state, headers, &model.session_id)?;
+            Ok(model)
+        }
+        Err(e) => match state.store.models()?.into_iter().find(|m| m.id == id) {
+            Some(row) if check_session(state, headers, &row.session_id).is_ok() => Err(ApiError::user(format!(
+                "training model `{id}` was lost when the server restarted (models live in memory; checkpoints \
+                 survive): create a training client from one of its checkpoints (see the run's checkpoints)"
+            ))),
+            _ => Err(e),
+        },
+    }
 }
 
 async fn healthz() -> Json<Value> {
@@ -205,8 +225,7 @@ async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
 
 async fn get_info(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::ModelRequest = types::parse_json(&body, "get_info")?;
-    let model = state.models.get(&req.model_id)?;
-    check_session(&state, &headers, &model.session_id)?;
+    let model = training_model(&state, &headers, &req.model_id)?;
     Ok(Json(json!({
         "type": "get_info",
         "model_id": model.id,
@@ -242,8 +261,7 @@ async fn run_fwdbwd(
     let is_proto =
         headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with(PROTOBUF));
     let req = if is_proto { FwdBwd::from_proto(&body)? } else { FwdBwd::from_json(&body, forward_path)? };
-    let model = state.models.get(&req.model_id)?;
-    check_session(&state, &headers, &model.session_id)?;
+    let model = training_model(&state, &headers, &req.model_id)?;
     let forward_only = req.forward_only || forward_path;
     let kind = if forward_only { "forward" } else { "forward_backward" };
     let st = state.clone();
@@ -280,8 +298,7 @@ async fn run_fwdbwd(
 
 async fn optim_step(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::OptimStepRequest = types::parse_json(&body, "optim_step")?;
-    let model = state.models.get(&req.model_id)?;
-    check_session(&state, &headers, &model.session_id)?;
+    let model = training_model(&state, &headers, &req.model_id)?;
     let params = req.adam_params.unwrap_or_default().to_params();
     let st = state.clone();
     let model_id = model.id.clone();
@@ -344,8 +361,7 @@ fn find_checkpoint(state: &AppState, headers: &HeaderMap, c: &CheckpointRef) -> 
 
 async fn save_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::SaveWeightsRequest = types::parse_json(&body, "save_weights")?;
-    let model = state.models.get(&req.model_id)?;
-    check_session(&state, &headers, &model.session_id)?;
+    let model = training_model(&state, &headers, &req.model_id)?;
     let name = req.path.clone().unwrap_or_else(|| format!("seq-{}", req.seq_id));
     let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
     let model_id = model.id.clone();
@@ -402,8 +418,7 @@ async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     };
     match (&req.model_id, &req.session_id) {
         (Some(model_id), None) => {
-            let model = state.models.get(model_id)?;
-            check_session(&state, &headers, &model.session_id)?;
+            let model = training_model(&state, &headers, model_id)?;
             let seq_id =
                 req.seq_id.ok_or_else(|| ApiError::user("load_weights: `seq_id` is required with `model_id`"))?;
             let (id, uri) = (model.id.clone(), c.uri());
@@ -465,8 +480,7 @@ async fn save_weights_for_sampler(
     body: Bytes,
 ) -> ApiResult<Json<Value>> {
     let req: types::SaveWeightsForSamplerRequest = types::parse_json(&body, "save_weights_for_sampler")?;
-    let model = state.models.get(&req.model_id)?;
-    check_session(&state, &headers, &model.session_id)?;
+    let model = training_model(&state, &headers, &req.model_id)?;
     let (session_id, base, lora) = (model.session_id.clone(), model.base.clone(), model.lora.clone());
     let model_id = model.id.clone();
     queue(&state, &model, req.seq_id, "save_weights_for_sampler", move |st, dispatch, rid| {
@@ -708,6 +722,43 @@ fn visible_runs(state: &AppState, headers: &HeaderMap) -> ApiResult<Vec<Value>> 
         }));
     }
     Ok(runs)
+}
+
+/// The caller's sessions (RestClient.list_sessions).
+async fn sessions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> ApiResult<Json<Value>> {
+    let (limit, offset) = page(&uri)?;
+    let key = api_key(&headers);
+    let ids: Vec<String> = state
+        .store
+        .sessions()?
+        .into_iter()
+        .filter(|(_, owner, _)| state.api_keys.is_none() || *owner == key)
+        .map(|(id, ..)| id)
+        .collect();
+    let total = ids.len();
+    let page: Vec<String> = ids.into_iter().skip(offset).take(limit).collect();
+    Ok(Json(json!({"sessions": page, "cursor": cursor(offset, limit, total)})))
+}
+
+/// One of the caller's sessions: its training runs and samplers (RestClient.get_session).
+async fn session(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    check_session(&state, &headers, &id)?;
+    let metadata = state.store.sessions()?.into_iter().find(|s| s.0 == id).map(|s| s.2).unwrap_or_default();
+    let metadata: Value = serde_json::from_str(&metadata).unwrap_or(Value::Null);
+    let runs: Vec<String> = state.store.models()?.into_iter().filter(|m| m.session_id == id).map(|m| m.id).collect();
+    Ok(Json(json!({
+        "training_run_ids": runs,
+        "sampler_ids": state.samplers.session_ids(&id),
+        "user_metadata": if metadata.is_object() { metadata } else { Value::Null },
+    })))
 }
 
 async fn training_runs(

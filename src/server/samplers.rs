@@ -125,6 +125,14 @@ impl Samplers {
 }
 
 impl Samplers {
+    /// The ids of session `session_id`'s sampling sessions, sorted.
+    pub fn session_ids(&self, session_id: &str) -> Vec<String> {
+        let prefix = format!("{session_id}:sample:");
+        let mut ids: Vec<String> = lock(&self.samplers).keys().filter(|k| k.starts_with(&prefix)).cloned().collect();
+        ids.sort();
+        ids
+    }
+
     /// Drops the sampling sessions of session `session_id` (`{session_id}:sample:{n}`).
     pub fn drop_session(&self, session_id: &str) {
         let prefix = format!("{session_id}:sample:");

@@ -125,6 +125,15 @@ impl Store {
             .optional()?)
     }
 
+    /// Every session, oldest first: (id, its API key, its user metadata as JSON).
+    pub fn sessions(&self) -> ApiResult<Vec<(String, Option<String>, String)>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT id, api_key, user_metadata FROM sessions ORDER BY created, id")?;
+        let rows =
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, Option<String>>(2)?.unwrap_or_default())))?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
     pub fn heartbeat(&self, id: &str) -> ApiResult<bool> {
         let n = self.conn().execute("UPDATE sessions SET last_heartbeat = ?1 WHERE id = ?2", params![now(), id])?;
         Ok(n == 1)

@@ -2,7 +2,7 @@
 official SDK (run by tests/server_sdk.rs).
 
 - list_training_runs / get_training_run / list_checkpoints / list_user_checkpoints (with cursor) /
-  get_weights_info_by_tinker_path / delete_checkpoint;
+  get_weights_info_by_tinker_path / delete_checkpoint / list_sessions / get_session;
 - ppo, cispo, dro: `loss:sum` equal to the client-side recomputation (specs/algorithms.md);
 - four SDK training clients training concurrently, each loss falling.
 """
@@ -97,7 +97,11 @@ def main() -> None:
         raise AssertionError("a deleted checkpoint loaded")
     except tinker.TinkerError:
         pass
-    print(f"listings: runs={len(ids)} checkpoints={kinds}; deleted weights/a -> {left}")
+    session_id = client.model_id.split(":train:")[0]  # model ids are "{session_id}:train:{n}"
+    assert session_id in rest.list_sessions(limit=100).result().sessions
+    got = rest.get_session(session_id).result()
+    assert client.model_id in got.training_run_ids, got
+    print(f"listings: runs={len(ids)} checkpoints={kinds}; deleted weights/a -> {left}; session {got}")
 
     check_rl_losses(client)
 
