@@ -232,6 +232,48 @@ fn protocol_ordering_errors_and_keys() {
     let r = post(port, "get_info", json!({"model_id": "nope"}));
     assert_eq!(r.status, 404);
 
+    // TTL and publishing: a checkpoint saved with ttl_seconds 1 is gone after it; a published
+    // checkpoint is readable with another key (not changeable by it), private again after unpublish.
+    let save = |seq: i64, extra: Value| {
+        let mut body = json!({"model_id": model_id, "seq_id": seq});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r = post(port, "save_weights", body);
+        result(port, r.body["request_id"].as_str().unwrap())["path"].as_str().unwrap().to_string()
+    };
+    let brief = save(8, json!({"path": "brief", "ttl_seconds": 1}));
+    let kept = save(9, json!({"path": "kept"}));
+    let info = |key: &str, path: &str| {
+        request(port, "POST", "/api/v1/weights_info", Some(key), &json!({"tinker_path": path}).to_string()).status
+    };
+    let at = |what: &str| format!("/api/v1/training_runs/{model_id}/checkpoints/weights/kept/{what}");
+    let listed = || {
+        let r = request(port, "GET", &format!("/api/v1/training_runs/{model_id}/checkpoints"), Some("k1"), "");
+        r.body["checkpoints"].as_array().unwrap().clone()
+    };
+    assert_eq!((info("k1", &brief), info("k1", &kept), info("k2", &kept)), (200, 200, 404));
+    assert_eq!(request(port, "POST", &at("publish"), Some("k2"), "").status, 404);
+    assert_eq!(request(port, "POST", &at("publish"), Some("k1"), "").status, 200);
+    assert_eq!(info("k2", &kept), 200);
+    assert!(listed().iter().any(|c| c["checkpoint_id"] == "weights/kept" && c["public"] == true));
+    assert_eq!(request(port, "DELETE", &at("publish"), Some("k1"), "").status, 200);
+    assert_eq!(info("k2", &kept), 404);
+    let r = request(port, "PUT", &at("ttl"), Some("k1"), &json!({"ttl_seconds": 7200}).to_string());
+    assert_eq!(r.status, 200, "{}", r.body);
+    let expiry =
+        |cs: Vec<Value>| cs.into_iter().find(|c| c["checkpoint_id"] == "weights/kept").unwrap()["expires_at"].clone();
+    let left = expiry(listed()).as_f64().unwrap() - oxrl::server::store::now();
+    assert!((7190.0..=7200.0).contains(&left), "{left}");
+    request(port, "PUT", &at("ttl"), Some("k1"), &json!({"ttl_seconds": null}).to_string());
+    assert!(expiry(listed()).is_null());
+    assert_eq!(request(port, "PUT", &at("ttl"), Some("k1"), &json!({"ttl_seconds": 0}).to_string()).status, 400);
+    // (Heartbeats around the wait keep the session within its 1.5 s timeout.)
+    let beat = || assert_eq!(post(port, "session_heartbeat", json!({"session_id": session_id})).status, 200);
+    beat();
+    std::thread::sleep(Duration::from_millis(1100));
+    beat();
+    assert_eq!(info("k1", &brief), 404, "expired checkpoint still readable");
+    assert!(!listed().iter().any(|c| c["checkpoint_id"] == "weights/brief"));
+
     // A session whose heartbeats stop is finished after the timeout (1.5 s here), its models freed.
     let quiet = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
     let r = post(

@@ -138,6 +138,11 @@ pub fn spawn_session_reaper(state: Arc<AppState>) {
                     st.models.drop_session(id);
                     st.samplers.drop_session(id);
                 }
+                // Checkpoints past their TTL: the entry first (as a delete does), then the files.
+                for (c, dir) in st.store.expired_checkpoints()? {
+                    st.store.delete_checkpoint(&c)?;
+                    let _ = std::fs::remove_dir_all(dir);
+                }
                 Ok(stale.len())
             })
             .await;

@@ -52,6 +52,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/training_runs/{run}", get(training_run))
         .route("/training_runs/{run}/checkpoints", get(run_checkpoints))
         .route("/training_runs/{run}/checkpoints/{segment}/{name}", axum::routing::delete(delete_checkpoint))
+        .route("/training_runs/{run}/checkpoints/{segment}/{name}/publish", post(publish).delete(unpublish))
+        .route("/training_runs/{run}/checkpoints/{segment}/{name}/ttl", axum::routing::put(set_ttl))
         .route("/checkpoints", get(all_checkpoints))
         .route("/retrieve_future", post(retrieve_future));
     Router::new()
@@ -89,8 +91,9 @@ fn check_session(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<(
     Ok(())
 }
 
-/// Training model `id` of the caller's. A model the store knows but memory does not was lost in
-/// a restart (models live in memory, checkpoints on disk): the error says how to go on.
+/// Training model `id` of the caller's. A model the store knows but memory does not was freed
+/// with its finished session, or lost in a restart (models live in memory, checkpoints on disk):
+/// the error says which, and how to go on.
 fn training_model(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<Arc<TrainingModel>> {
     match state.models.get(id) {
         Ok(model) => {
@@ -98,6 +101,10 @@ fn training_model(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<
             Ok(model)
         }
         Err(e) => match state.store.models()?.into_iter().find(|m| m.id == id) {
+            Some(row) if state.store.session_finished(&row.session_id)? => Err(ApiError::not_found(format!(
+                "training model `{id}` was freed: its session `{}` finished (or stopped sending heartbeats)",
+                row.session_id
+            ))),
             Some(row) if check_session(state, headers, &row.session_id).is_ok() => Err(ApiError::user(format!(
                 "training model `{id}` was lost when the server restarted (models live in memory; checkpoints \
                  survive): create a training client from one of its checkpoints (see the run's checkpoints)"
@@ -359,12 +366,21 @@ fn find_checkpoint(state: &AppState, headers: &HeaderMap, c: &CheckpointRef) -> 
     Ok(row)
 }
 
+/// [`find_checkpoint`], or a published checkpoint of anyone's (to load or sample from).
+fn readable_checkpoint(state: &AppState, headers: &HeaderMap, c: &CheckpointRef) -> ApiResult<CheckpointRow> {
+    match state.store.checkpoint(c)? {
+        Some(row) if row.public => Ok(row),
+        _ => find_checkpoint(state, headers, c),
+    }
+}
+
 async fn save_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::SaveWeightsRequest = types::parse_json(&body, "save_weights")?;
     let model = training_model(&state, &headers, &req.model_id)?;
     let name = req.path.clone().unwrap_or_else(|| format!("seq-{}", req.seq_id));
     let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
     let model_id = model.id.clone();
+    let expires_at = types::expiry(req.ttl_seconds)?;
     queue(&state, &model, req.seq_id, "save_weights", move |st, dispatch, rid| {
         let prepared = CheckpointRef::new(&model_id, Kind::Weights, &name).and_then(|c| {
             if !req.overwrite && st.store.checkpoint(&c)?.is_some() {
@@ -387,6 +403,8 @@ async fn save_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
                     session_id,
                     base_model: base,
                     lora_config: serde_json::to_string(&lora).unwrap_or_default(),
+                    public: false,
+                    expires_at,
                 };
                 st.store.add_checkpoint(&c, &row)?;
                 Ok(json!({"path": c.uri(), "type": "save_weights"}))
@@ -406,7 +424,7 @@ async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
             req.path
         )));
     }
-    let row = find_checkpoint(&state, &headers, &c)?;
+    let row = readable_checkpoint(&state, &headers, &c)?;
     let dir = std::path::PathBuf::from(&row.path);
     let optimizer = req.optimizer;
     let load = move |dispatch: &crate::dispatch::Dispatch, id: &str| {
@@ -464,7 +482,7 @@ async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
 async fn weights_info(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::WeightsInfoRequest = types::parse_json(&body, "weights_info")?;
     let c = CheckpointRef::parse(&req.tinker_path)?;
-    let row = find_checkpoint(&state, &headers, &c)?;
+    let row = readable_checkpoint(&state, &headers, &c)?;
     let lora: Value = serde_json::from_str(&row.lora_config).unwrap_or(Value::Null);
     Ok(Json(json!({"base_model": row.base_model, "is_lora": true, "lora_rank": lora["rank"]})))
 }
@@ -483,6 +501,7 @@ async fn save_weights_for_sampler(
     let model = training_model(&state, &headers, &req.model_id)?;
     let (session_id, base, lora) = (model.session_id.clone(), model.base.clone(), model.lora.clone());
     let model_id = model.id.clone();
+    let expires_at = types::expiry(req.ttl_seconds)?;
     queue(&state, &model, req.seq_id, "save_weights_for_sampler", move |st, dispatch, rid| {
         // Named: a registered checkpoint. Ephemeral: a sampling session over the weights now.
         let target = match (&req.path, req.sampling_session_seq_id) {
@@ -510,6 +529,8 @@ async fn save_weights_for_sampler(
                         session_id,
                         base_model: base.name.clone(),
                         lora_config: serde_json::to_string(&lora).unwrap_or_default(),
+                        public: false,
+                        expires_at,
                     };
                     st.store.add_checkpoint(&c, &row)?;
                     return Ok(json!({"path": c.uri(), "type": "save_weights_for_sampler"}));
@@ -536,7 +557,7 @@ async fn sampler_for_path(
     path: &str,
 ) -> ApiResult<Arc<super::samplers::Sampler>> {
     let c = CheckpointRef::parse(path)?;
-    let row = find_checkpoint(state, headers, &c)?;
+    let row = readable_checkpoint(state, headers, &c)?;
     let base = state.served.iter().find(|m| m.matches(&row.base_model)).cloned().ok_or_else(|| {
         ApiError::user(format!("the checkpoint's base model `{}` is not served here", row.base_model))
     })?;
@@ -695,6 +716,8 @@ fn checkpoint_json(c: &CheckpointRef, row: &CheckpointRow) -> Value {
         "time": row.created,
         "tinker_path": c.uri(),
         "size_bytes": size,
+        "public": row.public,
+        "expires_at": row.expires_at,
     })
 }
 
@@ -812,6 +835,49 @@ async fn all_checkpoints(
     let total = all.len();
     let page: Vec<Value> = all.into_iter().skip(offset).take(limit).collect();
     Ok(Json(json!({"checkpoints": page, "cursor": cursor(offset, limit, total)})))
+}
+
+/// The caller's checkpoint named by a listing path.
+fn path_checkpoint(
+    state: &AppState,
+    headers: &HeaderMap,
+    (run, segment, name): &(String, String, String),
+) -> ApiResult<CheckpointRef> {
+    let c = CheckpointRef::new(run, Kind::parse(segment)?, name)?;
+    find_checkpoint(state, headers, &c)?;
+    Ok(c)
+}
+
+/// Makes a checkpoint loadable and samplable with any API key (not deletable).
+async fn publish(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(path): Path<(String, String, String)>,
+) -> ApiResult<Json<Value>> {
+    state.store.set_checkpoint_public(&path_checkpoint(&state, &headers, &path)?, true)?;
+    Ok(Json(json!({})))
+}
+
+async fn unpublish(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(path): Path<(String, String, String)>,
+) -> ApiResult<Json<Value>> {
+    state.store.set_checkpoint_public(&path_checkpoint(&state, &headers, &path)?, false)?;
+    Ok(Json(json!({})))
+}
+
+/// Sets (or, with `ttl_seconds: null`, removes) a checkpoint's expiry, counted from now.
+async fn set_ttl(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(path): Path<(String, String, String)>,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    let req: types::SetTtlRequest = types::parse_json(&body, "ttl")?;
+    let c = path_checkpoint(&state, &headers, &path)?;
+    state.store.set_checkpoint_expiry(&c, types::expiry(req.ttl_seconds)?)?;
+    Ok(Json(json!({})))
 }
 
 async fn delete_checkpoint(

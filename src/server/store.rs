@@ -37,6 +37,10 @@ pub struct CheckpointRow {
     pub base_model: String,
     /// The LoRA config as JSON (`LoraConfigWire`).
     pub lora_config: String,
+    /// Readable (loadable, samplable) with any API key.
+    pub public: bool,
+    /// Unix time after which it is gone (TTL); None = kept.
+    pub expires_at: Option<f64>,
 }
 
 /// A training model's registry entry.
@@ -51,7 +55,7 @@ pub struct ModelRow {
 }
 
 /// The layout of the tables below (`PRAGMA user_version`).
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 pub const RESTART_ERROR: &str =
     "the server restarted while this request was pending; its result is lost (submit it again)";
@@ -64,7 +68,13 @@ impl Store {
     pub fn open(path: &Path) -> ApiResult<Store> {
         let conn = Connection::open(path).map_err(|e| ApiError::server(format!("{}: {e}", path.display())))?;
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-        if version != 0 && version != SCHEMA_VERSION {
+        if version == 1 {
+            // Version 2 added checkpoint publishing and TTLs.
+            conn.execute_batch(
+                "ALTER TABLE checkpoints ADD COLUMN public INTEGER DEFAULT 0;
+                 ALTER TABLE checkpoints ADD COLUMN expires_at REAL;",
+            )?;
+        } else if version != 0 && version != SCHEMA_VERSION {
             return Err(ApiError::server(format!(
                 "{}: database schema version {version}, this server knows {SCHEMA_VERSION}",
                 path.display()
@@ -84,7 +94,8 @@ impl Store {
                  error TEXT, category TEXT, created REAL, finished REAL);
              CREATE TABLE IF NOT EXISTS checkpoints (
                  run_id TEXT, kind TEXT, name TEXT, path TEXT, created REAL, session_id TEXT,
-                 base_model TEXT, lora_config TEXT, PRIMARY KEY (run_id, kind, name));",
+                 base_model TEXT, lora_config TEXT, public INTEGER DEFAULT 0, expires_at REAL,
+                 PRIMARY KEY (run_id, kind, name));",
         )?;
         conn.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         conn.execute(
@@ -137,6 +148,15 @@ impl Store {
     pub fn heartbeat(&self, id: &str) -> ApiResult<bool> {
         let n = self.conn().execute("UPDATE sessions SET last_heartbeat = ?1 WHERE id = ?2", params![now(), id])?;
         Ok(n == 1)
+    }
+
+    /// Whether session `id` has finished (by request or for want of heartbeats).
+    pub fn session_finished(&self, id: &str) -> ApiResult<bool> {
+        let finished = self
+            .conn()
+            .query_row("SELECT finished FROM sessions WHERE id = ?1", params![id], |r| r.get::<_, Option<bool>>(0))
+            .optional()?;
+        Ok(finished.flatten().unwrap_or(false))
     }
 
     pub fn finish_session(&self, id: &str) -> ApiResult<bool> {
@@ -220,8 +240,8 @@ impl Store {
     pub fn add_checkpoint(&self, c: &CheckpointRef, row: &CheckpointRow) -> ApiResult<()> {
         self.conn().execute(
             "INSERT OR REPLACE INTO checkpoints
-             (run_id, kind, name, path, created, session_id, base_model, lora_config)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+             (run_id, kind, name, path, created, session_id, base_model, lora_config, public, expires_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
             params![
                 c.run_id,
                 c.kind.as_str(),
@@ -230,7 +250,9 @@ impl Store {
                 row.created,
                 row.session_id,
                 row.base_model,
-                row.lora_config
+                row.lora_config,
+                row.public,
+                row.expires_at
             ],
         )?;
         Ok(())
@@ -240,9 +262,9 @@ impl Store {
         Ok(self
             .conn()
             .query_row(
-                "SELECT path, created, session_id, base_model, lora_config FROM checkpoints
-                 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-                params![c.run_id, c.kind.as_str(), c.name],
+                "SELECT path, created, session_id, base_model, lora_config, public, expires_at FROM checkpoints
+                 WHERE run_id = ?1 AND kind = ?2 AND name = ?3 AND (expires_at IS NULL OR expires_at > ?4)",
+                params![c.run_id, c.kind.as_str(), c.name, now()],
                 |r| {
                     Ok(CheckpointRow {
                         path: r.get(0)?,
@@ -250,6 +272,8 @@ impl Store {
                         session_id: r.get(2)?,
                         base_model: r.get(3)?,
                         lora_config: r.get(4)?,
+                        public: r.get::<_, Option<bool>>(5)?.unwrap_or(false),
+                        expires_at: r.get(6)?,
                     })
                 },
             )
@@ -277,10 +301,11 @@ impl Store {
     pub fn checkpoints(&self, run_id: Option<&str>) -> ApiResult<Vec<(CheckpointRef, CheckpointRow)>> {
         let conn = self.conn();
         let mut stmt = conn.prepare(
-            "SELECT run_id, kind, name, path, created, session_id, base_model, lora_config FROM checkpoints
-             WHERE ?1 IS NULL OR run_id = ?1 ORDER BY created, run_id, kind, name",
+            "SELECT run_id, kind, name, path, created, session_id, base_model, lora_config, public, expires_at
+             FROM checkpoints WHERE (?1 IS NULL OR run_id = ?1) AND (expires_at IS NULL OR expires_at > ?2)
+             ORDER BY created, run_id, kind, name",
         )?;
-        let rows = stmt.query_map(params![run_id], |r| {
+        let rows = stmt.query_map(params![run_id, now()], |r| {
             Ok((
                 (r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?),
                 CheckpointRow {
@@ -289,6 +314,8 @@ impl Store {
                     session_id: r.get(5)?,
                     base_model: r.get(6)?,
                     lora_config: r.get(7)?,
+                    public: r.get::<_, Option<bool>>(8)?.unwrap_or(false),
+                    expires_at: r.get(9)?,
                 },
             ))
         })?;
@@ -296,6 +323,39 @@ impl Store {
         for row in rows {
             let ((run, kind, name), row) = row?;
             out.push((CheckpointRef { run_id: run, kind: super::checkpoints::Kind::parse(&kind)?, name }, row));
+        }
+        Ok(out)
+    }
+
+    pub fn set_checkpoint_public(&self, c: &CheckpointRef, public: bool) -> ApiResult<()> {
+        self.conn().execute(
+            "UPDATE checkpoints SET public = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+            params![c.run_id, c.kind.as_str(), c.name, public],
+        )?;
+        Ok(())
+    }
+
+    pub fn set_checkpoint_expiry(&self, c: &CheckpointRef, expires_at: Option<f64>) -> ApiResult<()> {
+        self.conn().execute(
+            "UPDATE checkpoints SET expires_at = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+            params![c.run_id, c.kind.as_str(), c.name, expires_at],
+        )?;
+        Ok(())
+    }
+
+    /// Checkpoints past their TTL (already invisible), with their directories.
+    pub fn expired_checkpoints(&self) -> ApiResult<Vec<(CheckpointRef, String)>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT run_id, kind, name, path FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?1",
+        )?;
+        let rows = stmt.query_map(params![now()], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?))
+        })?;
+        let mut out = vec![];
+        for row in rows {
+            let (run_id, kind, name, path) = row?;
+            out.push((CheckpointRef { run_id, kind: super::checkpoints::Kind::parse(&kind)?, name }, path));
         }
         Ok(out)
     }
@@ -314,5 +374,41 @@ impl Store {
         let mut stmt = conn.prepare("SELECT id FROM sessions WHERE finished = 0 AND last_heartbeat < ?1")?;
         let rows = stmt.query_map(params![now() - timeout_s], |r| r.get(0))?;
         Ok(rows.collect::<Result<Vec<String>, _>>()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::checkpoints::Kind;
+
+    /// A version-1 database (before publishing and TTLs) opens, gains the columns, and keeps its
+    /// checkpoints.
+    #[test]
+    fn version_1_databases_are_upgraded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("server.sqlite");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(
+                "CREATE TABLE checkpoints (
+                     run_id TEXT, kind TEXT, name TEXT, path TEXT, created REAL, session_id TEXT,
+                     base_model TEXT, lora_config TEXT, PRIMARY KEY (run_id, kind, name));
+                 INSERT INTO checkpoints VALUES ('r', 'weights', 'old', '/x', 1.0, 's', 'tiny', '{}');
+                 PRAGMA user_version = 1;",
+            )
+            .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let old = CheckpointRef::new("r", Kind::Weights, "old").unwrap();
+        let row = store.checkpoint(&old).unwrap().expect("kept");
+        assert_eq!((row.public, row.expires_at, row.path.as_str()), (false, None, "/x"));
+        store.set_checkpoint_public(&old, true).unwrap();
+        store.set_checkpoint_expiry(&old, Some(now() - 1.0)).unwrap();
+        assert!(store.checkpoint(&old).unwrap().is_none(), "expired: invisible");
+        assert_eq!(store.expired_checkpoints().unwrap().len(), 1);
+        drop(store);
+        let version: i64 = Connection::open(&path).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
     }
 }

@@ -114,6 +114,24 @@ pub struct SaveWeightsRequest {
     pub seq_id: i64,
     #[serde(default)]
     pub overwrite: bool,
+    /// Seconds until the checkpoint expires; None = kept.
+    #[serde(default)]
+    pub ttl_seconds: Option<i64>,
+}
+
+/// Unix time `ttl_seconds` from now (None: no expiry); a TTL below one second is a user error.
+pub fn expiry(ttl_seconds: Option<i64>) -> ApiResult<Option<f64>> {
+    match ttl_seconds {
+        None => Ok(None),
+        Some(t) if t >= 1 => Ok(Some(super::store::now() + t as f64)),
+        Some(t) => Err(ApiError::user(format!("ttl_seconds must be at least 1, got {t}"))),
+    }
+}
+
+/// `PUT …/checkpoints/{id}/ttl`.
+#[derive(Deserialize)]
+pub struct SetTtlRequest {
+    pub ttl_seconds: Option<i64>,
 }
 
 /// `load_weights`: onto an existing model (`model_id` + `seq_id`) or creating one from the
@@ -148,6 +166,8 @@ pub struct SaveWeightsForSamplerRequest {
     #[serde(default)]
     pub sampling_session_seq_id: Option<i64>,
     pub seq_id: i64,
+    #[serde(default)]
+    pub ttl_seconds: Option<i64>,
 }
 
 #[derive(Deserialize)]
