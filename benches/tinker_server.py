@@ -5,11 +5,14 @@ recording), then
     TINKER_BASE_URL=http://127.0.0.1:N TINKER_API_KEY=tml-bench OXRL_MODEL=<name> \
         .venv-tinker/bin/python benches/tinker_server.py
 Prints: the round trip of a minimal forward_backward (1 datum of 2 tokens: submit + retrieve_future),
-of optim_step, SDK-driven SFT steps/s (4 x 32 tokens), and sampling throughput (tokens/s) with 1, 4
+and, with OXRL_DATA_DIR set to the server's data dir, how much of it the server spent on the
+request (future created -> result stored: queueing and compute, from server.sqlite) and the rest
+(HTTP, polling, the SDK): the round-trip overhead; of optim_step, SDK-driven SFT steps/s (4 x 32 tokens), and sampling throughput (tokens/s) with 1, 4
 and 16 LoRA sampling clients sampling at once (each 4 requests x 2 samples x 32 tokens).
 """
 
 import os
+import sqlite3
 import statistics
 import threading
 import time
@@ -38,6 +41,13 @@ def main() -> None:
     fb = timed(lambda: c.forward_backward(tiny, "cross_entropy").result(), 100)
     op = timed(lambda: c.optim_step(types.AdamParams(learning_rate=0.0)).result(), 100)
     print(f"minimal forward_backward round trip: {fb * 1e3:.2f} ms (median of 100); optim_step {op * 1e3:.2f} ms")
+    if os.environ.get("OXRL_DATA_DIR"):
+        db = sqlite3.connect(os.path.join(os.environ["OXRL_DATA_DIR"], "server.sqlite"))
+        spans = [f - c for (c, f) in db.execute(
+            "SELECT created, finished FROM futures WHERE kind = 'forward_backward' ORDER BY created")][-100:]
+        server = statistics.median(spans)
+        print(f"  of which in the server (queue + compute): {server * 1e3:.2f} ms; "
+              f"overhead (HTTP, polling, SDK): {(fb - server) * 1e3:.2f} ms")
 
     batch = [types.Datum(model_input=types.ModelInput.from_ints(list(range(i, i + 32))),
                          loss_fn_inputs={"target_tokens": list(range(i + 1, i + 33)), "weights": [1.0] * 32})

@@ -11,5 +11,5 @@ port=$((20000 + RANDOM % 20000))
 ./target/release/oxrl serve --model "$work/tiny" --port $port --data-dir "$work/data" &
 server=$!
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/api/v1/healthz" >/dev/null && break; sleep 0.1; done
-TINKER_BASE_URL=http://127.0.0.1:$port TINKER_API_KEY=tml-bench OXRL_MODEL=tiny \
+TINKER_BASE_URL=http://127.0.0.1:$port TINKER_API_KEY=tml-bench OXRL_MODEL=tiny OXRL_DATA_DIR="$work/data" \
     .venv-tinker/bin/python benches/tinker_server.py
