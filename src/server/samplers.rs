@@ -32,7 +32,7 @@ impl Drop for Sampler {
     fn drop(&mut self) {
         if self.has_adapter {
             // Requests already submitted keep the adapter; later ones cannot name it.
-            let _ = self.engine.remove_adapter(&self.id);
+            drop(self.engine.remove_adapter(&self.id));
         }
     }
 }
