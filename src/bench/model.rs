@@ -59,3 +59,27 @@ pub fn write(dir: &Path) -> Result<()> {
     });
     crate::files::write_json(&dir.join(WORKLOADS_FILE), &json)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The directory the peers load holds the very weights `build` makes, and the workloads'
+    /// tokens as oxrl builds them.
+    #[test]
+    fn written_model_is_the_built_one() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path()).unwrap();
+        let loaded = Transformer::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+        let built = build(SEED, DType::F32, &Device::Cpu).unwrap();
+        for ((n, a), (m, b)) in loaded.named_params().iter().zip(built.named_params()) {
+            assert_eq!(n, &m);
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(d, 0.0, "{n}");
+        }
+        let w = crate::files::read_json(&dir.path().join(WORKLOADS_FILE)).unwrap();
+        let batch = workloads::train_batch(workloads::TRAIN_BATCH, workloads::TRAIN_SEQ, 4096);
+        assert_eq!(w["train"]["input_tokens"][3], serde_json::json!(batch[3].input_tokens));
+        assert_eq!(w["decode"]["prompts"][5], serde_json::json!(workloads::prompt(5, 16, 4096)));
+    }
+}
