@@ -17,8 +17,9 @@
 #    it sizes its pools by the CPUs it may use); oxrl gets --threads N, PyTorch
 #    torch.set_num_threads(N) and OMP_NUM_THREADS=N, JAX for N = 1 also
 #    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1".
-# 4. Prints the markdown table (medians over rounds; ratios oxrl / peer in tokens/s) and leaves
-#    every JSON line in OUT_DIR/results.jsonl.
+# 4. Prints the markdown tables (medians over rounds, and the best repetition; ratios oxrl / peer
+#    in tokens/s, above 1 = oxrl faster) and leaves every JSON line in OUT_DIR/results.jsonl;
+#    `peers.py table OUT_DIR/results.jsonl` prints them again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-runs/peers}
@@ -66,4 +67,8 @@ done
 
 echo
 echo "$(date -u +%F), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), $ROUNDS round(s)"
+echo "Medians over rounds of each run's median:"
 "$PY" benches/peers/peers.py table "$RESULTS"
+echo
+echo "Best repetition of all rounds (least disturbed by other work on the machine):"
+"$PY" benches/peers/peers.py table "$RESULTS" --stat best
