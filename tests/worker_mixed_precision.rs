@@ -112,3 +112,31 @@ fn mixed_precision_checkpoint_resumes_exactly_from_f32_masters() {
     assert_eq!(stored.get(first).unwrap().dtype(), DType::BF16);
     assert_eq!(exported.config.vocab_size, 300);
 }
+
+/// LoRA under mixed precision: the adapters are the trained parameters, so they get the f32
+/// masters; offloading to host memory and back keeps masters and adapters bit-exact.
+#[test]
+fn lora_adapters_get_masters_and_survive_offload() {
+    use oxrl::model::lora::LoraConfig;
+    use oxrl::worker::placement::HostCopy;
+    let model = Transformer::load(&fixture_dir("qwen3"), DType::BF16, &Device::Cpu).unwrap();
+    let lora = Some(LoraConfig::new(4, 8.0, &["all-linear"]));
+    let mut w = Worker::new(model, WorkerConfig { lora, ..Default::default() }).unwrap();
+    let masters = w.master_weights().unwrap();
+    assert_eq!(masters.len(), w.params().len());
+    assert!(w.params().iter().all(|(n, _)| n.contains("lora_")), "only adapters are trained");
+    let before: Vec<_> = masters.to_vec();
+    let losses = train(&mut w, 3, &params());
+    assert!(losses[3] < losses[0], "{losses:?}");
+    let after = w.master_weights().unwrap().to_vec();
+    assert!(before.iter().zip(&after).any(|(a, b)| max_abs_diff(a, b) > 0.0), "the masters were updated");
+
+    let mut host = HostCopy::default();
+    w.offload(true, true, &mut host).unwrap();
+    assert!(w.master_weights().is_none(), "offloaded masters leave the device");
+    w.backload(true, true, &mut host).unwrap();
+    for ((x, y), (name, var)) in after.iter().zip(w.master_weights().unwrap()).zip(w.params()) {
+        assert_eq!(max_abs_diff(x, y), 0.0, "{name}");
+        assert_eq!(max_abs_diff(&x.to_dtype(DType::BF16).unwrap(), var.as_tensor()), 0.0, "{name}");
+    }
+}
