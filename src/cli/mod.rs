@@ -18,7 +18,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "oxrl", version, about = "LLM post-training: SFT and RL for Llama / Qwen2 / Qwen3 models")]
 struct Cli {
-    /// Worker threads for tensor math (default: 1 for generation, all cores otherwise).
+    /// Worker threads for tensor math (default: 1 for generation and benchmarks, all cores otherwise).
     #[arg(long, global = true)]
     threads: Option<usize>,
     #[command(subcommand)]
