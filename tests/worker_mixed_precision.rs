@@ -140,3 +140,19 @@ fn lora_adapters_get_masters_and_survive_offload() {
         assert_eq!(max_abs_diff(&x.to_dtype(DType::BF16).unwrap(), var.as_tensor()), 0.0, "{name}");
     }
 }
+
+/// An f32 checkpoint loaded into a bf16 worker gives its masters the full f32 values (the
+/// parameters are their rounding), so switching precision mid-run loses nothing but the rounding.
+#[test]
+fn f32_checkpoint_gives_bf16_worker_full_precision_masters() {
+    let mut f = worker(DType::F32, true);
+    train(&mut f, 2, &params());
+    let dir = tempfile::tempdir().unwrap();
+    f.save_state(dir.path()).unwrap();
+    let mut b = worker(DType::BF16, true);
+    b.load_state(dir.path()).unwrap();
+    for (((name, fv), master), (_, bv)) in f.params().iter().zip(b.master_weights().unwrap()).zip(b.params()) {
+        assert_eq!(max_abs_diff(fv.as_tensor(), master), 0.0, "{name}");
+        assert_eq!(max_abs_diff(&master.to_dtype(DType::BF16).unwrap(), bv.as_tensor()), 0.0, "{name}");
+    }
+}

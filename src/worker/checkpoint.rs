@@ -9,7 +9,7 @@
 //! - `optimizer.safetensors`: `exp_avg.NAME`, `exp_avg_sq.NAME` per parameter with state;
 //! - mixed precision: `master_weights.safetensors`, the f32 masters by parameter name (the
 //!   parameters above are their rounding); a worker with masters that loads a checkpoint
-//!   without them starts its masters from the parameters;
+//!   without them takes the stored parameters, read in f32, as its masters;
 //! - `worker_state.json`: step, per-parameter AdamW step counts, RNG `(seed, draws)`, critic flag.
 //!
 //! Everything is written to a sibling temporary directory which is then renamed into place; an
@@ -127,13 +127,20 @@ impl Worker {
         let mut moments = Vec::with_capacity(self.params.len());
         for (name, var) in &self.params {
             let p = var.as_tensor();
-            let value = tensors.take(name, p.dims(), p.dtype())?;
-            if self.masters.is_some() {
-                masters.push(match saved_masters.as_mut() {
+            let value = if self.masters.is_some() {
+                // The parameter is the master rounded. Without saved masters, the master is the
+                // stored parameter read in f32 (an f32 checkpoint keeps its low bits).
+                let stored = tensors.take(name, p.dims(), MASTER_DTYPE)?;
+                let master = match saved_masters.as_mut() {
                     Some(saved) => saved.take(name, p.dims(), MASTER_DTYPE)?,
-                    None => value.to_dtype(MASTER_DTYPE)?,
-                });
-            }
+                    None => stored,
+                };
+                let value = master.to_dtype(p.dtype())?;
+                masters.push(master);
+                value
+            } else {
+                tensors.take(name, p.dims(), p.dtype())?
+            };
             values.push(value);
             moments.push(match state["param_steps"].get(name) {
                 None => None,

@@ -19,7 +19,8 @@
 //!
 //! Simplification: the masters start from the parameters as the worker receives them, i.e. already
 //! rounded to bf16 when the model was loaded in bf16 (the low bits of an f32 checkpoint are lost
-//! once, at load; most published checkpoints are stored in bf16 anyway).
+//! once, at load; most published checkpoints are stored in bf16 anyway). `load_state` of a checkpoint
+//! without masters (an f32 run's, say) reads the stored parameters in f32 as the masters.
 //!
 //! [`WorkerConfig::master_weights`]: super::WorkerConfig::master_weights
 
