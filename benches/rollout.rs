@@ -15,27 +15,20 @@
 
 mod common;
 
+use oxrl::bench::workloads::{self, NEW_TOKENS as NEW, PROMPT_LEN as PROMPT};
 use oxrl::model::lora::{self, LoraConfig};
 use oxrl::model::{SamplerWeights, Transformer};
-use oxrl::rollout::{Engine, EngineConfig, EngineCore, PauseMode, Request, SamplingParams, WeightUpdate};
-
-const PROMPT: usize = 16;
-const NEW: usize = 32;
+use oxrl::rollout::{Engine, EngineConfig, EngineCore, PauseMode, WeightUpdate};
 
 use common::{d256_model as model, time};
 
 fn prompt(r: usize) -> Vec<u32> {
-    (0..PROMPT).map(|i| ((r * 977 + i * 131 + 7) % 4096) as u32).collect()
+    workloads::prompt(r, PROMPT, 4096)
 }
 
+/// The decoding workload of `oxrl bench decode` (`oxrl::bench::workloads::decode`).
 fn engine_decode(m: &Transformer, c: usize) {
-    let mut e = EngineCore::new(m.clone(), EngineConfig { max_batch: c, ..Default::default() }).unwrap();
-    let p = SamplingParams { max_tokens: NEW, temperature: 0.0, ignore_eos: true, ..Default::default() };
-    for r in 0..c {
-        e.add_request(Request::new(prompt(r), p.clone())).unwrap();
-    }
-    let outs = e.run_until_idle().unwrap();
-    assert!(outs.iter().all(|(_, o)| o.samples[0].tokens.len() == NEW));
+    assert_eq!(workloads::decode(m, c, PROMPT, NEW).unwrap(), c * NEW);
 }
 
 /// Greedy decoding that recomputes the whole sequence each step.
@@ -56,7 +49,7 @@ fn uncached_decode(m: &Transformer, c: usize) {
 fn main() {
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
     let m = model(0);
-    for c in [1, 16, 64] {
+    for c in workloads::CONCURRENCY {
         let cached = time(3, || engine_decode(&m, c));
         let uncached = time(1, || uncached_decode(&m, c));
         let toks = (c * NEW) as f64;

@@ -34,7 +34,8 @@ fn batch(b: usize, t: usize, seed: u32) -> Vec<Datum> {
 fn main() {
     let threads = common::threads();
     let mut w = Worker::new(d256_model(0), WorkerConfig { micro_batch_size: Some(8), ..Default::default() }).unwrap();
-    let small = batch(8, 128, 1);
+    // The training workload of `oxrl bench train` (`oxrl::bench::workloads`).
+    let small = oxrl::bench::workloads::train_batch(8, 128, 4096);
     let params = AdamParams::default();
     let ce = Loss::parse("cross_entropy", &json!({})).unwrap();
     let mut step = || {

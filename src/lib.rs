@@ -11,12 +11,14 @@
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
 //! - [`server`]: the Tinker-compatible HTTP server (`oxrl serve`).
 //! - [`cli`]: the `oxrl` command line.
+//! - [`bench`]: the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
 //!
 //! Beside them: [`handle`] (results of submitted calls, awaited or waited on) and [`actor`]
 //! (the threads that own workers and engines, each with its own tensor-math thread budget).
 
 pub mod actor;
 pub mod algo;
+pub mod bench;
 pub mod cli;
 pub mod dispatch;
 pub mod env;

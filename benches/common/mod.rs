@@ -4,29 +4,17 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use oxrl::model::config::{Arch, ModelConfig, ModelShape};
-use oxrl::model::{init, Transformer};
+use oxrl::model::config::ModelConfig;
+use oxrl::model::Transformer;
 
-/// The benchmark model of the issues: qwen3-shaped, hidden 256, 4 layers, 4 heads of 64
-/// (2 kv heads), MLP 1024, vocab 4096, f32 on CPU (or on [`device`]).
+/// The benchmark model of the issues (`oxrl::bench::model`): qwen3-shaped, hidden 256, 4 layers,
+/// 4 heads of 64 (2 kv heads), MLP 1024, vocab 4096, f32 on CPU (or on [`device`]).
 pub fn d256_config() -> ModelConfig {
-    let shape = ModelShape {
-        vocab_size: 4096,
-        hidden_size: 256,
-        intermediate_size: 1024,
-        num_layers: 4,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        rope_theta: 10000.0,
-        max_position_embeddings: 1024,
-        tie_word_embeddings: false,
-    };
-    ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen3, &shape), "bench".as_ref()).unwrap()
+    oxrl::bench::model::config().unwrap()
 }
 
 pub fn d256_model(seed: u64) -> Transformer {
-    init::random_model(d256_config(), seed, DType::F32, &device()).unwrap()
+    oxrl::bench::model::build(seed, DType::F32, &device()).unwrap()
 }
 
 /// The benchmarks' device: `OXRL_BENCH_DEVICE` (`cpu`, `cuda`, `cuda:N`; default `cpu`). A CUDA

@@ -37,6 +37,7 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
             micro_batch_size: Some(cfg.train.micro_batch_size),
             max_tokens_per_microbatch: (cfg.train.max_tokens_per_microbatch > 0)
                 .then_some(cfg.train.max_tokens_per_microbatch),
+            master_weights: cfg.model.master_weights,
         },
         ..WorkerSpec::new(&cfg.model.path)
     };
@@ -77,6 +78,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         critic: false,
         micro_batch_size: (l.micro_batch_size > 0).then_some(l.micro_batch_size),
         max_tokens_per_microbatch: (l.max_tokens_per_microbatch > 0).then_some(l.max_tokens_per_microbatch),
+        master_weights: cfg.model.master_weights,
     };
     let base = WorkerSpec {
         dtype,

@@ -1,5 +1,6 @@
 //! The `oxrl` command line: one subcommand per file, each a thin layer over the library.
 
+mod bench;
 mod config;
 mod demo;
 mod generate;
@@ -17,7 +18,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "oxrl", version, about = "LLM post-training: SFT and RL for Llama / Qwen2 / Qwen3 models")]
 struct Cli {
-    /// Worker threads for tensor math (default: 1 for generation, all cores otherwise).
+    /// Worker threads for tensor math (default: 1 for generation and benchmarks, all cores otherwise).
     #[arg(long, global = true)]
     threads: Option<usize>,
     #[command(subcommand)]
@@ -44,6 +45,8 @@ enum Command {
     Plot(plot::Args),
     /// The Tinker-compatible training server: the `tinker` SDK trains LoRA adapters over HTTP.
     Serve(serve::Args),
+    /// Benchmarks: a training step or decoding on the benchmark model (or --model), JSON lines.
+    Bench(bench::Args),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -52,9 +55,10 @@ pub fn main() -> i32 {
     // Workloads (ranks, engines) each have their own thread pool; candle's shared one for
     // elementwise ops would make them contend.
     crate::actor::confine_candle_threads();
-    // Decoding one sequence is faster on one thread (DESIGN.md: 619 vs 274 tokens/s).
+    // Decoding one sequence is faster on one thread (DESIGN.md: 619 vs 274 tokens/s); benchmarks
+    // name their thread count, one unless told.
     let default_threads = match cli.command {
-        Command::Generate(_) => Some(1),
+        Command::Generate(_) | Command::Bench(_) => Some(1),
         _ => None,
     };
     if let Some(n) = cli.threads.or(default_threads) {
@@ -70,6 +74,7 @@ pub fn main() -> i32 {
         Command::Demo(a) => demo::run(a, cli.threads),
         Command::Plot(a) => plot::run(a),
         Command::Serve(a) => serve::run_cmd(a, cli.threads),
+        Command::Bench(a) => bench::run(a),
     };
     match result {
         Ok(()) => 0,

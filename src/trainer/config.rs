@@ -39,8 +39,14 @@ impl ConfigPaths for SftConfig {
 pub struct ModelSection {
     /// Hugging Face model directory (config.json, safetensors, tokenizer). Default `""`: required.
     pub path: PathBuf,
-    /// Parameter dtype for training: `f32`, `bf16` or `f16`. Default `f32`.
+    /// Compute dtype for training: `f32`, `bf16` or `f16`. Default `f32`. With `bf16` / `f16`
+    /// the run is mixed precision unless `master_weights = false`.
     pub dtype: String,
+    /// For a `bf16` / `f16` `dtype`: keep f32 master weights and f32 AdamW moments, and run
+    /// forward/backward in `dtype` on the masters' rounding (mixed precision); checkpoints keep the
+    /// masters, the exported model is in `dtype`. `false`: pure half precision, the parameters are
+    /// updated in their own dtype (small updates are rounded away). Ignored for `f32`. Default `true`.
+    pub master_weights: bool,
     /// Where the model runs, its workers and engines alike: `cpu`, `cuda` or `cuda:N` (CUDA needs
     /// a build with `--features cuda`). Default `cpu`.
     pub device: String,
@@ -73,7 +79,13 @@ impl ModelSection {
 
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { path: PathBuf::new(), dtype: "f32".into(), device: "cpu".into(), lora: LoraSection::default() }
+        ModelSection {
+            path: PathBuf::new(),
+            dtype: "f32".into(),
+            master_weights: true,
+            device: "cpu".into(),
+            lora: LoraSection::default(),
+        }
     }
 }
 

@@ -11,7 +11,9 @@
 //! global L2 norm over all parameters (torch's `clip_grad_norm_`). A parameter that received no
 //! gradient since the last step is skipped entirely (no decay, no moment update, its step count
 //! unchanged), as torch skips parameters whose `.grad` is None. Moments are kept in f32 (f64 for
-//! an f64 model); bf16/f16 parameters are updated in f32 and rounded back (no master copy).
+//! an f64 model). A bf16/f16 parameter is updated in f32: on its f32 master copy when the worker
+//! keeps one (mixed precision, [`super::mixed_precision`]: [`step_value`] on the master, then the
+//! parameter is the master rounded), else on its own value, rounded back after every step.
 
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -109,16 +111,26 @@ pub fn clip_coefficient(norm: f64, clip: f64) -> f64 {
     }
 }
 
-/// One AdamW update of `var` with gradient `grad` (already clipped); advances `state.step`.
+/// One AdamW update of `var` with gradient `grad` (already clipped), computed in the moments'
+/// dtype and rounded to the parameter's; advances `state.step`.
 pub fn update(var: &Var, grad: &Tensor, state: &mut Moments, p: &AdamParams) -> Result<()> {
     let param = var.as_tensor();
+    let x = param.to_dtype(state.exp_avg.dtype())?;
+    var.set(&step_value(&x, grad, state, p)?.to_dtype(param.dtype())?)?;
+    Ok(())
+}
+
+/// The AdamW update of the value `x` (in the moments' dtype: an f32 master copy, or a
+/// parameter already cast) with gradient `grad` (any float dtype, already clipped): returns the
+/// new value in the moments' dtype and advances `state.step`.
+pub fn step_value(x: &Tensor, grad: &Tensor, state: &mut Moments, p: &AdamParams) -> Result<Tensor> {
     let dtype = state.exp_avg.dtype();
     let g = grad.to_dtype(dtype)?;
     state.step += 1;
     let t = state.step as i32;
     let bias1 = 1.0 - p.beta1.powi(t);
     let bias2 = 1.0 - p.beta2.powi(t);
-    let mut x = param.to_dtype(dtype)?;
+    let mut x = x.to_dtype(dtype)?;
     if p.weight_decay != 0.0 {
         x = (x * (1.0 - p.learning_rate * p.weight_decay))?;
     }
@@ -126,6 +138,5 @@ pub fn update(var: &Var, grad: &Tensor, state: &mut Moments, p: &AdamParams) -> 
     state.exp_avg_sq = ((&state.exp_avg_sq * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
     let denom = ((&state.exp_avg_sq * (1.0 / bias2))?.sqrt()? + p.eps)?;
     let step = ((&state.exp_avg * (p.learning_rate / bias1))? / denom)?;
-    var.set(&(x - step)?.to_dtype(param.dtype())?)?;
-    Ok(())
+    Ok((x - step)?)
 }

@@ -7,6 +7,9 @@
 //!   layout; the frozen base is not stored — load into a worker built on the same base);
 //! - critic: `value_head.safetensors`;
 //! - `optimizer.safetensors`: `exp_avg.NAME`, `exp_avg_sq.NAME` per parameter with state;
+//! - mixed precision: `master_weights.safetensors`, the f32 masters by parameter name (the
+//!   parameters above are their rounding); a worker with masters that loads a checkpoint
+//!   without them takes the stored parameters, read in f32, as its masters;
 //! - `worker_state.json`: step, per-parameter AdamW step counts, RNG `(seed, draws)`, critic flag.
 //!
 //! Everything is written to a sibling temporary directory which is then renamed into place; an
@@ -19,6 +22,7 @@ use std::path::Path;
 use serde_json::{json, Value};
 
 use super::adamw::{state_dtype, Moments};
+use super::mixed_precision::{MASTER_DTYPE, MASTER_FILE};
 use super::rank::Worker;
 use super::rng::WorkerRng;
 use crate::files::{read_json, write_dir_atomically, write_json, JsonFields};
@@ -53,6 +57,14 @@ impl Worker {
                 }
             }
             optimizer.save_file(&path)?;
+            if let Some(masters) = &self.masters {
+                let path = tmp.join(MASTER_FILE);
+                let mut tensors = NamedTensors::new(&path);
+                for ((name, _), m) in self.params.iter().zip(masters) {
+                    tensors.insert(name.clone(), m.clone())?;
+                }
+                tensors.save_file(&path)?;
+            }
             let state = json!({
                 "format": FORMAT,
                 "step": self.step,
@@ -105,11 +117,31 @@ impl Worker {
             tensors.extend(NamedTensors::load_file(&dir.join(file), device)?)?;
         }
         let mut optimizer = NamedTensors::load_file(&dir.join(OPTIMIZER_FILE), device)?;
+        let master_path = dir.join(MASTER_FILE);
+        let mut saved_masters = match (&self.masters, master_path.exists()) {
+            (Some(_), true) => Some(NamedTensors::load_file(&master_path, device)?),
+            _ => None,
+        };
+        let mut masters = Vec::with_capacity(self.params.len());
         let mut values = Vec::with_capacity(self.params.len());
         let mut moments = Vec::with_capacity(self.params.len());
         for (name, var) in &self.params {
             let p = var.as_tensor();
-            values.push(tensors.take(name, p.dims(), p.dtype())?);
+            let value = if self.masters.is_some() {
+                // The parameter is the master rounded. Without saved masters, the master is the
+                // stored parameter read in f32 (an f32 checkpoint keeps its low bits).
+                let stored = tensors.take(name, p.dims(), MASTER_DTYPE)?;
+                let master = match saved_masters.as_mut() {
+                    Some(saved) => saved.take(name, p.dims(), MASTER_DTYPE)?,
+                    None => stored,
+                };
+                let value = master.to_dtype(p.dtype())?;
+                masters.push(master);
+                value
+            } else {
+                tensors.take(name, p.dims(), p.dtype())?
+            };
+            values.push(value);
             moments.push(match state["param_steps"].get(name) {
                 None => None,
                 Some(s) => {
@@ -123,8 +155,14 @@ impl Worker {
         let tied = self.model.config.tie_word_embeddings;
         tensors.reject_leftovers(|name| tied && name == "lm_head.weight", "not a parameter of this worker")?;
         optimizer.reject_leftovers(|_| false, "not the moment of a parameter of this worker")?;
+        if let Some(saved) = &saved_masters {
+            saved.reject_leftovers(|_| false, "not the master of a parameter of this worker")?;
+        }
         for ((_, var), value) in self.params.iter().zip(&values) {
             var.set(value)?;
+        }
+        if self.masters.is_some() {
+            self.masters = Some(masters);
         }
         self.moments = moments;
         self.step = step;

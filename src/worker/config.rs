@@ -3,8 +3,8 @@
 use crate::model::lora::LoraConfig;
 
 /// How a [`super::Worker`] trains. `Default`: full fine-tuning, seed 0, no critic head, the
-/// whole batch in one micro-batch.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// whole batch in one micro-batch, f32 master weights for a bf16/f16 model.
+#[derive(Clone, Debug, PartialEq)]
 pub struct WorkerConfig {
     /// Train fresh LoRA adapters (only they get gradients and optimizer state) instead of
     /// every weight. Default: `None` (full fine-tuning).
@@ -19,4 +19,22 @@ pub struct WorkerConfig {
     /// At most this many padded tokens (`B × T_max`) per micro-batch. Default `None` (no
     /// limit). A datum longer than this is an error.
     pub max_tokens_per_microbatch: Option<usize>,
+    /// Mixed precision for a bf16 / f16 model: keep f32 master weights (and f32 gradient
+    /// accumulators) that AdamW updates, and compute forward/backward on their rounding
+    /// ([`super::mixed_precision`]). `false`: the parameters are updated in place in their own
+    /// dtype (pure bf16). Ignored for f32 / f64 models. Default `true`.
+    pub master_weights: bool,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            lora: None,
+            seed: 0,
+            critic: false,
+            micro_batch_size: None,
+            max_tokens_per_microbatch: None,
+            master_weights: true,
+        }
+    }
 }

@@ -11,8 +11,10 @@
 //! - [`Worker::optim_step`]: AdamW ([`adamw`]) with optional global-norm clipping.
 //! - [`Worker::save_state`] / [`Worker::load_state`] / [`Worker::export`]: [`checkpoint`].
 //!
-//! Simplifications: one device, one thread of control; no mixed precision (bf16 parameters
-//! are updated without an f32 master copy); the learning-rate schedule ([`schedule`]) is a pure
+//! A bf16 / f16 model trains in mixed precision by default ([`mixed_precision`]): f32 master
+//! weights and moments, bf16 forward and backward.
+//!
+//! Simplifications: one device, one thread of control; the learning-rate schedule ([`schedule`]) is a pure
 //! function the caller applies when it builds [`AdamParams`].
 
 pub mod adamw;
@@ -21,6 +23,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod loss_fn;
 mod micro_batch;
+pub mod mixed_precision;
 pub mod packing;
 pub mod placement;
 mod rank;

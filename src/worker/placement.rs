@@ -1,8 +1,8 @@
 //! What dispatch needs from a worker beyond the training calls: a gradient all-reduce hook and
 //! moving state between the device and host memory (colocated roles).
 //!
-//! Offload copies the trainable parameters, their accumulated gradients and the AdamW moments
-//! into fresh host tensors ([`HostCopy`]) and then *releases* the device storage: every slot of
+//! Offload copies the trainable parameters, their accumulated gradients (and f32 master weights,
+//! under mixed precision) and the AdamW moments into fresh host tensors ([`HostCopy`]) and then *releases* the device storage: every slot of
 //! the model that held a trainable parameter (and the worker's own variable) is replaced by an
 //! empty placeholder, so nothing keeps the old storage alive. Backload builds new variables from
 //! the host copy and puts them back in the same slots, bit-exactly. While offloaded, training
@@ -25,6 +25,7 @@ use crate::{Error, Result};
 #[derive(Debug, Default)]
 pub struct HostCopy {
     params: Option<Vec<Tensor>>,
+    masters: Option<Vec<Tensor>>,
     grads: Option<Vec<Option<Tensor>>>,
     moments: Option<Vec<Option<Moments>>>,
 }
@@ -49,7 +50,11 @@ impl Worker {
         for (i, (_, var)) in self.params.iter().enumerate() {
             local.push(match self.grads[i].take() {
                 Some(g) => g,
-                None => var.as_tensor().zeros_like()?,
+                // In the accumulators' dtype (f32 under mixed precision), so that ranks add up.
+                None => match &self.masters {
+                    Some(m) => m[i].zeros_like()?,
+                    None => var.as_tensor().zeros_like()?,
+                },
             });
         }
         let reduced = reduce(local)?;
@@ -82,7 +87,8 @@ impl Worker {
         let params: usize = self.params.iter().map(|(_, v)| bytes(v.as_tensor())).sum();
         let grads: usize = self.grads.iter().flatten().map(bytes).sum();
         let moments: usize = self.moments.iter().flatten().map(|m| bytes(&m.exp_avg) + bytes(&m.exp_avg_sq)).sum();
-        params + grads + moments
+        let masters: usize = self.masters.iter().flatten().map(bytes).sum();
+        params + grads + moments + masters
     }
 
     /// Moves the parameters and their gradients (`model`) and/or the moments (`optimizer`) to
@@ -96,6 +102,10 @@ impl Worker {
             self.replace_params(&mut |_| Ok(Tensor::zeros(0, dtype, &device)?))?;
             host.params = Some(params);
             host.grads = Some(grads);
+            host.masters = match self.masters.take() {
+                Some(m) => Some(m.iter().map(to_host).collect::<Result<Vec<_>>>()?),
+                None => None,
+            };
             self.offloaded = true;
         }
         if optimizer && host.moments.is_none() {
@@ -128,6 +138,10 @@ impl Worker {
                 })?;
                 self.grads =
                     grads.into_iter().map(|g| g.map(|g| to_device(g, &device)).transpose()).collect::<Result<_>>()?;
+                self.masters = match host.masters.take() {
+                    Some(m) => Some(m.into_iter().map(|t| to_device(t, &device)).collect::<Result<Vec<_>>>()?),
+                    None => None,
+                };
                 self.offloaded = false;
             }
         }

@@ -8,6 +8,8 @@
 //!   records come back in input order, or empty without any host copy when not asked for.
 //! - `forward` computes the same outputs without a backward pass.
 //! - `optim_step` applies AdamW (see [`super::adamw`]) and zeroes the accumulators.
+//! - A bf16 / f16 model trains in mixed precision ([`super::mixed_precision`]): f32 masters and
+//!   f32 accumulators beside the half-precision parameters.
 
 use candle_core::{Tensor, Var};
 
@@ -16,6 +18,7 @@ use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
 use super::config::WorkerConfig;
 use super::loss_fn::{needs_entropy, requirements};
 use super::micro_batch::{apply_loss, model_outputs, split};
+use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
 use super::value_head::ValueHead;
@@ -43,6 +46,9 @@ pub struct Worker {
     pub(super) grads: Vec<Option<Tensor>>,
     /// AdamW moments per parameter, created at its first update.
     pub(super) moments: Vec<Option<Moments>>,
+    /// Mixed precision: the f32 master of each parameter (the parameter is its rounding), and
+    /// the accumulators are f32. `None`: the parameters are their own masters.
+    pub(super) masters: Option<Vec<Tensor>>,
     /// Optimizer steps applied.
     pub(super) step: u64,
     pub(super) rng: WorkerRng,
@@ -71,6 +77,7 @@ impl Worker {
             None
         };
         let n = params.len();
+        let masters = if keeps_masters(model.dtype, &config) { Some(masters_of(&params)?) } else { None };
         Ok(Worker {
             model,
             config,
@@ -78,6 +85,7 @@ impl Worker {
             value_head,
             grads: vec![None; n],
             moments: vec![None; n],
+            masters,
             step: 0,
             rng,
             offloaded: false,
@@ -106,6 +114,12 @@ impl Worker {
     pub fn moments(&self, name: &str) -> Option<&Moments> {
         let i = self.params.iter().position(|(n, _)| n == name)?;
         self.moments[i].as_ref()
+    }
+
+    /// The f32 master weights by parameter (mixed precision), in [`Worker::params`] order;
+    /// `None` when the parameters are their own masters (an f32 model, or `master_weights` off).
+    pub fn master_weights(&self) -> Option<&[Tensor]> {
+        self.masters.as_deref()
     }
 
     /// Optimizer steps applied so far.
@@ -225,8 +239,11 @@ impl Worker {
     /// Backward of `weighted_sum`; adds each parameter's gradient to its accumulator.
     fn accumulate(&mut self, weighted_sum: &Tensor) -> Result<()> {
         let grads = weighted_sum.backward()?;
+        let mixed = self.masters.is_some();
         for ((_, var), acc) in self.params.iter().zip(self.grads.iter_mut()) {
             if let Some(g) = grads.get(var.as_tensor()) {
+                // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
+                let g = if mixed { &g.to_dtype(MASTER_DTYPE)? } else { g };
                 *acc = Some(match acc.take() {
                     Some(a) => (a + g)?,
                     None => g.clone(),
@@ -255,7 +272,14 @@ impl Worker {
             if self.moments[i].is_none() {
                 self.moments[i] = Some(Moments::zeros(var.as_tensor())?);
             }
-            adamw::update(var, &grad, self.moments[i].as_mut().expect("just set"), params)?;
+            let state = self.moments[i].as_mut().expect("just set");
+            match self.masters.as_mut() {
+                Some(masters) => {
+                    masters[i] = adamw::step_value(&masters[i], &grad, state, params)?;
+                    var.set(&masters[i].to_dtype(var.dtype())?)?;
+                }
+                None => adamw::update(var, &grad, state, params)?,
+            }
         }
         self.step += 1;
         self.zero_grad();

@@ -1,0 +1,99 @@
+//! The workloads, as oxrl runs them.
+//!
+//! - Training step: `forward_backward` (cross-entropy, weights 1/N, so the loss is the token
+//!   mean) + `optim_step` (AdamW: lr 1e-4, β 0.9 / 0.95, ε 1e-12, no weight decay, no clipping) of
+//!   a [`Worker`] on 8 sequences × 128 tokens in one micro-batch — what `oxrl sft` does per step.
+//! - Decoding: `c` concurrent requests, greedy, prompt 16 tokens, 32 new tokens each (EOS
+//!   ignored), admitted together into a fresh [`EngineCore`] and run until idle (prefill
+//!   included).
+//!
+//! Tokens are a fixed arithmetic pattern (no randomness to seed, the same in every process and
+//! in the peers, which read them from the file [`super::model::write`] makes).
+
+use serde_json::json;
+
+use crate::algo::Loss;
+use crate::model::Transformer;
+use crate::rollout::{EngineConfig, EngineCore, Request, SamplingParams};
+use crate::worker::{AdamParams, Datum, Worker, WorkerConfig};
+use crate::{Error, Result};
+
+pub const TRAIN_BATCH: usize = 8;
+pub const TRAIN_SEQ: usize = 128;
+pub const PROMPT_LEN: usize = 16;
+pub const NEW_TOKENS: usize = 32;
+/// The concurrent-request counts of the decoding benchmark.
+pub const CONCURRENCY: [usize; 3] = [1, 16, 64];
+/// Offset of the target pattern from the input pattern.
+pub const TARGET_SALT: usize = 7;
+
+/// Row `row` of a token pattern: `(31 + salt + 977·row + 131·i) mod vocab`.
+pub fn tokens(row: usize, len: usize, salt: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| ((31 + salt + row * 977 + i * 131) % vocab) as u32).collect()
+}
+
+/// The prompt of request `r`: `(7 + 977·r + 131·i) mod vocab`.
+pub fn prompt(r: usize, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| ((r * 977 + i * 131 + 7) % vocab) as u32).collect()
+}
+
+/// The training batch: `batch` datums of `seq` tokens, token-mean weights.
+pub fn train_batch(batch: usize, seq: usize, vocab: usize) -> Vec<Datum> {
+    let w = 1.0 / (batch * seq) as f32;
+    (0..batch)
+        .map(|r| Datum::supervised(tokens(r, seq, 0, vocab), tokens(r, seq, TARGET_SALT, vocab), vec![w; seq]))
+        .collect()
+}
+
+/// The optimizer settings of the training benchmark (the peers use the same).
+pub fn adam_params() -> AdamParams {
+    AdamParams { learning_rate: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-12, weight_decay: 0.0, grad_clip_norm: 0.0 }
+}
+
+/// A worker training the model on one fixed batch, step after step.
+pub struct TrainBench {
+    worker: Worker,
+    batch: Vec<Datum>,
+    loss: Loss,
+    params: AdamParams,
+}
+
+impl TrainBench {
+    /// `master_weights` applies to a bf16 / f16 model (mixed precision, the default) and is
+    /// ignored for f32.
+    pub fn new(model: Transformer, batch: usize, seq: usize, master_weights: bool) -> Result<Self> {
+        if batch == 0 || seq == 0 {
+            return Err(Error::input("the training benchmark needs a batch and a sequence length of at least 1"));
+        }
+        let vocab = model.config.vocab_size;
+        let worker = Worker::new(model, WorkerConfig { master_weights, ..Default::default() })?;
+        let loss = Loss::parse("cross_entropy", &json!({}))?;
+        Ok(TrainBench { worker, batch: train_batch(batch, seq, vocab), loss, params: adam_params() })
+    }
+
+    /// One training step; returns the loss before it (the token mean).
+    pub fn step(&mut self) -> Result<f64> {
+        let out = self.worker.forward_backward(&self.batch, Some(&self.loss), false)?;
+        self.worker.optim_step(&self.params)?;
+        out.metrics.value("loss:sum").ok_or_else(|| Error::Other("cross_entropy returned no loss:sum".into()))
+    }
+
+    pub fn tokens_per_step(&self) -> usize {
+        self.batch.iter().map(Datum::len).sum()
+    }
+}
+
+/// Greedy decoding of `concurrent` requests through a fresh engine; returns the tokens generated.
+pub fn decode(model: &Transformer, concurrent: usize, prompt_len: usize, new_tokens: usize) -> Result<usize> {
+    if concurrent == 0 || prompt_len == 0 {
+        return Err(Error::input("the decoding benchmark needs at least one request and one prompt token"));
+    }
+    let vocab = model.config.vocab_size;
+    let mut engine = EngineCore::new(model.clone(), EngineConfig { max_batch: concurrent, ..Default::default() })?;
+    let p = SamplingParams { max_tokens: new_tokens, temperature: 0.0, ignore_eos: true, ..Default::default() };
+    for r in 0..concurrent {
+        engine.add_request(Request::new(prompt(r, prompt_len, vocab), p.clone()))?;
+    }
+    let outs = engine.run_until_idle()?;
+    Ok(outs.iter().map(|(_, o)| o.samples.iter().map(|s| s.tokens.len()).sum::<usize>()).sum())
+}

@@ -1,0 +1,175 @@
+//! `oxrl bench train|decode|save-model`: the workloads on the benchmark model (or any HF
+//! model directory), one JSON line per measurement on stdout:
+//! `{"bench": "train", ..., "median_ms": …, "tokens_per_s": …}`.
+//!
+//! `save-model` writes the benchmark model as an HF directory with the workloads' tokens, so that
+//! other frameworks (benches/peers/) measure the same weights on the same tokens. Threads: the
+//! global `--threads` (default 1 here, as for generation).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_core::DType;
+use serde_json::json;
+
+use crate::bench::timing::{measure_ms, median};
+use crate::bench::{model as bench_model, workloads};
+use crate::model::{weights, Transformer};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(clap::Subcommand)]
+enum What {
+    /// Training step: forward + backward + AdamW of one worker on BATCH × SEQ tokens.
+    Train(TrainArgs),
+    /// Greedy decoding through the sampling engine at each concurrency of --batch.
+    Decode(DecodeArgs),
+    /// Write the benchmark model (HF layout) and its workloads' tokens (bench_workloads.json).
+    SaveModel {
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct Common {
+    /// An HF model directory; default: the built-in benchmark model (qwen3 d256, 6.0 M parameters).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Compute dtype: f32 or bf16 (training in bf16 keeps f32 master weights unless --pure-bf16).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Untimed runs first.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Sequences per step.
+    #[arg(long, default_value_t = workloads::TRAIN_BATCH)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = workloads::TRAIN_SEQ)]
+    seq: usize,
+    /// bf16 without f32 master weights (parameters updated in bf16), for comparison.
+    #[arg(long)]
+    pure_bf16: bool,
+}
+
+#[derive(clap::Args)]
+struct DecodeArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Concurrent requests, one measurement each (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = workloads::CONCURRENCY)]
+    batch: Vec<usize>,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = workloads::PROMPT_LEN)]
+    prompt: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = workloads::NEW_TOKENS)]
+    new_tokens: usize,
+}
+
+impl Common {
+    fn dtype(&self) -> anyhow::Result<DType> {
+        match weights::parse_dtype(&self.dtype) {
+            Ok(d @ (DType::F32 | DType::BF16)) => Ok(d),
+            _ => anyhow::bail!("--dtype `{}`: expected f32 or bf16", self.dtype),
+        }
+    }
+
+    fn load(&self) -> anyhow::Result<(Transformer, String)> {
+        let (dtype, device) = (self.dtype()?, weights::parse_device(&self.device)?);
+        anyhow::ensure!(self.reps > 0, "--reps must be at least 1");
+        Ok(match &self.model {
+            Some(dir) => (Transformer::load(dir, dtype, &device)?, dir.display().to_string()),
+            None => (bench_model::build(bench_model::SEED, dtype, &device)?, "bench-qwen3-d256".into()),
+        })
+    }
+
+    /// The fields every record has.
+    fn record(&self, bench: &str, model: &str) -> serde_json::Value {
+        json!({
+            "bench": bench,
+            "framework": "oxrl",
+            "model": model,
+            "dtype": self.dtype,
+            "device": self.device,
+            "threads": rayon::current_num_threads(),
+            "reps": self.reps,
+        })
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    match a.what {
+        What::Train(t) => train(t),
+        What::Decode(d) => decode(d),
+        What::SaveModel { out } => {
+            bench_model::write(&out).with_context(|| format!("writing the benchmark model to {}", out.display()))?;
+            eprintln!("wrote the benchmark model and {} to {}", bench_model::WORKLOADS_FILE, out.display());
+            Ok(())
+        }
+    }
+}
+
+fn train(a: TrainArgs) -> anyhow::Result<()> {
+    let c = &a.common;
+    let (model, name) = c.load()?;
+    anyhow::ensure!(!a.pure_bf16 || c.dtype()? == DType::BF16, "--pure-bf16 needs --dtype bf16");
+    let mixed = c.dtype()? != DType::F32 && !a.pure_bf16;
+    let mut bench = workloads::TrainBench::new(model, a.batch, a.seq, !a.pure_bf16)?;
+    let mut losses = Vec::new();
+    let ms = measure_ms(c.warmup, c.reps, || {
+        losses.push(bench.step()?);
+        Ok(())
+    })?;
+    let med = median(ms.clone());
+    let mut r = c.record("train", &name);
+    r["master_weights"] = json!(mixed);
+    r["batch"] = json!(a.batch);
+    r["seq_len"] = json!(a.seq);
+    r["median_ms"] = json!(med);
+    r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
+    r["tokens_per_s"] = json!(bench.tokens_per_step() as f64 / (med / 1e3));
+    r["first_loss"] = json!(losses.first());
+    r["last_loss"] = json!(losses.last());
+    println!("{r}");
+    Ok(())
+}
+
+fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    let c = &a.common;
+    let (model, name) = c.load()?;
+    for &n in &a.batch {
+        let mut generated = 0;
+        let ms = measure_ms(c.warmup, c.reps, || {
+            generated = workloads::decode(&model, n, a.prompt, a.new_tokens)?;
+            Ok(())
+        })?;
+        let med = median(ms.clone());
+        let mut r = c.record("decode", &name);
+        r["batch"] = json!(n);
+        r["prompt_len"] = json!(a.prompt);
+        r["new_tokens"] = json!(a.new_tokens);
+        r["median_ms"] = json!(med);
+        r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
+        r["tokens_per_s"] = json!(generated as f64 / (med / 1e3));
+        println!("{r}");
+    }
+    Ok(())
+}
