@@ -1,0 +1,201 @@
+//! AdamW in one pass on the CPU: the update of [`super::adamw::update`] for f32/f64 parameters.
+//!
+//! The primitive version runs about twelve elementwise candle ops per parameter (each a full
+//! pass and a fresh buffer); this reads p, g, m, v once and writes [m' | v'] once and p in place, with the
+//! same arithmetic in the same order (so results agree with it to rounding):
+//! ```text
+//! g ← g · clip;  p ← p · (1 − lr·wd);  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²
+//! p ← p − (lr / (1 − β1^t)) · m / (sqrt(v · 1/(1 − β2^t)) + eps)
+//! ```
+//! The moments come back as views of one new buffer; the parameter is written in place, as
+//! `Var::set` would.
+
+use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Shape, Tensor, Var, WithDType};
+use rayon::prelude::*;
+
+use super::adamw::{AdamParams, Moments};
+use crate::model::ops::{data, dispatch_real, Real};
+use crate::Result;
+
+/// Scalars of one step, in the order the kernel uses them.
+#[derive(Clone, Copy)]
+struct Step {
+    clip: f64,
+    decay: f64,
+    beta1: f64,
+    beta2: f64,
+    lr_over_bias1: f64,
+    inv_bias2: f64,
+    eps: f64,
+}
+
+/// (grad, [m | v]) → [m' | v'].
+struct Moments2(Step);
+
+impl CustomOp2 for Moments2 {
+    fn name(&self) -> &'static str {
+        "adamw-moments"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let st = self.0;
+        dispatch_real!(s1, T => {
+            let (g, mv) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
+            let n = g.len();
+            let c = |x: f64| T::of(x);
+            let (clip, b1, b2, one_b1, one_b2) = (c(st.clip), c(st.beta1), c(st.beta2), c(1.0 - st.beta1), c(1.0 - st.beta2));
+            let mut out = vec![T::of(0.0); 2 * n];
+            let (mo, vo) = out.split_at_mut(n);
+            mo.par_chunks_mut(CHUNK).zip(vo.par_chunks_mut(CHUNK)).enumerate().for_each(|(k, (mo, vo))| {
+                let at = k * CHUNK;
+                for i in 0..mo.len() {
+                    let gj = g[at + i] * clip;
+                    mo[i] = mv[at + i] * b1 + gj * one_b1;
+                    vo[i] = mv[n + at + i] * b2 + gj * gj * one_b2;
+                }
+            });
+            Ok((<T as WithDType>::to_cpu_storage_owned(out), Shape::from(2 * n)))
+        })
+    }
+}
+
+/// p ← p · decay − lr/bias1 · m' / (sqrt(v' / bias2) + eps), in place, from [m' | v'].
+impl InplaceOp2 for Step {
+    fn name(&self) -> &'static str {
+        "adamw-param"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        let (a, b) = l1
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("adamw: parameter is not contiguous".into()))?;
+        let c = *self;
+        macro_rules! run {
+            ($p:expr, $T:ty) => {{
+                let mv = data::<$T>(s2, l2)?;
+                let n = b - a;
+                let k = |x: f64| x as $T;
+                let (decay, lr_b1, inv_b2, eps) = (k(c.decay), k(c.lr_over_bias1), k(c.inv_bias2), k(c.eps));
+                $p[a..b].par_chunks_mut(CHUNK).enumerate().for_each(|(j, p)| {
+                    let at = j * CHUNK;
+                    for i in 0..p.len() {
+                        let denom = (mv[n + at + i] * inv_b2).sqrt() + eps;
+                        p[i] = p[i] * decay - mv[at + i] * lr_b1 / denom;
+                    }
+                });
+                Ok(())
+            }};
+        }
+        match s1 {
+            CpuStorage::F32(p) => run!(p, f32),
+            CpuStorage::F64(p) => run!(p, f64),
+            _ => Err(candle_core::Error::Msg("adamw: f32 or f64 only".into())),
+        }
+    }
+}
+
+/// Elements per rayon task.
+const CHUNK: usize = 8192;
+
+/// Σ x² in f64, one pass (the global gradient norm's terms).
+struct SumSquares;
+
+impl candle_core::CustomOp1 for SumSquares {
+    fn name(&self) -> &'static str {
+        "sum-squares"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch_real!(s, T => {
+            let x = data::<T>(s, l)?;
+            let total: f64 = x
+                .par_chunks(CHUNK)
+                .map(|c| c.iter().map(|&v| { let v = v.to_f64(); v * v }).sum::<f64>())
+                .sum();
+            Ok((CpuStorage::F64(vec![total]), Shape::from(1)))
+        })
+    }
+}
+
+/// Σ x² of `t` (f32/f64 on the CPU) as a one-element f64 tensor; None where it does not apply.
+pub fn sum_squares(t: &Tensor) -> Result<Option<Tensor>> {
+    if !(t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)) {
+        return Ok(None);
+    }
+    Ok(Some(t.contiguous()?.apply_op1_no_bwd(&SumSquares)?))
+}
+
+/// Whether the one-pass update serves this parameter: CPU, f32/f64, moments of its dtype.
+pub fn applies(param: &Tensor, state: &Moments) -> bool {
+    param.device().is_cpu()
+        && matches!(param.dtype(), DType::F32 | DType::F64)
+        && state.exp_avg.dtype() == param.dtype()
+}
+
+/// One AdamW step of `var` with `grad · clip`; advances `state.step`. Call when [`applies`].
+pub fn update(var: &Var, grad: &Tensor, clip: f64, state: &mut Moments, p: &AdamParams) -> Result<()> {
+    let param = var.as_tensor();
+    state.step += 1;
+    let t = state.step as i32;
+    let step = Step {
+        clip,
+        decay: 1.0 - p.learning_rate * p.weight_decay,
+        beta1: p.beta1,
+        beta2: p.beta2,
+        lr_over_bias1: p.learning_rate / (1.0 - p.beta1.powi(t)),
+        inv_bias2: 1.0 / (1.0 - p.beta2.powi(t)),
+        eps: p.eps,
+    };
+    let n = param.elem_count();
+    let flat = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(param.dtype())?.contiguous()?.flatten_all()?) };
+    let mv = Tensor::cat(&[flat(&state.exp_avg)?, flat(&state.exp_avg_sq)?], 0)?;
+    let mv = flat(grad)?.apply_op2_no_bwd(&mv, &Moments2(step))?;
+    param.inplace_op2(&mv, &step)?;
+    state.exp_avg = mv.narrow(0, 0, n)?.reshape(param.shape())?;
+    state.exp_avg_sq = mv.narrow(0, n, n)?.reshape(param.shape())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::adamw::update_reference;
+    use candle_core::Device;
+
+    #[test]
+    fn fused_step_equals_the_primitive_step() {
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::F64, 1e-14)] {
+            let init: Vec<f64> = (0..1000).map(|i| ((i * 37 % 101) as f64 - 50.0) / 25.0).collect();
+            let p0 = Tensor::from_vec(init, (10, 100), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let (a, b) = (Var::from_tensor(&p0).unwrap(), Var::from_tensor(&p0).unwrap());
+            let (mut sa, mut sb) = (Moments::zeros(&p0).unwrap(), Moments::zeros(&p0).unwrap());
+            let params = AdamParams { learning_rate: 1e-2, weight_decay: 0.1, eps: 1e-8, ..Default::default() };
+            for step in 0..3 {
+                let g = ((a.as_tensor() * (0.3 + step as f64)).unwrap().sin().unwrap() * 0.01).unwrap();
+                update(&a, &g, 1.0, &mut sa, &params).unwrap();
+                update_reference(&b, &g, &mut sb, &params).unwrap();
+            }
+            for (x, y) in [(a.as_tensor(), b.as_tensor()), (&sa.exp_avg, &sb.exp_avg), (&sa.exp_avg_sq, &sb.exp_avg_sq)]
+            {
+                let d = (x - y)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+                assert!(d < tol, "{dtype:?}: {d}");
+            }
+            assert_eq!(sa.step, sb.step);
+        }
+    }
+}
