@@ -47,6 +47,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use super::prefill::prefill_batch;
 use super::request::{Generation, Request, RequestOutput, StopReason};
 use super::sampler::sample;
 use crate::model::logprobs::target_logprobs;
@@ -409,9 +410,10 @@ impl EngineCore {
     }
 
     fn admit(&mut self) -> Result<()> {
-        // Prefills of this round by prompt: identical prompts share one.
-        let mut prefilled: HashMap<Vec<u32>, (KvCache, Option<Vec<f32>>)> = HashMap::new();
+        // Prefills of this round by prompt: identical prompts share one, and the prompts the
+        // loop below will admit are prefilled together up front (one forward per length).
         let mut longest = self.rows.iter().map(|r| self.active[&r.id].final_len()).max().unwrap_or(0);
+        let mut prefilled = prefill_batch(&self.model, &self.admissible(longest))?;
         while let Some((_, req)) = self.waiting.front() {
             let n = req.num_samples;
             let len = req.prompt.len() + req.params.max_tokens;
@@ -467,6 +469,27 @@ impl EngineCore {
             self.active.insert(id, active);
         }
         Ok(())
+    }
+
+    /// The prompts (with whether their log-probs are wanted) that `admit` will take from the
+    /// front of the queue: the same room checks, without side effects.
+    fn admissible(&self, mut longest: usize) -> Vec<(&[u32], bool)> {
+        let mut rows = self.rows.len();
+        let mut out = vec![];
+        for (_, req) in &self.waiting {
+            let len = req.prompt.len() + req.params.max_tokens;
+            if rows + req.num_samples > self.config.max_batch
+                || (rows + req.num_samples) * longest.max(len) > self.budget
+            {
+                break;
+            }
+            longest = longest.max(len);
+            if req.params.max_tokens > 0 {
+                rows += req.num_samples;
+            }
+            out.push((req.prompt.as_slice(), req.prompt_logprobs));
+        }
+        out
     }
 
     /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs. Also
