@@ -4,7 +4,7 @@
 //! blocked layout on every call: with a handful of rows (one decode step) the packing costs
 //! more than the arithmetic (47 % of a batch-1 decode run, 25 % at 64 rows). Here each output
 //! is a dot product of two contiguous rows, so nothing is packed: blocks of 4 weight rows
-//! (kept in L1) meet the x rows two at a time, 8 AVX-512 accumulators of 16 lanes, reduced at
+//! (kept in L1) meet the x rows four at a time, 16 AVX-512 accumulators of 16 lanes, reduced at
 //! the end of the row. Column blocks are split over the rayon pool. Used for at most
 //! [`MAX_ROWS`] rows of f32 on CPUs with AVX-512F; everything else (training batches, other
 //! dtypes and devices) takes candle's matmul, which is also the backward.
@@ -31,12 +31,62 @@ fn supported() -> bool {
     }
 }
 
+/// y[i..i+min(Q, m-i), j..j+nj] for 4 weight rows `wr` (repeats past nj) and Q x rows from i
+/// (rows past m repeat the last; only real ones are stored). Inlined into [`kernel`], so it is
+/// compiled with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_block<const Q: usize>(
+    x: &[f32],
+    wr: [*const f32; 4],
+    y: *mut f32,
+    i: usize,
+    j: usize,
+    nj: usize,
+    n: usize,
+    k: usize,
+    full: usize,
+    tail: std::arch::x86_64::__mmask16,
+) {
+    use std::arch::x86_64::*;
+    let m = x.len() / k;
+    let mi = (m - i).min(Q);
+    let xr: [*const f32; Q] = std::array::from_fn(|q| x.as_ptr().add((i + q.min(mi - 1)) * k));
+    let mut acc = [[_mm512_setzero_ps(); 4]; Q];
+    let mut kk = 0;
+    while kk < full {
+        let vx: [__m512; Q] = std::array::from_fn(|q| _mm512_loadu_ps(xr[q].add(kk)));
+        for r in 0..4 {
+            let vw = _mm512_loadu_ps(wr[r].add(kk));
+            for q in 0..Q {
+                acc[q][r] = _mm512_fmadd_ps(vx[q], vw, acc[q][r]);
+            }
+        }
+        kk += 16;
+    }
+    if tail != 0 {
+        let vx: [__m512; Q] = std::array::from_fn(|q| _mm512_maskz_loadu_ps(tail, xr[q].add(full)));
+        for r in 0..4 {
+            let vw = _mm512_maskz_loadu_ps(tail, wr[r].add(full));
+            for q in 0..Q {
+                acc[q][r] = _mm512_fmadd_ps(vx[q], vw, acc[q][r]);
+            }
+        }
+    }
+    for q in 0..mi {
+        for r in 0..nj {
+            *y.add((i + q) * n + j + r) = _mm512_reduce_add_ps(acc[q][r]);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 /// y[i, j] for j in `cols`, all i; y is [m, n] row-major, written through a raw pointer so that
 /// threads can fill disjoint column ranges.
 unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: usize, cols: std::ops::Range<usize>) {
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::__mmask16;
     let full = k / 16 * 16;
     let tail: __mmask16 = ((1u32 << (k - full)) - 1) as __mmask16;
     let mut j = cols.start;
@@ -45,38 +95,14 @@ unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: usize
         let wr: [*const f32; 4] = std::array::from_fn(|r| w.as_ptr().add((j + r.min(nj - 1)) * k));
         let mut i = 0;
         while i < m {
-            let two = i + 1 < m;
-            let xa = x.as_ptr().add(i * k);
-            let xb = if two { x.as_ptr().add((i + 1) * k) } else { xa };
-            let mut a = [_mm512_setzero_ps(); 4];
-            let mut b = [_mm512_setzero_ps(); 4];
-            let mut kk = 0;
-            while kk < full {
-                let va = _mm512_loadu_ps(xa.add(kk));
-                let vb = _mm512_loadu_ps(xb.add(kk));
-                for r in 0..4 {
-                    let vw = _mm512_loadu_ps(wr[r].add(kk));
-                    a[r] = _mm512_fmadd_ps(va, vw, a[r]);
-                    b[r] = _mm512_fmadd_ps(vb, vw, b[r]);
-                }
-                kk += 16;
+            // Up to 4 x rows per pass; fewer at the end (one row alone: decoding at batch 1).
+            let mi = (m - i).min(4);
+            match mi {
+                1 => rows_block::<1>(x, wr, y, i, j, nj, n, k, full, tail),
+                2 => rows_block::<2>(x, wr, y, i, j, nj, n, k, full, tail),
+                _ => rows_block::<4>(x, wr, y, i, j, nj, n, k, full, tail),
             }
-            if tail != 0 {
-                let va = _mm512_maskz_loadu_ps(tail, xa.add(full));
-                let vb = _mm512_maskz_loadu_ps(tail, xb.add(full));
-                for r in 0..4 {
-                    let vw = _mm512_maskz_loadu_ps(tail, wr[r].add(full));
-                    a[r] = _mm512_fmadd_ps(va, vw, a[r]);
-                    b[r] = _mm512_fmadd_ps(vb, vw, b[r]);
-                }
-            }
-            for r in 0..nj {
-                *y.add(i * n + j + r) = _mm512_reduce_add_ps(a[r]);
-                if two {
-                    *y.add((i + 1) * n + j + r) = _mm512_reduce_add_ps(b[r]);
-                }
-            }
-            i += 2;
+            i += mi;
         }
         j += 4;
     }
@@ -108,7 +134,8 @@ impl CustomOp2 for MatmulWt {
             // Safety: each task writes only its own columns of y, which outlives the tasks.
             unsafe impl Sync for Out {}
             let out = Out(y.as_mut_ptr());
-            let threads = rayon::current_num_threads();
+            // Split only work worth a hand-off (about 100 µs on one core and up).
+            let threads = if m * n * k >= 1 << 23 { rayon::current_num_threads() } else { 1 };
             // Column blocks of at least 64 (a multiple of the kernel's 4), one or more per thread.
             let block = n.div_ceil(threads).next_multiple_of(4).max(64);
             let out = &out;
