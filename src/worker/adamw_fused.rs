@@ -1,16 +1,15 @@
 //! AdamW in one pass on the CPU: the update of [`super::adamw::update`] for f32/f64 parameters.
 //!
 //! The primitive version runs about twelve elementwise candle ops per parameter (each a full
-//! pass and a fresh buffer); this reads p, g, m, v once and writes [m' | v'] once and p in place, with the
+//! pass and a fresh buffer); this reads p, g, m, v once and writes m', v' (each its own buffer) and p in place, with the
 //! same arithmetic in the same order (so results agree with it to rounding):
 //! ```text
 //! g ← g · clip;  p ← p · (1 − lr·wd);  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²
 //! p ← p − (lr / (1 − β1^t)) · m / (sqrt(v · 1/(1 − β2^t)) + eps)
 //! ```
-//! The moments come back as views of one new buffer; the parameter is written in place, as
-//! `Var::set` would.
+//! The parameter is written in place, as `Var::set` would.
 
-use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp2, Layout, Shape, Tensor, Var, WithDType};
+use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tensor, Var, WithDType};
 use rayon::prelude::*;
 
 use super::adamw::{AdamParams, Moments};
@@ -29,12 +28,16 @@ struct Step {
     eps: f64,
 }
 
-/// (grad, [m | v]) → [m' | v'].
-struct Moments2(Step);
+/// (grad, moment) → the new first moment (`second == false`) or second moment, each in its own
+/// buffer (the offload path moves every moment tensor on its own).
+struct Moment {
+    step: Step,
+    second: bool,
+}
 
-impl CustomOp2 for Moments2 {
+impl CustomOp2 for Moment {
     fn name(&self) -> &'static str {
-        "adamw-moments"
+        "adamw-moment"
     }
 
     fn cpu_fwd(
@@ -44,49 +47,55 @@ impl CustomOp2 for Moments2 {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let st = self.0;
+        let st = self.step;
+        let second = self.second;
         dispatch_real!(s1, T => {
-            let (g, mv) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let n = g.len();
+            let (g, m) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
             let c = |x: f64| T::of(x);
-            let (clip, b1, b2, one_b1, one_b2) = (c(st.clip), c(st.beta1), c(st.beta2), c(1.0 - st.beta1), c(1.0 - st.beta2));
-            let mut out = vec![T::of(0.0); 2 * n];
-            let (mo, vo) = out.split_at_mut(n);
-            mo.par_chunks_mut(CHUNK).zip(vo.par_chunks_mut(CHUNK)).enumerate().for_each(|(k, (mo, vo))| {
+            let (clip, beta) = (c(st.clip), c(if second { st.beta2 } else { st.beta1 }));
+            let one_beta = c(1.0 - if second { st.beta2 } else { st.beta1 });
+            let mut out = vec![T::of(0.0); g.len()];
+            out.par_chunks_mut(CHUNK).enumerate().for_each(|(k, o)| {
                 let at = k * CHUNK;
-                for i in 0..mo.len() {
+                for i in 0..o.len() {
                     let gj = g[at + i] * clip;
-                    mo[i] = mv[at + i] * b1 + gj * one_b1;
-                    vo[i] = mv[n + at + i] * b2 + gj * gj * one_b2;
+                    o[i] = if second { m[at + i] * beta + gj * gj * one_beta } else { m[at + i] * beta + gj * one_beta };
                 }
             });
-            Ok((<T as WithDType>::to_cpu_storage_owned(out), Shape::from(2 * n)))
+            Ok((<T as WithDType>::to_cpu_storage_owned(out), l1.shape().clone()))
         })
     }
 }
 
-/// p ← p · decay − lr/bias1 · m' / (sqrt(v' / bias2) + eps), in place, from [m' | v'].
-impl InplaceOp2 for Step {
+/// p ← p · decay − lr/bias1 · m' / (sqrt(v' / bias2) + eps), in place, from m' and v'.
+impl InplaceOp3 for Step {
     fn name(&self) -> &'static str {
         "adamw-param"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
         let (a, b) = l1
             .contiguous_offsets()
             .ok_or_else(|| candle_core::Error::Msg("adamw: parameter is not contiguous".into()))?;
         let c = *self;
         macro_rules! run {
             ($p:expr, $T:ty) => {{
-                let mv = data::<$T>(s2, l2)?;
-                let n = b - a;
+                let (m, v) = (data::<$T>(s2, l2)?, data::<$T>(s3, l3)?);
                 let k = |x: f64| x as $T;
                 let (decay, lr_b1, inv_b2, eps) = (k(c.decay), k(c.lr_over_bias1), k(c.inv_bias2), k(c.eps));
                 $p[a..b].par_chunks_mut(CHUNK).enumerate().for_each(|(j, p)| {
                     let at = j * CHUNK;
                     for i in 0..p.len() {
-                        let denom = (mv[n + at + i] * inv_b2).sqrt() + eps;
-                        p[i] = p[i] * decay - mv[at + i] * lr_b1 / denom;
+                        let denom = (v[at + i] * inv_b2).sqrt() + eps;
+                        p[i] = p[i] * decay - m[at + i] * lr_b1 / denom;
                     }
                 });
                 Ok(())
@@ -152,13 +161,13 @@ pub fn update(var: &Var, grad: &Tensor, clip: f64, state: &mut Moments, p: &Adam
         inv_bias2: 1.0 / (1.0 - p.beta2.powi(t)),
         eps: p.eps,
     };
-    let n = param.elem_count();
     let flat = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(param.dtype())?.contiguous()?.flatten_all()?) };
-    let mv = Tensor::cat(&[flat(&state.exp_avg)?, flat(&state.exp_avg_sq)?], 0)?;
-    let mv = flat(grad)?.apply_op2_no_bwd(&mv, &Moments2(step))?;
-    param.inplace_op2(&mv, &step)?;
-    state.exp_avg = mv.narrow(0, 0, n)?.reshape(param.shape())?;
-    state.exp_avg_sq = mv.narrow(0, n, n)?.reshape(param.shape())?;
+    let g = flat(grad)?;
+    let m = g.apply_op2_no_bwd(&flat(&state.exp_avg)?, &Moment { step, second: false })?;
+    let v = g.apply_op2_no_bwd(&flat(&state.exp_avg_sq)?, &Moment { step, second: true })?;
+    param.inplace_op3(&m, &v, &step)?;
+    state.exp_avg = m.reshape(param.shape())?;
+    state.exp_avg_sq = v.reshape(param.shape())?;
     Ok(())
 }
 
