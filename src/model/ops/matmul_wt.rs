@@ -36,7 +36,7 @@ fn supported() -> bool {
 /// compiled with AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 unsafe fn rows_block<const Q: usize>(
     x: &[f32],
     wr: [*const f32; 4],

@@ -151,14 +151,14 @@ mod tests {
             let xt = x.as_tensor().transpose(1, 2).unwrap();
             let xc = x.as_tensor().transpose(1, 2).unwrap().contiguous().unwrap();
             check(
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 || rope(&xc, &cos, &sin).unwrap(),
                 || reference(&xc, &cos, &sin).unwrap(),
                 tol,
                 "contiguous",
             );
             check(
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 || rope(&xt, &cos, &sin).unwrap(),
                 || reference(&xt, &cos, &sin).unwrap(),
                 tol,

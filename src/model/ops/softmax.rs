@@ -50,7 +50,7 @@ impl CustomOp2 for MaskedSoftmax {
                 }
                 let inv = T::of(1.0) / sum;
                 for o in out.iter_mut() {
-                    *o = *o * inv;
+                    *o *= inv;
                 }
             });
             let _ = b;
@@ -154,7 +154,7 @@ mod tests {
             let bias = Tensor::from_vec(bias, (2, 5, 9), &Device::Cpu).unwrap();
             let st = s.as_tensor();
             check(
-                &[s.clone()],
+                std::slice::from_ref(&s),
                 || masked_softmax(st, &bias, 0.125).unwrap(),
                 || reference(st, &bias.to_dtype(dtype).unwrap(), 0.125).unwrap(),
                 tol,
