@@ -46,7 +46,7 @@ impl Linear {
         let dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
         let x2 = x.reshape(((), in_dim))?;
-        let mut y = x2.matmul(&self.weight.t()?)?;
+        let mut y = super::ops::matmul_wt::matmul_wt(&x2, &self.weight)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }

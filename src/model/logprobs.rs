@@ -22,11 +22,8 @@ pub fn logsumexp_keepdim(logits: &Tensor) -> Result<Tensor> {
 /// `(log p(targets), logsumexp)` for logits [..., V] and u32 target ids [...]: log-probs of the
 /// shape of `targets`, the normaliser keeping its last dimension [..., 1].
 pub fn target_logprobs_and_lse(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-    // gather needs contiguous operands; callers often pass a narrowed view of the logits.
-    let logits = logits.to_dtype(norm_dtype(logits.dtype()))?.contiguous()?;
-    let lse = logsumexp_keepdim(&logits)?;
-    let picked = logits.gather(&targets.contiguous()?.unsqueeze(D::Minus1)?, D::Minus1)?;
-    Ok(((picked - &lse)?.squeeze(D::Minus1)?, lse))
+    // Fused on the CPU (no [.., V] tensor kept for the backward); the primitive graph elsewhere.
+    super::ops::logprob_lse::forward(&logits.to_dtype(norm_dtype(logits.dtype()))?, targets)
 }
 
 /// log p(targets) for logits [..., V] and target ids [...] (u32).

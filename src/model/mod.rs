@@ -5,6 +5,7 @@ pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
 pub mod named_tensors;
+pub mod ops;
 pub mod rope;
 pub mod row_adapters;
 pub mod sampler_weights;

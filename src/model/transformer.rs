@@ -21,7 +21,8 @@ use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::named_tensors::NamedTensors;
-use super::rope::{self, Rope};
+use super::ops;
+use super::rope::Rope;
 use super::row_adapters::RowAdapters;
 use super::weights;
 use crate::files::write_json;
@@ -80,12 +81,9 @@ pub fn norm_dtype(dtype: DType) -> DType {
 }
 
 /// RMSNorm over the last dimension, computed in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.
+/// Fused on the CPU for f32/f64 (`ops::rms_norm`).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x = x.to_dtype(norm_dtype(dtype))?;
-    let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    let normed = x.broadcast_mul(&inv_rms)?.to_dtype(dtype)?;
-    Ok(normed.broadcast_mul(weight)?)
+    ops::rms_norm::rms_norm(x, weight, eps)
 }
 
 /// Softmax over the last dimension with the max subtracted first (detached: it cancels).
@@ -95,7 +93,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
-/// Additive attention bias [B, 1, 1, T, S]: query i (at cache offset `past`) sees key j iff
+/// Additive attention bias [B, T, S]: query i (at cache offset `past`) sees key j iff
 /// j ≤ past + i and key j is real. A query always sees itself, so that padded queries (whose
 /// outputs are discarded) never have an empty row.
 fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
@@ -114,7 +112,7 @@ fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) 
             }
         }
     }
-    Ok(Tensor::from_vec(bias, (b, 1, 1, t, s), device)?)
+    Ok(Tensor::from_vec(bias, (b, t, s), device)?)
 }
 
 impl Attention {
@@ -137,24 +135,24 @@ impl Attention {
         let mut k = heads(proj(&self.k_proj, 1, x)?, kvh)?;
         let v = heads(proj(&self.v_proj, 2, x)?, kvh)?.contiguous()?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = rms_norm(&q, qn, cfg.rms_norm_eps)?;
-            k = rms_norm(&k, kn, cfg.rms_norm_eps)?;
+            // Normalised in the [B, T, heads, d] layout the projection wrote (no copy).
+            q = rms_norm(&q.transpose(1, 2)?, qn, cfg.rms_norm_eps)?.transpose(1, 2)?;
+            k = rms_norm(&k.transpose(1, 2)?, kn, cfg.rms_norm_eps)?.transpose(1, 2)?;
         }
-        let q = rope::apply(&q, &cos_sin.0, &cos_sin.1)?;
-        let k = rope::apply(&k, &cos_sin.0, &cos_sin.1)?.contiguous()?;
+        // Rotated and made contiguous in [B, heads, T, d] in one pass.
+        let q = ops::rope::rope(&q, &cos_sin.0, &cos_sin.1)?;
+        let k = ops::rope::rope(&k, &cos_sin.0, &cos_sin.1)?;
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, &k, &v)?,
             None => (k, v),
         };
         let s = k.dim(2)?;
         // Fold the `rep` query heads sharing a kv head into rows: [B, kvh, rep·T, d].
-        let qg = q.contiguous()?.reshape((b, kvh, rep * t, d))?;
-        let scores = (qg.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-        let scores = scores
-            .reshape((b, kvh, rep, t, s))?
-            .to_dtype(norm_dtype(x.dtype()))?
-            .broadcast_add(&bias.to_dtype(norm_dtype(x.dtype()))?)?;
-        let probs = softmax_last_dim(&scores)?.to_dtype(x.dtype())?.reshape((b, kvh, rep * t, s))?;
+        let qg = q.reshape((b, kvh, rep * t, d))?;
+        let scores = qg.matmul(&k.t()?)?.reshape((b, h, t, s))?.to_dtype(norm_dtype(x.dtype()))?;
+        let probs = ops::softmax::masked_softmax(&scores, bias, 1.0 / (d as f64).sqrt())?
+            .to_dtype(x.dtype())?
+            .reshape((b, kvh, rep * t, s))?;
         let out = probs.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
         proj(&self.o_proj, 3, &out)
     }
@@ -164,8 +162,8 @@ impl Mlp {
     fn forward(&self, x: &Tensor, adapters: Option<(&RowAdapters, usize)>) -> Result<Tensor> {
         let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
         let proj = |lin: &Linear, k: usize, x: &Tensor| RowAdapters::forward(ad, lin, x, first + k);
-        let gate = proj(&self.gate_proj, 4, x)?.silu()?;
-        proj(&self.down_proj, 6, &(gate * proj(&self.up_proj, 5, x)?)?)
+        let gate = proj(&self.gate_proj, 4, x)?;
+        proj(&self.down_proj, 6, &ops::swiglu::swiglu(&gate, &proj(&self.up_proj, 5, x)?)?)
     }
 }
 

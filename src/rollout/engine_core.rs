@@ -3,15 +3,17 @@
 //!
 //! ```text
 //! step():  admit waiting requests while the batch and the KV budget allow:
-//!            prefill prompt[..L-1] alone (once for all its samples, and once for identical
-//!            prompts admitted together), fan the cache row out to the n samples, and append
-//!            the rows to the running cache with left padding;
+//!            prefill prompt[..L-1] (super::prefill: the prompts admitted together in one forward
+//!            per prompt length, without padding; once for all samples of a prompt and for
+//!            identical prompts), fan the cache row out to the n samples, and append the rows
+//!            to the running cache with left padding;
 //!          one batched forward of each row's pending token (the last prompt token, then the
 //!            last sampled one) at its own position;
 //!          sample each row with its own seeded stream; finished rows leave the cache by row
 //!            selection, and columns that only they used are trimmed.
 //! ```
-//! Because a new request is prefilled alone and each row samples from its own stream, a seeded
+//! Because a new request's prompt is prefilled without padding and each row samples from its
+//! own stream, a seeded
 //! request gives the same tokens whatever else is running (up to float summation order, which
 //! left padding does not change in practice: padded keys get exactly zero weight).
 //!
@@ -22,7 +24,7 @@
 //! Weight updates ([`EngineCore::update_weights`]) land between steps. Rows running or frozen by
 //! a `keep` pause carry on in the same batch position with their own random streams, but their
 //! KV caches are recomputed under the new weights first: each row's prompt + tokens so far is
-//! prefilled alone (the admission path; identical prefixes share one prefill) and the batched
+//! prefilled again (the admission path; identical prefixes share one prefill) and the batched
 //! cache is rebuilt in the same row order. Why: the trainer scores a sample with one forward of
 //! the weights of each token's version over the whole prefix, and the off-policy corrections
 //! (`rollout_is`, TIS, `cispo` anchored on the rollout) take the sampler's log-probs to be
@@ -49,13 +51,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::request::{Generation, Request, RequestOutput, StopReason, TopLogprobs};
+use super::prefill::{prefill_batch, PrefillItem, Prefilled, PromptScores};
+use super::request::{Generation, Request, RequestOutput, StopReason};
 use super::sampler::sample;
 use super::top_logprobs::top_logprobs;
-use crate::model::logprobs::target_logprobs;
 use crate::model::row_adapters::{Adapter, RowAdapters};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weight_update::WeightUpdate;
@@ -128,33 +130,6 @@ struct Active {
     samples: Vec<Option<Generation>>,
     prompt: PromptScores,
     left: usize,
-}
-
-/// What a prefill scored on the prompt (positions 1..L), when asked.
-#[derive(Clone, Default)]
-struct PromptScores {
-    logprobs: Option<Vec<f32>>,
-    /// (k, the top k at each position).
-    topk: Option<(usize, Vec<TopLogprobs>)>,
-}
-
-impl PromptScores {
-    /// Whether these scores hold what `req` asks for.
-    fn serve(&self, req: &Request) -> bool {
-        (!req.prompt_logprobs || self.logprobs.is_some())
-            && (req.prompt_topk == 0 || self.topk.as_ref().is_some_and(|(k, _)| *k >= req.prompt_topk))
-    }
-
-    /// The scores `req` asked for.
-    fn for_request(&self, req: &Request) -> PromptScores {
-        let topk = match (&self.topk, req.prompt_topk) {
-            (Some((_, rows)), k) if k > 0 => {
-                Some((k, rows.iter().map(|r| r.iter().take(k).copied().collect()).collect()))
-            }
-            _ => None,
-        };
-        PromptScores { logprobs: self.logprobs.clone().filter(|_| req.prompt_logprobs), topk }
-    }
 }
 
 pub struct EngineCore {
@@ -378,10 +353,9 @@ impl EngineCore {
 
     /// The running rows' cache under the current weights, in row order: each row's prompt +
     /// tokens so far prefilled as at admission (all but the pending token, which the next decode
-    /// step feeds), identical prefixes once.
+    /// step feeds), identical prefixes once, rows of one length in one forward.
     fn recompute_cache(&self) -> Result<KvCache> {
-        let mut prefilled: HashMap<(Option<String>, Vec<u32>), KvCache> = HashMap::new();
-        let mut cache = self.model.new_cache();
+        let mut seqs = Vec::with_capacity(self.rows.len());
         for row in &self.rows {
             let req = &self.active[&row.id].req;
             let seq: Vec<u32> = req.prompt.iter().chain(&row.gen.tokens).copied().collect();
@@ -394,12 +368,23 @@ impl EngineCore {
                     row.next_pos
                 )));
             }
-            let key = (req.adapter.clone(), seq);
-            if !prefilled.contains_key(&key) {
-                let (one, _) = self.prefill(&key.1, false, 0, row.adapter.as_ref())?;
-                prefilled.insert(key.clone(), one);
-            }
-            cache.append_rows(&prefilled[&key])?;
+            seqs.push(seq);
+        }
+        let items: Vec<PrefillItem> = self
+            .rows
+            .iter()
+            .zip(&seqs)
+            .map(|(row, seq)| {
+                let name = self.active[&row.id].req.adapter.as_deref();
+                let adapter = name.zip(row.adapter.as_ref());
+                PrefillItem { prompt: seq, adapter, logprobs: false, topk: 0 }
+            })
+            .collect();
+        let prefilled = prefill_batch(&self.model, &items)?;
+        let mut cache = self.model.new_cache();
+        for (row, seq) in self.rows.iter().zip(seqs) {
+            let key = (self.active[&row.id].req.adapter.clone(), seq);
+            cache.append_rows(&prefilled[&key].0)?;
         }
         Ok(cache)
     }
@@ -469,10 +454,11 @@ impl EngineCore {
     }
 
     fn admit(&mut self) -> Result<()> {
-        // Prefills of this round by adapter and prompt: identical ones share one.
-        type Prefilled = HashMap<(Option<String>, Vec<u32>), (KvCache, PromptScores)>;
-        let mut prefilled = Prefilled::new();
+        // Prefills of this round by adapter and prompt: identical ones share one, and the
+        // prompts the loop below will admit are prefilled together up front (one forward per
+        // length).
         let mut longest = self.rows.iter().map(|r| self.active[&r.id].final_len()).max().unwrap_or(0);
+        let mut prefilled: Prefilled = prefill_batch(&self.model, &self.admissible(longest))?;
         while let Some((_, req, _)) = self.waiting.front() {
             let n = req.num_samples;
             let len = req.prompt.len() + req.params.max_tokens;
@@ -484,8 +470,7 @@ impl EngineCore {
             longest = longest.max(len);
             let key = (req.adapter.clone(), req.prompt.clone());
             if !prefilled.get(&key).is_some_and(|(_, scores)| scores.serve(&req)) {
-                let p = self.prefill(&req.prompt, req.prompt_logprobs, req.prompt_topk, adapter.as_ref())?;
-                prefilled.insert(key.clone(), p);
+                prefilled.extend(prefill_batch(&self.model, &[PrefillItem::of(&req, adapter.as_ref())])?);
             }
             let (one, scores) = &prefilled[&key];
             let mut stops = req.params.stop_token_ids.clone();
@@ -525,43 +510,25 @@ impl EngineCore {
         Ok(())
     }
 
-    /// The cache of prompt[..L-1] alone (one row) and, if asked, the prompt's log-probs and top
-    /// `topk` tokens per position. Also rebuilds a running row's cache after a weight update
-    /// (prompt = prompt + tokens so far).
-    fn prefill(
-        &self,
-        prompt: &[u32],
-        logprobs: bool,
-        topk: usize,
-        adapter: Option<&Arc<Adapter>>,
-    ) -> Result<(KvCache, PromptScores)> {
-        let n = prompt.len() - 1;
-        if n == 0 {
-            let scores =
-                PromptScores { logprobs: logprobs.then(Vec::new), topk: (topk > 0).then(|| (topk, Vec::new())) };
-            return Ok((KvCache::with_empty_rows(self.model.config.num_hidden_layers, 1), scores));
-        }
-        let mut cache = self.model.new_cache();
-        let ids = [prompt[..n].to_vec()];
-        let pos = [(0..n as u32).collect::<Vec<_>>()];
-        let mask = [vec![1u8; n]];
-        let adapters = RowAdapters::new(&[adapter], &self.model.device)?;
-        // Without prompt log-probs the lm_head (the largest matmul here) is skipped.
-        let hidden = self.model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut cache), adapters.as_ref())?;
-        let mut scores = PromptScores::default();
-        if logprobs || topk > 0 {
-            let logits = self.model.logits_adapted(&hidden, adapters.as_ref())?;
-            if logprobs {
-                let targets = Tensor::new(&prompt[1..], &self.model.device)?.unsqueeze(0)?;
-                let lp = target_logprobs(&logits, &targets)?.squeeze(0)?.to_device(&Device::Cpu)?.to_vec1()?;
-                scores.logprobs = Some(lp);
+    /// The prompts that `admit` will take from the front of the queue: the same room checks,
+    /// without side effects.
+    fn admissible(&self, mut longest: usize) -> Vec<PrefillItem<'_>> {
+        let mut rows = self.rows.len();
+        let mut out = vec![];
+        for (_, req, adapter) in &self.waiting {
+            let len = req.prompt.len() + req.params.max_tokens;
+            if rows + req.num_samples > self.config.max_batch
+                || (rows + req.num_samples) * longest.max(len) > self.budget
+            {
+                break;
             }
-            if topk > 0 {
-                let rows: Vec<Vec<f32>> = logits.squeeze(0)?.to_device(&Device::Cpu)?.to_vec2()?;
-                scores.topk = Some((topk, rows.iter().map(|z| top_logprobs(z, topk, 1.0)).collect()));
+            longest = longest.max(len);
+            if req.params.max_tokens > 0 {
+                rows += req.num_samples;
             }
+            out.push(PrefillItem::of(req, adapter.as_ref()));
         }
-        Ok((cache, scores))
+        out
     }
 
     fn decode(&mut self) -> Result<()> {

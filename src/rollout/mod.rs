@@ -4,6 +4,7 @@
 //! - [`request`]: what a request asks for and gets back (tokens, log-probs, weight versions).
 //! - [`engine_core`]: continuous batching over the KV-cache decode, stepped by its owner;
 //!   pause (`abort` / `keep`), resume, versioned weight updates.
+//! - [`prefill`]: the prompts admitted in one step, prefilled in one forward per length.
 //! - [`engine`]: an engine core on its own thread, driven through channels.
 //! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all.
 //! - [`chat`]: messages in, the assistant's reply out (with the tokens the trainer needs).
@@ -14,6 +15,7 @@ pub mod client;
 pub mod engine;
 pub mod engine_core;
 pub mod generate;
+mod prefill;
 pub mod request;
 pub mod sampler;
 pub mod top_logprobs;

@@ -114,9 +114,15 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
     Ok((chosen.0, (chosen.1 / total).ln() as f32))
 }
 
-/// log softmax(z / t)[i], computed in f64.
+/// log softmax(z / t)[i]: exponentials in f32 (the precision of the logits; f64's `exp` was a
+/// tenth of a 64-row decode step), summed and logged in f64.
 pub fn log_softmax_at(logits: &[f32], i: usize, t: f64) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits.iter().map(|&z| ((z as f64 - max) / t).exp()).sum::<f64>().ln();
-    (logits[i] as f64 - max) / t - lse
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let inv_t = (1.0 / t) as f32;
+    // Blocks of 16 partial sums in f32 (exact enough: 16 terms ≤ 1 each), then f64.
+    let mut sum = 0f64;
+    for block in logits.chunks(16) {
+        sum += block.iter().map(|&z| ((z - max) * inv_t).exp()).sum::<f32>() as f64;
+    }
+    (logits[i] as f64 - max as f64) / t - sum.ln()
 }

@@ -96,7 +96,13 @@ pub fn global_norm(grads: &[&Tensor]) -> Result<f64> {
     if grads.is_empty() {
         return Ok(0.0);
     }
-    let squares = grads.iter().map(|g| Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?)).collect::<Result<Vec<_>>>()?;
+    let square_sum = |g: &Tensor| -> Result<Tensor> {
+        match super::adamw_fused::sum_squares(g)? {
+            Some(s) => Ok(s.reshape(())?),
+            None => Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?),
+        }
+    };
+    let squares = grads.iter().map(|g| square_sum(g)).collect::<Result<Vec<_>>>()?;
     // One host transfer for all parameters.
     let total: f64 = Tensor::stack(&squares, 0)?.to_vec1::<f64>()?.iter().sum();
     Ok(total.sqrt())
@@ -114,6 +120,15 @@ pub fn clip_coefficient(norm: f64, clip: f64) -> f64 {
 /// One AdamW update of `var` with gradient `grad` (already clipped), computed in the moments'
 /// dtype and rounded to the parameter's; advances `state.step`.
 pub fn update(var: &Var, grad: &Tensor, state: &mut Moments, p: &AdamParams) -> Result<()> {
+    let param = var.as_tensor();
+    if super::adamw_fused::applies(param, state) {
+        return super::adamw_fused::update(var, grad, 1.0, state, p);
+    }
+    update_reference(var, grad, state, p)
+}
+
+/// The update as candle primitives: other devices and dtypes, and the fused kernel's reference.
+pub(crate) fn update_reference(var: &Var, grad: &Tensor, state: &mut Moments, p: &AdamParams) -> Result<()> {
     let param = var.as_tensor();
     let x = param.to_dtype(state.exp_avg.dtype())?;
     var.set(&step_value(&x, grad, state, p)?.to_dtype(param.dtype())?)?;

@@ -18,6 +18,7 @@
 //! function the caller applies when it builds [`AdamParams`].
 
 pub mod adamw;
+mod adamw_fused;
 pub mod batch;
 pub mod checkpoint;
 pub mod config;

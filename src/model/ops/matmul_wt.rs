@@ -1,0 +1,214 @@
+//! y = x · Wᵀ for few rows of x (decoding), W in PyTorch's [out, in] layout, f32, AVX-512.
+//!
+//! candle's matmul hands `W.t()` to the `gemm` crate, which packs the whole weight into its
+//! blocked layout on every call: with a handful of rows (one decode step) the packing costs
+//! more than the arithmetic (47 % of a batch-1 decode run, 25 % at 64 rows). Here each output
+//! is a dot product of two contiguous rows, so nothing is packed: blocks of 4 weight rows
+//! (kept in L1) meet the x rows four at a time, 16 AVX-512 accumulators of 16 lanes, reduced at
+//! the end of the row. Column blocks are split over the rayon pool. Used for at most
+//! [`MAX_ROWS`] rows of f32 on CPUs with AVX-512F; everything else (training batches, other
+//! dtypes and devices) takes candle's matmul, which is also the backward.
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+
+use super::data;
+use crate::Result;
+
+/// Rows of x up to which the kernel beats gemm (measured on the benchmark model's shapes).
+pub const MAX_ROWS: usize = 32;
+
+/// The op (public for benchmarks; use [`matmul_wt`]).
+pub struct MatmulWt;
+
+fn supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// y[i..i+min(Q, m-i), j..j+nj] for 4 weight rows `wr` (repeats past nj) and Q x rows from i
+/// (rows past m repeat the last; only real ones are stored). Inlined into [`kernel`], so it is
+/// compiled with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn rows_block<const Q: usize>(
+    x: &[f32],
+    wr: [*const f32; 4],
+    y: *mut f32,
+    i: usize,
+    j: usize,
+    nj: usize,
+    n: usize,
+    k: usize,
+    full: usize,
+    tail: std::arch::x86_64::__mmask16,
+) {
+    use std::arch::x86_64::*;
+    let m = x.len() / k;
+    let mi = (m - i).min(Q);
+    let xr: [*const f32; Q] = std::array::from_fn(|q| x.as_ptr().add((i + q.min(mi - 1)) * k));
+    let mut acc = [[_mm512_setzero_ps(); 4]; Q];
+    let mut kk = 0;
+    while kk < full {
+        let vx: [__m512; Q] = std::array::from_fn(|q| _mm512_loadu_ps(xr[q].add(kk)));
+        for r in 0..4 {
+            let vw = _mm512_loadu_ps(wr[r].add(kk));
+            for q in 0..Q {
+                acc[q][r] = _mm512_fmadd_ps(vx[q], vw, acc[q][r]);
+            }
+        }
+        kk += 16;
+    }
+    if tail != 0 {
+        let vx: [__m512; Q] = std::array::from_fn(|q| _mm512_maskz_loadu_ps(tail, xr[q].add(full)));
+        for r in 0..4 {
+            let vw = _mm512_maskz_loadu_ps(tail, wr[r].add(full));
+            for q in 0..Q {
+                acc[q][r] = _mm512_fmadd_ps(vx[q], vw, acc[q][r]);
+            }
+        }
+    }
+    for q in 0..mi {
+        for r in 0..nj {
+            *y.add((i + q) * n + j + r) = _mm512_reduce_add_ps(acc[q][r]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+/// y[i, j] for j in `cols`, all i; y is [m, n] row-major, written through a raw pointer so that
+/// threads can fill disjoint column ranges.
+unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: usize, cols: std::ops::Range<usize>) {
+    use std::arch::x86_64::__mmask16;
+    let full = k / 16 * 16;
+    let tail: __mmask16 = ((1u32 << (k - full)) - 1) as __mmask16;
+    let mut j = cols.start;
+    while j < cols.end {
+        let nj = (cols.end - j).min(4);
+        let wr: [*const f32; 4] = std::array::from_fn(|r| w.as_ptr().add((j + r.min(nj - 1)) * k));
+        let mut i = 0;
+        while i < m {
+            // Up to 4 x rows per pass; fewer at the end (one row alone: decoding at batch 1).
+            let mi = (m - i).min(4);
+            match mi {
+                1 => rows_block::<1>(x, wr, y, i, j, nj, n, k, full, tail),
+                2 => rows_block::<2>(x, wr, y, i, j, nj, n, k, full, tail),
+                _ => rows_block::<4>(x, wr, y, i, j, nj, n, k, full, tail),
+            }
+            i += mi;
+        }
+        j += 4;
+    }
+}
+
+impl CustomOp2 for MatmulWt {
+    fn name(&self) -> &'static str {
+        "matmul-wt"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (n, k2) = l2.shape().dims2()?;
+        if k != k2 || !supported() {
+            return Err(candle_core::Error::Msg(format!("matmul-wt: x {:?}, w {:?}", l1.dims(), l2.dims())));
+        }
+        let (x, w) = (data::<f32>(s1, l1)?, data::<f32>(s2, l2)?);
+        let mut y = vec![0f32; m * n];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use rayon::prelude::*;
+            struct Out(*mut f32);
+            // Safety: each task writes only its own columns of y, which outlives the tasks.
+            unsafe impl Sync for Out {}
+            let out = Out(y.as_mut_ptr());
+            // Split only work worth a hand-off (about 100 µs on one core and up).
+            let threads = if m * n * k >= 1 << 23 { rayon::current_num_threads() } else { 1 };
+            // Column blocks of at least 64 (a multiple of the kernel's 4), one or more per thread.
+            let block = n.div_ceil(threads).next_multiple_of(4).max(64);
+            let out = &out;
+            let run = |c: usize| {
+                let cols = c * block..((c + 1) * block).min(n);
+                // Safety: AVX-512F was detected above; x, w are [m, k], [n, k]; y is [m, n].
+                unsafe { kernel(x, w, out.0, m, n, k, cols) }
+            };
+            let blocks = n.div_ceil(block);
+            if blocks == 1 {
+                // No hand-off to the pool: from a thread outside it that costs tens of µs.
+                run(0);
+            } else {
+                (0..blocks).into_par_iter().for_each(run);
+            }
+        }
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = g.matmul(w)?;
+        let dw = g.t()?.matmul(x)?;
+        Ok((super::grad_for(x, dx), super::grad_for(w, dw)))
+    }
+}
+
+/// x [M, K] · w [N, K]ᵀ → [M, N].
+pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let fast = x.device().is_cpu()
+        && x.dtype() == candle_core::DType::F32
+        && w.dtype() == candle_core::DType::F32
+        && x.rank() == 2
+        && w.rank() == 2
+        && x.dim(0)? <= MAX_ROWS
+        && x.dim(1)? == w.dim(1)?
+        && supported();
+    if !fast {
+        return reference(x, w);
+    }
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, MatmulWt)?)
+}
+
+/// candle's matmul with the transposed view.
+pub fn reference(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(x.matmul(&w.t()?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{check, var};
+    use super::*;
+    use candle_core::DType;
+
+    #[test]
+    fn fused_equals_reference_in_value_and_gradient() {
+        // Odd sizes: a row without a partner, a partial column block, a k tail.
+        for (m, k, n) in [(1, 256, 1024), (3, 37, 7), (32, 64, 130), (5, 16, 3)] {
+            let x = var(&[m, k], 1, 1.0, DType::F32);
+            let w = var(&[n, k], 2, 1.0, DType::F32);
+            let (xt, wt) = (x.as_tensor(), w.as_tensor());
+            check(
+                &[x.clone(), w.clone()],
+                || matmul_wt(xt, wt).unwrap(),
+                || reference(xt, wt).unwrap(),
+                1e-5,
+                &format!("{m}x{k}x{n}"),
+            );
+        }
+    }
+}

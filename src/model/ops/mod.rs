@@ -1,0 +1,153 @@
+//! Fused CPU kernels with a backward, for the training forward and decoding.
+//!
+//! Each op lives in its own file as a candle `CustomOp` whose `cpu_fwd` runs one pass over
+//! contiguous f32/f64 data (rows split over the current rayon pool) and whose `bwd` is another
+//! fused pass, so that the autograd graph holds one node where the primitive graph held five to
+//! ten (each of which costs candle's backward a zero-filled buffer and an add). Each file also
+//! keeps `reference`, the candle-primitive graph the op replaces: it is what runs on other
+//! devices (CUDA) and for other dtypes (bf16/f16), and what the tests compare values and
+//! gradients against.
+
+pub mod logprob_lse;
+pub mod matmul_wt;
+pub mod rms_norm;
+pub mod rope;
+pub mod softmax;
+pub mod swiglu;
+
+use candle_core::{CpuStorage, DType, Layout, Tensor, WithDType};
+use rayon::prelude::*;
+
+/// Whether the fused kernels serve `t`: on the CPU, in f32 or f64.
+pub fn fused(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The floats the kernels run in: the few operations they need, for f32 and f64.
+pub trait Real:
+    WithDType + Copy + Send + Sync + PartialOrd + std::ops::AddAssign + std::ops::MulAssign + 'static
+{
+    fn of(x: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn neg_infinity() -> Self;
+    fn fmax(self, other: Self) -> Self;
+}
+
+macro_rules! real {
+    ($t:ty) => {
+        impl Real for $t {
+            fn of(x: f64) -> Self {
+                x as $t
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn neg_infinity() -> Self {
+                <$t>::NEG_INFINITY
+            }
+            fn fmax(self, other: Self) -> Self {
+                <$t>::max(self, other)
+            }
+        }
+    };
+}
+real!(f32);
+real!(f64);
+
+/// The contiguous data of a kernel input (the wrappers make every input contiguous first).
+pub(crate) fn data<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => Err(candle_core::Error::Msg("fused op: input is not contiguous".into())),
+    }
+}
+
+/// Rows of `out` (each `width` long) filled by `f(row index, row)` on the current rayon pool,
+/// in chunks large enough that the split pays.
+pub(crate) fn par_rows<T: Send>(out: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    let rows_per_task = (16_384 / width.max(1)).max(1);
+    out.par_chunks_mut(width).with_min_len(rows_per_task).enumerate().for_each(|(i, row)| f(i, row));
+}
+
+/// A backward's gradient for `arg`, or None when `arg` is not part of the graph (a frozen
+/// weight): candle would otherwise store a gradient for it under its own id.
+pub(crate) fn grad_for(arg: &Tensor, grad: Tensor) -> Option<Tensor> {
+    arg.track_op().then_some(grad)
+}
+
+/// Runs `$body` with `$T` bound to the storage's float type; other dtypes are an error (the
+/// wrappers only call the fused ops for f32 and f64).
+macro_rules! dispatch_real {
+    ($storage:expr, $T:ident => $body:expr) => {
+        match $storage {
+            candle_core::CpuStorage::F32(_) => {
+                type $T = f32;
+                $body
+            }
+            candle_core::CpuStorage::F64(_) => {
+                type $T = f64;
+                $body
+            }
+            _ => Err(candle_core::Error::Msg("fused op: f32 or f64 only".into())),
+        }
+    };
+}
+pub(crate) use dispatch_real;
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! Comparing a fused op with its reference graph: values and gradients.
+    use candle_core::{DType, Device, Tensor, Var};
+
+    /// Deterministic pseudo-random values in [-scale, scale).
+    pub fn values(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    pub fn var(shape: &[usize], seed: u64, scale: f64, dtype: DType) -> Var {
+        let n = shape.iter().product();
+        let t = Tensor::from_vec(values(n, seed, scale), shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        Var::from_tensor(&t).unwrap()
+    }
+
+    /// Largest |a − b| / (1 + |b|) over the elements.
+    pub fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
+        assert_eq!(a.dims(), b.dims());
+        let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        a.iter().zip(&b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f64::max)
+    }
+
+    /// Checks that `fused` and `reference` (functions of the same variables) agree in value and
+    /// in the gradient of Σ out · w for a fixed random w, to `tol`.
+    pub fn check(vars: &[Var], fused: impl Fn() -> Tensor, reference: impl Fn() -> Tensor, tol: f64, what: &str) {
+        let (a, b) = (fused(), reference());
+        let e = max_rel(&a, &b);
+        assert!(e < tol, "{what}: values differ by {e}");
+        let w = Tensor::from_vec(values(a.elem_count(), 99, 1.0), a.shape(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(a.dtype())
+            .unwrap();
+        let ga = (&a * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (&b * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        for (i, v) in vars.iter().enumerate() {
+            let (x, y) = (ga.get(v.as_tensor()).expect("fused grad"), gb.get(v.as_tensor()).expect("reference grad"));
+            let e = max_rel(x, y);
+            assert!(e < tol, "{what}: gradient of input {i} differs by {e}");
+        }
+    }
+}

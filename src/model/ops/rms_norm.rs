@@ -1,0 +1,180 @@
+//! Fused RMSNorm over the last dimension: y = x · r · w, r = 1 / sqrt(mean(x²) + eps).
+//!
+//! One pass per row forward. The backward recomputes r from x (cheaper than keeping it) and,
+//! with x̂ = x · r and gy the output gradient, writes in one pass per row
+//!   dx = r · (w·gy − x̂ · mean(w·gy·x̂)),   dw = Σ_rows gy · x̂
+//! (dw summed per thread chunk, then over chunks). The computation runs in the input's dtype
+//! (f32 or f64), as the reference does for those; bf16/f16 go to the reference, which
+//! normalises in f32.
+
+use candle_core::WithDType as _;
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use super::{data, dispatch_real, fused, grad_for, par_rows, Real};
+use crate::Result;
+
+struct RmsNorm {
+    eps: f64,
+}
+
+fn inv_rms<T: Real>(row: &[T], eps: f64) -> T {
+    let mut s = T::of(0.0);
+    for &x in row {
+        s += x * x;
+    }
+    T::of(1.0) / (s / T::of(row.len() as f64) + T::of(eps)).sqrt()
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = *l1.dims().last().expect("rms_norm input has a last dimension");
+        dispatch_real!(s1, T => {
+            let (x, w) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
+            let mut y = vec![T::of(0.0); x.len()];
+            par_rows(&mut y, d, |i, out| {
+                let row = &x[i * d..(i + 1) * d];
+                let r = inv_rms(row, self.eps);
+                for ((o, &xi), &wi) in out.iter_mut().zip(row).zip(w) {
+                    *o = xi * r * wi;
+                }
+            });
+            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        gy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let d = w.elem_count();
+        let n = x.elem_count() / d;
+        let both = Tensor::cat(&[x.flatten_all()?, gy.contiguous()?.flatten_all()?], 0)?;
+        let out = both.apply_op2_no_bwd(w, &RmsNormBwd { eps: self.eps })?;
+        let dx = out.narrow(0, 0, n * d)?.reshape(x.shape())?;
+        let dw = out.narrow(0, n * d, d)?.reshape(w.shape())?;
+        Ok((grad_for(x, dx), grad_for(w, dw)))
+    }
+}
+
+/// From ([x | gy] flat, w): [dx | dw] flat.
+struct RmsNormBwd {
+    eps: f64,
+}
+
+impl CustomOp2 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "rms-norm-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch_real!(s1, T => {
+            let (xg, w) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
+            let d = w.len();
+            let half = xg.len() / 2;
+            let (x, gy) = xg.split_at(half);
+            let n = half / d;
+            let mut out = vec![T::of(0.0); half + d];
+            let (dx, dw) = out.split_at_mut(half);
+            // Rows in a few chunks, each with its own dw partial sum.
+            let chunk_rows = n.div_ceil(rayon::current_num_threads().max(1) * 4).max(1);
+            let partials: Vec<Vec<T>> = dx
+                .par_chunks_mut(chunk_rows * d)
+                .enumerate()
+                .map(|(c, dx)| {
+                    let mut dw = vec![T::of(0.0); d];
+                    for (k, out) in dx.chunks_mut(d).enumerate() {
+                        let i = c * chunk_rows + k;
+                        let (row, g) = (&x[i * d..(i + 1) * d], &gy[i * d..(i + 1) * d]);
+                        let r = inv_rms(row, self.eps);
+                        let mut dot = T::of(0.0);
+                        for j in 0..d {
+                            let xh = row[j] * r;
+                            dot += w[j] * g[j] * xh;
+                            dw[j] += g[j] * xh;
+                        }
+                        let mean = dot / T::of(d as f64);
+                        for j in 0..d {
+                            out[j] = r * (w[j] * g[j] - row[j] * r * mean);
+                        }
+                    }
+                    dw
+                })
+                .collect();
+            for p in partials {
+                for (a, b) in dw.iter_mut().zip(p) {
+                    *a += b;
+                }
+            }
+            Ok((T::to_cpu_storage_owned(out), Shape::from(half + d)))
+        })
+    }
+}
+
+/// RMSNorm of x [..., D] with weight [D]; fused on the CPU for f32/f64 (x and w of one dtype).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if !fused(x) || x.dtype() != w.dtype() || w.rank() != 1 || x.dim(D::Minus1)? != w.dim(0)? {
+        return reference(x, w, eps);
+    }
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })?)
+}
+
+/// The primitive graph, normalising in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.
+pub fn reference(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(crate::model::transformer::norm_dtype(dtype))?;
+    let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let normed = x.broadcast_mul(&inv_rms)?.to_dtype(dtype)?;
+    Ok(normed.broadcast_mul(weight)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{check, var};
+    use super::*;
+    use candle_core::DType;
+
+    #[test]
+    fn fused_equals_reference_in_value_and_gradient() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            let x = var(&[2, 7, 64], 1, 3.0, dtype);
+            let w = var(&[64], 2, 1.0, dtype);
+            let (xt, wt) = (x.as_tensor(), w.as_tensor());
+            check(
+                &[x.clone(), w.clone()],
+                || rms_norm(xt, wt, 1e-6).unwrap(),
+                || reference(xt, wt, 1e-6).unwrap(),
+                tol,
+                &format!("{dtype:?}"),
+            );
+            // A non-contiguous input (heads transposed) goes through the same op.
+            let xt2 = xt.transpose(0, 1).unwrap();
+            check(
+                &[x.clone(), w.clone()],
+                || rms_norm(&xt2, wt, 1e-6).unwrap(),
+                || reference(&xt2, wt, 1e-6).unwrap(),
+                tol,
+                "transposed",
+            );
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Fused SwiGLU: y = silu(g) · u = g · σ(g) · u, the gated MLP activation.
+//!
+//! One pass forward. The backward recomputes σ(g) and writes both input gradients in one pass:
+//!   dg = dy · u · σ(g) · (1 + g · (1 − σ(g))),   du = dy · g · σ(g)
+//! (into one [2, N] buffer whose halves are returned as views). The primitive graph kept silu(g)
+//! and built silu's derivative from five elementwise nodes.
+
+use candle_core::WithDType as _;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+
+use super::{data, dispatch_real, fused, grad_for, Real};
+use crate::{Error, Result};
+
+/// Rows per rayon task: elementwise work is cheap, so tasks are large.
+const CHUNK: usize = 16_384;
+
+fn sigmoid<T: Real>(x: T) -> T {
+    T::of(1.0) / (T::of(1.0) + (T::of(0.0) - x).exp())
+}
+
+struct SwiGlu;
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use rayon::prelude::*;
+        dispatch_real!(s1, T => {
+            let (g, u) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
+            let mut y = vec![T::of(0.0); g.len()];
+            y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+                let (g, u) = (&g[c * CHUNK..], &u[c * CHUNK..]);
+                for ((o, &a), &b) in out.iter_mut().zip(g).zip(u) {
+                    *o = a * sigmoid(a) * b;
+                }
+            });
+            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let n = g.elem_count();
+        let both = g.apply_op3_no_bwd(u, &dy.contiguous()?, &SwiGluBwd)?;
+        let dg = both.narrow(0, 0, n)?.reshape(g.shape())?;
+        let du = both.narrow(0, n, n)?.reshape(u.shape())?;
+        Ok((grad_for(g, dg), grad_for(u, du)))
+    }
+}
+
+/// [dg | du] flat from (g, u, dy).
+struct SwiGluBwd;
+
+impl CustomOp3 for SwiGluBwd {
+    fn name(&self) -> &'static str {
+        "swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use rayon::prelude::*;
+        dispatch_real!(s1, T => {
+            let (g, u, dy) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?, data::<T>(s3, l3)?);
+            let n = g.len();
+            let mut out = vec![T::of(0.0); 2 * n];
+            let (dg, du) = out.split_at_mut(n);
+            dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate().for_each(|(c, (dg, du))| {
+                let (g, u, dy) = (&g[c * CHUNK..], &u[c * CHUNK..], &dy[c * CHUNK..]);
+                for i in 0..dg.len() {
+                    let s = sigmoid(g[i]);
+                    dg[i] = dy[i] * u[i] * s * (T::of(1.0) + g[i] * (T::of(1.0) - s));
+                    du[i] = dy[i] * g[i] * s;
+                }
+            });
+            Ok((T::to_cpu_storage_owned(out), Shape::from(2 * n)))
+        })
+    }
+}
+
+/// silu(gate) · up, for gate and up of one shape.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.shape() != up.shape() {
+        return Err(Error::input(format!("swiglu: gate {:?} and up {:?} differ", gate.dims(), up.dims())));
+    }
+    if !fused(gate) || gate.dtype() != up.dtype() {
+        return reference(gate, up);
+    }
+    Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)?)
+}
+
+/// The primitive graph: silu, then the product.
+pub fn reference(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok((gate.silu()? * up)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{check, var};
+    use super::*;
+    use candle_core::DType;
+
+    #[test]
+    fn fused_equals_reference_in_value_and_gradient() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            // Longer than one task, so the chunking is exercised.
+            let g = var(&[3, 7001], 1, 6.0, dtype);
+            let u = var(&[3, 7001], 2, 2.0, dtype);
+            let (gt, ut) = (g.as_tensor(), u.as_tensor());
+            check(
+                &[g.clone(), u.clone()],
+                || swiglu(gt, ut).unwrap(),
+                || reference(gt, ut).unwrap(),
+                tol,
+                &format!("{dtype:?}"),
+            );
+        }
+    }
+}

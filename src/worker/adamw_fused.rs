@@ -1,0 +1,210 @@
+//! AdamW in one pass on the CPU: the update of [`super::adamw::update`] for f32/f64 parameters.
+//!
+//! The primitive version runs about twelve elementwise candle ops per parameter (each a full
+//! pass and a fresh buffer); this reads p, g, m, v once and writes m', v' (each its own buffer) and p in place, with the
+//! same arithmetic in the same order (so results agree with it to rounding):
+//! ```text
+//! g ← g · clip;  p ← p · (1 − lr·wd);  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²
+//! p ← p − (lr / (1 − β1^t)) · m / (sqrt(v · 1/(1 − β2^t)) + eps)
+//! ```
+//! The parameter is written in place, as `Var::set` would.
+
+use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tensor, Var, WithDType};
+use rayon::prelude::*;
+
+use super::adamw::{AdamParams, Moments};
+use crate::model::ops::{data, dispatch_real, Real};
+use crate::Result;
+
+/// Scalars of one step, in the order the kernel uses them.
+#[derive(Clone, Copy)]
+struct Step {
+    clip: f64,
+    decay: f64,
+    beta1: f64,
+    beta2: f64,
+    lr_over_bias1: f64,
+    inv_bias2: f64,
+    eps: f64,
+}
+
+/// (grad, moment) → the new first moment (`second == false`) or second moment, each in its own
+/// buffer (the offload path moves every moment tensor on its own).
+struct Moment {
+    step: Step,
+    second: bool,
+}
+
+impl CustomOp2 for Moment {
+    fn name(&self) -> &'static str {
+        "adamw-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let st = self.step;
+        let second = self.second;
+        dispatch_real!(s1, T => {
+            let (g, m) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
+            let c = |x: f64| T::of(x);
+            let (clip, beta) = (c(st.clip), c(if second { st.beta2 } else { st.beta1 }));
+            let one_beta = c(1.0 - if second { st.beta2 } else { st.beta1 });
+            let mut out = vec![T::of(0.0); g.len()];
+            out.par_chunks_mut(CHUNK).enumerate().for_each(|(k, o)| {
+                let at = k * CHUNK;
+                for i in 0..o.len() {
+                    let gj = g[at + i] * clip;
+                    o[i] = if second { m[at + i] * beta + gj * gj * one_beta } else { m[at + i] * beta + gj * one_beta };
+                }
+            });
+            Ok((<T as WithDType>::to_cpu_storage_owned(out), l1.shape().clone()))
+        })
+    }
+}
+
+/// p ← p · decay − lr/bias1 · m' / (sqrt(v' / bias2) + eps), in place, from m' and v'.
+impl InplaceOp3 for Step {
+    fn name(&self) -> &'static str {
+        "adamw-param"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let (a, b) = l1
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("adamw: parameter is not contiguous".into()))?;
+        let c = *self;
+        macro_rules! run {
+            ($p:expr, $T:ty) => {{
+                let (m, v) = (data::<$T>(s2, l2)?, data::<$T>(s3, l3)?);
+                let k = |x: f64| x as $T;
+                let (decay, lr_b1, inv_b2, eps) = (k(c.decay), k(c.lr_over_bias1), k(c.inv_bias2), k(c.eps));
+                $p[a..b].par_chunks_mut(CHUNK).enumerate().for_each(|(j, p)| {
+                    let at = j * CHUNK;
+                    for i in 0..p.len() {
+                        let denom = (v[at + i] * inv_b2).sqrt() + eps;
+                        p[i] = p[i] * decay - m[at + i] * lr_b1 / denom;
+                    }
+                });
+                Ok(())
+            }};
+        }
+        match s1 {
+            CpuStorage::F32(p) => run!(p, f32),
+            CpuStorage::F64(p) => run!(p, f64),
+            _ => Err(candle_core::Error::Msg("adamw: f32 or f64 only".into())),
+        }
+    }
+}
+
+/// Elements per rayon task.
+const CHUNK: usize = 8192;
+
+/// Σ x² in f64, one pass (the global gradient norm's terms).
+struct SumSquares;
+
+impl candle_core::CustomOp1 for SumSquares {
+    fn name(&self) -> &'static str {
+        "sum-squares"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch_real!(s, T => {
+            let x = data::<T>(s, l)?;
+            let total: f64 = x
+                .par_chunks(CHUNK)
+                .map(|c| c.iter().map(|&v| { let v = v.to_f64(); v * v }).sum::<f64>())
+                .sum();
+            Ok((CpuStorage::F64(vec![total]), Shape::from(1)))
+        })
+    }
+}
+
+/// Σ x² of `t` (f32/f64 on the CPU) as a one-element f64 tensor; None where it does not apply.
+pub fn sum_squares(t: &Tensor) -> Result<Option<Tensor>> {
+    if !(t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)) {
+        return Ok(None);
+    }
+    Ok(Some(t.contiguous()?.apply_op1_no_bwd(&SumSquares)?))
+}
+
+/// Whether the one-pass update serves this parameter: CPU, f32/f64, moments of its dtype.
+pub fn applies(param: &Tensor, state: &Moments) -> bool {
+    param.device().is_cpu()
+        && matches!(param.dtype(), DType::F32 | DType::F64)
+        && state.exp_avg.dtype() == param.dtype()
+}
+
+/// One AdamW step of `var` with `grad · clip`; advances `state.step`. Call when [`applies`].
+pub fn update(var: &Var, grad: &Tensor, clip: f64, state: &mut Moments, p: &AdamParams) -> Result<()> {
+    let param = var.as_tensor();
+    state.step += 1;
+    let t = state.step as i32;
+    let step = Step {
+        clip,
+        decay: 1.0 - p.learning_rate * p.weight_decay,
+        beta1: p.beta1,
+        beta2: p.beta2,
+        lr_over_bias1: p.learning_rate / (1.0 - p.beta1.powi(t)),
+        inv_bias2: 1.0 / (1.0 - p.beta2.powi(t)),
+        eps: p.eps,
+    };
+    let flat = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(param.dtype())?.contiguous()?.flatten_all()?) };
+    let g = flat(grad)?;
+    let m = g.apply_op2_no_bwd(&flat(&state.exp_avg)?, &Moment { step, second: false })?;
+    let v = g.apply_op2_no_bwd(&flat(&state.exp_avg_sq)?, &Moment { step, second: true })?;
+    param.inplace_op3(&m, &v, &step)?;
+    state.exp_avg = m.reshape(param.shape())?;
+    state.exp_avg_sq = v.reshape(param.shape())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::adamw::update_reference;
+    use candle_core::Device;
+
+    #[test]
+    fn fused_step_equals_the_primitive_step() {
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::F64, 1e-14)] {
+            let init: Vec<f64> = (0..1000).map(|i| ((i * 37 % 101) as f64 - 50.0) / 25.0).collect();
+            let p0 = Tensor::from_vec(init, (10, 100), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let (a, b) = (Var::from_tensor(&p0).unwrap(), Var::from_tensor(&p0).unwrap());
+            let (mut sa, mut sb) = (Moments::zeros(&p0).unwrap(), Moments::zeros(&p0).unwrap());
+            let params = AdamParams { learning_rate: 1e-2, weight_decay: 0.1, eps: 1e-8, ..Default::default() };
+            for step in 0..3 {
+                let g = ((a.as_tensor() * (0.3 + step as f64)).unwrap().sin().unwrap() * 0.01).unwrap();
+                update(&a, &g, 1.0, &mut sa, &params).unwrap();
+                update_reference(&b, &g, &mut sb, &params).unwrap();
+            }
+            for (x, y) in [(a.as_tensor(), b.as_tensor()), (&sa.exp_avg, &sb.exp_avg), (&sa.exp_avg_sq, &sb.exp_avg_sq)]
+            {
+                let d = (x - y)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+                assert!(d < tol, "{dtype:?}: {d}");
+            }
+            assert_eq!(sa.step, sb.step);
+        }
+    }
+}
