@@ -69,12 +69,12 @@ fn greedy_logprobs_equal_forward_logprobs_and_batch_does_not_change_rows() {
     let p = SamplingParams { max_tokens: 6, temperature: 0.0, ignore_eos: true, ..Default::default() };
     let batched = generate(&m, &prompts, &p, &[2]).unwrap();
     for (prompt, g) in prompts.iter().zip(&batched) {
-        let solo = generate(&m, &[prompt.clone()], &p, &[2]).unwrap();
+        let solo = generate(&m, std::slice::from_ref(prompt), &p, &[2]).unwrap();
         assert_eq!(solo[0].tokens, g.tokens);
         // Score prompt + completion with the training forward.
         let seq: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
         let n = seq.len();
-        let logits = m.forward(&[seq.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
+        let logits = m.forward(std::slice::from_ref(&seq), &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
         let targets = Tensor::new(&seq[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         let lp: Vec<f32> = target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets)
             .unwrap()
@@ -305,7 +305,8 @@ fn rope_scaling_matches_transformers() {
             reference["target_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
         let n = seq.len();
         let score = |m: &Transformer| -> Vec<f32> {
-            let logits = m.forward(&[seq.clone()], &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
+            let logits =
+                m.forward(std::slice::from_ref(&seq), &[(0..n as u32).collect()], &[vec![1; n]], None).unwrap();
             let targets = Tensor::new(&seq[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
             target_logprobs(&logits.narrow(1, 0, n - 1).unwrap(), &targets)
                 .unwrap()
@@ -343,7 +344,7 @@ fn cloned_caches_extend_independently() {
     let m = load("qwen2");
     let prefix: Vec<u32> = vec![5, 6, 7, 8, 9];
     let mut a = m.new_cache();
-    m.forward(&[prefix.clone()], &[(0..5).collect()], &[vec![1; 5]], Some(&mut a)).unwrap();
+    m.forward(std::slice::from_ref(&prefix), &[(0..5).collect()], &[vec![1; 5]], Some(&mut a)).unwrap();
     let mut b = a.clone();
     let last = |cache: &mut oxrl::model::KvCache, tokens: &[u32]| -> Tensor {
         let mut out = None;

@@ -92,13 +92,13 @@ fn per_row_adapter_logits_equal_the_attached_models() {
     let got = base.logits_adapted(&h, ra.as_ref()).unwrap();
     for (r, row) in rows.iter().enumerate() {
         let model = which(r).map_or(&base, |k| &ads[k].0);
-        let want = model.forward(&[row.clone()], &pos[..1], &mask[..1], None).unwrap();
+        let want = model.forward(std::slice::from_ref(row), &pos[..1], &mask[..1], None).unwrap();
         let got_r = got.narrow(0, r, 1).unwrap();
         let d = max_abs_diff(&got_r, &want);
         assert!(d < 1e-5, "row {r}: max |Δ| {d}");
         // The adapters matter: the bare base differs.
         if which(r).is_some() {
-            let bare = base.forward(&[row.clone()], &pos[..1], &mask[..1], None).unwrap();
+            let bare = base.forward(std::slice::from_ref(row), &pos[..1], &mask[..1], None).unwrap();
             assert!(max_abs_diff(&got_r, &bare) > 1e-3, "row {r}: adapter had no effect");
         }
     }

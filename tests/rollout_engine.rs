@@ -202,7 +202,7 @@ fn engine_distribution_matches_intended() {
     let vocab = 12;
     let m = tiny_model(vocab, 7);
     let prompt = vec![1u32, 2, 3];
-    let logits = m.forward(&[prompt.clone()], &[vec![0, 1, 2]], &[vec![1; 3]], None).unwrap();
+    let logits = m.forward(std::slice::from_ref(&prompt), &[vec![0, 1, 2]], &[vec![1; 3]], None).unwrap();
     let z: Vec<f32> = logits.squeeze(0).unwrap().get(2).unwrap().to_vec1().unwrap();
     for (t, top_k, top_p) in CASES {
         let want = intended(&z, t, top_k, top_p);

@@ -458,7 +458,7 @@ fn chat_replies_with_the_tokens_the_trainer_needs() {
         assert_eq!(reply.len(), 2);
         let r = &reply[0];
         assert_eq!(r.prompt_tokens, tok.encode_chat(&messages, true, None).unwrap(), "turn {turn}");
-        let want = generate(&m, &[r.prompt_tokens.clone()], &p, tok.eos_token_ids()).unwrap().remove(0);
+        let want = generate(&m, std::slice::from_ref(&r.prompt_tokens), &p, tok.eos_token_ids()).unwrap().remove(0);
         assert_eq!(r.tokens, want.tokens);
         assert_close(&r.logprobs, &want.logprobs, "chat log-probs");
         assert_eq!(r.versions.len(), r.tokens.len());

@@ -81,7 +81,8 @@ fn first_step_loss_equals_a_hand_computation() {
         let trained = prompt.len()..prompt.len() + reply.len() + 1; // reply + <|im_end|>
         assert_eq!(full[trained.end - 1], 2, "<|im_end|> is trained");
         let t = full.len();
-        let logits = model.forward(&[full.clone()], &[(0..t as u32).collect()], &[vec![1; t]], None).unwrap();
+        let logits =
+            model.forward(std::slice::from_ref(&full), &[(0..t as u32).collect()], &[vec![1; t]], None).unwrap();
         let targets = Tensor::new(&full[1..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         let lp: Vec<f32> = target_logprobs(&logits.narrow(1, 0, t - 1).unwrap(), &targets)
             .unwrap()

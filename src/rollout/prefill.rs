@@ -66,24 +66,27 @@ impl<'a> PrefillItem<'a> {
         PrefillItem { prompt: &req.prompt, adapter, logprobs: req.prompt_logprobs, topk: req.prompt_topk }
     }
 
-    fn key(&self) -> (Option<String>, Vec<u32>) {
+    fn key(&self) -> PrefillKey {
         (self.adapter.map(|a| a.0.to_string()), self.prompt.to_vec())
     }
 }
 
+/// (adapter name, prompt): what identifies a prefill.
+pub type PrefillKey = (Option<String>, Vec<u32>);
+
 /// Prefilled caches (one row each) and prompt scores, by (adapter name, prompt).
-pub type Prefilled = HashMap<(Option<String>, Vec<u32>), (KvCache, PromptScores)>;
+pub type Prefilled = HashMap<PrefillKey, (KvCache, PromptScores)>;
 
 /// Prefills every distinct (adapter, prompt) of `items`, grouping prompts of one length into one
 /// forward; a prompt asked for several times gets every score any of them wants.
 pub fn prefill_batch(model: &Transformer, items: &[PrefillItem]) -> Result<Prefilled> {
-    let mut wanted: HashMap<(Option<String>, Vec<u32>), PrefillItem> = HashMap::new();
+    let mut wanted: HashMap<PrefillKey, PrefillItem> = HashMap::new();
     for it in items {
         let w = wanted.entry(it.key()).or_insert(*it);
         w.logprobs |= it.logprobs;
         w.topk = w.topk.max(it.topk);
     }
-    let mut by_len: BTreeMap<usize, Vec<((Option<String>, Vec<u32>), PrefillItem)>> = BTreeMap::new();
+    let mut by_len: BTreeMap<usize, Vec<(PrefillKey, PrefillItem)>> = BTreeMap::new();
     for (key, it) in wanted {
         by_len.entry(it.prompt.len()).or_default().push((key, it));
     }
