@@ -454,25 +454,18 @@ impl EngineCore {
     }
 
     fn admit(&mut self) -> Result<()> {
-        // Prefills of this round by adapter and prompt: identical ones share one, and the
-        // prompts the loop below will admit are prefilled together up front (one forward per
-        // length).
-        let mut longest = self.rows.iter().map(|r| self.active[&r.id].final_len()).max().unwrap_or(0);
-        let mut prefilled: Prefilled = prefill_batch(&self.model, &self.admissible(longest))?;
-        while let Some((_, req, _)) = self.waiting.front() {
+        // The requests that fit leave the queue together and their prompts are prefilled in one
+        // batch (one forward per prompt length; identical adapter + prompt pairs once).
+        let longest = self.rows.iter().map(|r| self.active[&r.id].final_len()).max().unwrap_or(0);
+        let admitted: Vec<_> = self.waiting.drain(..self.admissible(longest)).collect();
+        if admitted.is_empty() {
+            return Ok(());
+        }
+        let items: Vec<PrefillItem> = admitted.iter().map(|(_, req, a)| PrefillItem::of(req, a.as_ref())).collect();
+        let prefilled: Prefilled = prefill_batch(&self.model, &items)?;
+        for (id, req, adapter) in admitted {
             let n = req.num_samples;
-            let len = req.prompt.len() + req.params.max_tokens;
-            let rows = self.rows.len() + n;
-            if rows > self.config.max_batch || rows * longest.max(len) > self.budget {
-                break;
-            }
-            let (id, req, adapter) = self.waiting.pop_front().expect("front exists");
-            longest = longest.max(len);
-            let key = (req.adapter.clone(), req.prompt.clone());
-            if !prefilled.get(&key).is_some_and(|(_, scores)| scores.serve(&req)) {
-                prefilled.extend(prefill_batch(&self.model, &[PrefillItem::of(&req, adapter.as_ref())])?);
-            }
-            let (one, scores) = &prefilled[&key];
+            let (one, scores) = &prefilled[&(req.adapter.clone(), req.prompt.clone())];
             let mut stops = req.params.stop_token_ids.clone();
             if !req.params.ignore_eos {
                 stops.extend_from_slice(&self.config.eos_token_ids);
@@ -510,12 +503,13 @@ impl EngineCore {
         Ok(())
     }
 
-    /// The prompts that `admit` will take from the front of the queue: the same room checks,
-    /// without side effects.
-    fn admissible(&self, mut longest: usize) -> Vec<PrefillItem<'_>> {
+    /// How many requests from the front of the queue fit (FIFO): the batch's rows stay within
+    /// `max_batch` and rows × the longest final length within the KV budget. A request with
+    /// `max_tokens` 0 takes no rows (it is answered at once).
+    fn admissible(&self, mut longest: usize) -> usize {
         let mut rows = self.rows.len();
-        let mut out = vec![];
-        for (_, req, adapter) in &self.waiting {
+        let mut count = 0;
+        for (_, req, _) in &self.waiting {
             let len = req.prompt.len() + req.params.max_tokens;
             if rows + req.num_samples > self.config.max_batch
                 || (rows + req.num_samples) * longest.max(len) > self.budget
@@ -526,9 +520,9 @@ impl EngineCore {
             if req.params.max_tokens > 0 {
                 rows += req.num_samples;
             }
-            out.push(PrefillItem::of(req, adapter.as_ref()));
+            count += 1;
         }
-        out
+        count
     }
 
     fn decode(&mut self) -> Result<()> {

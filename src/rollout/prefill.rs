@@ -31,12 +31,6 @@ pub struct PromptScores {
 }
 
 impl PromptScores {
-    /// Whether these scores hold what `req` asks for.
-    pub fn serve(&self, req: &Request) -> bool {
-        (!req.prompt_logprobs || self.logprobs.is_some())
-            && (req.prompt_topk == 0 || self.topk.as_ref().is_some_and(|(k, _)| *k >= req.prompt_topk))
-    }
-
     /// The scores `req` asked for.
     pub fn for_request(&self, req: &Request) -> PromptScores {
         let topk = match (&self.topk, req.prompt_topk) {

@@ -64,6 +64,20 @@ pub fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
+/// A [`CheckpointRow`] from the columns `path, created, session_id, base_model, lora_config,
+/// public, expires_at` starting at column `first`.
+fn checkpoint_row(r: &rusqlite::Row, first: usize) -> rusqlite::Result<CheckpointRow> {
+    Ok(CheckpointRow {
+        path: r.get(first)?,
+        created: r.get(first + 1)?,
+        session_id: r.get(first + 2)?,
+        base_model: r.get(first + 3)?,
+        lora_config: r.get(first + 4)?,
+        public: r.get::<_, Option<bool>>(first + 5)?.unwrap_or(false),
+        expires_at: r.get(first + 6)?,
+    })
+}
+
 impl Store {
     pub fn open(path: &Path) -> ApiResult<Store> {
         let conn = Connection::open(path).map_err(|e| ApiError::server(format!("{}: {e}", path.display())))?;
@@ -265,17 +279,7 @@ impl Store {
                 "SELECT path, created, session_id, base_model, lora_config, public, expires_at FROM checkpoints
                  WHERE run_id = ?1 AND kind = ?2 AND name = ?3 AND (expires_at IS NULL OR expires_at > ?4)",
                 params![c.run_id, c.kind.as_str(), c.name, now()],
-                |r| {
-                    Ok(CheckpointRow {
-                        path: r.get(0)?,
-                        created: r.get(1)?,
-                        session_id: r.get(2)?,
-                        base_model: r.get(3)?,
-                        lora_config: r.get(4)?,
-                        public: r.get::<_, Option<bool>>(5)?.unwrap_or(false),
-                        expires_at: r.get(6)?,
-                    })
-                },
+                |r| checkpoint_row(r, 0),
             )
             .optional()?)
     }
@@ -306,18 +310,7 @@ impl Store {
              ORDER BY created, run_id, kind, name",
         )?;
         let rows = stmt.query_map(params![run_id, now()], |r| {
-            Ok((
-                (r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?),
-                CheckpointRow {
-                    path: r.get(3)?,
-                    created: r.get(4)?,
-                    session_id: r.get(5)?,
-                    base_model: r.get(6)?,
-                    lora_config: r.get(7)?,
-                    public: r.get::<_, Option<bool>>(8)?.unwrap_or(false),
-                    expires_at: r.get(9)?,
-                },
-            ))
+            Ok(((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?), checkpoint_row(r, 3)?))
         })?;
         let mut out = vec![];
         for row in rows {
