@@ -195,7 +195,12 @@ fn exported_models_score_like_the_in_memory_one() {
             assert!(export.join("tokenizer.json").exists() && export.join("config.json").exists());
             oxrl_score(&export, None, &seq)
         };
-        assert_eq!(scored, in_memory, "lora rank {lora_rank}: exported model scores differently");
+        // The worker's forward (the tape) and `oxrl score` (the candle graph) sum in different
+        // orders: equal to float rounding.
+        assert_eq!(scored.len(), in_memory.len());
+        for (a, b) in scored.iter().zip(&in_memory) {
+            assert!((a - b).abs() < 1e-5, "lora rank {lora_rank}: exported model scores differently: {a} vs {b}");
+        }
         let base = oxrl_score(&fixture_dir("qwen3"), None, &seq);
         assert_ne!(scored, base, "training changed nothing");
     }

@@ -9,6 +9,7 @@ pub mod ops;
 pub mod rope;
 pub mod row_adapters;
 pub mod sampler_weights;
+pub mod tape;
 pub mod token_ids;
 pub mod transformer;
 pub mod weight_update;

@@ -96,7 +96,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// Additive attention bias [B, T, S]: query i (at cache offset `past`) sees key j iff
 /// j ≤ past + i and key j is real. A query always sees itself, so that padded queries (whose
 /// outputs are discarded) never have an empty row.
-fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
+pub(crate) fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
     let b = key_mask.len();
     let s = past + t;
     let mut bias = vec![0f32; b * t * s];
@@ -337,31 +337,11 @@ impl Transformer {
         mut cache: Option<&mut KvCache>,
         adapters: Option<&RowAdapters>,
     ) -> Result<Tensor> {
-        let b = input_ids.len();
-        if b == 0 {
-            return Err(Error::input("empty batch"));
-        }
-        let t = input_ids[0].len();
-        if t == 0 {
-            return Err(Error::input("input_ids rows are empty (sequence length 0)"));
-        }
-        for (name, rows) in [("positions", positions.len()), ("mask", mask.len())] {
-            if rows != b {
-                return Err(Error::input(format!("{name} has {rows} rows, input_ids has {b}")));
-            }
-        }
-        for r in 0..b {
-            if input_ids[r].len() != t || positions[r].len() != t || mask[r].len() != t {
-                return Err(Error::input(format!("row {r}: input_ids, positions and mask must all have length {t}")));
-            }
-        }
+        let (b, t) = self.check_inputs(input_ids, positions, mask)?;
         if let Some(c) = cache.as_ref() {
             if c.seq_len() > 0 && c.key_mask().len() != b {
                 return Err(Error::input(format!("cache holds {} rows, batch has {b}", c.key_mask().len())));
             }
-        }
-        for (row, ids) in input_ids.iter().enumerate() {
-            super::check_token_ids(ids, self.config.vocab_size, format_args!("row {row}"))?;
         }
         let dev = &self.device;
         let ids = Tensor::from_vec(input_ids.concat(), (b, t), dev)?;
@@ -389,6 +369,37 @@ impl Transformer {
             h = (h + layer.mlp.forward(&x, adapters.map(|a| (a, first)))?)?;
         }
         rms_norm(&h, &self.norm, eps)
+    }
+
+    /// Checks a batch's shapes and token ids; returns (rows, tokens per row).
+    pub(crate) fn check_inputs(
+        &self,
+        input_ids: &[Vec<u32>],
+        positions: &[Vec<u32>],
+        mask: &[Vec<u8>],
+    ) -> Result<(usize, usize)> {
+        let b = input_ids.len();
+        if b == 0 {
+            return Err(Error::input("empty batch"));
+        }
+        let t = input_ids[0].len();
+        if t == 0 {
+            return Err(Error::input("input_ids rows are empty (sequence length 0)"));
+        }
+        for (name, rows) in [("positions", positions.len()), ("mask", mask.len())] {
+            if rows != b {
+                return Err(Error::input(format!("{name} has {rows} rows, input_ids has {b}")));
+            }
+        }
+        for r in 0..b {
+            if input_ids[r].len() != t || positions[r].len() != t || mask[r].len() != t {
+                return Err(Error::input(format!("row {r}: input_ids, positions and mask must all have length {t}")));
+            }
+        }
+        for (row, ids) in input_ids.iter().enumerate() {
+            super::check_token_ids(ids, self.config.vocab_size, format_args!("row {row}"))?;
+        }
+        Ok((b, t))
     }
 
     /// Logits in f32 for hidden states [..., hidden].

@@ -13,6 +13,7 @@ use super::batch::{Datum, FloatField};
 use super::value_head::ValueHead;
 use crate::algo::{Loss, LossInputs, LossOutput};
 use crate::model::logprobs::{entropy as token_entropy, target_logprobs_and_lse};
+use crate::model::tape::Tape;
 use crate::model::Transformer;
 use crate::Result;
 
@@ -23,16 +24,20 @@ pub struct TokenOutputs {
     pub entropy: Option<Tensor>,
     /// Datum lengths, in micro-batch order.
     pub lengths: Vec<usize>,
+    /// The body's recorded forward, when it ran on the tape: its backward completes candle's.
+    pub tape: Option<Tape>,
 }
 
 /// Runs the model on the datums `members` of `batch`. `critic` selects the value head;
-/// `entropy` asks for per-token entropies (policy only).
+/// `entropy` asks for per-token entropies (policy only). The body runs on the [`Tape`] where it
+/// can (CPU f32/f64), recording for a `backward`: the caller then hands the tape its gradients.
 pub fn model_outputs(
     model: &Transformer,
     value_head: Option<&ValueHead>,
     batch: &[Datum],
     members: &[usize],
     entropy: bool,
+    backward: bool,
 ) -> Result<TokenOutputs> {
     let lengths: Vec<usize> = members.iter().map(|&i| batch[i].len()).collect();
     let t_max = *lengths.iter().max().expect("a micro-batch is never empty");
@@ -49,26 +54,46 @@ pub fn model_outputs(
         gather.extend((0..n).map(|t| (row * t_max + t) as u32));
     }
     let device = &model.device;
-    let hidden = model.forward_hidden(&ids, &positions, &mask, None)?;
+    let n_real = gather.len();
+    let targets = || -> Vec<u32> {
+        members
+            .iter()
+            .flat_map(|&i| {
+                batch[i]
+                    .loss_fn_inputs
+                    .target_tokens
+                    .as_ref()
+                    .expect("validated: target_tokens present")
+                    .iter()
+                    .copied()
+            })
+            .collect()
+    };
+    let mut tape =
+        if Tape::serves(model) { Some(Tape::forward(model, &ids, &positions, &mask, backward)?) } else { None };
+    // The common case, a policy without an entropy term: the head runs on the tape as well.
+    if let (Some(t), None, false) = (tape.as_mut(), value_head, entropy) {
+        let logprobs = t.logprobs(&gather, &targets())?;
+        return Ok(TokenOutputs { main: logprobs, entropy: None, lengths, tape: tape.filter(|_| backward) });
+    }
+    let hidden = match tape.as_mut() {
+        Some(t) => t.hidden()?,
+        None => model.forward_hidden(&ids, &positions, &mask, None)?,
+    };
+    let tape = tape.filter(|_| backward);
     let hidden_size = hidden.dim(2)?;
-    let gather = Tensor::from_vec(gather, lengths.iter().sum::<usize>(), device)?;
+    let gather = Tensor::from_vec(gather, n_real, device)?;
     let hidden = hidden.reshape((members.len() * t_max, hidden_size))?.index_select(&gather, 0)?;
     let dtype = state_dtype(model.dtype);
     if let Some(head) = value_head {
         let values = head.forward(&hidden)?.to_dtype(dtype)?;
-        return Ok(TokenOutputs { main: values, entropy: None, lengths });
+        return Ok(TokenOutputs { main: values, entropy: None, lengths, tape });
     }
     let logits = model.lm_head.forward(&hidden)?.to_dtype(dtype)?;
-    let targets: Vec<u32> = members
-        .iter()
-        .flat_map(|&i| {
-            batch[i].loss_fn_inputs.target_tokens.as_ref().expect("validated: target_tokens present").iter().copied()
-        })
-        .collect();
-    let targets = Tensor::from_vec(targets, gather.dim(0)?, device)?;
+    let targets = Tensor::from_vec(targets(), n_real, device)?;
     let (logprobs, lse) = target_logprobs_and_lse(&logits, &targets)?;
     let entropy = if entropy { Some(token_entropy(&logits, &lse)?) } else { None };
-    Ok(TokenOutputs { main: logprobs, entropy, lengths })
+    Ok(TokenOutputs { main: logprobs, entropy, lengths, tape })
 }
 
 /// The field concatenated over `members`, as a tensor of `dtype`, if the datums have it.

@@ -23,6 +23,7 @@ use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
 use super::value_head::ValueHead;
 use crate::algo::{Loss, Metrics};
+use crate::model::tape::Tape;
 use crate::model::{lora, SamplerWeights, Transformer};
 use crate::{Error, Result};
 
@@ -204,13 +205,13 @@ impl Worker {
         let mut metrics = Metrics::new();
         let mut records = vec![LossFnOutput::default(); batch.len()];
         for members in &plan {
-            let out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy)?;
+            let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, backward)?;
             let mut elementwise = None;
             if let Some(loss) = loss {
                 let (loss_out, weights) = apply_loss(loss, &out, batch, members)?;
                 metrics.merge(&loss_out.metrics);
                 if backward {
-                    self.accumulate(&loss_out.weighted_sum)?;
+                    self.accumulate(&loss_out.weighted_sum, out.tape.take())?;
                 }
                 if outputs {
                     elementwise = Some((loss_out.per_token_loss.detach() * weights)?);
@@ -236,12 +237,23 @@ impl Worker {
         Ok(ForwardBackwardOutput { metrics, loss_fn_outputs: records })
     }
 
-    /// Backward of `weighted_sum`; adds each parameter's gradient to its accumulator.
-    fn accumulate(&mut self, weighted_sum: &Tensor) -> Result<()> {
-        let grads = weighted_sum.backward()?;
+    /// Backward of `weighted_sum` (and of the body's tape, when it ran on one); adds each
+    /// parameter's gradient to its accumulator.
+    fn accumulate(&mut self, weighted_sum: &Tensor, tape: Option<Tape>) -> Result<()> {
+        let store = weighted_sum.backward()?;
+        let taped = match tape {
+            Some(tape) => tape.backward(&store)?,
+            None => vec![],
+        };
         let mixed = self.masters.is_some();
         for ((_, var), acc) in self.params.iter().zip(self.grads.iter_mut()) {
-            if let Some(g) = grads.get(var.as_tensor()) {
+            // A tied embedding gets one gradient from each side (the head's and the gather's).
+            let id = var.as_tensor().id();
+            let parts = store
+                .get(var.as_tensor())
+                .into_iter()
+                .chain(taped.iter().filter(|(p, _)| p.id() == id).map(|(_, g)| g));
+            for g in parts {
                 // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
                 let g = if mixed { &g.to_dtype(MASTER_DTYPE)? } else { g };
                 *acc = Some(match acc.take() {

@@ -16,6 +16,27 @@ use crate::{Error, Result};
 
 struct LogprobLse;
 
+/// (log p(y), logsumexp) of one row of logits.
+pub(crate) fn row_forward<T: Real>(row: &[T], y: u32) -> (T, T) {
+    let m = row.iter().fold(T::neg_infinity(), |a, &b| a.fmax(b));
+    let lse = T::sum_exp(row, m).ln() + m;
+    (row[y as usize] - lse, lse)
+}
+
+/// The row's logit gradient for the output gradients (g_lp, g_lse), in place of the logits z:
+/// dz = p · (g_lse − g_lp) + g_lp · onehot(y), p = exp(z − lse).
+pub(crate) fn row_backward<T: Real>(z: &mut [T], y: u32, lse: T, g_lp: T, g_lse: T) {
+    for x in z.iter_mut() {
+        *x = *x - lse;
+    }
+    T::exp_in_place(z);
+    let c = g_lse - g_lp;
+    for x in z.iter_mut() {
+        *x *= c;
+    }
+    z[y as usize] += g_lp;
+}
+
 fn forward_kernel<T: Real>(z: &[T], y: &[u32], v: usize) -> candle_core::Result<Vec<T>> {
     if let Some(bad) = y.iter().find(|&&t| t as usize >= v) {
         return Err(candle_core::Error::Msg(format!("target id {bad} is out of range for vocabulary {v}")));
@@ -23,14 +44,7 @@ fn forward_kernel<T: Real>(z: &[T], y: &[u32], v: usize) -> candle_core::Result<
     let mut out = vec![T::of(0.0); 2 * y.len()];
     par_rows(&mut out, 2, |i, o| {
         let row = &z[i * v..(i + 1) * v];
-        let m = row.iter().fold(T::neg_infinity(), |a, &b| a.fmax(b));
-        let mut s = T::of(0.0);
-        for &x in row {
-            s += (x - m).exp();
-        }
-        let lse = s.ln() + m;
-        o[0] = row[y[i] as usize] - lse;
-        o[1] = lse;
+        (o[0], o[1]) = row_forward(row, y[i]);
     });
     Ok(out)
 }
@@ -96,11 +110,8 @@ impl candle_core::CustomOp3 for LogprobLseBwd {
             let mut dz = vec![T::of(0.0); z.len()];
             par_rows(&mut dz, v, |i, out| {
                 let (lse, g_lp, g_lse) = (rg[4 * i + 1], rg[4 * i + 2], rg[4 * i + 3]);
-                let c = g_lse - g_lp;
-                for (o, &x) in out.iter_mut().zip(&z[i * v..(i + 1) * v]) {
-                    *o = (x - lse).exp() * c;
-                }
-                out[y[i] as usize] += g_lp;
+                out.copy_from_slice(&z[i * v..(i + 1) * v]);
+                row_backward(out, y[i], lse, g_lp, g_lse);
             });
             Ok((T::to_cpu_storage_owned(dz), l1.shape().clone()))
         })

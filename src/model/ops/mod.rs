@@ -8,6 +8,7 @@
 //! devices (CUDA) and for other dtypes (bf16/f16), and what the tests compare values and
 //! gradients against.
 
+pub mod exp;
 pub mod logprob_lse;
 pub mod matmul_wt;
 pub mod rms_norm;
@@ -33,10 +34,14 @@ pub trait Real:
     fn sqrt(self) -> Self;
     fn neg_infinity() -> Self;
     fn fmax(self, other: Self) -> Self;
+    /// xs ← exp(xs) (vectorised for f32, see [`exp`]).
+    fn exp_in_place(xs: &mut [Self]);
+    /// Σ exp(x − shift) over xs.
+    fn sum_exp(xs: &[Self], shift: Self) -> Self;
 }
 
 macro_rules! real {
-    ($t:ty) => {
+    ($t:ty, $exp_in_place:path, $sum_exp:path) => {
         impl Real for $t {
             fn of(x: f64) -> Self {
                 x as $t
@@ -56,11 +61,17 @@ macro_rules! real {
             fn fmax(self, other: Self) -> Self {
                 <$t>::max(self, other)
             }
+            fn exp_in_place(xs: &mut [Self]) {
+                $exp_in_place(xs)
+            }
+            fn sum_exp(xs: &[Self], shift: Self) -> Self {
+                $sum_exp(xs, shift)
+            }
         }
     };
 }
-real!(f32);
-real!(f64);
+real!(f32, exp::exp_f32_in_place, exp::sum_exp_f32);
+real!(f64, exp::exp_f64_in_place, exp::sum_exp_f64);
 
 /// The contiguous data of a kernel input (the wrappers make every input contiguous first).
 pub(crate) fn data<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [T]> {

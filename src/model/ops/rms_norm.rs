@@ -26,6 +26,56 @@ fn inv_rms<T: Real>(row: &[T], eps: f64) -> T {
     T::of(1.0) / (s / T::of(row.len() as f64) + T::of(eps)).sqrt()
 }
 
+/// y = x · r · w for each row of x (rows of w.len()), rows split over the rayon pool.
+pub(crate) fn forward<T: Real>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
+    let d = w.len();
+    let mut y = vec![T::of(0.0); x.len()];
+    par_rows(&mut y, d, |i, out| {
+        let row = &x[i * d..(i + 1) * d];
+        let r = inv_rms(row, eps);
+        for ((o, &xi), &wi) in out.iter_mut().zip(row).zip(w) {
+            *o = xi * r * wi;
+        }
+    });
+    y
+}
+
+/// The backward of [`forward`] for the output gradient `gy`: writes dx and adds into dw.
+pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [T], dw: &mut [T]) {
+    let d = w.len();
+    let n = x.len() / d;
+    // Rows in a few chunks, each with its own dw partial sum.
+    let chunk_rows = n.div_ceil(rayon::current_num_threads().max(1) * 4).max(1);
+    let partials: Vec<Vec<T>> = dx
+        .par_chunks_mut(chunk_rows * d)
+        .enumerate()
+        .map(|(c, dx)| {
+            let mut dw = vec![T::of(0.0); d];
+            for (k, out) in dx.chunks_mut(d).enumerate() {
+                let i = c * chunk_rows + k;
+                let (row, g) = (&x[i * d..(i + 1) * d], &gy[i * d..(i + 1) * d]);
+                let r = inv_rms(row, eps);
+                let mut dot = T::of(0.0);
+                for j in 0..d {
+                    let xh = row[j] * r;
+                    dot += w[j] * g[j] * xh;
+                    dw[j] += g[j] * xh;
+                }
+                let mean = dot / T::of(d as f64);
+                for j in 0..d {
+                    out[j] = r * (w[j] * g[j] - row[j] * r * mean);
+                }
+            }
+            dw
+        })
+        .collect();
+    for p in partials {
+        for (a, b) in dw.iter_mut().zip(p) {
+            *a += b;
+        }
+    }
+}
+
 impl CustomOp2 for RmsNorm {
     fn name(&self) -> &'static str {
         "rms-norm"
@@ -38,17 +88,8 @@ impl CustomOp2 for RmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let d = *l1.dims().last().expect("rms_norm input has a last dimension");
         dispatch_real!(s1, T => {
-            let (x, w) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let mut y = vec![T::of(0.0); x.len()];
-            par_rows(&mut y, d, |i, out| {
-                let row = &x[i * d..(i + 1) * d];
-                let r = inv_rms(row, self.eps);
-                for ((o, &xi), &wi) in out.iter_mut().zip(row).zip(w) {
-                    *o = xi * r * wi;
-                }
-            });
+            let y = forward(data::<T>(s1, l1)?, data::<T>(s2, l2)?, self.eps);
             Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
         })
     }
@@ -92,39 +133,9 @@ impl CustomOp2 for RmsNormBwd {
             let d = w.len();
             let half = xg.len() / 2;
             let (x, gy) = xg.split_at(half);
-            let n = half / d;
             let mut out = vec![T::of(0.0); half + d];
             let (dx, dw) = out.split_at_mut(half);
-            // Rows in a few chunks, each with its own dw partial sum.
-            let chunk_rows = n.div_ceil(rayon::current_num_threads().max(1) * 4).max(1);
-            let partials: Vec<Vec<T>> = dx
-                .par_chunks_mut(chunk_rows * d)
-                .enumerate()
-                .map(|(c, dx)| {
-                    let mut dw = vec![T::of(0.0); d];
-                    for (k, out) in dx.chunks_mut(d).enumerate() {
-                        let i = c * chunk_rows + k;
-                        let (row, g) = (&x[i * d..(i + 1) * d], &gy[i * d..(i + 1) * d]);
-                        let r = inv_rms(row, self.eps);
-                        let mut dot = T::of(0.0);
-                        for j in 0..d {
-                            let xh = row[j] * r;
-                            dot += w[j] * g[j] * xh;
-                            dw[j] += g[j] * xh;
-                        }
-                        let mean = dot / T::of(d as f64);
-                        for j in 0..d {
-                            out[j] = r * (w[j] * g[j] - row[j] * r * mean);
-                        }
-                    }
-                    dw
-                })
-                .collect();
-            for p in partials {
-                for (a, b) in dw.iter_mut().zip(p) {
-                    *a += b;
-                }
-            }
+            backward(x, gy, w, self.eps, dx, dw);
             Ok((T::to_cpu_storage_owned(out), Shape::from(half + d)))
         })
     }

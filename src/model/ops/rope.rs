@@ -26,7 +26,7 @@ struct Rope {
 
 /// Forward: x [B, T, H, D] → [B, H, T, D]; one task per (batch row, head), whose T vectors
 /// are contiguous in the output.
-fn forward_kernel<T: Real>(x: &[T], cos: &[T], sin: &[T], (t, h, d): (usize, usize, usize)) -> Vec<T> {
+pub(crate) fn forward_kernel<T: Real>(x: &[T], cos: &[T], sin: &[T], (t, h, d): (usize, usize, usize)) -> Vec<T> {
     let half = d / 2;
     let mut out = vec![T::of(0.0); x.len()];
     out.par_chunks_mut(t * d).with_min_len((4096 / (t * d).max(1)).max(1)).enumerate().for_each(|(bh, chunk)| {
@@ -46,7 +46,7 @@ fn forward_kernel<T: Real>(x: &[T], cos: &[T], sin: &[T], (t, h, d): (usize, usi
 }
 
 /// Backward: g [B, H, T, D] → dx [B, T, H, D]; one task per (batch row, position).
-fn backward_kernel<T: Real>(g: &[T], cos: &[T], sin: &[T], (t, h, d): (usize, usize, usize)) -> Vec<T> {
+pub(crate) fn backward_kernel<T: Real>(g: &[T], cos: &[T], sin: &[T], (t, h, d): (usize, usize, usize)) -> Vec<T> {
     let half = d / 2;
     let mut dx = vec![T::of(0.0); g.len()];
     dx.par_chunks_mut(h * d).with_min_len((4096 / (h * d).max(1)).max(1)).enumerate().for_each(|(bt, chunk)| {

@@ -16,6 +16,41 @@ struct MaskedSoftmax {
     scale: f64,
 }
 
+/// out = softmax(scale · x + bias) for one row.
+pub(crate) fn forward_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f64) {
+    let scale = T::of(scale);
+    let mut m = T::neg_infinity();
+    for ((o, &v), &c) in out.iter_mut().zip(x).zip(bias) {
+        *o = v * scale + c;
+        m = m.fmax(*o);
+    }
+    for o in out.iter_mut() {
+        *o = *o - m;
+    }
+    T::exp_in_place(out);
+    let mut sum = T::of(0.0);
+    for &o in out.iter() {
+        sum += o;
+    }
+    let inv = T::of(1.0) / sum;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
+/// out = scale · p · (g − Σ g·p): the gradient of the row's scores from the saved p and the
+/// output gradient g.
+pub(crate) fn backward_row<T: Real>(out: &mut [T], p: &[T], g: &[T], scale: f64) {
+    let scale = T::of(scale);
+    let mut dot = T::of(0.0);
+    for (&a, &b) in p.iter().zip(g) {
+        dot += a * b;
+    }
+    for ((o, &a), &b) in out.iter_mut().zip(p).zip(g) {
+        *o = scale * a * (b - dot);
+    }
+}
+
 impl CustomOp2 for MaskedSoftmax {
     fn name(&self) -> &'static str {
         "masked-softmax"
@@ -28,32 +63,16 @@ impl CustomOp2 for MaskedSoftmax {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, g, t, s) = l1.shape().dims4()?;
+        let (_, g, t, s) = l1.shape().dims4()?;
         dispatch_real!(s1, T => {
             let (x, bias) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let scale = T::of(self.scale);
             let mut p = vec![T::of(0.0); x.len()];
             par_rows(&mut p, s, |r, out| {
                 // Row r is query (r mod t) of head ((r / t) mod g) of batch row r / (g·t).
                 let (bi, ti) = (r / (g * t), r % t);
-                let row = &x[r * s..(r + 1) * s];
                 let bias = &bias[(bi * t + ti) * s..(bi * t + ti + 1) * s];
-                let mut m = T::neg_infinity();
-                for ((o, &v), &c) in out.iter_mut().zip(row).zip(bias) {
-                    *o = v * scale + c;
-                    m = m.fmax(*o);
-                }
-                let mut sum = T::of(0.0);
-                for o in out.iter_mut() {
-                    *o = (*o - m).exp();
-                    sum += *o;
-                }
-                let inv = T::of(1.0) / sum;
-                for o in out.iter_mut() {
-                    *o *= inv;
-                }
+                forward_row(out, &x[r * s..(r + 1) * s], bias, self.scale);
             });
-            let _ = b;
             Ok((T::to_cpu_storage_owned(p), l1.shape().clone()))
         })
     }
@@ -90,17 +109,9 @@ impl CustomOp2 for SoftmaxBwd {
         let s = *l1.dims().last().expect("softmax has a last dimension");
         dispatch_real!(s1, T => {
             let (p, g) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let scale = T::of(self.scale);
             let mut ds = vec![T::of(0.0); p.len()];
             par_rows(&mut ds, s, |r, out| {
-                let (p, g) = (&p[r * s..(r + 1) * s], &g[r * s..(r + 1) * s]);
-                let mut dot = T::of(0.0);
-                for (&a, &b) in p.iter().zip(g) {
-                    dot += a * b;
-                }
-                for ((o, &a), &b) in out.iter_mut().zip(p).zip(g) {
-                    *o = scale * a * (b - dot);
-                }
+                backward_row(out, &p[r * s..(r + 1) * s], &g[r * s..(r + 1) * s], self.scale);
             });
             Ok((T::to_cpu_storage_owned(ds), l1.shape().clone()))
         })

@@ -14,8 +14,43 @@ use crate::{Error, Result};
 /// Rows per rayon task: elementwise work is cheap, so tasks are large.
 const CHUNK: usize = 16_384;
 
-fn sigmoid<T: Real>(x: T) -> T {
-    T::of(1.0) / (T::of(1.0) + (T::of(0.0) - x).exp())
+/// out = σ(x) = 1 / (1 + exp(−x)) for x as long as out.
+fn sigmoid_into<T: Real>(out: &mut [T], x: &[T]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = T::of(0.0) - v;
+    }
+    T::exp_in_place(out);
+    for o in out.iter_mut() {
+        *o = T::of(1.0) / (T::of(1.0) + *o);
+    }
+}
+
+/// y = silu(g) · u elementwise, in large chunks over the rayon pool.
+pub(crate) fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut y = vec![T::of(0.0); g.len()];
+    y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+        let (g, u) = (&g[c * CHUNK..], &u[c * CHUNK..]);
+        sigmoid_into(out, g);
+        for ((o, &a), &b) in out.iter_mut().zip(g).zip(u) {
+            *o *= a * b;
+        }
+    });
+    y
+}
+
+/// The backward of [`forward`] for the output gradient dy: writes dg and du.
+pub(crate) fn backward<T: Real>(g: &[T], u: &[T], dy: &[T], dg: &mut [T], du: &mut [T]) {
+    use rayon::prelude::*;
+    dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate().for_each(|(c, (dg, du))| {
+        let (g, u, dy) = (&g[c * CHUNK..], &u[c * CHUNK..], &dy[c * CHUNK..]);
+        sigmoid_into(du, g);
+        for i in 0..dg.len() {
+            let s = du[i];
+            dg[i] = dy[i] * u[i] * s * (T::of(1.0) + g[i] * (T::of(1.0) - s));
+            du[i] = dy[i] * g[i] * s;
+        }
+    });
 }
 
 struct SwiGlu;
@@ -32,16 +67,8 @@ impl CustomOp2 for SwiGlu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use rayon::prelude::*;
         dispatch_real!(s1, T => {
-            let (g, u) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let mut y = vec![T::of(0.0); g.len()];
-            y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
-                let (g, u) = (&g[c * CHUNK..], &u[c * CHUNK..]);
-                for ((o, &a), &b) in out.iter_mut().zip(g).zip(u) {
-                    *o = a * sigmoid(a) * b;
-                }
-            });
+            let y = forward(data::<T>(s1, l1)?, data::<T>(s2, l2)?);
             Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
         })
     }
@@ -78,20 +105,12 @@ impl CustomOp3 for SwiGluBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use rayon::prelude::*;
         dispatch_real!(s1, T => {
             let (g, u, dy) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?, data::<T>(s3, l3)?);
             let n = g.len();
             let mut out = vec![T::of(0.0); 2 * n];
             let (dg, du) = out.split_at_mut(n);
-            dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate().for_each(|(c, (dg, du))| {
-                let (g, u, dy) = (&g[c * CHUNK..], &u[c * CHUNK..], &dy[c * CHUNK..]);
-                for i in 0..dg.len() {
-                    let s = sigmoid(g[i]);
-                    dg[i] = dy[i] * u[i] * s * (T::of(1.0) + g[i] * (T::of(1.0) - s));
-                    du[i] = dy[i] * g[i] * s;
-                }
-            });
+            backward(g, u, dy, dg, du);
             Ok((T::to_cpu_storage_owned(out), Shape::from(2 * n)))
         })
     }

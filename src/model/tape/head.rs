@@ -1,0 +1,75 @@
+//! The LM head and the target log-probs on the tape: z = lm_head(h), log p(y) = z_y − lse(z).
+//!
+//! Only the rows the loss reads (real tokens) go through the head. The logits [M, V] are kept for
+//! the backward, which turns them in place into dz = g · (onehot(y) − softmax(z)) and then runs
+//! the projection's backward. (The candle path kept the same logits, plus their gradient and a
+//! zero-filled buffer for it.)
+
+use rayon::prelude::*;
+
+use super::{linear, Grads};
+use crate::model::linear::Linear;
+use crate::model::ops::{logprob_lse, Real};
+use crate::{Error, Result};
+
+pub struct HeadRecord<T> {
+    rows: Vec<u32>,
+    targets: Vec<u32>,
+    x: Vec<T>,
+    u: Option<Vec<T>>,
+    logits: Vec<T>,
+    lse: Vec<T>,
+}
+
+/// log p(targets[i]) for hidden row rows[i] of `hidden` [.., width], and the record.
+pub fn forward<T: Real>(
+    lm_head: &Linear,
+    hidden: &[T],
+    width: usize,
+    rows: &[u32],
+    targets: &[u32],
+) -> Result<(Vec<T>, HeadRecord<T>)> {
+    let vocab = lm_head.weight.dim(0)?;
+    if let Some(bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::input(format!("target id {bad} is out of range for vocabulary {vocab}")));
+    }
+    let m = rows.len();
+    let mut x = vec![T::of(0.0); m * width];
+    for (dst, &r) in x.chunks_mut(width).zip(rows) {
+        dst.copy_from_slice(&hidden[r as usize * width..(r as usize + 1) * width]);
+    }
+    let (logits, u) = linear::forward(lm_head, &x, m)?;
+    let mut out = vec![(T::of(0.0), T::of(0.0)); m];
+    out.par_iter_mut().enumerate().with_min_len(16).for_each(|(i, o)| {
+        *o = logprob_lse::row_forward(&logits[i * vocab..(i + 1) * vocab], targets[i]);
+    });
+    let (logprobs, lse) = out.into_iter().unzip();
+    Ok((logprobs, HeadRecord { rows: rows.to_vec(), targets: targets.to_vec(), x, u, logits, lse }))
+}
+
+/// The gradient of the hidden states [n_rows, width] (zero at rows the head did not read) for
+/// the log-probs' gradient `g`, pushing the head's own gradients.
+pub fn backward<T: Real>(
+    lm_head: &Linear,
+    rec: HeadRecord<T>,
+    g: &[T],
+    n_rows: usize,
+    width: usize,
+    grads: &mut Grads<T>,
+) -> Result<Vec<T>> {
+    let HeadRecord { rows, targets, x, u, mut logits, lse } = rec;
+    let (m, vocab) = (rows.len(), lm_head.weight.dim(0)?);
+    logits.par_chunks_mut(vocab).enumerate().with_min_len(16).for_each(|(i, z)| {
+        logprob_lse::row_backward(z, targets[i], lse[i], g[i], T::of(0.0));
+    });
+    let mut dx = None;
+    linear::backward(lm_head, &x, u.as_deref(), &logits, m, &mut dx, grads)?;
+    let dx = dx.expect("set by the backward");
+    let mut d_hidden = vec![T::of(0.0); n_rows * width];
+    for (src, &r) in dx.chunks(width).zip(&rows) {
+        for (a, &b) in d_hidden[r as usize * width..(r as usize + 1) * width].iter_mut().zip(src) {
+            *a += b;
+        }
+    }
+    Ok(d_hidden)
+}

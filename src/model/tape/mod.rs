@@ -1,0 +1,410 @@
+//! The transformer body's training forward, recorded, and its hand-written backward (CPU, f32/f64).
+//!
+//! Training through candle's autograd pays, for every argument of every graph node, a zero-filled
+//! gradient buffer and an add into it, and runs all but the matmuls on one thread. Here the body
+//! (embedding, blocks, final norm; see [`crate::model::transformer`] for the math) runs on plain
+//! slices: the forward keeps exactly what the backward reads (the [`Tape`]), the backward walks
+//! the blocks in reverse writing each gradient once, into buffers it owns, with every product a
+//! `gemm` call over the rayon pool and every elementwise pass split over it too.
+//!
+//! The cut between the two worlds is the final hidden state: [`Tape::forward`] returns it as a
+//! fresh candle variable, the head (lm_head, log-probs, entropy, value head) and the loss stay
+//! candle graphs, and [`Tape::backward`] takes the gradient candle computed for that variable and
+//! returns the gradient of every trainable tensor of the body (by tensor, so a tied embedding's
+//! two contributions — the head's from candle, the gather's from here — are summed by the
+//! caller). Numbers: the same operations in the same order as the candle path (the fused
+//! kernels of [`crate::model::ops`] are shared), equal to it up to float summation order
+//! (tests/model_tape.rs compares both in f64).
+//!
+//! Simplifications: no KV cache and no per-row adapters (training only); other devices and
+//! dtypes (CUDA, bf16) keep the candle graph ([`Tape::serves`]).
+
+mod attention;
+mod head;
+mod linear;
+mod matmul;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Storage, Tensor, Var, WithDType};
+
+use super::ops::{rms_norm, rope, swiglu, Real};
+use super::transformer::{attention_bias, Block, Transformer};
+use crate::{Error, Result};
+use attention::Dims;
+
+/// A tensor's contiguous CPU data, read-locked while held.
+pub(crate) struct Held<'t> {
+    // candle's lock guard, whose type candle does not export.
+    guard: Box<dyn std::ops::Deref<Target = Storage> + 't>,
+    range: (usize, usize),
+}
+
+impl<'t> Held<'t> {
+    pub(crate) fn new(t: &'t Tensor) -> Result<Self> {
+        let (guard, layout) = t.storage_and_layout();
+        let range = layout.contiguous_offsets().ok_or_else(|| Error::input("tape: a weight is not contiguous"))?;
+        if !matches!(&*guard, Storage::Cpu(_)) {
+            return Err(Error::input("tape: a weight is not in host memory"));
+        }
+        Ok(Held { guard: Box::new(guard), range })
+    }
+
+    pub(crate) fn slice<T: WithDType>(&self) -> Result<&[T]> {
+        match &**self.guard {
+            Storage::Cpu(c) => Ok(&c.as_slice::<T>()?[self.range.0..self.range.1]),
+            _ => unreachable!("checked in Held::new"),
+        }
+    }
+}
+
+/// Gradients of trainable tensors, as they are produced.
+pub(crate) struct Grads<T> {
+    list: Vec<(Tensor, Vec<T>)>,
+}
+
+impl<T: Real> Grads<T> {
+    pub(crate) fn push(&mut self, param: &Tensor, grad: Vec<T>) {
+        self.list.push((param.clone(), grad));
+    }
+}
+
+/// What one block's backward reads.
+struct BlockRecord<T> {
+    h_in: Vec<T>,
+    x_attn: Vec<T>,
+    /// x·Aᵀ of each projection with an adapter, in [`Block::LINEARS`] order.
+    u: [Option<Vec<T>>; Block::LINEARS],
+    /// q and k projections before the Qwen3 head norms (empty without them).
+    q_pre: Vec<T>,
+    k_pre: Vec<T>,
+    /// Rotated q [B, H, T, D] and k [B, KV, T, D]; v in the projection layout.
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    p: Vec<T>,
+    attn: Vec<T>,
+    h_mid: Vec<T>,
+    x_mlp: Vec<T>,
+    gate: Vec<T>,
+    up: Vec<T>,
+    act: Vec<T>,
+}
+
+struct Record<T> {
+    model: Transformer,
+    dims: Dims,
+    tokens: Vec<u32>,
+    cos: Vec<T>,
+    sin: Vec<T>,
+    blocks: Vec<BlockRecord<T>>,
+    h_last: Vec<T>,
+    /// The body's output, the final hidden states [B·T, hidden].
+    out: Vec<T>,
+    head: Option<head::HeadRecord<T>>,
+}
+
+enum Recorded {
+    F32(Record<f32>),
+    F64(Record<f64>),
+}
+
+/// Where the tape hands over to candle's graph: the variable candle differentiates the loss for.
+enum Cut {
+    None,
+    /// The final hidden states [B, T, hidden].
+    Hidden(Var),
+    /// The target log-probs [M] (the head ran on the tape).
+    Logprobs(Var),
+}
+
+/// The recorded forward of one micro-batch, waiting for its backward.
+pub struct Tape {
+    record: Recorded,
+    cut: Cut,
+}
+
+impl Tape {
+    /// Whether the tape can train `model`: on the CPU, in f32 or f64.
+    pub fn serves(model: &Transformer) -> bool {
+        model.device.is_cpu() && matches!(model.dtype, DType::F32 | DType::F64)
+    }
+
+    /// Runs the body on a batch (inputs as [`Transformer::forward_hidden`] takes them, without a
+    /// cache), keeping the activations only when asked to (`record`: a backward will follow).
+    /// Its output is then read through [`Tape::hidden`] or [`Tape::logprobs`].
+    pub fn forward(
+        model: &Transformer,
+        input_ids: &[Vec<u32>],
+        positions: &[Vec<u32>],
+        mask: &[Vec<u8>],
+        record: bool,
+    ) -> Result<Tape> {
+        if !Tape::serves(model) {
+            return Err(Error::input("tape: CPU f32/f64 models only"));
+        }
+        model.check_inputs(input_ids, positions, mask)?;
+        let record = match model.dtype {
+            DType::F32 => Recorded::F32(run(model, input_ids, positions, mask, record)?),
+            _ => Recorded::F64(run(model, input_ids, positions, mask, record)?),
+        };
+        Ok(Tape { record, cut: Cut::None })
+    }
+
+    /// The final hidden states [B, T, hidden] as a fresh variable: the caller's graph (head,
+    /// loss) starts there, and the backward continues from its gradient.
+    pub fn hidden(&mut self) -> Result<Tensor> {
+        let (b, t) = match &self.record {
+            Recorded::F32(r) => (r.dims.b, r.dims.t),
+            Recorded::F64(r) => (r.dims.b, r.dims.t),
+        };
+        let shape = (b, t, ());
+        let hidden = match &self.record {
+            Recorded::F32(r) => Tensor::from_slice(&r.out, r.out.len(), &Device::Cpu)?.reshape(shape)?,
+            Recorded::F64(r) => Tensor::from_slice(&r.out, r.out.len(), &Device::Cpu)?.reshape(shape)?,
+        };
+        let var = Var::from_tensor(&hidden)?;
+        let out = var.as_tensor().clone();
+        self.cut = Cut::Hidden(var);
+        Ok(out)
+    }
+
+    /// log p(targets[i]) at the flattened position rows[i] (row-major over [B, T]) as a fresh
+    /// variable: the LM head and the log-softmax run on the tape too.
+    pub fn logprobs(&mut self, rows: &[u32], targets: &[u32]) -> Result<Tensor> {
+        if rows.len() != targets.len() {
+            return Err(Error::input(format!("{} rows but {} targets", rows.len(), targets.len())));
+        }
+        let lp = match &mut self.record {
+            Recorded::F32(r) => head_forward(r, rows, targets)?,
+            Recorded::F64(r) => head_forward(r, rows, targets)?,
+        };
+        let var = Var::from_tensor(&lp)?;
+        let out = var.as_tensor().clone();
+        self.cut = Cut::Logprobs(var);
+        Ok(out)
+    }
+
+    /// The gradients of the body's (and head's) trainable tensors, given the store that
+    /// candle's backward of the loss filled. Empty when the loss did not depend on the tape's
+    /// output.
+    pub fn backward(self, store: &GradStore) -> Result<Vec<(Tensor, Tensor)>> {
+        let (var, through_head) = match &self.cut {
+            Cut::None => return Err(Error::input("tape: backward before its output was read")),
+            Cut::Hidden(v) => (v, false),
+            Cut::Logprobs(v) => (v, true),
+        };
+        let Some(g) = store.get(var.as_tensor()) else { return Ok(vec![]) };
+        let g = g.flatten_all()?;
+        match self.record {
+            Recorded::F32(r) => tensors(backward(r, &g.to_vec1::<f32>()?, through_head)?),
+            Recorded::F64(r) => tensors(backward(r, &g.to_vec1::<f64>()?, through_head)?),
+        }
+    }
+}
+
+fn head_forward<T: Real>(r: &mut Record<T>, rows: &[u32], targets: &[u32]) -> Result<Tensor> {
+    let n = r.dims.b * r.dims.t;
+    if let Some(bad) = rows.iter().find(|&&i| i as usize >= n) {
+        return Err(Error::input(format!("tape: row {bad} is beyond the batch's {n} positions")));
+    }
+    let width = r.model.config.hidden_size;
+    let (lp, rec) = head::forward(&r.model.lm_head, &r.out, width, rows, targets)?;
+    r.head = Some(rec);
+    Ok(Tensor::from_vec(lp, rows.len(), &Device::Cpu)?)
+}
+
+fn tensors<T: Real>(grads: Grads<T>) -> Result<Vec<(Tensor, Tensor)>> {
+    grads.list.into_iter().map(|(p, g)| Ok((p.clone(), Tensor::from_vec(g, p.shape(), &Device::Cpu)?))).collect()
+}
+
+fn host<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    Ok(t.flatten_all()?.to_vec1::<T>()?)
+}
+
+fn add_into<T: Real>(acc: &mut [T], x: &[T]) {
+    use rayon::prelude::*;
+    acc.par_chunks_mut(16_384).zip(x.par_chunks(16_384)).for_each(|(a, x)| {
+        for (a, &x) in a.iter_mut().zip(x) {
+            *a += x;
+        }
+    });
+}
+
+fn sum<T: Real>(a: &[T], b: &[T]) -> Vec<T> {
+    let mut out = a.to_vec();
+    add_into(&mut out, b);
+    out
+}
+
+fn run<T: Real>(
+    model: &Transformer,
+    input_ids: &[Vec<u32>],
+    positions: &[Vec<u32>],
+    mask: &[Vec<u8>],
+    record: bool,
+) -> Result<Record<T>> {
+    let c = &model.config;
+    let (b, t) = (input_ids.len(), input_ids[0].len());
+    let n = b * t;
+    let (hd, d) = (c.hidden_size, c.head_dim);
+    let dims = Dims { b, t, h: c.num_attention_heads, kvh: c.num_key_value_heads, d };
+    let eps = c.rms_norm_eps;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (cos, sin) = model.rope.tables(positions, model.dtype)?;
+    let (cos, sin) = (host::<T>(&cos)?, host::<T>(&sin)?);
+    let bias = host::<T>(&attention_bias(mask, 0, t, &Device::Cpu)?.to_dtype(model.dtype)?)?;
+    let tokens = input_ids.concat();
+
+    let mut h = vec![T::of(0.0); n * hd];
+    {
+        let embed = Held::new(&model.embed_tokens)?;
+        let embed = embed.slice::<T>()?;
+        for (row, &tok) in h.chunks_mut(hd).zip(&tokens) {
+            row.copy_from_slice(&embed[tok as usize * hd..(tok as usize + 1) * hd]);
+        }
+    }
+    let mut blocks = Vec::with_capacity(model.layers.len());
+    for layer in &model.layers {
+        let (a, m) = (&layer.self_attn, &layer.mlp);
+        let x_attn = rms_norm::forward(&h, Held::new(&layer.input_layernorm)?.slice::<T>()?, eps);
+        let (q, uq) = linear::forward(&a.q_proj, &x_attn, n)?;
+        let (k, uk) = linear::forward(&a.k_proj, &x_attn, n)?;
+        let (v, uv) = linear::forward(&a.v_proj, &x_attn, n)?;
+        let (q_pre, k_pre, q, k) = match (&a.q_norm, &a.k_norm) {
+            (Some(qn), Some(kn)) => {
+                let qn_out = rms_norm::forward(&q, Held::new(qn)?.slice::<T>()?, eps);
+                let kn_out = rms_norm::forward(&k, Held::new(kn)?.slice::<T>()?, eps);
+                (q, k, qn_out, kn_out)
+            }
+            _ => (vec![], vec![], q, k),
+        };
+        let q = rope::forward_kernel(&q, &cos, &sin, (t, dims.h, d));
+        let k = rope::forward_kernel(&k, &cos, &sin, (t, dims.kvh, d));
+        let (p, attn) = attention::forward(&q, &k, &v, &bias, dims, scale);
+        let (o, uo) = linear::forward(&a.o_proj, &attn, n)?;
+        let h_mid = sum(&h, &o);
+        let x_mlp = rms_norm::forward(&h_mid, Held::new(&layer.post_attention_layernorm)?.slice::<T>()?, eps);
+        let (gate, ug) = linear::forward(&m.gate_proj, &x_mlp, n)?;
+        let (up, uu) = linear::forward(&m.up_proj, &x_mlp, n)?;
+        let act = swiglu::forward(&gate, &up);
+        let (down, ud) = linear::forward(&m.down_proj, &act, n)?;
+        let h_out = sum(&h_mid, &down);
+        let h_in = std::mem::replace(&mut h, h_out);
+        if !record {
+            continue;
+        }
+        blocks.push(BlockRecord {
+            h_in,
+            x_attn,
+            u: [uq, uk, uv, uo, ug, uu, ud],
+            q_pre,
+            k_pre,
+            q,
+            k,
+            v,
+            p,
+            attn,
+            h_mid,
+            x_mlp,
+            gate,
+            up,
+            act,
+        });
+    }
+    let out = rms_norm::forward(&h, Held::new(&model.norm)?.slice::<T>()?, eps);
+    Ok(Record { model: model.clone(), dims, tokens, cos, sin, blocks, h_last: h, out, head: None })
+}
+
+/// dx of an RMSNorm added into `acc`, and the weight's gradient pushed when it trains.
+fn rms_norm_backward<T: Real>(
+    x: &[T],
+    gy: &[T],
+    w: &Tensor,
+    eps: f64,
+    acc: &mut [T],
+    accumulate: bool,
+    grads: &mut Grads<T>,
+) -> Result<()> {
+    let held = Held::new(w)?;
+    let ws = held.slice::<T>()?;
+    let mut dw = vec![T::of(0.0); ws.len()];
+    if accumulate {
+        let mut dx = vec![T::of(0.0); x.len()];
+        rms_norm::backward(x, gy, ws, eps, &mut dx, &mut dw);
+        add_into(acc, &dx);
+    } else {
+        rms_norm::backward(x, gy, ws, eps, acc, &mut dw);
+    }
+    if w.is_variable() {
+        grads.push(w, dw);
+    }
+    Ok(())
+}
+
+/// The backward from the gradient of the cut: the hidden states, or the head's log-probs.
+fn backward<T: Real>(mut r: Record<T>, g: &[T], through_head: bool) -> Result<Grads<T>> {
+    let head_record = r.head.take();
+    let model = &r.model;
+    let c = &model.config;
+    let Dims { b, t, h, kvh, d } = r.dims;
+    let n = b * t;
+    let (hd, im) = (c.hidden_size, c.intermediate_size);
+    let eps = c.rms_norm_eps;
+    let scale = 1.0 / (d as f64).sqrt();
+    if r.blocks.len() != model.layers.len() {
+        return Err(Error::input("tape: backward of a forward that did not record"));
+    }
+    let mut grads = Grads { list: vec![] };
+    let d_hidden = match head_record {
+        Some(rec) if through_head => head::backward(&model.lm_head, rec, g, n, hd, &mut grads)?,
+        _ => g.to_vec(),
+    };
+    let mut dh = vec![T::of(0.0); n * hd];
+    rms_norm_backward(&r.h_last, &d_hidden, &model.norm, eps, &mut dh, false, &mut grads)?;
+    for (layer, rec) in model.layers.iter().zip(&r.blocks).rev() {
+        let (a, m) = (&layer.self_attn, &layer.mlp);
+        let u = |k: usize| rec.u[k].as_deref();
+        // h_out = h_mid + down(swiglu(gate(x), up(x))), x = rms_norm(h_mid)
+        let mut d_act = None;
+        linear::backward(&m.down_proj, &rec.act, u(6), &dh, n, &mut d_act, &mut grads)?;
+        let d_act = d_act.expect("set by the backward");
+        let (mut d_gate, mut d_up) = (vec![T::of(0.0); n * im], vec![T::of(0.0); n * im]);
+        swiglu::backward(&rec.gate, &rec.up, &d_act, &mut d_gate, &mut d_up);
+        drop(d_act);
+        let mut dx = None;
+        linear::backward(&m.gate_proj, &rec.x_mlp, u(4), &d_gate, n, &mut dx, &mut grads)?;
+        linear::backward(&m.up_proj, &rec.x_mlp, u(5), &d_up, n, &mut dx, &mut grads)?;
+        let dx = dx.expect("set by the backward");
+        rms_norm_backward(&rec.h_mid, &dx, &layer.post_attention_layernorm, eps, &mut dh, true, &mut grads)?;
+        // h_mid = h_in + o_proj(attention(rope(q), rope(k), v)), q, k, v from rms_norm(h_in)
+        let mut d_attn = None;
+        linear::backward(&a.o_proj, &rec.attn, u(3), &dh, n, &mut d_attn, &mut grads)?;
+        let d_attn = d_attn.expect("set by the backward");
+        let (dq, dk, dv) = attention::backward(&rec.q, &rec.k, &rec.v, &rec.p, &d_attn, r.dims, scale);
+        let mut dq = rope::backward_kernel(&dq, &r.cos, &r.sin, (t, h, d));
+        let mut dk = rope::backward_kernel(&dk, &r.cos, &r.sin, (t, kvh, d));
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            let mut dq_pre = vec![T::of(0.0); dq.len()];
+            rms_norm_backward(&rec.q_pre, &dq, qn, eps, &mut dq_pre, false, &mut grads)?;
+            let mut dk_pre = vec![T::of(0.0); dk.len()];
+            rms_norm_backward(&rec.k_pre, &dk, kn, eps, &mut dk_pre, false, &mut grads)?;
+            (dq, dk) = (dq_pre, dk_pre);
+        }
+        let mut dx = None;
+        linear::backward(&a.q_proj, &rec.x_attn, u(0), &dq, n, &mut dx, &mut grads)?;
+        linear::backward(&a.k_proj, &rec.x_attn, u(1), &dk, n, &mut dx, &mut grads)?;
+        linear::backward(&a.v_proj, &rec.x_attn, u(2), &dv, n, &mut dx, &mut grads)?;
+        let dx = dx.expect("set by the backward");
+        rms_norm_backward(&rec.h_in, &dx, &layer.input_layernorm, eps, &mut dh, true, &mut grads)?;
+    }
+    if model.embed_tokens.is_variable() {
+        let mut d_embed = vec![T::of(0.0); c.vocab_size * hd];
+        for (row, &tok) in dh.chunks(hd).zip(&r.tokens) {
+            for (a, &g) in d_embed[tok as usize * hd..(tok as usize + 1) * hd].iter_mut().zip(row) {
+                *a += g;
+            }
+        }
+        grads.push(&model.embed_tokens, d_embed);
+    }
+    Ok(grads)
+}
