@@ -86,8 +86,9 @@ pub fn state_dtype(dtype: DType) -> DType {
 
 impl Moments {
     pub fn zeros(param: &Tensor) -> Result<Self> {
-        let z = Tensor::zeros(param.shape(), state_dtype(param.dtype()), param.device())?;
-        Ok(Moments { exp_avg: z.clone(), exp_avg_sq: z, step: 0 })
+        // Two buffers: the fused step updates each moment in place.
+        let z = || Tensor::zeros(param.shape(), state_dtype(param.dtype()), param.device());
+        Ok(Moments { exp_avg: z()?, exp_avg_sq: z()?, step: 0 })
     }
 }
 

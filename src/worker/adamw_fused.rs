@@ -1,7 +1,7 @@
 //! AdamW in one pass on the CPU: the update of [`super::adamw::update`] for f32/f64 parameters.
 //!
 //! The primitive version runs about twelve elementwise candle ops per parameter (each a full
-//! pass and a fresh buffer); this reads p, g, m, v once and writes m', v' (each its own buffer) and p in place, with the
+//! pass and a fresh buffer); this updates m, v and p in place (three passes, no allocation), with the
 //! same arithmetic in the same order (so results agree with it to rounding):
 //! ```text
 //! g ← g · clip;  p ← p · (1 − lr·wd);  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²
@@ -9,11 +9,11 @@
 //! ```
 //! The parameter is written in place, as `Var::set` would.
 
-use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tensor, Var, WithDType};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Shape, Tensor, Var, WithDType};
 use rayon::prelude::*;
 
 use super::adamw::{AdamParams, Moments};
-use crate::model::ops::{data, dispatch_real, Real};
+use crate::model::ops::{data, dispatch_real};
 use crate::Result;
 
 /// Scalars of one step, in the order the kernel uses them.
@@ -28,42 +28,44 @@ struct Step {
     eps: f64,
 }
 
-/// (grad, moment) → the new first moment (`second == false`) or second moment, each in its own
-/// buffer (the offload path moves every moment tensor on its own).
+/// m ← β1 m + (1 − β1) g (`second == false`) or v ← β2 v + (1 − β2) g² in place, from the
+/// gradient (times the clip coefficient).
 struct Moment {
     step: Step,
     second: bool,
 }
 
-impl CustomOp2 for Moment {
+impl InplaceOp2 for Moment {
     fn name(&self) -> &'static str {
         "adamw-moment"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        let (a, b) =
+            l1.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("adamw: moment is not contiguous".into()))?;
         let st = self.step;
         let second = self.second;
-        dispatch_real!(s1, T => {
-            let (g, m) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let c = |x: f64| T::of(x);
-            let (clip, beta) = (c(st.clip), c(if second { st.beta2 } else { st.beta1 }));
-            let one_beta = c(1.0 - if second { st.beta2 } else { st.beta1 });
-            let mut out = vec![T::of(0.0); g.len()];
-            out.par_chunks_mut(CHUNK).enumerate().for_each(|(k, o)| {
-                let at = k * CHUNK;
-                for i in 0..o.len() {
-                    let gj = g[at + i] * clip;
-                    o[i] = if second { m[at + i] * beta + gj * gj * one_beta } else { m[at + i] * beta + gj * one_beta };
-                }
-            });
-            Ok((<T as WithDType>::to_cpu_storage_owned(out), l1.shape().clone()))
-        })
+        macro_rules! run {
+            ($m:expr, $T:ty) => {{
+                let g = data::<$T>(s2, l2)?;
+                let c = |x: f64| x as $T;
+                let (clip, beta) = (c(st.clip), c(if second { st.beta2 } else { st.beta1 }));
+                let one_beta = c(1.0 - if second { st.beta2 } else { st.beta1 });
+                $m[a..b].par_chunks_mut(CHUNK).enumerate().for_each(|(k, m)| {
+                    let g = &g[k * CHUNK..];
+                    for i in 0..m.len() {
+                        let gj = g[i] * clip;
+                        m[i] = if second { m[i] * beta + gj * gj * one_beta } else { m[i] * beta + gj * one_beta };
+                    }
+                });
+                Ok(())
+            }};
+        }
+        match s1 {
+            CpuStorage::F32(m) => run!(m, f32),
+            CpuStorage::F64(m) => run!(m, f64),
+            _ => Err(candle_core::Error::Msg("adamw: f32 or f64 only".into())),
+        }
     }
 }
 
@@ -123,9 +125,21 @@ impl candle_core::CustomOp1 for SumSquares {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         dispatch_real!(s, T => {
             let x = data::<T>(s, l)?;
+            // Eight partial sums per chunk: one chained f64 sum is bound by the add latency.
             let total: f64 = x
                 .par_chunks(CHUNK)
-                .map(|c| c.iter().map(|&v| { let v = v.to_f64(); v * v }).sum::<f64>())
+                .map(|c| {
+                    let mut acc = [0f64; 8];
+                    let mut lanes = c.chunks_exact(8);
+                    for l in &mut lanes {
+                        for i in 0..8 {
+                            let v = l[i].to_f64();
+                            acc[i] += v * v;
+                        }
+                    }
+                    let tail: f64 = lanes.remainder().iter().map(|&v| v.to_f64() * v.to_f64()).sum();
+                    acc.iter().sum::<f64>() + tail
+                })
                 .sum();
             Ok((CpuStorage::F64(vec![total]), Shape::from(1)))
         })
@@ -163,11 +177,12 @@ pub fn update(var: &Var, grad: &Tensor, clip: f64, state: &mut Moments, p: &Adam
     };
     let flat = |x: &Tensor| -> Result<Tensor> { Ok(x.to_dtype(param.dtype())?.contiguous()?.flatten_all()?) };
     let g = flat(grad)?;
-    let m = g.apply_op2_no_bwd(&flat(&state.exp_avg)?, &Moment { step, second: false })?;
-    let v = g.apply_op2_no_bwd(&flat(&state.exp_avg_sq)?, &Moment { step, second: true })?;
+    // The moments are updated in place: they are the worker's own (fresh zeros, a checkpoint's
+    // load or an offload's copy), and a step allocates nothing.
+    let (m, v) = (flat(&state.exp_avg)?, flat(&state.exp_avg_sq)?);
+    m.inplace_op2(&g, &Moment { step, second: false })?;
+    v.inplace_op2(&g, &Moment { step, second: true })?;
     param.inplace_op3(&m, &v, &step)?;
-    state.exp_avg = m.reshape(param.shape())?;
-    state.exp_avg_sq = v.reshape(param.shape())?;
     Ok(())
 }
 

@@ -51,13 +51,18 @@ pub fn backward<T: Real>(
     let dy_m = Mat::of(dy, n, out);
     let w = Held::new(&lin.weight)?;
     let w_m = Mat::of(w.slice::<T>()?, out, inp);
-    match dx.as_mut() {
-        Some(acc) => matmul(acc, inp, dy_m, w_m, true, true),
-        None => *dx = Some(product(dy_m, w_m, true)),
-    }
+    // dx and dW are independent products: run side by side, each over the pool (two products
+    // in flight keep more cores busy than one product's own split).
+    let (dw, ()) = rayon::join(
+        || lin.weight.is_variable().then(|| product(dy_m.t(), Mat::of(x, n, inp), true)),
+        || match dx.as_mut() {
+            Some(acc) => matmul(acc, inp, dy_m, w_m, true, true),
+            None => *dx = Some(product(dy_m, w_m, true)),
+        },
+    );
     let dx = dx.as_mut().expect("just set");
-    if lin.weight.is_variable() {
-        grads.push(&lin.weight, product(dy_m.t(), Mat::of(x, n, inp), true));
+    if let Some(dw) = dw {
+        grads.push(&lin.weight, dw);
     }
     if let Some(b) = lin.bias.as_ref().filter(|b| b.is_variable()) {
         let mut db = vec![T::of(0.0); out];

@@ -267,9 +267,12 @@ fn run<T: Real>(
     for layer in &model.layers {
         let (a, m) = (&layer.self_attn, &layer.mlp);
         let x_attn = rms_norm::forward(&h, Held::new(&layer.input_layernorm)?.slice::<T>()?, eps);
-        let (q, uq) = linear::forward(&a.q_proj, &x_attn, n)?;
-        let (k, uk) = linear::forward(&a.k_proj, &x_attn, n)?;
-        let (v, uv) = linear::forward(&a.v_proj, &x_attn, n)?;
+        // Independent projections side by side (see linear::backward).
+        let (q, kv) = rayon::join(
+            || linear::forward(&a.q_proj, &x_attn, n),
+            || rayon::join(|| linear::forward(&a.k_proj, &x_attn, n), || linear::forward(&a.v_proj, &x_attn, n)),
+        );
+        let ((q, uq), (k, uk), (v, uv)) = (q?, kv.0?, kv.1?);
         let (q_pre, k_pre, q, k) = match (&a.q_norm, &a.k_norm) {
             (Some(qn), Some(kn)) => {
                 let qn_out = rms_norm::forward(&q, Held::new(qn)?.slice::<T>()?, eps);
@@ -284,8 +287,9 @@ fn run<T: Real>(
         let (o, uo) = linear::forward(&a.o_proj, &attn, n)?;
         let h_mid = sum(&h, &o);
         let x_mlp = rms_norm::forward(&h_mid, Held::new(&layer.post_attention_layernorm)?.slice::<T>()?, eps);
-        let (gate, ug) = linear::forward(&m.gate_proj, &x_mlp, n)?;
-        let (up, uu) = linear::forward(&m.up_proj, &x_mlp, n)?;
+        let (gate, up) =
+            rayon::join(|| linear::forward(&m.gate_proj, &x_mlp, n), || linear::forward(&m.up_proj, &x_mlp, n));
+        let ((gate, ug), (up, uu)) = (gate?, up?);
         let act = swiglu::forward(&gate, &up);
         let (down, ud) = linear::forward(&m.down_proj, &act, n)?;
         let h_out = sum(&h_mid, &down);
