@@ -255,7 +255,8 @@ impl Worker {
                 .chain(taped.iter().filter(|(p, _)| p.id() == id).map(|(_, g)| g));
             for g in parts {
                 // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
-                let g = if mixed { &g.to_dtype(MASTER_DTYPE)? } else { g };
+                // (The tape's gradients of a bf16 model are f32 already.)
+                let g = &g.to_dtype(if mixed { MASTER_DTYPE } else { var.dtype() })?;
                 *acc = Some(match acc.take() {
                     Some(a) => (a + g)?,
                     None => g.clone(),

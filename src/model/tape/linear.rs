@@ -14,11 +14,11 @@ use crate::Result;
 /// y [n, out] for x [n, in], and u = x·Aᵀ [n, r] when the projection has an adapter.
 pub fn forward<T: Real>(lin: &Linear, x: &[T], n: usize) -> Result<(Vec<T>, Option<Vec<T>>)> {
     let (out, inp) = lin.weight.dims2()?;
-    let w = Held::new(&lin.weight)?;
-    let mut y = product(Mat::of(x, n, inp), Mat::of(w.slice::<T>()?, out, inp).t(), true);
+    let w = Held::<T>::new(&lin.weight)?;
+    let mut y = product(Mat::of(x, n, inp), Mat::of(w.slice()?, out, inp).t(), true);
     if let Some(b) = &lin.bias {
-        let b = Held::new(b)?;
-        let b = b.slice::<T>()?;
+        let b = Held::<T>::new(b)?;
+        let b = b.slice()?;
         for row in y.chunks_mut(out) {
             for (o, &bi) in row.iter_mut().zip(b) {
                 *o += bi;
@@ -27,11 +27,11 @@ pub fn forward<T: Real>(lin: &Linear, x: &[T], n: usize) -> Result<(Vec<T>, Opti
     }
     let Some(l) = &lin.lora else { return Ok((y, None)) };
     let r = l.a.dim(0)?;
-    let (a, bw) = (Held::new(&l.a)?, Held::new(&l.b)?);
-    let u = product(Mat::of(x, n, inp), Mat::of(a.slice::<T>()?, r, inp).t(), true);
+    let (a, bw) = (Held::<T>::new(&l.a)?, Held::<T>::new(&l.b)?);
+    let u = product(Mat::of(x, n, inp), Mat::of(a.slice()?, r, inp).t(), true);
     // s·u·Bᵀ added into y: scale u's copy, not y.
     let su: Vec<T> = u.iter().map(|&v| v * T::of(l.scale)).collect();
-    matmul(&mut y, out, Mat::of(&su, n, r), Mat::of(bw.slice::<T>()?, out, r).t(), true, true);
+    matmul(&mut y, out, Mat::of(&su, n, r), Mat::of(bw.slice()?, out, r).t(), true, true);
     Ok((y, Some(u)))
 }
 
@@ -49,8 +49,8 @@ pub fn backward<T: Real>(
 ) -> Result<()> {
     let (out, inp) = lin.weight.dims2()?;
     let dy_m = Mat::of(dy, n, out);
-    let w = Held::new(&lin.weight)?;
-    let w_m = Mat::of(w.slice::<T>()?, out, inp);
+    let w = Held::<T>::new(&lin.weight)?;
+    let w_m = Mat::of(w.slice()?, out, inp);
     // dx and dW are independent products: run side by side, each over the pool (two products
     // in flight keep more cores busy than one product's own split).
     let (dw, ()) = rayon::join(
@@ -76,11 +76,11 @@ pub fn backward<T: Real>(
     let Some(l) = &lin.lora else { return Ok(()) };
     let u = u.expect("the forward kept u for an adapter");
     let r = l.a.dim(0)?;
-    let (a, bw) = (Held::new(&l.a)?, Held::new(&l.b)?);
+    let (a, bw) = (Held::<T>::new(&l.a)?, Held::<T>::new(&l.b)?);
     // du = s·dy·B [n, r]
-    let mut du = product(dy_m, Mat::of(bw.slice::<T>()?, out, r), true);
+    let mut du = product(dy_m, Mat::of(bw.slice()?, out, r), true);
     du.iter_mut().for_each(|v| *v *= T::of(l.scale));
-    matmul(dx, inp, Mat::of(&du, n, r), Mat::of(a.slice::<T>()?, r, inp), true, true);
+    matmul(dx, inp, Mat::of(&du, n, r), Mat::of(a.slice()?, r, inp), true, true);
     if l.b.is_variable() {
         let su: Vec<T> = u.iter().map(|&v| v * T::of(l.scale)).collect();
         grads.push(&l.b, product(dy_m.t(), Mat::of(&su, n, r), true));

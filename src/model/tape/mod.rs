@@ -32,27 +32,34 @@ use super::transformer::{attention_bias, Block, Transformer};
 use crate::{Error, Result};
 use attention::Dims;
 
-/// A tensor's contiguous CPU data, read-locked while held.
-pub(crate) struct Held<'t> {
+/// A tensor's contiguous CPU data as `T`: borrowed (read-locked) when the tensor is of dtype T,
+/// else converted (a bf16/f16 model's weights, computed in f32).
+pub(crate) enum Held<'t, T> {
     // candle's lock guard, whose type candle does not export.
-    guard: Box<dyn std::ops::Deref<Target = Storage> + 't>,
-    range: (usize, usize),
+    Borrowed { guard: Box<dyn std::ops::Deref<Target = Storage> + 't>, range: (usize, usize) },
+    Converted(Vec<T>),
 }
 
-impl<'t> Held<'t> {
+impl<'t, T: Real> Held<'t, T> {
     pub(crate) fn new(t: &'t Tensor) -> Result<Self> {
-        let (guard, layout) = t.storage_and_layout();
-        let range = layout.contiguous_offsets().ok_or_else(|| Error::input("tape: a weight is not contiguous"))?;
-        if !matches!(&*guard, Storage::Cpu(_)) {
+        if !t.device().is_cpu() {
             return Err(Error::input("tape: a weight is not in host memory"));
         }
-        Ok(Held { guard: Box::new(guard), range })
+        if t.dtype() != T::DTYPE {
+            return Ok(Held::Converted(host::<T>(&t.to_dtype(T::DTYPE)?)?));
+        }
+        let (guard, layout) = t.storage_and_layout();
+        let range = layout.contiguous_offsets().ok_or_else(|| Error::input("tape: a weight is not contiguous"))?;
+        Ok(Held::Borrowed { guard: Box::new(guard), range })
     }
 
-    pub(crate) fn slice<T: WithDType>(&self) -> Result<&[T]> {
-        match &**self.guard {
-            Storage::Cpu(c) => Ok(&c.as_slice::<T>()?[self.range.0..self.range.1]),
-            _ => unreachable!("checked in Held::new"),
+    pub(crate) fn slice(&self) -> Result<&[T]> {
+        match self {
+            Held::Borrowed { guard, range } => match &***guard {
+                Storage::Cpu(c) => Ok(&c.as_slice::<T>()?[range.0..range.1]),
+                _ => unreachable!("checked in Held::new"),
+            },
+            Held::Converted(v) => Ok(v),
         }
     }
 }
@@ -124,9 +131,11 @@ pub struct Tape {
 }
 
 impl Tape {
-    /// Whether the tape can train `model`: on the CPU, in f32 or f64.
+    /// Whether the tape can train `model`: on the CPU. f64 models compute in f64, all others in
+    /// f32 (bf16/f16 weights are widened as they are read: the CPU has no fast half-precision
+    /// matmul in candle, and f32 activations only make the result closer to f32 training).
     pub fn serves(model: &Transformer) -> bool {
-        model.device.is_cpu() && matches!(model.dtype, DType::F32 | DType::F64)
+        model.device.is_cpu() && matches!(model.dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
     }
 
     /// Runs the body on a batch (inputs as [`Transformer::forward_hidden`] takes them, without a
@@ -140,30 +149,25 @@ impl Tape {
         record: bool,
     ) -> Result<Tape> {
         if !Tape::serves(model) {
-            return Err(Error::input("tape: CPU f32/f64 models only"));
+            return Err(Error::input("tape: CPU models only"));
         }
         model.check_inputs(input_ids, positions, mask)?;
         let record = match model.dtype {
-            DType::F32 => Recorded::F32(run(model, input_ids, positions, mask, record)?),
-            _ => Recorded::F64(run(model, input_ids, positions, mask, record)?),
+            DType::F64 => Recorded::F64(run(model, input_ids, positions, mask, record)?),
+            _ => Recorded::F32(run(model, input_ids, positions, mask, record)?),
         };
         Ok(Tape { record, cut: Cut::None })
     }
 
-    /// The final hidden states [B, T, hidden] as a fresh variable: the caller's graph (head,
-    /// loss) starts there, and the backward continues from its gradient.
+    /// The final hidden states [B, T, hidden] as a fresh variable, in the model's dtype: the
+    /// caller's graph (head, loss) starts there, and the backward continues from its gradient.
     pub fn hidden(&mut self) -> Result<Tensor> {
-        let (b, t) = match &self.record {
-            Recorded::F32(r) => (r.dims.b, r.dims.t),
-            Recorded::F64(r) => (r.dims.b, r.dims.t),
-        };
-        let shape = (b, t, ());
-        let hidden = match &self.record {
-            Recorded::F32(r) => Tensor::from_slice(&r.out, r.out.len(), &Device::Cpu)?.reshape(shape)?,
-            Recorded::F64(r) => Tensor::from_slice(&r.out, r.out.len(), &Device::Cpu)?.reshape(shape)?,
+        let (hidden, dtype) = match &self.record {
+            Recorded::F32(r) => (r.hidden()?, r.model.dtype),
+            Recorded::F64(r) => (r.hidden()?, r.model.dtype),
         };
         let var = Var::from_tensor(&hidden)?;
-        let out = var.as_tensor().clone();
+        let out = var.as_tensor().to_dtype(dtype)?;
         self.cut = Cut::Hidden(var);
         Ok(out)
     }
@@ -199,6 +203,12 @@ impl Tape {
             Recorded::F32(r) => tensors(backward(r, &g.to_vec1::<f32>()?, through_head)?),
             Recorded::F64(r) => tensors(backward(r, &g.to_vec1::<f64>()?, through_head)?),
         }
+    }
+}
+
+impl<T: Real> Record<T> {
+    fn hidden(&self) -> Result<Tensor> {
+        Ok(Tensor::from_slice(&self.out, self.out.len(), &Device::Cpu)?.reshape((self.dims.b, self.dims.t, ()))?)
     }
 }
 
@@ -250,15 +260,15 @@ fn run<T: Real>(
     let dims = Dims { b, t, h: c.num_attention_heads, kvh: c.num_key_value_heads, d };
     let eps = c.rms_norm_eps;
     let scale = 1.0 / (d as f64).sqrt();
-    let (cos, sin) = model.rope.tables(positions, model.dtype)?;
+    let (cos, sin) = model.rope.tables(positions, T::DTYPE)?;
     let (cos, sin) = (host::<T>(&cos)?, host::<T>(&sin)?);
-    let bias = host::<T>(&attention_bias(mask, 0, t, &Device::Cpu)?.to_dtype(model.dtype)?)?;
+    let bias = host::<T>(&attention_bias(mask, 0, t, &Device::Cpu)?.to_dtype(T::DTYPE)?)?;
     let tokens = input_ids.concat();
 
     let mut h = vec![T::of(0.0); n * hd];
     {
-        let embed = Held::new(&model.embed_tokens)?;
-        let embed = embed.slice::<T>()?;
+        let embed = Held::<T>::new(&model.embed_tokens)?;
+        let embed = embed.slice()?;
         for (row, &tok) in h.chunks_mut(hd).zip(&tokens) {
             row.copy_from_slice(&embed[tok as usize * hd..(tok as usize + 1) * hd]);
         }
@@ -266,7 +276,7 @@ fn run<T: Real>(
     let mut blocks = Vec::with_capacity(model.layers.len());
     for layer in &model.layers {
         let (a, m) = (&layer.self_attn, &layer.mlp);
-        let x_attn = rms_norm::forward(&h, Held::new(&layer.input_layernorm)?.slice::<T>()?, eps);
+        let x_attn = rms_norm::forward(&h, Held::<T>::new(&layer.input_layernorm)?.slice()?, eps);
         // Independent projections side by side (see linear::backward).
         let (q, kv) = rayon::join(
             || linear::forward(&a.q_proj, &x_attn, n),
@@ -275,8 +285,8 @@ fn run<T: Real>(
         let ((q, uq), (k, uk), (v, uv)) = (q?, kv.0?, kv.1?);
         let (q_pre, k_pre, q, k) = match (&a.q_norm, &a.k_norm) {
             (Some(qn), Some(kn)) => {
-                let qn_out = rms_norm::forward(&q, Held::new(qn)?.slice::<T>()?, eps);
-                let kn_out = rms_norm::forward(&k, Held::new(kn)?.slice::<T>()?, eps);
+                let qn_out = rms_norm::forward(&q, Held::<T>::new(qn)?.slice()?, eps);
+                let kn_out = rms_norm::forward(&k, Held::<T>::new(kn)?.slice()?, eps);
                 (q, k, qn_out, kn_out)
             }
             _ => (vec![], vec![], q, k),
@@ -286,7 +296,7 @@ fn run<T: Real>(
         let (p, attn) = attention::forward(&q, &k, &v, &bias, dims, scale);
         let (o, uo) = linear::forward(&a.o_proj, &attn, n)?;
         let h_mid = sum(&h, &o);
-        let x_mlp = rms_norm::forward(&h_mid, Held::new(&layer.post_attention_layernorm)?.slice::<T>()?, eps);
+        let x_mlp = rms_norm::forward(&h_mid, Held::<T>::new(&layer.post_attention_layernorm)?.slice()?, eps);
         let (gate, up) =
             rayon::join(|| linear::forward(&m.gate_proj, &x_mlp, n), || linear::forward(&m.up_proj, &x_mlp, n));
         let ((gate, ug), (up, uu)) = (gate?, up?);
@@ -315,7 +325,7 @@ fn run<T: Real>(
             act,
         });
     }
-    let out = rms_norm::forward(&h, Held::new(&model.norm)?.slice::<T>()?, eps);
+    let out = rms_norm::forward(&h, Held::<T>::new(&model.norm)?.slice()?, eps);
     Ok(Record { model: model.clone(), dims, tokens, cos, sin, blocks, h_last: h, out, head: None })
 }
 
@@ -329,8 +339,8 @@ fn rms_norm_backward<T: Real>(
     accumulate: bool,
     grads: &mut Grads<T>,
 ) -> Result<()> {
-    let held = Held::new(w)?;
-    let ws = held.slice::<T>()?;
+    let held = Held::<T>::new(w)?;
+    let ws = held.slice()?;
     let mut dw = vec![T::of(0.0); ws.len()];
     if accumulate {
         let mut dx = vec![T::of(0.0); x.len()];
