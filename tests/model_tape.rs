@@ -2,14 +2,15 @@
 //! candle's autograd of the same model: values and the gradient of every trainable tensor, in
 //! f64 to 1e-10 and in f32 to 1e-4, for each model family (Llama with tied embeddings, Qwen2
 //! with q/k/v biases, Qwen3 with head norms), full fine-tuning and LoRA on every projection
-//! including lm_head, on the golden batch (left padding, ragged rows).
+//! including lm_head, on the golden batch (left padding, ragged rows); cut at the hidden states,
+//! at the target log-probs, and at the log-probs with the entropies.
 
 mod common;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
-use oxrl::model::logprobs::target_logprobs;
+use oxrl::model::logprobs::{entropy, target_logprobs_and_lse};
 use oxrl::model::lora::{self, LoraConfig};
 use oxrl::model::tape::Tape;
 use oxrl::model::Transformer;
@@ -122,18 +123,37 @@ fn compare(arch: &str, dtype: DType, lora_rank: usize, tol: f64) {
     let real = reference.reshape(((), hd)).unwrap().index_select(&gather, 0).unwrap();
     let target_t = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
     // The head as the worker runs it (`Transformer::logits` would round to f32).
-    let ref_lp = target_logprobs(&m.lm_head.forward(&real).unwrap(), &target_t).unwrap();
-    let w = random_like(&ref_lp, 5, 1.0);
-    let ref_store = (&ref_lp * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let mut tape = Tape::forward(&m, &b.ids, &b.positions, &b.mask, true).unwrap();
-    let lp = tape.logprobs(&rows, &targets).unwrap();
-    assert_close(&format!("{what}: log-probs"), &lp, &ref_lp, tol);
-    let store = (&lp * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let taped = tape.backward(&store).unwrap();
-    for (name, var) in &vars {
-        let want = ref_store.get(var.as_tensor()).unwrap_or_else(|| panic!("{what}: no reference d {name}"));
-        let got = gradient(var, &store, &taped).unwrap_or_else(|| panic!("{what}: no tape d {name}"));
-        assert_close(&format!("{what}: d {name} (log-prob cut)"), &got, want, tol);
+    let logits = m.lm_head.forward(&real).unwrap();
+    let (ref_lp, lse) = target_logprobs_and_lse(&logits, &target_t).unwrap();
+    let ref_h = entropy(&logits, &lse).unwrap();
+    let (w, wh) = (random_like(&ref_lp, 5, 1.0), random_like(&ref_lp, 6, 1.0));
+    // Log-probs alone, then with the entropy in the loss too.
+    for with_entropy in [false, true] {
+        let loss = |lp: &Tensor, h: &Tensor| {
+            let l = (lp * &w).unwrap().sum_all().unwrap();
+            if with_entropy {
+                (l + (h * &wh).unwrap().sum_all().unwrap()).unwrap()
+            } else {
+                l
+            }
+        };
+        let ref_store = loss(&ref_lp, &ref_h).backward().unwrap();
+        let mut tape = Tape::forward(&m, &b.ids, &b.positions, &b.mask, true).unwrap();
+        let (lp, h) = if with_entropy {
+            let (lp, h) = tape.logprobs_and_entropy(&rows, &targets).unwrap();
+            assert_close(&format!("{what}: entropies"), &h, &ref_h, tol);
+            (lp, h)
+        } else {
+            (tape.logprobs(&rows, &targets).unwrap(), ref_h.detach())
+        };
+        assert_close(&format!("{what}: log-probs"), &lp, &ref_lp, tol);
+        let store = loss(&lp, &h).backward().unwrap();
+        let taped = tape.backward(&store).unwrap();
+        for (name, var) in &vars {
+            let want = ref_store.get(var.as_tensor()).unwrap_or_else(|| panic!("{what}: no reference d {name}"));
+            let got = gradient(var, &store, &taped).unwrap_or_else(|| panic!("{what}: no tape d {name}"));
+            assert_close(&format!("{what}: d {name} (head cut, entropy {with_entropy})"), &got, want, tol);
+        }
     }
 }
 

@@ -71,10 +71,15 @@ pub fn model_outputs(
     };
     let mut tape =
         if Tape::serves(model) { Some(Tape::forward(model, &ids, &positions, &mask, backward)?) } else { None };
-    // The common case, a policy without an entropy term: the head runs on the tape as well.
-    if let (Some(t), None, false) = (tape.as_mut(), value_head, entropy) {
-        let logprobs = t.logprobs(&gather, &targets())?;
-        return Ok(TokenOutputs { main: logprobs, entropy: None, lengths, tape: tape.filter(|_| backward) });
+    // A policy: the head runs on the tape as well.
+    if let (Some(t), None) = (tape.as_mut(), value_head) {
+        let (logprobs, entropy) = if entropy {
+            let (lp, h) = t.logprobs_and_entropy(&gather, &targets())?;
+            (lp, Some(h))
+        } else {
+            (t.logprobs(&gather, &targets())?, None)
+        };
+        return Ok(TokenOutputs { main: logprobs, entropy, lengths, tape: tape.filter(|_| backward) });
     }
     let hidden = match tape.as_mut() {
         Some(t) => t.hidden()?,

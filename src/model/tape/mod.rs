@@ -120,8 +120,8 @@ enum Cut {
     None,
     /// The final hidden states [B, T, hidden].
     Hidden(Var),
-    /// The target log-probs [M] (the head ran on the tape).
-    Logprobs(Var),
+    /// The target log-probs [M] and maybe the entropies [M] (the head ran on the tape).
+    Logprobs(Var, Option<Var>),
 }
 
 /// The recorded forward of one micro-batch, waiting for its backward.
@@ -175,16 +175,27 @@ impl Tape {
     /// log p(targets[i]) at the flattened position rows[i] (row-major over [B, T]) as a fresh
     /// variable: the LM head and the log-softmax run on the tape too.
     pub fn logprobs(&mut self, rows: &[u32], targets: &[u32]) -> Result<Tensor> {
+        Ok(self.head(rows, targets, false)?.0)
+    }
+
+    /// [`Tape::logprobs`] and the entropy of each row's distribution, both fresh variables.
+    pub fn logprobs_and_entropy(&mut self, rows: &[u32], targets: &[u32]) -> Result<(Tensor, Tensor)> {
+        let (lp, h) = self.head(rows, targets, true)?;
+        Ok((lp, h.expect("asked for")))
+    }
+
+    fn head(&mut self, rows: &[u32], targets: &[u32], entropy: bool) -> Result<(Tensor, Option<Tensor>)> {
         if rows.len() != targets.len() {
             return Err(Error::input(format!("{} rows but {} targets", rows.len(), targets.len())));
         }
-        let lp = match &mut self.record {
-            Recorded::F32(r) => head_forward(r, rows, targets)?,
-            Recorded::F64(r) => head_forward(r, rows, targets)?,
+        let (lp, h) = match &mut self.record {
+            Recorded::F32(r) => head_forward(r, rows, targets, entropy)?,
+            Recorded::F64(r) => head_forward(r, rows, targets, entropy)?,
         };
-        let var = Var::from_tensor(&lp)?;
-        let out = var.as_tensor().clone();
-        self.cut = Cut::Logprobs(var);
+        let lp = Var::from_tensor(&lp)?;
+        let h = h.map(|h| Var::from_tensor(&h)).transpose()?;
+        let out = (lp.as_tensor().clone(), h.as_ref().map(|h| h.as_tensor().clone()));
+        self.cut = Cut::Logprobs(lp, h);
         Ok(out)
     }
 
@@ -192,16 +203,34 @@ impl Tape {
     /// candle's backward of the loss filled. Empty when the loss did not depend on the tape's
     /// output.
     pub fn backward(self, store: &GradStore) -> Result<Vec<(Tensor, Tensor)>> {
-        let (var, through_head) = match &self.cut {
+        let host = |v: Option<&Var>| v.and_then(|v| store.get(v.as_tensor())).map(|g| g.flatten_all()).transpose();
+        let (g, g_entropy, through_head) = match &self.cut {
             Cut::None => return Err(Error::input("tape: backward before its output was read")),
-            Cut::Hidden(v) => (v, false),
-            Cut::Logprobs(v) => (v, true),
+            Cut::Hidden(v) => (host(Some(v))?, None, false),
+            Cut::Logprobs(lp, h) => (host(Some(lp))?, host(h.as_ref())?, true),
         };
-        let Some(g) = store.get(var.as_tensor()) else { return Ok(vec![]) };
-        let g = g.flatten_all()?;
+        // The loss did not depend on the tape's output: no gradient.
+        if g.is_none() && g_entropy.is_none() {
+            return Ok(vec![]);
+        }
+        let n = match &self.cut {
+            Cut::Logprobs(lp, _) => lp.elem_count(),
+            Cut::Hidden(v) => v.elem_count(),
+            Cut::None => unreachable!("returned above"),
+        };
+        let g = match g {
+            Some(g) => g,
+            None => Tensor::zeros(n, g_entropy.as_ref().expect("one is present").dtype(), &Device::Cpu)?,
+        };
         match self.record {
-            Recorded::F32(r) => tensors(backward(r, &g.to_vec1::<f32>()?, through_head)?),
-            Recorded::F64(r) => tensors(backward(r, &g.to_vec1::<f64>()?, through_head)?),
+            Recorded::F32(r) => {
+                let ge = g_entropy.map(|g| g.to_vec1::<f32>()).transpose()?;
+                tensors(backward(r, &g.to_vec1::<f32>()?, ge.as_deref(), through_head)?)
+            }
+            Recorded::F64(r) => {
+                let ge = g_entropy.map(|g| g.to_vec1::<f64>()).transpose()?;
+                tensors(backward(r, &g.to_vec1::<f64>()?, ge.as_deref(), through_head)?)
+            }
         }
     }
 }
@@ -212,15 +241,21 @@ impl<T: Real> Record<T> {
     }
 }
 
-fn head_forward<T: Real>(r: &mut Record<T>, rows: &[u32], targets: &[u32]) -> Result<Tensor> {
+fn head_forward<T: Real>(
+    r: &mut Record<T>,
+    rows: &[u32],
+    targets: &[u32],
+    entropy: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let n = r.dims.b * r.dims.t;
     if let Some(bad) = rows.iter().find(|&&i| i as usize >= n) {
         return Err(Error::input(format!("tape: row {bad} is beyond the batch's {n} positions")));
     }
     let width = r.model.config.hidden_size;
-    let (lp, rec) = head::forward(&r.model.lm_head, &r.out, width, rows, targets)?;
+    let (lp, h, rec) = head::forward(&r.model.lm_head, &r.out, width, rows, targets, entropy)?;
     r.head = Some(rec);
-    Ok(Tensor::from_vec(lp, rows.len(), &Device::Cpu)?)
+    let tensor = |v: Vec<T>| Tensor::from_vec(v, rows.len(), &Device::Cpu);
+    Ok((tensor(lp)?, h.map(tensor).transpose()?))
 }
 
 fn tensors<T: Real>(grads: Grads<T>) -> Result<Vec<(Tensor, Tensor)>> {
@@ -356,7 +391,7 @@ fn rms_norm_backward<T: Real>(
 }
 
 /// The backward from the gradient of the cut: the hidden states, or the head's log-probs.
-fn backward<T: Real>(mut r: Record<T>, g: &[T], through_head: bool) -> Result<Grads<T>> {
+fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through_head: bool) -> Result<Grads<T>> {
     let head_record = r.head.take();
     let model = &r.model;
     let c = &model.config;
@@ -370,7 +405,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], through_head: bool) -> Result<Gr
     }
     let mut grads = Grads { list: vec![] };
     let d_hidden = match head_record {
-        Some(rec) if through_head => head::backward(&model.lm_head, rec, g, n, hd, &mut grads)?,
+        Some(rec) if through_head => head::backward(&model.lm_head, rec, g, g_entropy, n, hd, &mut grads)?,
         _ => g.to_vec(),
     };
     let mut dh = vec![T::of(0.0); n * hd];
