@@ -9,6 +9,7 @@
 //! gradients against.
 
 pub mod logprob_lse;
+pub mod matmul_panel;
 pub mod matmul_wt;
 pub mod rms_norm;
 pub mod rope;
