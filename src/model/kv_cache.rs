@@ -9,7 +9,8 @@
 //! (capacity doubling, so the copies are amortised O(1) per token) and the cached keys/values
 //! are views of its first S columns. A write only ever lands past the end of every view that
 //! exists, so views stay valid; a clone or any row surgery starts without spare buffers, so two
-//! caches never write into the same one.
+//! caches never write into the same one. The first append (a prefill) keeps its tensors as they
+//! are; the buffer comes with the second.
 
 use candle_core::{Tensor, D};
 
