@@ -9,7 +9,8 @@
 //! (capacity doubling, so the copies are amortised O(1) per token) and the cached keys/values
 //! are views of its first S columns. A write only ever lands past the end of every view that
 //! exists, so views stay valid; a clone or any row surgery starts without spare buffers, so two
-//! caches never write into the same one.
+//! caches never write into the same one. The first append (a prefill) keeps its tensors as they
+//! are; the buffer comes with the second.
 
 use candle_core::{Tensor, D};
 
@@ -67,6 +68,14 @@ impl KvCache {
     pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k, v) = (k.contiguous()?, v.contiguous()?);
         let len = self.layers[layer].as_ref().map_or(0, |(pk, _)| pk.dim(D::Minus2).unwrap_or(0));
+        if len == 0 {
+            // The first append (usually a prefill, whose rows are then cut out and merged into
+            // another cache) keeps the tensors as they are: a buffer with spare columns would
+            // cost a zero-filled allocation and a copy, and be copied out again at once.
+            self.buffers[layer] = None;
+            self.layers[layer] = Some((k.clone(), v.clone()));
+            return Ok((k, v));
+        }
         let new_len = len + k.dim(D::Minus2)?;
         let fits = self.buffers[layer].as_ref().is_some_and(|(bk, _)| {
             bk.dim(D::Minus2).is_ok_and(|cap| cap >= new_len) && bk.dim(0).ok() == k.dim(0).ok()
@@ -131,60 +140,87 @@ impl KvCache {
 
     /// Appends the rows of `other` after ours, left-padding whichever side is shorter.
     pub fn append_rows(&mut self, other: &KvCache) -> Result<()> {
-        if other.num_rows() == 0 {
-            return Ok(());
+        if other.num_rows() > 0 {
+            *self = KvCache::concat_rows(&[self, other])?;
         }
-        if self.num_rows() == 0 {
-            *self = other.clone();
-            return Ok(());
+        Ok(())
+    }
+
+    /// The rows of every part, in order, left-padded to the longest: one copy of each layer
+    /// (merging them two at a time would copy the growing cache once per part).
+    pub fn concat_rows(parts: &[&KvCache]) -> Result<KvCache> {
+        let Some(first) = parts.first() else {
+            return Err(crate::Error::Other("concat_rows: no caches".into()));
+        };
+        let num_layers = first.layers.len();
+        let parts: Vec<&KvCache> = parts.iter().copied().filter(|p| p.num_rows() > 0).collect();
+        match parts.as_slice() {
+            [] => return Ok(KvCache::new(num_layers)),
+            [one] => return Ok((*one).clone()),
+            _ => {}
         }
-        let (s, o) = (self.seq_len(), other.seq_len());
-        let len = s.max(o);
-        let (ns, no) = (self.num_rows(), other.num_rows());
-        // Left-pads `t` [rows, kvh, n, d] to `len` columns; a missing layer (nothing cached)
-        // becomes zeros shaped like the other side's.
-        let pad = |t: Option<&Tensor>, like: &Tensor, rows: usize, n: usize| -> Result<Tensor> {
+        let len = parts.iter().map(|p| p.seq_len()).max().unwrap_or(0);
+        // Left-pads one part's `t` [rows, kvh, n, d] to `len` columns; a missing layer (nothing
+        // cached) becomes zeros shaped like another part's.
+        let pad = |t: Option<&Tensor>, like: &Tensor, p: &KvCache| -> Result<Tensor> {
+            let n = p.seq_len();
             Ok(match t {
                 Some(t) if n < len => t.pad_with_zeros(2, len - n, 0)?,
                 Some(t) => t.clone(),
                 None => {
                     let (_, kvh, _, d) = like.dims4()?;
-                    Tensor::zeros((rows, kvh, len, d), like.dtype(), like.device())?
+                    Tensor::zeros((p.num_rows(), kvh, len, d), like.dtype(), like.device())?
                 }
             })
         };
-        for l in 0..self.layers.len() {
-            let merged = match (&self.layers[l], &other.layers[l]) {
-                (None, None) => None,
-                (a, b) => {
-                    let like = a.as_ref().or(b.as_ref()).expect("one side is cached");
-                    let k = Tensor::cat(
-                        &[
-                            pad(a.as_ref().map(|x| &x.0), &like.0, ns, s)?,
-                            pad(b.as_ref().map(|x| &x.0), &like.0, no, o)?,
-                        ],
-                        0,
-                    )?;
-                    let v = Tensor::cat(
-                        &[
-                            pad(a.as_ref().map(|x| &x.1), &like.1, ns, s)?,
-                            pad(b.as_ref().map(|x| &x.1), &like.1, no, o)?,
-                        ],
-                        0,
-                    )?;
-                    Some((k, v))
-                }
+        let mut layers = Vec::with_capacity(num_layers);
+        for l in 0..num_layers {
+            let Some(like) = parts.iter().find_map(|p| p.layers[l].as_ref()) else {
+                layers.push(None);
+                continue;
             };
-            self.layers[l] = merged;
-            self.buffers[l] = None;
+            let mut ks = Vec::with_capacity(parts.len());
+            let mut vs = Vec::with_capacity(parts.len());
+            for p in &parts {
+                let kv = p.layers[l].as_ref();
+                ks.push(pad(kv.map(|x| &x.0), &like.0, p)?);
+                vs.push(pad(kv.map(|x| &x.1), &like.1, p)?);
+            }
+            layers.push(Some((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?)));
         }
-        for row in self.key_mask.iter_mut() {
-            row.splice(0..0, std::iter::repeat_n(0, len - s));
+        let mut key_mask = Vec::with_capacity(parts.iter().map(|p| p.num_rows()).sum());
+        for p in &parts {
+            for row in &p.key_mask {
+                key_mask.push([vec![0u8; len - p.seq_len()], row.clone()].concat());
+            }
         }
-        for row in &other.key_mask {
-            self.key_mask.push([vec![0u8; len - o], row.clone()].concat());
+        Ok(Self::from_parts(layers, key_mask))
+    }
+
+    /// Every row as a cache of its own, in order (leading padding dropped): one contiguous copy
+    /// of each layer at most, of which the rows are views.
+    pub fn split_rows(&self) -> Result<Vec<KvCache>> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                Some((k, v)) => Some((k.contiguous()?, v.contiguous()?)),
+                None => None,
+            });
         }
-        Ok(())
+        let mut out = Vec::with_capacity(self.num_rows());
+        for (r, mask) in self.key_mask.iter().enumerate() {
+            let mut row = Vec::with_capacity(layers.len());
+            for l in &layers {
+                row.push(match l {
+                    Some((k, v)) => Some((k.narrow(0, r, 1)?, v.narrow(0, r, 1)?)),
+                    None => None,
+                });
+            }
+            let mut one = Self::from_parts(row, vec![mask.clone()]);
+            one.trim_left()?;
+            out.push(one);
+        }
+        Ok(out)
     }
 
     /// Drops the leading columns that are padding in every row (they were the prefix of rows

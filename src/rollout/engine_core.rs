@@ -463,6 +463,8 @@ impl EngineCore {
         }
         let items: Vec<PrefillItem> = admitted.iter().map(|(_, req, a)| PrefillItem::of(req, a.as_ref())).collect();
         let prefilled: Prefilled = prefill_batch(&self.model, &items)?;
+        // The new rows' caches (each prompt's once per sample), joined to the batch at once.
+        let mut new_rows: Vec<&KvCache> = vec![&self.cache];
         for (id, req, adapter) in admitted {
             let n = req.num_samples;
             let (one, scores) = &prefilled[&(req.adapter.clone(), req.prompt.clone())];
@@ -476,7 +478,7 @@ impl EngineCore {
                 self.ready.push((id, active.into_output()));
                 continue;
             }
-            self.cache.append_rows(&one.select_rows(&vec![0; n])?)?;
+            new_rows.extend(std::iter::repeat_n(one, n));
             let p = &active.req.params;
             let base = p.seed.expect("seed fixed at add_request");
             for sample in 0..n {
@@ -500,6 +502,8 @@ impl EngineCore {
             }
             self.active.insert(id, active);
         }
+        let cache = KvCache::concat_rows(&new_rows)?;
+        self.cache = cache;
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! Rollout: sampling engines and the client over them.
 //!
 //! - [`sampler`]: one token from a row of logits (temperature, top-k, top-p, greedy).
+//! - `row_math`: the sampler's passes over a row (max, Σ exp), AVX-512 where available.
 //! - [`request`]: what a request asks for and gets back (tokens, log-probs, weight versions).
 //! - [`engine_core`]: continuous batching over the KV-cache decode, stepped by its owner;
 //!   pause (`abort` / `keep`), resume, versioned weight updates.
@@ -17,6 +18,7 @@ pub mod engine_core;
 pub mod generate;
 mod prefill;
 pub mod request;
+mod row_math;
 pub mod sampler;
 pub mod top_logprobs;
 

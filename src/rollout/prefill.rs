@@ -108,9 +108,8 @@ pub fn prefill_batch(model: &Transformer, items: &[PrefillItem]) -> Result<Prefi
         let rows: Vec<Option<&Arc<Adapter>>> = group.iter().map(|(_, it)| it.adapter.map(|a| a.1)).collect();
         let adapters = RowAdapters::new(&rows, &model.device)?;
         let hidden = model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut cache), adapters.as_ref())?;
-        for (row, (key, it)) in group.into_iter().enumerate() {
+        for (row, ((key, it), one)) in group.into_iter().zip(cache.split_rows()?).enumerate() {
             let scores = score(model, &hidden.narrow(0, row, 1)?, &it)?;
-            let one = if b == 1 { cache.clone() } else { cache.select_rows(&[row])? };
             out.insert(key, (one, scores));
         }
     }

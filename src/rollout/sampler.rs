@@ -8,6 +8,8 @@
 
 use rand::{rngs::StdRng, Rng};
 
+use super::row_math;
+
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -63,21 +65,16 @@ impl SamplingParams {
 
 /// Returns (token, log-prob under the distribution drawn from).
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u32, f32)> {
-    if logits.iter().any(|x| x.is_nan()) {
-        return Err(Error::Other("the model produced NaN logits".into()));
-    }
+    let Some(max) = row_math::max_checked(logits) else {
+        return Err(Error::Other("the model produced NaN logits (or none)".into()));
+    };
     if p.temperature == 0.0 {
-        let (mut best, mut best_z) = (0usize, f32::NEG_INFINITY);
-        for (i, &z) in logits.iter().enumerate() {
-            if z > best_z {
-                best = i;
-                best_z = z;
-            }
-        }
-        return Ok((best as u32, log_softmax_at(logits, best, 1.0) as f32));
+        let best = row_math::first_index_of(logits, max);
+        let lp = logits[best] as f64 - max as f64 - row_math::sum_exp(logits, max, 1.0).ln();
+        return Ok((best as u32, lp as f32));
     }
     let t = p.temperature;
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max = max as f64;
     // (id, unnormalised probability) sorted by decreasing probability.
     let mut probs: Vec<(u32, f64)> =
         logits.iter().enumerate().map(|(i, &z)| (i as u32, ((z as f64 - max) / t).exp())).collect();
@@ -118,11 +115,5 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
 /// tenth of a 64-row decode step), summed and logged in f64.
 pub fn log_softmax_at(logits: &[f32], i: usize, t: f64) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let inv_t = (1.0 / t) as f32;
-    // Blocks of 16 partial sums in f32 (exact enough: 16 terms ≤ 1 each), then f64.
-    let mut sum = 0f64;
-    for block in logits.chunks(16) {
-        sum += block.iter().map(|&z| ((z - max) * inv_t).exp()).sum::<f32>() as f64;
-    }
-    (logits[i] as f64 - max as f64) / t - sum.ln()
+    (logits[i] as f64 - max as f64) / t - row_math::sum_exp(logits, max, (1.0 / t) as f32).ln()
 }

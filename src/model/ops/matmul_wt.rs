@@ -1,21 +1,23 @@
-//! y = x · Wᵀ for few rows of x (decoding), W in PyTorch's [out, in] layout, f32, AVX-512.
+//! y = x · Wᵀ for up to 128 rows of x (decoding), W in PyTorch's [out, in] layout, f32, AVX-512.
 //!
 //! candle's matmul hands `W.t()` to the `gemm` crate, which packs the whole weight into its
 //! blocked layout on every call: with a handful of rows (one decode step) the packing costs
 //! more than the arithmetic (47 % of a batch-1 decode run, 25 % at 64 rows). Here each output
 //! is a dot product of two contiguous rows, so nothing is packed: blocks of 4 weight rows
 //! (kept in L1) meet the x rows four at a time, 16 AVX-512 accumulators of 16 lanes, reduced at
-//! the end of the row. Column blocks are split over the rayon pool. Used for at most
-//! [`MAX_ROWS`] rows of f32 on CPUs with AVX-512F; everything else (training batches, other
-//! dtypes and devices) takes candle's matmul, which is also the backward.
+//! the end of the row. From [`matmul_panel::MIN_ROWS`] rows on, those per-output reductions cost
+//! as much as the products and [`matmul_panel`]'s outer-product kernel takes over (see
+//! [`kernel_for`]). Column blocks are split over the rayon pool. Used for at most [`MAX_ROWS`]
+//! rows of f32 on CPUs with AVX-512F; everything else (prefill and training batches, other dtypes
+//! and devices) takes candle's matmul, which is also the backward.
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use super::data;
+use super::{data, matmul_panel};
 use crate::Result;
 
-/// Rows of x up to which the kernel beats gemm (measured on the benchmark model's shapes).
-pub const MAX_ROWS: usize = 32;
+/// Rows of x up to which the kernels beat gemm (measured on the benchmark model's shapes).
+pub const MAX_ROWS: usize = 128;
 
 /// The op (public for benchmarks; use [`matmul_wt`]).
 pub struct MatmulWt;
@@ -108,6 +110,51 @@ unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: usize
     }
 }
 
+/// A kernel filling y[.., cols] (see [`kernel`]).
+#[cfg(target_arch = "x86_64")]
+pub type Kernel = unsafe fn(&[f32], &[f32], *mut f32, usize, usize, usize, std::ops::Range<usize>);
+
+/// The faster kernel for m rows: dot products for a few, outer products over x panels from
+/// [`matmul_panel::MIN_ROWS`] on.
+#[cfg(target_arch = "x86_64")]
+pub fn kernel_for(m: usize) -> Kernel {
+    if m >= matmul_panel::MIN_ROWS {
+        matmul_panel::kernel
+    } else {
+        kernel
+    }
+}
+
+/// y [m, n] = x [m, k] · w [n, k]ᵀ by `kernel` (every element written), column blocks split
+/// over the rayon pool when the work is worth a hand-off. AVX-512F must have been detected.
+#[cfg(target_arch = "x86_64")]
+pub fn run(kernel: Kernel, x: &[f32], w: &[f32], y: &mut [std::mem::MaybeUninit<f32>], m: usize, n: usize, k: usize) {
+    use rayon::prelude::*;
+    assert!(supported() && x.len() == m * k && w.len() == n * k && y.len() == m * n);
+    struct Out(*mut f32);
+    // Safety: each task writes only its own columns of y, which outlives the tasks.
+    unsafe impl Sync for Out {}
+    let out = Out(y.as_mut_ptr().cast::<f32>());
+    // Split only work worth a hand-off (about 100 µs on one core and up).
+    let threads = if m * n * k >= 1 << 23 { rayon::current_num_threads() } else { 1 };
+    // Column blocks of at least 64 (a multiple of the kernels' block heights), one or more per
+    // thread.
+    let block = n.div_ceil(threads).next_multiple_of(48).max(64);
+    let out = &out;
+    let run = |c: usize| {
+        let cols = c * block..((c + 1) * block).min(n);
+        // Safety: AVX-512F was checked above; x, w are [m, k], [n, k]; y is [m, n].
+        unsafe { kernel(x, w, out.0, m, n, k, cols) }
+    };
+    let blocks = n.div_ceil(block);
+    if blocks == 1 {
+        // No hand-off to the pool: from a thread outside it that costs tens of µs.
+        run(0);
+    } else {
+        (0..blocks).into_par_iter().for_each(run);
+    }
+}
+
 impl CustomOp2 for MatmulWt {
     fn name(&self) -> &'static str {
         "matmul-wt"
@@ -126,31 +173,13 @@ impl CustomOp2 for MatmulWt {
             return Err(candle_core::Error::Msg(format!("matmul-wt: x {:?}, w {:?}", l1.dims(), l2.dims())));
         }
         let (x, w) = (data::<f32>(s1, l1)?, data::<f32>(s2, l2)?);
-        let mut y = vec![0f32; m * n];
+        // Not zero-filled: the kernels write every element.
+        let mut y: Vec<f32> = Vec::with_capacity(m * n);
         #[cfg(target_arch = "x86_64")]
         {
-            use rayon::prelude::*;
-            struct Out(*mut f32);
-            // Safety: each task writes only its own columns of y, which outlives the tasks.
-            unsafe impl Sync for Out {}
-            let out = Out(y.as_mut_ptr());
-            // Split only work worth a hand-off (about 100 µs on one core and up).
-            let threads = if m * n * k >= 1 << 23 { rayon::current_num_threads() } else { 1 };
-            // Column blocks of at least 64 (a multiple of the kernel's 4), one or more per thread.
-            let block = n.div_ceil(threads).next_multiple_of(4).max(64);
-            let out = &out;
-            let run = |c: usize| {
-                let cols = c * block..((c + 1) * block).min(n);
-                // Safety: AVX-512F was detected above; x, w are [m, k], [n, k]; y is [m, n].
-                unsafe { kernel(x, w, out.0, m, n, k, cols) }
-            };
-            let blocks = n.div_ceil(block);
-            if blocks == 1 {
-                // No hand-off to the pool: from a thread outside it that costs tens of µs.
-                run(0);
-            } else {
-                (0..blocks).into_par_iter().for_each(run);
-            }
+            run(kernel_for(m), x, w, y.spare_capacity_mut(), m, n, k);
+            // Safety: `run` wrote all m · n elements.
+            unsafe { y.set_len(m * n) };
         }
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
@@ -197,8 +226,9 @@ mod tests {
 
     #[test]
     fn fused_equals_reference_in_value_and_gradient() {
-        // Odd sizes: a row without a partner, a partial column block, a k tail.
-        for (m, k, n) in [(1, 256, 1024), (3, 37, 7), (32, 64, 130), (5, 16, 3)] {
+        // Odd sizes: a row without a partner, a partial column block, a k tail; both kernels
+        // (the panel one from 16 rows), and column ranges split over threads (m·n·k ≥ 2²³).
+        for (m, k, n) in [(1, 256, 1024), (3, 37, 7), (32, 64, 130), (5, 16, 3), (40, 300, 1100), (17, 256, 2048)] {
             let x = var(&[m, k], 1, 1.0, DType::F32);
             let w = var(&[n, k], 2, 1.0, DType::F32);
             let (xt, wt) = (x.as_tensor(), w.as_tensor());
@@ -210,5 +240,62 @@ mod tests {
                 &format!("{m}x{k}x{n}"),
             );
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod timing {
+    use super::*;
+    use candle_core::Device;
+
+    /// `cargo test --release --lib matmul_wt::timing -- --ignored --nocapture`: GFLOP/s of
+    /// candle's matmul, the dot-product kernel and the panel kernel on the benchmark model's
+    /// shapes, one thread.
+    #[test]
+    #[ignore]
+    fn kernels_gflops() {
+        if !supported() {
+            return;
+        }
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(|| {
+            for m in [1, 8, 16, 32, 64, 128, 960] {
+                for (n, k) in [(256, 256), (1024, 256), (256, 1024), (4096, 256)] {
+                    let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+                    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+                    let (xv, wv) = (
+                        x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    );
+                    let reps = (200_000_000 / (m * n * k)).max(3);
+                    let time = |f: &mut dyn FnMut()| {
+                        f();
+                        let t = std::time::Instant::now();
+                        for _ in 0..reps {
+                            f();
+                        }
+                        2.0 * (m * n * k) as f64 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
+                    };
+                    let g = time(&mut || {
+                        reference(&x, &w).unwrap();
+                    });
+                    let mut y: Vec<f32> = Vec::with_capacity(m * n);
+                    let d = time(&mut || run(kernel, &xv, &wv, y.spare_capacity_mut(), m, n, k));
+                    let p = time(&mut || run(matmul_panel::kernel, &xv, &wv, y.spare_capacity_mut(), m, n, k));
+                    // As in a decode step: W comes from L3 or memory (32 MiB of weights in turn).
+                    let cold: Vec<Vec<f32>> = (0..(8 << 20) / (n * k) + 1).map(|_| wv.clone()).collect();
+                    let mut c = 0;
+                    let pc = time(&mut || {
+                        c = (c + 1) % cold.len();
+                        run(matmul_panel::kernel, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
+                    });
+                    let dc = time(&mut || {
+                        c = (c + 1) % cold.len();
+                        run(kernel, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
+                    });
+                    println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  dot {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1}) GFLOP/s");
+                }
+            }
+        });
     }
 }

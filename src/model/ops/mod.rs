@@ -10,6 +10,7 @@
 
 pub mod exp;
 pub mod logprob_lse;
+pub mod matmul_panel;
 pub mod matmul_wt;
 pub mod rms_norm;
 pub mod rope;
