@@ -2,10 +2,9 @@
 //! the maximum, and Σ exp((z − max) / t).
 //!
 //! Greedy decoding samples every row of every step with these, and with libm's scalar `expf`
-//! the sum alone was a tenth of a 64-row decode run. On CPUs with AVX-512F they run 16 lanes at
-//! a time; the exponential is exp(x) = 2ⁿ · e^r with n = round(x / ln 2), r = x − n·ln 2 (ln 2
-//! split in two parts so that r is exact) and e^r a degree-7 Taylor polynomial on |r| ≤ ln 2 / 2
-//! (relative error about 1e-7, the precision of f32). Elsewhere, plain loops.
+//! the sum alone was a tenth of a 64-row decode run. The maximum runs 16 lanes at a time on CPUs
+//! with AVX-512F (plain loops elsewhere); the sum is the vectorised exp of
+//! [`crate::model::ops::exp`].
 
 /// The maximum, or None when the row has a NaN (or is empty).
 pub fn max_checked(z: &[f32]) -> Option<f32> {
@@ -25,14 +24,9 @@ pub fn first_index_of(z: &[f32], max: f32) -> usize {
     z.iter().position(|&x| x == max).expect("the maximum occurs in the row")
 }
 
-/// Σ exp((z − max) · inv_t) in f64: partial sums of 16 terms in f32 (each term is ≤ 1), then f64.
+/// Σ exp((z − max) · inv_t) in f64 (the vectorised exp of [`crate::model::ops::exp`]).
 pub fn sum_exp(z: &[f32], max: f32, inv_t: f32) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // Safety: AVX-512F was detected.
-        return unsafe { avx512::sum_exp(z, max, inv_t) };
-    }
-    z.chunks(16).map(|b| b.iter().map(|&x| ((x - max) * inv_t).exp()).sum::<f32>() as f64).sum()
+    crate::model::ops::exp::sum_exp_scaled_f32(z, max, inv_t)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -47,50 +41,12 @@ mod avx512 {
         let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
         let mut nan: __mmask16 = 0;
         for block in z.chunks(16) {
-            let mask = (1u32 << block.len()) as u16 - 1;
+            let mask = ((1u32 << block.len()) - 1) as u16;
             let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), mask, block.as_ptr());
             nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
             max = _mm512_max_ps(max, x);
         }
         (nan == 0).then(|| _mm512_reduce_max_ps(max))
-    }
-
-    /// exp(x) for x ≤ 0, −∞ included (inputs below about −87 give 0 or a subnormal, as expf).
-    #[inline(always)]
-    unsafe fn exp(x: __m512) -> __m512 {
-        // Below −104 exp is 0 in f32; the clamp keeps −∞ from making r = −∞ + ∞.
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-            x,
-            _mm512_set1_ps(std::f32::consts::LOG2_E),
-        ));
-        // ln 2 = 0.693359375 (exact in few bits) − 2.12194440e-4.
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        // e^r = Σ r^i / i!, i ≤ 7, by Horner.
-        let mut p = _mm512_set1_ps(1.0 / 5040.0);
-        for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        _mm512_scalef_ps(p, n)
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn sum_exp(z: &[f32], max: f32, inv_t: f32) -> f64 {
-        let (vmax, vt) = (_mm512_set1_ps(max), _mm512_set1_ps(inv_t));
-        let mut sum = 0f64;
-        // 16 vectors (256 terms) per f32 partial: each lane adds at most 16 terms ≤ 1.
-        for group in z.chunks(256) {
-            let mut acc = _mm512_setzero_ps();
-            for block in group.chunks(16) {
-                let mask = (1u32 << block.len()) as u16 - 1;
-                let x = _mm512_maskz_loadu_ps(mask, block.as_ptr());
-                let e = exp(_mm512_mul_ps(_mm512_sub_ps(x, vmax), vt));
-                acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
-            }
-            sum += _mm512_reduce_add_ps(acc) as f64;
-        }
-        sum
     }
 }
 
