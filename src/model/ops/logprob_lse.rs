@@ -27,7 +27,7 @@ pub(crate) fn row_forward<T: Real>(row: &[T], y: u32) -> (T, T) {
 /// dz = p · (g_lse − g_lp) + g_lp · onehot(y), p = exp(z − lse).
 pub(crate) fn row_backward<T: Real>(z: &mut [T], y: u32, lse: T, g_lp: T, g_lse: T) {
     for x in z.iter_mut() {
-        *x = *x - lse;
+        *x -= lse;
     }
     T::exp_in_place(z);
     let c = g_lse - g_lp;

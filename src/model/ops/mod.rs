@@ -27,7 +27,7 @@ pub fn fused(t: &Tensor) -> bool {
 
 /// The floats the kernels run in: the few operations they need, for f32 and f64.
 pub trait Real:
-    WithDType + Copy + Send + Sync + PartialOrd + std::ops::AddAssign + std::ops::MulAssign + 'static
+    WithDType + Copy + Send + Sync + PartialOrd + std::ops::AddAssign + std::ops::SubAssign + std::ops::MulAssign + 'static
 {
     fn of(x: f64) -> Self;
     fn exp(self) -> Self;

@@ -25,7 +25,7 @@ pub(crate) fn forward_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f6
         m = m.fmax(*o);
     }
     for o in out.iter_mut() {
-        *o = *o - m;
+        *o -= m;
     }
     T::exp_in_place(out);
     let mut sum = T::of(0.0);

@@ -25,6 +25,9 @@ pub struct HeadRecord<T> {
     entropy: Option<Vec<T>>,
 }
 
+/// The log-probs, the entropies (when asked for) and the record.
+pub type HeadOutput<T> = (Vec<T>, Option<Vec<T>>, HeadRecord<T>);
+
 /// log p(targets[i]) (and with `entropy` the entropy) for hidden row rows[i] of `hidden`
 /// [.., width], and the record.
 pub fn forward<T: Real>(
@@ -34,7 +37,7 @@ pub fn forward<T: Real>(
     rows: &[u32],
     targets: &[u32],
     entropy: bool,
-) -> Result<(Vec<T>, Option<Vec<T>>, HeadRecord<T>)> {
+) -> Result<HeadOutput<T>> {
     let vocab = lm_head.weight.dim(0)?;
     if let Some(bad) = targets.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::input(format!("target id {bad} is out of range for vocabulary {vocab}")));
@@ -95,7 +98,7 @@ pub fn backward<T: Real>(
                 |t, (i, z)| {
                     // t = z − lse, z ← p, then dz = −p · (g_lp + g_H · (z − Σ p·z)), z − Σ p·z = t + H.
                     for (t, z) in t.iter_mut().zip(z.iter_mut()) {
-                        *z = *z - lse[i];
+                        *z -= lse[i];
                         *t = *z;
                     }
                     T::exp_in_place(z);
