@@ -1,23 +1,27 @@
-//! The transformer body's training forward, recorded, and its hand-written backward (CPU, f32/f64).
+//! The transformer's training forward, recorded, and its hand-written backward, on the CPU.
 //!
 //! Training through candle's autograd pays, for every argument of every graph node, a zero-filled
-//! gradient buffer and an add into it, and runs all but the matmuls on one thread. Here the body
-//! (embedding, blocks, final norm; see [`crate::model::transformer`] for the math) runs on plain
-//! slices: the forward keeps exactly what the backward reads (the [`Tape`]), the backward walks
-//! the blocks in reverse writing each gradient once, into buffers it owns, with every product a
-//! `gemm` call over the rayon pool and every elementwise pass split over it too.
+//! gradient buffer and an add into it, and runs all but the matmuls on one thread. Here the model
+//! (embedding, blocks, final norm, and the LM head; see [`crate::model::transformer`] for the
+//! math) runs on plain slices: the forward keeps exactly what the backward reads (the [`Tape`]),
+//! the backward walks the blocks in reverse writing each gradient once, into buffers it owns,
+//! with every product a `gemm` call over the rayon pool (independent products side by side) and
+//! every elementwise pass split over it too.
 //!
-//! The cut between the two worlds is the final hidden state: [`Tape::forward`] returns it as a
-//! fresh candle variable, the head (lm_head, log-probs, entropy, value head) and the loss stay
-//! candle graphs, and [`Tape::backward`] takes the gradient candle computed for that variable and
-//! returns the gradient of every trainable tensor of the body (by tensor, so a tied embedding's
-//! two contributions — the head's from candle, the gather's from here — are summed by the
-//! caller). Numbers: the same operations in the same order as the candle path (the fused
-//! kernels of [`crate::model::ops`] are shared), equal to it up to float summation order
-//! (tests/model_tape.rs compares both in f64).
+//! Where the tape hands over to candle: a policy's target log-probs (and entropies)
+//! ([`Tape::logprobs`], [`Tape::logprobs_and_entropy`]), or the final hidden states for anything
+//! else that reads them (a value head; [`Tape::hidden`]). That output is a fresh candle variable;
+//! the loss is a candle graph on it, and [`Tape::backward`] takes the gradient candle computed for
+//! it and returns the gradient of every trainable tensor of the model, by tensor (a tied
+//! embedding gets two parts, the head's and the gather's, which the caller sums). Numbers: the
+//! same operations as the candle path (the fused kernels' slice functions of
+//! [`crate::model::ops`] are shared), equal to it up to float summation order
+//! (tests/model_tape.rs compares both in f64 and f32).
 //!
-//! Simplifications: no KV cache and no per-row adapters (training only); other devices and
-//! dtypes (CUDA, bf16) keep the candle graph ([`Tape::serves`]).
+//! Simplifications: no KV cache and no per-row adapters (training and scoring only); f64 models
+//! compute in f64 and all others in f32 (bf16/f16 weights widened as they are read); other
+//! devices keep candle's autograd ([`Tape::serves`]). The logits of the rows the loss reads are
+//! kept for the backward ([M, V], as the candle path kept them).
 
 mod attention;
 mod head;
