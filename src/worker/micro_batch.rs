@@ -24,13 +24,13 @@ pub struct TokenOutputs {
     pub entropy: Option<Tensor>,
     /// Datum lengths, in micro-batch order.
     pub lengths: Vec<usize>,
-    /// The body's recorded forward, when it ran on the tape: its backward completes candle's.
+    /// The model's recorded forward, when it ran on the tape: its backward completes candle's.
     pub tape: Option<Tape>,
 }
 
 /// Runs the model on the datums `members` of `batch`. `critic` selects the value head;
-/// `entropy` asks for per-token entropies (policy only). The body runs on the [`Tape`] where it
-/// can (CPU f32/f64), recording for a `backward`: the caller then hands the tape its gradients.
+/// `entropy` asks for per-token entropies (policy only). The model runs on the [`Tape`] where it
+/// can (the CPU), recording for a `backward`: the caller then hands the tape candle's gradients.
 pub fn model_outputs(
     model: &Transformer,
     value_head: Option<&ValueHead>,

@@ -237,7 +237,7 @@ impl Worker {
         Ok(ForwardBackwardOutput { metrics, loss_fn_outputs: records })
     }
 
-    /// Backward of `weighted_sum` (and of the body's tape, when it ran on one); adds each
+    /// Backward of `weighted_sum` (and of the model's tape, when it ran on one); adds each
     /// parameter's gradient to its accumulator.
     fn accumulate(&mut self, weighted_sum: &Tensor, tape: Option<Tape>) -> Result<()> {
         let store = weighted_sum.backward()?;
