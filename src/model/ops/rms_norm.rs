@@ -40,7 +40,8 @@ pub(crate) fn forward<T: Real>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
     y
 }
 
-/// The backward of [`forward`] for the output gradient `gy`: writes dx and adds into dw.
+/// The backward of [`forward`] for the output gradient `gy`: adds into dx and into dw (callers
+/// pass zeros for a plain gradient, or a gradient to accumulate into: a residual's).
 pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [T], dw: &mut [T]) {
     let d = w.len();
     let n = x.len() / d;
@@ -63,7 +64,7 @@ pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [
                 }
                 let mean = dot / T::of(d as f64);
                 for j in 0..d {
-                    out[j] = r * (w[j] * g[j] - row[j] * r * mean);
+                    out[j] += r * (w[j] * g[j] - row[j] * r * mean);
                 }
             }
             dw

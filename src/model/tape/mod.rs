@@ -208,23 +208,23 @@ impl Tape {
     /// output.
     pub fn backward(self, store: &GradStore) -> Result<Vec<(Tensor, Tensor)>> {
         let host = |v: Option<&Var>| v.and_then(|v| store.get(v.as_tensor())).map(|g| g.flatten_all()).transpose();
+        // No gradient reached the tape's output: the loss did not depend on it.
         let (g, g_entropy, through_head) = match &self.cut {
             Cut::None => return Err(Error::input("tape: backward before its output was read")),
-            Cut::Hidden(v) => (host(Some(v))?, None, false),
-            Cut::Logprobs(lp, h) => (host(Some(lp))?, host(h.as_ref())?, true),
-        };
-        // The loss did not depend on the tape's output: no gradient.
-        if g.is_none() && g_entropy.is_none() {
-            return Ok(vec![]);
-        }
-        let n = match &self.cut {
-            Cut::Logprobs(lp, _) => lp.elem_count(),
-            Cut::Hidden(v) => v.elem_count(),
-            Cut::None => unreachable!("returned above"),
-        };
-        let g = match g {
-            Some(g) => g,
-            None => Tensor::zeros(n, g_entropy.as_ref().expect("one is present").dtype(), &Device::Cpu)?,
+            Cut::Hidden(v) => match host(Some(v))? {
+                Some(g) => (g, None, false),
+                None => return Ok(vec![]),
+            },
+            Cut::Logprobs(lp, h) => {
+                let g_entropy = host(h.as_ref())?;
+                let g = match (host(Some(lp))?, &g_entropy) {
+                    (Some(g), _) => g,
+                    // Only the entropies reached the loss.
+                    (None, Some(_)) => lp.zeros_like()?,
+                    (None, None) => return Ok(vec![]),
+                };
+                (g, g_entropy, true)
+            }
         };
         match self.record {
             Recorded::F32(r) => {
@@ -375,19 +375,12 @@ fn rms_norm_backward<T: Real>(
     w: &Tensor,
     eps: f64,
     acc: &mut [T],
-    accumulate: bool,
     grads: &mut Grads<T>,
 ) -> Result<()> {
     let held = Held::<T>::new(w)?;
     let ws = held.slice()?;
     let mut dw = vec![T::of(0.0); ws.len()];
-    if accumulate {
-        let mut dx = vec![T::of(0.0); x.len()];
-        rms_norm::backward(x, gy, ws, eps, &mut dx, &mut dw);
-        add_into(acc, &dx);
-    } else {
-        rms_norm::backward(x, gy, ws, eps, acc, &mut dw);
-    }
+    rms_norm::backward(x, gy, ws, eps, acc, &mut dw);
     if w.is_variable() {
         grads.push(w, dw);
     }
@@ -413,7 +406,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         _ => g.to_vec(),
     };
     let mut dh = vec![T::of(0.0); n * hd];
-    rms_norm_backward(&r.h_last, &d_hidden, &model.norm, eps, &mut dh, false, &mut grads)?;
+    rms_norm_backward(&r.h_last, &d_hidden, &model.norm, eps, &mut dh, &mut grads)?;
     for (layer, rec) in model.layers.iter().zip(&r.blocks).rev() {
         let (a, m) = (&layer.self_attn, &layer.mlp);
         let u = |k: usize| rec.u[k].as_deref();
@@ -428,7 +421,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         linear::backward(&m.gate_proj, &rec.x_mlp, u(4), &d_gate, n, &mut dx, &mut grads)?;
         linear::backward(&m.up_proj, &rec.x_mlp, u(5), &d_up, n, &mut dx, &mut grads)?;
         let dx = dx.expect("set by the backward");
-        rms_norm_backward(&rec.h_mid, &dx, &layer.post_attention_layernorm, eps, &mut dh, true, &mut grads)?;
+        rms_norm_backward(&rec.h_mid, &dx, &layer.post_attention_layernorm, eps, &mut dh, &mut grads)?;
         // h_mid = h_in + o_proj(attention(rope(q), rope(k), v)), q, k, v from rms_norm(h_in)
         let mut d_attn = None;
         linear::backward(&a.o_proj, &rec.attn, u(3), &dh, n, &mut d_attn, &mut grads)?;
@@ -438,9 +431,9 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         let mut dk = rope::backward_kernel(&dk, &r.cos, &r.sin, (t, kvh, d));
         if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
             let mut dq_pre = vec![T::of(0.0); dq.len()];
-            rms_norm_backward(&rec.q_pre, &dq, qn, eps, &mut dq_pre, false, &mut grads)?;
+            rms_norm_backward(&rec.q_pre, &dq, qn, eps, &mut dq_pre, &mut grads)?;
             let mut dk_pre = vec![T::of(0.0); dk.len()];
-            rms_norm_backward(&rec.k_pre, &dk, kn, eps, &mut dk_pre, false, &mut grads)?;
+            rms_norm_backward(&rec.k_pre, &dk, kn, eps, &mut dk_pre, &mut grads)?;
             (dq, dk) = (dq_pre, dk_pre);
         }
         let mut dx = None;
@@ -448,7 +441,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         linear::backward(&a.k_proj, &rec.x_attn, u(1), &dk, n, &mut dx, &mut grads)?;
         linear::backward(&a.v_proj, &rec.x_attn, u(2), &dv, n, &mut dx, &mut grads)?;
         let dx = dx.expect("set by the backward");
-        rms_norm_backward(&rec.h_in, &dx, &layer.input_layernorm, eps, &mut dh, true, &mut grads)?;
+        rms_norm_backward(&rec.h_in, &dx, &layer.input_layernorm, eps, &mut dh, &mut grads)?;
     }
     if model.embed_tokens.is_variable() {
         let mut d_embed = vec![T::of(0.0); c.vocab_size * hd];
