@@ -2,9 +2,9 @@
 //! AVX-512, without packing W: the kernel [`super::matmul_wt`] uses from [`MIN_ROWS`] rows on.
 //!
 //! ```text
-//! xt = each panel of up to 32 rows of x transposed, [K, 16·V] (V = vectors of 16 rows)
+//! xt = each panel of up to 64 rows of x transposed, [K, 16·V] (V = vectors of 16 rows)
 //! for each block of W's rows (256 KiB, kept in L2), for each panel:
-//!     for each block of KC columns of k, for each block of R rows j..j+R of W:
+//!     for each block of kc(V) columns of k, for each block of R rows j..j+R of W:
 //!         acc[r][v] += Σ_k broadcast(W[j+r, k]) · xt[k, 16v..16v+16]     (R·V = 24 registers)
 //!         yt[j..j+R] = acc                                    (partial sums, [block, 16·V])
 //!     y[panel rows, block] = ytᵀ
@@ -15,17 +15,22 @@
 //! per panel as a broadcast (nothing packed), and only the small x panel and the outputs are
 //! rearranged. The outputs go through yt because storing a tile's transpose straight into y
 //! touches 32 rows of y at once, which at n ≥ 1024 (rows 4 KiB apart) all fall in one L1 set:
-//! that halved the speed.
+//! that halved the speed. Panels of 64 rows (V = 4, R = 6) rather than 32 (V = 2, R = 12): one
+//! broadcast feeds four FMAs instead of two (10 loads per 24 FMAs, not 14), and at 64 rows W is
+//! read once per call, not twice; with the panel 64-byte aligned that took the 64-row kernel from
+//! 140–146 to 150–165 GFLOP/s with W in L2, 110–123 to 125–135 from L3 (`matmul_wt::timing`).
 
 /// Rows from which this kernel beats the dot-product one (measured on the benchmark model).
 pub const MIN_ROWS: usize = 16;
 
-/// Rows of x per panel: 2 vectors of 16 (24 accumulators for 12 weight rows).
-const PANEL: usize = 32;
+/// Rows of x per panel: 4 vectors of 16 (24 accumulators for 6 weight rows).
+const PANEL: usize = 64;
 
-/// Columns of x (k) per pass: a [KC, 32] block of the panel is 32 KiB, so that it stays in L1
-/// while every weight block meets it (the whole panel at k = 1024 would be read from L2).
-const KC: usize = 256;
+/// Columns of x (k) per pass for a panel of V vectors: a [KC, 16·V] block of the panel is at
+/// most 32 KiB, so that it stays in L1 while every weight block meets it.
+const fn kc(v: usize) -> usize {
+    (32 << 10) / (64 * v) / 16 * 16
+}
 
 /// `acc` plus R·V accumulators for R weight rows and V vectors of x rows over `kc` columns: `wr`
 /// are the R weight rows and `xt` the panel, both from the first of those columns. Meanwhile the
@@ -80,7 +85,7 @@ unsafe fn panel<const V: usize, const R: usize>(
     let width = V * 16;
     let mut k0 = 0;
     while k0 < k {
-        let kc = (k - k0).min(KC);
+        let kc = (k - k0).min(kc(V));
         let mut j = cols.start;
         while j < cols.end {
             let nj = (cols.end - j).min(R);
@@ -170,14 +175,17 @@ thread_local! {
 pub unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: usize, cols: std::ops::Range<usize>) {
     use std::arch::x86_64::*;
     let panels = m.div_ceil(PANEL);
-    // Columns per block: a multiple of both block heights (12 and 16).
+    // Columns per block: a multiple of every block height (16, 12, 8 and 6).
     let block = (W_BLOCK_BYTES / (4 * k)).next_multiple_of(48);
     SCRATCH.with_borrow_mut(|(xt, yt)| {
         // Every panel transposed, [K, width] each (width = its rows rounded up to 16); lanes past
         // its rows are zero (computed, never stored).
-        xt.resize(panels * k * PANEL, 0.0);
+        xt.resize(panels * k * PANEL + 16, 0.0);
         // The products with 16 spare rows, which the transposition reads past a block's end.
-        yt.resize((block + 16) * PANEL, 0.0);
+        yt.resize((block + 16) * PANEL + 16, 0.0);
+        // Both from a cache-line boundary: a vector load across two lines costs two.
+        let (xa, ya) = (xt.as_ptr().align_offset(64), yt.as_ptr().align_offset(64));
+        let (xt, yt) = (&mut xt[xa..], &mut yt[ya..]);
         let tail = (1u32 << (k % 16)) as u16 - 1;
         for p in 0..panels {
             let (i0, mi) = (p * PANEL, (m - p * PANEL).min(PANEL));
@@ -204,10 +212,11 @@ pub unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: u
                 let width = mi.div_ceil(16) * 16;
                 let (xt, products) = (&xt[p * k * PANEL..][..k * width], &mut yt[..(c1 - c0) * width]);
                 // R·V ≤ 24 accumulators (+ V x vectors) of the 32 registers.
-                if width == 16 {
-                    panel::<1, 16>(xt, w, products, k, c0..c1);
-                } else {
-                    panel::<2, 12>(xt, w, products, k, c0..c1);
+                match width {
+                    16 => panel::<1, 16>(xt, w, products, k, c0..c1),
+                    32 => panel::<2, 12>(xt, w, products, k, c0..c1),
+                    48 => panel::<3, 8>(xt, w, products, k, c0..c1),
+                    _ => panel::<4, 6>(xt, w, products, k, c0..c1),
                 }
                 // yt [c1 - c0, width] → y[i0.., c0..c1] by 16 × 16 blocks.
                 let nb = c1 - c0;

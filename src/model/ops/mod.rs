@@ -12,10 +12,13 @@ pub mod exp;
 pub mod logprob_lse;
 pub mod matmul_panel;
 pub mod matmul_wt;
+mod reduce;
 pub mod rms_norm;
 pub mod rope;
 pub mod softmax;
 pub mod swiglu;
+
+pub(crate) use reduce::{dot, dot3, sum};
 
 use candle_core::{CpuStorage, DType, Layout, Tensor, WithDType};
 use rayon::prelude::*;

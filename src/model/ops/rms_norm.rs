@@ -11,7 +11,7 @@ use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::{data, dispatch_real, fused, grad_for, par_rows, Real};
+use super::{data, dispatch_real, dot, dot3, fused, grad_for, par_rows, Real};
 use crate::Result;
 
 struct RmsNorm {
@@ -19,11 +19,7 @@ struct RmsNorm {
 }
 
 fn inv_rms<T: Real>(row: &[T], eps: f64) -> T {
-    let mut s = T::of(0.0);
-    for &x in row {
-        s += x * x;
-    }
-    T::of(1.0) / (s / T::of(row.len() as f64) + T::of(eps)).sqrt()
+    T::of(1.0) / (dot(row, row) / T::of(row.len() as f64) + T::of(eps)).sqrt()
 }
 
 /// y = x · r · w for each row of x (rows of w.len()), rows split over the rayon pool.
@@ -56,13 +52,10 @@ pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [
                 let i = c * chunk_rows + k;
                 let (row, g) = (&x[i * d..(i + 1) * d], &gy[i * d..(i + 1) * d]);
                 let r = inv_rms(row, eps);
-                let mut dot = T::of(0.0);
                 for j in 0..d {
-                    let xh = row[j] * r;
-                    dot += w[j] * g[j] * xh;
-                    dw[j] += g[j] * xh;
+                    dw[j] += g[j] * row[j] * r;
                 }
-                let mean = dot / T::of(d as f64);
+                let mean = dot3(w, g, row) * r / T::of(d as f64);
                 for j in 0..d {
                     out[j] += r * (w[j] * g[j] - row[j] * r * mean);
                 }

@@ -9,7 +9,7 @@
 use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
 
-use super::{data, dispatch_real, fused, par_rows, Real};
+use super::{data, dispatch_real, dot, fused, par_rows, sum, Real};
 use crate::{Error, Result};
 
 struct MaskedSoftmax {
@@ -28,11 +28,7 @@ pub(crate) fn forward_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f6
         *o -= m;
     }
     T::exp_in_place(out);
-    let mut sum = T::of(0.0);
-    for &o in out.iter() {
-        sum += o;
-    }
-    let inv = T::of(1.0) / sum;
+    let inv = T::of(1.0) / sum(out);
     for o in out.iter_mut() {
         *o *= inv;
     }
@@ -42,10 +38,7 @@ pub(crate) fn forward_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f6
 /// output gradient g.
 pub(crate) fn backward_row<T: Real>(out: &mut [T], p: &[T], g: &[T], scale: f64) {
     let scale = T::of(scale);
-    let mut dot = T::of(0.0);
-    for (&a, &b) in p.iter().zip(g) {
-        dot += a * b;
-    }
+    let dot = dot(p, g);
     for ((o, &a), &b) in out.iter_mut().zip(p).zip(g) {
         *o = scale * a * (b - dot);
     }
