@@ -8,6 +8,7 @@
 //! devices (CUDA) and for other dtypes (bf16/f16), and what the tests compare values and
 //! gradients against.
 
+pub mod cached_attention;
 pub mod exp;
 pub mod logprob_lse;
 pub mod matmul_panel;

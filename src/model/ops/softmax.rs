@@ -16,18 +16,33 @@ struct MaskedSoftmax {
     scale: f64,
 }
 
-/// out = softmax(scale · x + bias) for one row.
+/// out = softmax(scale · x + bias) for one row: [`shifted_row`], exp, [`normalise_row`].
+/// Inlined, so that it is compiled with the caller's target features (the cached attention's
+/// AVX-512 kernel); the same operations in the same order everywhere, so the same numbers.
+#[inline(always)]
 pub(crate) fn forward_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f64) {
+    shifted_row(out, x, bias, scale);
+    T::exp_in_place(out);
+    normalise_row(out);
+}
+
+/// out = scale · x + bias − max(scale · x + bias): the first step of [`forward_row`] (a caller
+/// with several rows at hand can exponentiate them in one call, then normalise each).
+#[inline(always)]
+pub(crate) fn shifted_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f64) {
     let scale = T::of(scale);
-    let mut m = T::neg_infinity();
     for ((o, &v), &c) in out.iter_mut().zip(x).zip(bias) {
         *o = v * scale + c;
-        m = m.fmax(*o);
     }
+    let m = max(out);
     for o in out.iter_mut() {
         *o -= m;
     }
-    T::exp_in_place(out);
+}
+
+/// out /= Σ out, the sum taken in order: the last step of [`forward_row`].
+#[inline(always)]
+pub(crate) fn normalise_row<T: Real>(out: &mut [T]) {
     let mut sum = T::of(0.0);
     for &o in out.iter() {
         sum += o;
@@ -36,6 +51,34 @@ pub(crate) fn forward_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f6
     for o in out.iter_mut() {
         *o *= inv;
     }
+}
+
+/// The largest element (−∞ for none), in 16 lanes folded pairwise, so that it vectorises and
+/// has no long chain of dependent comparisons: a maximum does not depend on the order, so this
+/// is the sequential fold's value (up to the sign of a zero maximum, which x − m and exp do not
+/// see).
+#[inline(always)]
+fn max<T: Real>(xs: &[T]) -> T {
+    const LANES: usize = 16;
+    let mut lanes = [T::neg_infinity(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..LANES {
+            lanes[l] = lanes[l].fmax(c[l]);
+        }
+    }
+    for (m, &x) in lanes.iter_mut().zip(tail) {
+        *m = m.fmax(x);
+    }
+    let mut w = LANES / 2;
+    while w > 0 {
+        for l in 0..w {
+            lanes[l] = lanes[l].fmax(lanes[l + w]);
+        }
+        w /= 2;
+    }
+    lanes[0]
 }
 
 /// out = scale · p · (g − Σ g·p): the gradient of the row's scores from the saved p and the
@@ -146,6 +189,23 @@ mod tests {
     use super::super::testing::{check, var};
     use super::*;
     use candle_core::{DType, Device};
+
+    #[test]
+    fn lane_max_is_the_sequential_max() {
+        for n in [1, 7, 15, 16, 17, 33, 48, 100] {
+            for seed in 0..4 {
+                let mut xs = super::super::testing::values(n, seed, 50.0);
+                // Masked entries and the largest one in the remainder or the last chunk.
+                xs.iter_mut().step_by(3).for_each(|x| *x = -1e30);
+                xs[(seed as usize * 5) % n] = 1e3;
+                let want = xs.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+                assert_eq!(max(&xs), want, "n {n}");
+                let xs32: Vec<f32> = xs.iter().map(|&x| x as f32).collect();
+                assert_eq!(max(&xs32), want as f32, "n {n}");
+            }
+        }
+        assert_eq!(max::<f32>(&[]), f32::NEG_INFINITY);
+    }
 
     #[test]
     fn fused_equals_reference_in_value_and_gradient() {
