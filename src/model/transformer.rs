@@ -14,6 +14,8 @@
 //! One forward serves training and decoding: with a [`KvCache`] the new tokens attend to the
 //! cached positions too, so prefill + one-token steps give the same logits as the full forward.
 //! Everything is built from differentiable candle primitives: gradients reach every parameter.
+//! The one exception is a cached forward's attention over a few new tokens (decoding): a fused
+//! op without a backward ([`ops::cached_attention`]); nothing trains through a cached forward.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -129,7 +131,6 @@ impl Attention {
         let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
         let proj = |lin: &Linear, k: usize, x: &Tensor| RowAdapters::forward(ad, lin, x, first + k);
         let (h, kvh, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let rep = h / kvh;
         let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, d))?.transpose(1, 2)?) };
         let mut q = heads(proj(&self.q_proj, 0, x)?, h)?;
         let mut k = heads(proj(&self.k_proj, 1, x)?, kvh)?;
@@ -142,18 +143,21 @@ impl Attention {
         // Rotated and made contiguous in [B, heads, T, d] in one pass.
         let q = ops::rope::rope(&q, &cos_sin.0, &cos_sin.1)?;
         let k = ops::rope::rope(&k, &cos_sin.0, &cos_sin.1)?;
+        let cached = cache.is_some();
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, &k, &v)?,
             None => (k, v),
         };
-        let s = k.dim(2)?;
-        // Fold the `rep` query heads sharing a kv head into rows: [B, kvh, rep·T, d].
-        let qg = q.reshape((b, kvh, rep * t, d))?;
-        let scores = qg.matmul(&k.t()?)?.reshape((b, h, t, s))?.to_dtype(norm_dtype(x.dtype()))?;
-        let probs = ops::softmax::masked_softmax(&scores, bias, 1.0 / (d as f64).sqrt())?
-            .to_dtype(x.dtype())?
-            .reshape((b, kvh, rep * t, s))?;
-        let out = probs.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        let scale = 1.0 / (d as f64).sqrt();
+        // [B, T, h·d]. A few new tokens over the cache (decode steps, short prefills) take the
+        // fused op, which reads the cache's views in place; everything else (training, long
+        // prompts, bf16, CUDA) the candle path: the `rep` query heads sharing a kv head folded
+        // into the rows of one batched matmul, softmax in f32.
+        let out = if cached && t <= ops::cached_attention::MAX_QUERIES && ops::fused(&q) {
+            ops::cached_attention::cached_attention(&q, &k, &v, bias, scale)?
+        } else {
+            ops::cached_attention::reference(&q, &k, &v, bias, scale)?
+        };
         proj(&self.o_proj, 3, &out)
     }
 }

@@ -8,6 +8,7 @@
 //! devices (CUDA) and for other dtypes (bf16/f16), and what the tests compare values and
 //! gradients against.
 
+pub mod cached_attention;
 pub mod exp;
 pub mod logprob_lse;
 pub mod matmul_panel;
@@ -18,7 +19,7 @@ pub mod rope;
 pub mod softmax;
 pub mod swiglu;
 
-pub(crate) use reduce::{dot, dot3, sum};
+pub(crate) use reduce::{dot, dot3, max, sum};
 
 use candle_core::{CpuStorage, DType, Layout, Tensor, WithDType};
 use rayon::prelude::*;

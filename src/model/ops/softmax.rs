@@ -9,25 +9,40 @@
 use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
 
-use super::{data, dispatch_real, dot, fused, par_rows, sum, Real};
+use super::{data, dispatch_real, dot, fused, max, par_rows, sum, Real};
 use crate::{Error, Result};
 
 struct MaskedSoftmax {
     scale: f64,
 }
 
-/// out = softmax(scale · x + bias) for one row.
+/// out = softmax(scale · x + bias) for one row: [`shifted_row`], exp, [`normalise_row`].
+/// Inlined, so that it is compiled with the caller's target features (the cached attention's
+/// AVX-512 kernel); the same operations in the same order everywhere, so the same numbers.
+#[inline(always)]
 pub(crate) fn forward_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f64) {
+    shifted_row(out, x, bias, scale);
+    T::exp_in_place(out);
+    normalise_row(out);
+}
+
+/// out = scale · x + bias − max(scale · x + bias): the first step of [`forward_row`] (a caller
+/// with several rows at hand can exponentiate them in one call, then normalise each).
+#[inline(always)]
+pub(crate) fn shifted_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f64) {
     let scale = T::of(scale);
-    let mut m = T::neg_infinity();
     for ((o, &v), &c) in out.iter_mut().zip(x).zip(bias) {
         *o = v * scale + c;
-        m = m.fmax(*o);
     }
+    let m = max(out);
     for o in out.iter_mut() {
         *o -= m;
     }
-    T::exp_in_place(out);
+}
+
+/// out /= Σ out: the last step of [`forward_row`].
+#[inline(always)]
+pub(crate) fn normalise_row<T: Real>(out: &mut [T]) {
     let inv = T::of(1.0) / sum(out);
     for o in out.iter_mut() {
         *o *= inv;

@@ -1,0 +1,786 @@
+//! Attention of a few new queries over the KV cache (decoding), fused, inference only.
+//!
+//! q [B, H, T, D] (rotated), k and v [B, KV, S, D], bias [B, T, S] (additive: 0 or a large
+//! negative number), scale. Per (batch row b, kv head g), for each of the rep = H / KV query heads
+//! h sharing g and each query row i:
+//! ```text
+//! s_j = q[b,h,i] · k[b,g,j]                       (j < S)
+//! p   = softmax(scale · s + bias[b,i])            (softmax::forward_row's steps, as masked_softmax)
+//! out[b, i, h·D .. (h+1)·D] = Σ_j p_j · v[b,g,j]   (keys with p_j = 0, masked ones, skipped)
+//! ```
+//! The output is [B, T, H·D], o_proj's input layout, written in place (no transpose copy). k and
+//! v are read through their layout (start offset and strides; the last dimension must be
+//! contiguous): the cache hands out `narrow` views of its spare-column buffers, which are never
+//! copied here.
+//!
+//! The candle path ([`reference()`]) runs this as two batched matmuls over B·KV matrices of
+//! [rep·T, D] × [D, S] (a `gemm` call per matrix), a softmax, dtype casts and a transpose copy.
+//! Here one task per (b, g) takes the rep·T query rows sharing the kv head in groups of up to
+//! `GROUP`: each key row read serves the whole group's dot products, each value row its
+//! weighted sums. The weighted sums keep the group's output columns in registers over the keys
+//! (16-lane blocks, vectorised by LLVM; compiled for AVX-512 and for AVX2 + FMA, chosen at run
+//! time). The dot products are 16-lane accumulators too; for f32 on AVX-512 they are written
+//! with intrinsics, because the horizontal sum that ends each one is where LLVM fails (see
+//! `dots_f32_avx512`). Scratch: a few rows of S per task, nothing per query. Tasks are split
+//! over the rayon pool only when the call is worth a hand-off ([`MIN_PARALLEL_WORK`]).
+//!
+//! Measured (one thread, benchmark model's attention, `timing::fused_vs_candle`): a decode step
+//! (T = 1) is 1.1–1.3× faster than the candle path at 64 rows (where both mostly wait on the
+//! cache's reads), 1.2–2.5× at 1 to 16 rows; a prefill of 16 tokens 1.2–1.6×. The candle path
+//! stays the better one for longer query blocks after a long cache (gemm's blocking pays):
+//! [`MAX_QUERIES`].
+//!
+//! No backward: nothing trains through a cached forward (the callers with a cache are the
+//! rollout engine's decode steps and its prompt prefill, `rollout::engine_core` and
+//! `rollout::prefill`, whose outputs are sampled or scored, never differentiated; training runs
+//! the tape or the uncached candle graph). The op is applied with `apply_op3` all the same, so
+//! that a backward through it fails loudly (candle's `BackwardNotSupported`) instead of
+//! silently cutting the gradient.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType};
+use rayon::prelude::*;
+
+use super::{data, dispatch_real, fused, softmax, Real};
+use crate::{Error, Result};
+
+/// New tokens per row (T) up to which the transformer takes this op for a cached forward:
+/// every decode step (T = 1) and the prefill of prompts up to 17 tokens. Measured with
+/// `timing::fused_vs_candle` (4 query heads, 2 kv heads, D = 64, one thread, 1 to 64 rows): T ≤ 4
+/// wins everywhere (1.05–2.5×); at T = 16 the op is 1.2–1.6× faster than the candle path on a
+/// prefill (empty cache) but 0.8–1.3× after a cache of 16 to 1000 positions; at T = 32 it loses
+/// after any cache (0.7–1.0×). A prefill from an empty cache alone would stay with the op up to
+/// T = 64 (0.9–1.7×); 16 keeps long blocks after a long cache, which the engine does not run
+/// today, on gemm.
+pub const MAX_QUERIES: usize = 16;
+
+/// Multiply-adds of one product (B·H·T·S·D) from which the tasks are split over the rayon
+/// pool: about 30 µs on one core. Measured on a pool of 2 inside the pool: 70 K (B 16, S 17)
+/// gains nothing, 150–670 K gain 1.2–2.6×.
+pub const MIN_PARALLEL_WORK: usize = 1 << 17;
+
+/// Lanes of the vectorised dot products and weighted sums.
+const LANES: usize = 16;
+
+/// The op (holds the bias, converted to the queries' dtype and contiguous).
+struct CachedAttention {
+    bias: Tensor,
+    scale: f64,
+    /// Whether f32 may take the AVX-512 dot products (false: the portable kernel, for tests).
+    simd: bool,
+}
+
+/// A [B, KV, S, D] tensor read in place: rows of D at `start + b·strides[0] + g·strides[1] +
+/// j·strides[2]`.
+#[derive(Clone, Copy)]
+struct Heads<'a, T> {
+    data: &'a [T],
+    start: usize,
+    strides: [usize; 3],
+    d: usize,
+}
+
+impl<'a, T: WithDType> Heads<'a, T> {
+    fn new(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<Self> {
+        let err = |m: String| candle_core::Error::Msg(format!("cached-attention: {what} {m}"));
+        let (dims, st) = (l.dims(), l.stride());
+        if dims.len() != 4 {
+            return Err(err(format!("has shape {dims:?}, expected [B, KV, S, D]")));
+        }
+        if dims[3] > 1 && st[3] != 1 {
+            return Err(err(format!("has strides {st:?}: the last dimension must be contiguous")));
+        }
+        let data = s.as_slice::<T>()?;
+        if dims.iter().all(|&n| n > 0) {
+            let last = l.start_offset() + (0..3).map(|i| (dims[i] - 1) * st[i]).sum::<usize>() + dims[3];
+            if last > data.len() {
+                return Err(err(format!("layout {l:?} reaches past its storage ({})", data.len())));
+            }
+        }
+        Ok(Heads { data, start: l.start_offset(), strides: [st[0], st[1], st[2]], d: dims[3] })
+    }
+
+    #[inline(always)]
+    fn row(&self, b: usize, g: usize, j: usize) -> &'a [T] {
+        let o = self.start + b * self.strides[0] + g * self.strides[1] + j * self.strides[2];
+        &self.data[o..o + self.d]
+    }
+}
+
+/// Everything one task reads.
+struct Inputs<'a, T> {
+    q: &'a [T],
+    k: Heads<'a, T>,
+    v: Heads<'a, T>,
+    bias: &'a [T],
+    /// (H, KV, T, S, D).
+    dims: (usize, usize, usize, usize, usize),
+    scale: f64,
+    /// T is f32 and the CPU has AVX-512F: the dot products take [`dots_f32_avx512`].
+    avx512_f32: bool,
+}
+
+/// Query rows processed together: each key row read serves all of them.
+const GROUP: usize = 4;
+
+/// q·k in 16 lanes (lane l sums the products at indices ≡ l mod 16; the tail of a length that
+/// is not a multiple of 16 goes to the first lanes), to be summed by [`reduce`]. The sum is a
+/// second loop over stored lanes: in the same expression LLVM narrows this loop to pairs of
+/// lanes.
+#[inline(always)]
+fn dot_lanes<T: Real>(q: &[T], k: &[T]) -> [T; LANES] {
+    debug_assert_eq!(q.len(), k.len());
+    let mut acc = [T::of(0.0); LANES];
+    let (qc, kc) = (q.chunks_exact(LANES), k.chunks_exact(LANES));
+    for ((a, &x), &y) in acc.iter_mut().zip(qc.remainder()).zip(kc.remainder()) {
+        *a = x * y;
+    }
+    for (x, y) in qc.zip(kc) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc
+}
+
+/// Σ of the lanes.
+#[inline(always)]
+fn reduce<T: Real>(acc: &[T; LANES]) -> T {
+    let mut sum = T::of(0.0);
+    for &a in acc {
+        sum += a;
+    }
+    sum
+}
+
+/// scores[r·S + j] = q_r·k_j for the N query rows `q` (N·D, contiguous) and every key: the
+/// portable kernel, lanes stored per key and summed in a second pass.
+#[inline(always)]
+fn dots<T: Real, const N: usize>(
+    q: &[T],
+    k: &Heads<T>,
+    b: usize,
+    g: usize,
+    lanes: &mut [[T; LANES]],
+    scores: &mut [T],
+) {
+    let (d, s) = (k.d, lanes.len());
+    for (r, scores) in scores.chunks_exact_mut(s).take(N).enumerate() {
+        let q = &q[r * d..(r + 1) * d];
+        for (j, l) in lanes.iter_mut().enumerate() {
+            *l = dot_lanes(q, k.row(b, g, j));
+        }
+        for (sj, l) in scores.iter_mut().zip(lanes.iter()) {
+            *sj = reduce(l);
+        }
+    }
+}
+
+/// [`dots`] for f32 with AVX-512F: each key row loaded once for the N query rows, one
+/// 16-lane accumulator per row (a masked load for the tail of D), summed by the shuffle tree
+/// of `_mm512_reduce_add_ps`. LLVM does not find that tree for portable lanes (it narrows the
+/// loop or sums the lanes one by one: 8–12 ns per query and key instead of 3.5 here).
+///
+/// Safety: AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dots_f32_avx512<const N: usize>(q: &[f32], k: &Heads<f32>, b: usize, g: usize, scores: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (d, s) = (k.d, scores.len() / N);
+    assert!(q.len() >= N * d);
+    let full = d / LANES * LANES;
+    let tail = ((1u32 << (d - full)) - 1) as __mmask16;
+    for j in 0..s {
+        let kr = k.row(b, g, j).as_ptr();
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut c = 0;
+        while c < full {
+            let y = _mm512_loadu_ps(kr.add(c));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(r * d + c)), y, *acc);
+            }
+            c += LANES;
+        }
+        if tail != 0 {
+            let y = _mm512_maskz_loadu_ps(tail, kr.add(full));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q.as_ptr().add(r * d + full)), y, *acc);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            scores[r * s + j] = _mm512_reduce_add_ps(*acc);
+        }
+    }
+}
+
+/// `x` as a slice of U when T is U.
+fn same<T: 'static, U: 'static>(x: &[T]) -> Option<&[U]> {
+    // Safety: T and U are one type.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>())
+        .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<U>(), x.len()) })
+}
+
+/// W columns of a row, held in registers.
+#[derive(Clone, Copy)]
+struct Block<T, const W: usize>([T; W]);
+
+/// out_r[c..c + W] = Σ_j p_rj · v_j[c..c + W] for the N rows (probabilities p_r = probs[r·S..]),
+/// the N·W sums held in registers over all keys (each value row read once for the N rows, N·W/16
+/// independent chains of adds); keys no row sees are skipped.
+///
+/// Safety: each of `outs` points to a row of at least c + W elements that nothing else accesses
+/// meanwhile.
+#[inline(always)]
+unsafe fn weighted_sum<T: Real, const N: usize, const W: usize>(
+    outs: &[*mut T; N],
+    c: usize,
+    probs: &[T],
+    v: &Heads<T>,
+    b: usize,
+    g: usize,
+) {
+    let zero = T::of(0.0);
+    let s = probs.len() / N;
+    let mut acc = [Block([zero; W]); N];
+    for j in 0..s {
+        let mut p = [zero; N];
+        for (r, p) in p.iter_mut().enumerate() {
+            *p = probs[r * s + j];
+        }
+        let mut seen = false;
+        for &p in &p {
+            seen |= p != zero;
+        }
+        if !seen {
+            continue;
+        }
+        let x: &[T; W] = v.row(b, g, j)[c..c + W].try_into().expect("W columns");
+        for (acc, &p) in acc.iter_mut().zip(&p) {
+            *acc = Block(std::array::from_fn(|l| acc.0[l] + p * x[l]));
+        }
+    }
+    for (acc, &o) in acc.iter().zip(outs) {
+        std::ptr::copy_nonoverlapping(acc.0.as_ptr(), o.add(c), W);
+    }
+}
+
+/// The N query rows r0 .. r0 + N of task (b, g) (row r is query i = r mod T of head
+/// g·rep + r / T): scores, softmax ([`softmax::forward_row`]'s steps, the exponentials of the
+/// N rows in one call), weighted sum of values into `out`.
+///
+/// Safety: as [`task`].
+#[inline(always)]
+unsafe fn rows<T: Real, const N: usize>(
+    x: &Inputs<T>,
+    b: usize,
+    g: usize,
+    r0: usize,
+    sc: &mut Scratch<T>,
+    out: *mut T,
+) {
+    let (h, kvh, t, s, d) = x.dims;
+    let rep = h / kvh;
+    // The rep·T rows of the heads sharing kv head g are contiguous in q [B, H, T, D].
+    let q = &x.q[((b * h + g * rep) * t + r0) * d..][..N * d];
+    let (scores, probs) = (&mut sc.scores[..N * s], &mut sc.probs[..N * s]);
+    match (x.avx512_f32, same::<T, f32>(q), same::<T, f32>(x.k.data)) {
+        #[cfg(target_arch = "x86_64")]
+        (true, Some(q), Some(data)) => {
+            let k = Heads { data, start: x.k.start, strides: x.k.strides, d };
+            // Safety: T is f32, and AVX-512F was detected.
+            let scores = std::slice::from_raw_parts_mut(scores.as_mut_ptr().cast::<f32>(), N * s);
+            dots_f32_avx512::<N>(q, &k, b, g, scores);
+        }
+        _ => dots::<T, N>(q, &x.k, b, g, &mut sc.lanes, scores),
+    }
+    // (Plain loops: a closure, as in array::from_fn, may not be inlined, and is then compiled
+    // without the caller's target features.)
+    let mut outs = [out; N];
+    for (r, o) in outs.iter_mut().enumerate() {
+        let (hi, i) = (g * rep + (r0 + r) / t, (r0 + r) % t);
+        softmax::shifted_row(&mut probs[r * s..][..s], &scores[r * s..][..s], &x.bias[(b * t + i) * s..][..s], x.scale);
+        // In bounds: out is [B, T, H·D].
+        *o = out.add(((b * t + i) * h + hi) * d);
+    }
+    T::exp_in_place(probs);
+    for p in probs.chunks_exact_mut(s) {
+        softmax::normalise_row(p);
+    }
+    let mut c = 0;
+    while c + 2 * LANES <= d {
+        weighted_sum::<T, N, { 2 * LANES }>(&outs, c, probs, &x.v, b, g);
+        c += 2 * LANES;
+    }
+    while c + LANES <= d {
+        weighted_sum::<T, N, LANES>(&outs, c, probs, &x.v, b, g);
+        c += LANES;
+    }
+    while c < d {
+        weighted_sum::<T, N, 1>(&outs, c, probs, &x.v, b, g);
+        c += 1;
+    }
+}
+
+/// A task's scratch, reused for every group of rows: per key the dot products' lanes (the
+/// portable kernel), the scores and the probabilities of the group's rows.
+struct Scratch<T> {
+    lanes: Vec<[T; LANES]>,
+    scores: Vec<T>,
+    probs: Vec<T>,
+}
+
+impl<T: Real> Scratch<T> {
+    fn new(s: usize) -> Self {
+        let zero = T::of(0.0);
+        Scratch { lanes: vec![[zero; LANES]; s], scores: vec![zero; GROUP * s], probs: vec![zero; GROUP * s] }
+    }
+}
+
+/// The task (b, g): the rep·T query rows of the heads sharing kv head g, in groups of up to
+/// [`GROUP`], into `out` ([B, T, H·D]).
+///
+/// Safety: `out` points to B·T·H·D elements; no other task writes the columns of heads
+/// g·rep .. (g+1)·rep of batch row b.
+#[inline(always)]
+unsafe fn task<T: Real>(x: &Inputs<T>, b: usize, g: usize, scratch: &mut Scratch<T>, out: *mut T) {
+    let (h, kvh, t, _, _) = x.dims;
+    let n = h / kvh * t;
+    let mut r0 = 0;
+    while r0 < n {
+        match n - r0 {
+            1 => rows::<T, 1>(x, b, g, r0, scratch, out),
+            2 => rows::<T, 2>(x, b, g, r0, scratch, out),
+            3 => rows::<T, 3>(x, b, g, r0, scratch, out),
+            _ => rows::<T, GROUP>(x, b, g, r0, scratch, out),
+        }
+        r0 += (n - r0).min(GROUP);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn task_avx512<T: Real>(x: &Inputs<T>, b: usize, g: usize, scratch: &mut Scratch<T>, out: *mut T) {
+    task(x, b, g, scratch, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn task_avx2<T: Real>(x: &Inputs<T>, b: usize, g: usize, scratch: &mut Scratch<T>, out: *mut T) {
+    task(x, b, g, scratch, out)
+}
+
+unsafe fn task_plain<T: Real>(x: &Inputs<T>, b: usize, g: usize, scratch: &mut Scratch<T>, out: *mut T) {
+    task(x, b, g, scratch, out)
+}
+
+type Task<T> = unsafe fn(&Inputs<T>, usize, usize, &mut Scratch<T>, *mut T);
+
+fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The fastest compiled [`task`] this CPU runs.
+fn task_for<T: Real>() -> Task<T> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return task_avx512::<T>;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            return task_avx2::<T>;
+        }
+    }
+    task_plain::<T>
+}
+
+/// out [B, T, H·D] (zero-filled) from `x`, tasks over (b, g) on the rayon pool when the work is
+/// worth it.
+fn run<T: Real>(x: &Inputs<T>, b: usize, out: &mut [T]) {
+    let (h, kvh, t, s, d) = x.dims;
+    assert_eq!(out.len(), b * t * h * d);
+    struct Out<T>(*mut T);
+    // Safety: each task writes only its own heads' columns of out, which outlives the tasks.
+    unsafe impl<T> Sync for Out<T> {}
+    let out = Out(out.as_mut_ptr());
+    let kernel = task_for::<T>();
+    let tasks = b * kvh;
+    let work = b * h * t * s * d;
+    if tasks > 1 && work >= MIN_PARALLEL_WORK && rayon::current_num_threads() > 1 {
+        let out = &out;
+        (0..tasks).into_par_iter().for_each_init(
+            || Scratch::new(s),
+            |scratch, i| {
+                // Safety: task i = (b, g) owns its columns; `kernel` runs on this CPU.
+                unsafe { kernel(x, i / kvh, i % kvh, scratch, out.0) }
+            },
+        );
+    } else {
+        // No hand-off to the pool (at one thread, or for decode-sized work).
+        let mut scratch = Scratch::new(s);
+        for i in 0..tasks {
+            // Safety: as above, one task at a time.
+            unsafe { kernel(x, i / kvh, i % kvh, &mut scratch, out.0) }
+        }
+    }
+}
+
+impl CustomOp3 for CachedAttention {
+    fn name(&self) -> &'static str {
+        "cached-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, h, t, d) = l1.shape().dims4()?;
+        let (_, kvh, s, _) = l2.shape().dims4()?;
+        if l2.dims() != l3.dims() || l2.dims()[0] != b || l2.dims()[3] != d || kvh == 0 || h % kvh != 0 || s == 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "cached-attention: q {:?}, k {:?}, v {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )));
+        }
+        let (bias_storage, bias_layout) = self.bias.storage_and_layout();
+        let Storage::Cpu(bias_storage) = &*bias_storage else {
+            return Err(candle_core::Error::Msg("cached-attention: the bias is not on the CPU".into()));
+        };
+        if bias_layout.dims() != [b, t, s] {
+            return Err(candle_core::Error::Msg(format!("cached-attention: bias {:?}", bias_layout.dims())));
+        }
+        dispatch_real!(s1, T => {
+            let x = Inputs {
+                q: data::<T>(s1, l1)?,
+                k: Heads::new(s2, l2, "k")?,
+                v: Heads::new(s3, l3, "v")?,
+                bias: data::<T>(bias_storage, bias_layout)?,
+                dims: (h, kvh, t, s, d),
+                scale: self.scale,
+                avx512_f32: self.simd && T::DTYPE == DType::F32 && avx512(),
+            };
+            let mut out = vec![T::of(0.0); b * t * h * d];
+            run(&x, b, &mut out);
+            Ok((T::to_cpu_storage_owned(out), Shape::from((b, t, h * d))))
+        })
+    }
+}
+
+/// Checks the shapes: q [B, H, T, D], k and v [B, KV, S, D] with KV dividing H, bias [B, T, S].
+fn check(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<()> {
+    let (b, h, t, d) = q.dims4()?;
+    let (kb, kvh, s, kd) = k.dims4()?;
+    let bad = kb != b || kd != d || v.dims() != k.dims() || kvh == 0 || h % kvh != 0 || s == 0;
+    if bad {
+        return Err(Error::input(format!(
+            "attention: q {:?}, k {:?}, v {:?} (expected [B, H, T, D], [B, KV, S, D] twice, KV dividing H, S > 0)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    if bias.dims() != [b, t, s] {
+        return Err(Error::input(format!("attention: bias {:?}, expected [{b}, {t}, {s}]", bias.dims())));
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        return Err(Error::input(format!("attention: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype())));
+    }
+    Ok(())
+}
+
+/// Attention output [B, T, H·D] (o_proj's input) for q [B, H, T, D], k and v [B, KV, S, D]
+/// (views of the cache: read in place when their last dimension is contiguous) and the additive
+/// bias [B, T, S] (any float dtype: converted to q's). Fused on the CPU for f32/f64; the candle
+/// path ([`reference()`]) elsewhere. Inference only (see the module docs).
+pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    check(q, k, v, bias)?;
+    let bias = bias.to_dtype(q.dtype())?;
+    if !fused(q) {
+        return reference(q, k, v, &bias, scale);
+    }
+    // A view whose last dimension is strided (never one the cache hands out) is copied.
+    let rows = |x: &Tensor| -> Result<Tensor> {
+        Ok(if x.dim(3)? > 1 && x.stride()[3] != 1 { x.contiguous()? } else { x.clone() })
+    };
+    let op = CachedAttention { bias: bias.contiguous()?, scale, simd: true };
+    Ok(q.contiguous()?.apply_op3(&rows(k)?, &rows(v)?, op)?)
+}
+
+/// The candle path of `Attention::forward`: the rep query heads sharing a kv head folded into
+/// the rows of one batched matmul, [`softmax::masked_softmax`] in f32 (f64 for f64), the
+/// weighted sum, and the transpose to [B, T, H·D].
+pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    check(q, k, v, bias)?;
+    let (b, h, t, d) = q.dims4()?;
+    let (_, kvh, s, _) = k.dims4()?;
+    let rep = h / kvh;
+    let dtype = q.dtype();
+    let qg = q.reshape((b, kvh, rep * t, d))?;
+    let scores = qg.matmul(&k.t()?)?.reshape((b, h, t, s))?.to_dtype(softmax_dtype(dtype))?;
+    let probs = softmax::masked_softmax(&scores, bias, scale)?.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
+    Ok(probs.matmul(v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?)
+}
+
+/// The dtype the softmax runs in (the transformer's `norm_dtype`): f64 for f64, else f32.
+fn softmax_dtype(dtype: DType) -> DType {
+    crate::model::transformer::norm_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{max_rel, values};
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn tensor(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let n = shape.iter().product();
+        Tensor::from_vec(values(n, seed, 1.5), shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    /// The bias `attention_bias` builds: query i (at `past + i`) sees key j ≤ past + i when key j
+    /// is real; row r's first `pad[r]` keys are left padding.
+    fn bias(pad: &[usize], past: usize, t: usize) -> Tensor {
+        let s = past + t;
+        let mask: Vec<Vec<u8>> = pad.iter().map(|&p| (0..s).map(|j| (j >= p) as u8).collect()).collect();
+        crate::model::transformer::attention_bias(&mask, past, t, &Device::Cpu).unwrap()
+    }
+
+    /// f64 triple loop: out [B, T, H·D].
+    fn naive(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Tensor {
+        let (b, h, t, d) = q.dims4().unwrap();
+        let (_, kvh, s, _) = k.dims4().unwrap();
+        let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let (q, k, v, bias) = (f(q), f(&k.contiguous().unwrap()), f(&v.contiguous().unwrap()), f(bias));
+        let mut out = vec![0f64; b * t * h * d];
+        for bi in 0..b {
+            for hi in 0..h {
+                let g = hi / (h / kvh);
+                for i in 0..t {
+                    let qr = &q[((bi * h + hi) * t + i) * d..][..d];
+                    let z: Vec<f64> = (0..s)
+                        .map(|j| {
+                            let kr = &k[((bi * kvh + g) * s + j) * d..][..d];
+                            scale * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>() + bias[(bi * t + i) * s + j]
+                        })
+                        .collect();
+                    let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = z.iter().map(|x| (x - m).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for j in 0..s {
+                        let vr = &v[((bi * kvh + g) * s + j) * d..][..d];
+                        for c in 0..d {
+                            out[((bi * t + i) * h + hi) * d + c] += e[j] / sum * vr[c];
+                        }
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(out, (b, t, h * d), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn fused_equals_candle_path_and_naive_loop() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            // (B, H, KV, T, past, D): GQA rep 2 and rep 1, T = 1 and T = 5 after a past, D = 64
+            // (four full lane chunks), 12 (remainder only) and 37 (chunks and a remainder).
+            for (b, h, kvh, t, past, d) in [
+                (3, 4, 2, 1, 7, 64),
+                (3, 4, 2, 5, 6, 64),
+                (2, 3, 3, 1, 9, 12),
+                (2, 2, 2, 5, 4, 12),
+                (3, 6, 2, 5, 3, 37),
+                (1, 4, 1, 1, 0, 16),
+            ] {
+                let s = past + t;
+                let what = format!("{dtype:?} B{b} H{h} KV{kvh} T{t} past{past} D{d}");
+                let q = tensor(&[b, h, t, d], 1, dtype);
+                // The cache's layout: [B, KV, capacity, D] buffers with spare columns, of which
+                // k and v are the first S (and a trimmed cache's, starting past column 0).
+                for (cap, from) in [(s, 0), (s + 11, 0), (s + 7, 3)] {
+                    let kb = tensor(&[b, kvh, cap, d], 2, dtype);
+                    let vb = tensor(&[b, kvh, cap, d], 3, dtype);
+                    let (k, v) = (kb.narrow(2, from, s).unwrap(), vb.narrow(2, from, s).unwrap());
+                    // (With one batch row and one kv head the view is contiguous all the same.)
+                    assert_eq!(k.is_contiguous(), cap == s || b * kvh == 1, "{what}");
+                    let (kc, vc) = (k.contiguous().unwrap(), v.contiguous().unwrap());
+                    // Left padding: row 1 has 2 padded keys, row 2 all but the newest.
+                    let pads: Vec<usize> = (0..b).map(|r| [0, 2, s - 1][r % 3].min(past)).collect();
+                    let bias = bias(&pads, past, t);
+                    let scale = 1.0 / (d as f64).sqrt();
+                    let got = cached_attention(&q, &k, &v, &bias, scale).unwrap();
+                    assert_eq!(got.dims(), [b, t, h * d], "{what}");
+                    // The portable kernel (what f64 and CPUs without AVX-512 run) for f32 too.
+                    let op = CachedAttention { bias: bias.to_dtype(dtype).unwrap(), scale, simd: false };
+                    let portable = q.apply_op3(&k, &v, op).unwrap();
+                    let want = reference(&q, &kc, &vc, &bias.to_dtype(dtype).unwrap(), scale).unwrap();
+                    let e = max_rel(&got, &want);
+                    assert!(e < tol, "{what} cap {cap} from {from}: fused vs candle path {e}");
+                    let e = max_rel(&got, &naive(&q, &k, &v, &bias, scale));
+                    assert!(e < tol, "{what} cap {cap} from {from}: fused vs naive loop {e}");
+                    let e = max_rel(&portable, &want);
+                    assert!(e < tol, "{what} cap {cap} from {from}: portable kernel vs candle path {e}");
+                    // The candle path reads the views too (the transformer's fallback).
+                    let e = max_rel(&reference(&q, &k, &v, &bias.to_dtype(dtype).unwrap(), scale).unwrap(), &want);
+                    assert!(e < tol, "{what}: candle path on views vs contiguous {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn masked_keys_do_not_count() {
+        // A masked key with a huge value must not leak into the output.
+        let (b, h, kvh, t, s, d) = (1, 2, 1, 1, 4, 8);
+        let q = tensor(&[b, h, t, d], 1, DType::F32);
+        let k = tensor(&[b, kvh, s, d], 2, DType::F32);
+        let mut vv = values(b * kvh * s * d, 3, 1.0);
+        vv[..d].iter_mut().for_each(|x| *x = 1e20);
+        let v = Tensor::from_vec(vv, (b, kvh, s, d), &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+        let bias = bias(&[1], s - 1, 1);
+        let got = cached_attention(&q, &k, &v, &bias, 0.3).unwrap();
+        let max = got.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(max < 2.0, "{max}");
+        let want = reference(&q, &k, &v, &bias, 0.3).unwrap();
+        assert!(max_rel(&got, &want) < 1e-5);
+    }
+
+    #[test]
+    fn parallel_split_equals_one_task_at_a_time() {
+        // Work above MIN_PARALLEL_WORK on a pool of 3: the tasks run on the pool.
+        let (b, h, kvh, t, past, d) = (8, 4, 2, 4, 300, 64);
+        assert!(b * h * t * (past + t) * d >= MIN_PARALLEL_WORK);
+        let q = tensor(&[b, h, t, d], 1, DType::F32);
+        let k = tensor(&[b, kvh, past + t, d], 2, DType::F32);
+        let v = tensor(&[b, kvh, past + t, d], 3, DType::F32);
+        let bias = bias(&[0, 5, 0, 100, 0, 0, 299, 1], past, t);
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let a = one.install(|| cached_attention(&q, &k, &v, &bias, 0.125).unwrap());
+        let c = three.install(|| cached_attention(&q, &k, &v, &bias, 0.125).unwrap());
+        assert_eq!(max_rel(&a, &c), 0.0);
+        assert!(max_rel(&a, &reference(&q, &k, &v, &bias, 0.125).unwrap()) < 1e-5);
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let f = DType::F32;
+        let q = tensor(&[2, 4, 1, 8], 1, f);
+        let k = tensor(&[2, 2, 5, 8], 2, f);
+        let v = tensor(&[2, 2, 5, 8], 3, f);
+        let bias = bias(&[0, 0], 4, 1);
+        assert!(cached_attention(&q, &k, &v, &bias, 1.0).is_ok());
+        let cases: Vec<(&str, Tensor, Tensor, Tensor, Tensor)> = vec![
+            ("batch", q.clone(), tensor(&[3, 2, 5, 8], 2, f), tensor(&[3, 2, 5, 8], 3, f), bias.clone()),
+            ("kv heads of v", q.clone(), k.clone(), tensor(&[2, 1, 5, 8], 3, f), bias.clone()),
+            ("head dim", q.clone(), tensor(&[2, 2, 5, 6], 2, f), tensor(&[2, 2, 5, 6], 3, f), bias.clone()),
+            ("H not a multiple of KV", tensor(&[2, 3, 1, 8], 1, f), k.clone(), v.clone(), bias.clone()),
+            ("bias length", q.clone(), k.clone(), v.clone(), tensor(&[2, 1, 4], 4, f)),
+            ("bias rows", q.clone(), k.clone(), v.clone(), tensor(&[2, 2, 5], 4, f)),
+            ("q rank", tensor(&[2, 4, 8], 1, f), k.clone(), v.clone(), bias.clone()),
+            ("no keys", q.clone(), tensor(&[2, 2, 0, 8], 2, f), tensor(&[2, 2, 0, 8], 3, f), tensor(&[2, 1, 0], 4, f)),
+            ("dtype", q.clone(), tensor(&[2, 2, 5, 8], 2, DType::F64), v.clone(), bias.clone()),
+        ];
+        for (what, q, k, v, bias) in cases {
+            assert!(cached_attention(&q, &k, &v, &bias, 1.0).is_err(), "{what}");
+            assert!(reference(&q, &k, &v, &bias, 1.0).is_err(), "{what}");
+        }
+        // A last dimension that is not contiguous (a transposed view) is copied, not misread.
+        let kt = tensor(&[2, 2, 8, 5], 2, f).transpose(2, 3).unwrap();
+        let got = cached_attention(&q, &kt, &v, &bias, 1.0).unwrap();
+        let want = reference(&q, &kt.contiguous().unwrap(), &v, &bias, 1.0).unwrap();
+        assert!(max_rel(&got, &want) < 1e-5);
+        // The op itself refuses such a layout.
+        let op = CachedAttention { bias: bias.clone(), scale: 1.0, simd: true };
+        assert!(q.apply_op3(&kt, &v, op).is_err());
+    }
+
+    #[test]
+    fn backward_is_an_error() {
+        let q = candle_core::Var::from_tensor(&tensor(&[1, 2, 1, 8], 1, DType::F32)).unwrap();
+        let k = tensor(&[1, 1, 3, 8], 2, DType::F32);
+        let v = tensor(&[1, 1, 3, 8], 3, DType::F32);
+        let out = cached_attention(q.as_tensor(), &k, &v, &bias(&[0], 2, 1), 1.0).unwrap();
+        assert!(out.sum_all().unwrap().backward().is_err());
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use candle_core::Device;
+
+    /// `cargo test --release --lib cached_attention::timing -- --ignored --nocapture`: µs per call
+    /// of the candle path and the fused op on the benchmark model's attention (H 4, KV 2, D 64),
+    /// one thread, for query blocks of T after `past` cached positions (past 0: a prefill), k
+    /// and v views of [B, KV, capacity, D] buffers as the cache hands out. "hot": one cache,
+    /// read again and again (in L2 when it fits); "cold": 32 MiB of caches in turn, as a decode
+    /// step reads every layer's cache from L3 or memory. The crossover in T sets [`MAX_QUERIES`].
+    #[test]
+    #[ignore]
+    fn fused_vs_candle() {
+        // As `oxrl` sets them (cli::main): without RAYON_NUM_THREADS candle reads /proc/cpuinfo
+        // on every matmul (~30 µs).
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(|| {
+            let (h, kvh, d) = (4usize, 2usize, 64usize);
+            for (b, past) in
+                [(1usize, 0usize), (16, 0), (64, 0), (1, 32), (16, 32), (64, 16), (64, 40), (1, 200), (4, 1000)]
+            {
+                for t in [1, 2, 4, 8, 16, 24, 32, 48, 64] {
+                    let s = past + t;
+                    let cap = (2 * s).next_power_of_two().max(64usize);
+                    let q = Tensor::randn(0f32, 1.0, (b, h, t, d), &Device::Cpu).unwrap();
+                    let bytes = 2 * b * kvh * cap * d * 4;
+                    let caches: Vec<(Tensor, Tensor)> = (0..(32 << 20) / bytes + 1)
+                        .map(|_| {
+                            let kb = Tensor::randn(0f32, 1.0, (b, kvh, cap, d), &Device::Cpu).unwrap();
+                            let vb = Tensor::randn(0f32, 1.0, (b, kvh, cap, d), &Device::Cpu).unwrap();
+                            (kb.narrow(2, 0, s).unwrap(), vb.narrow(2, 0, s).unwrap())
+                        })
+                        .collect();
+                    let mask = vec![vec![1u8; s]; b];
+                    let bias = crate::model::transformer::attention_bias(&mask, past, t, &Device::Cpu).unwrap();
+                    let reps = (4_000_000 / (b * h * t * s * d)).clamp(4, 500);
+                    // The best of 9 rounds (the machine is shared: the minimum is the stable number).
+                    let time = |f: &dyn Fn(&(Tensor, Tensor)) -> Tensor, cold: bool| {
+                        let mut i = 0;
+                        (0..9)
+                            .map(|_| {
+                                let start = std::time::Instant::now();
+                                for _ in 0..reps {
+                                    i = if cold { (i + 1) % caches.len() } else { 0 };
+                                    f(&caches[i]);
+                                }
+                                start.elapsed().as_secs_f64() / reps as f64 * 1e6
+                            })
+                            .fold(f64::INFINITY, f64::min)
+                    };
+                    let candle = |kv: &(Tensor, Tensor)| reference(&q, &kv.0, &kv.1, &bias, 0.125).unwrap();
+                    let fused = |kv: &(Tensor, Tensor)| cached_attention(&q, &kv.0, &kv.1, &bias, 0.125).unwrap();
+                    let (ch, fh) = (time(&candle, false), time(&fused, false));
+                    let (cc, fc) = (time(&candle, true), time(&fused, true));
+                    println!(
+                        "B {b:3} past {past:4} T {t:3}: hot candle {ch:8.1} fused {fh:8.1} µs ({:.2}x)   \
+                         cold candle {cc:8.1} fused {fc:8.1} µs ({:.2}x)",
+                        ch / fh,
+                        cc / fc
+                    );
+                }
+            }
+        });
+    }
+}
