@@ -55,13 +55,23 @@ unsafe fn tile<const V: usize, const R: usize>(
         for r in 0..R {
             _mm_prefetch::<_MM_HINT_T1>(next.add(r * stride + kk).cast());
         }
-        for kk in kk..(kk + 16).min(kc) {
+        let step = |acc: &mut [[__m512; V]; R], kk: usize| {
             let vx: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(xt.add((kk * V + v) * 16)));
             for r in 0..R {
                 let b = _mm512_set1_ps(*wr[r].add(kk));
                 for v in 0..V {
                     acc[r][v] = _mm512_fmadd_ps(vx[v], b, acc[r][v]);
                 }
+            }
+        };
+        if kk + 16 <= kc {
+            // A fixed count, unrolled: no loop counter between the FMAs.
+            for u in 0..16 {
+                step(&mut acc, kk + u);
+            }
+        } else {
+            for kk in kk..kc {
+                step(&mut acc, kk);
             }
         }
         kk += 16;
