@@ -63,6 +63,37 @@ fn kv_cache_decode_equals_full_forward() {
 }
 
 #[test]
+fn fill_cache_leaves_the_cache_a_forward_leaves() {
+    // A prefill by `fill_cache_adapted` (the last block stops at its keys and values) and one by
+    // the full forward: every later step sees the same cache, so gives the same logits, bit for
+    // bit (the same operations on the same numbers).
+    for arch in ARCHS {
+        let g = Golden::load(arch);
+        let b = g.batch();
+        let m = load(arch);
+        let t = b.ids[0].len();
+        let prefill = 9;
+        let mask_cols =
+            |from: usize, to: usize| -> Vec<Vec<u8>> { b.mask.iter().map(|r| r[from..to].to_vec()).collect() };
+        let (ids, pos, mask) = (cols(&b.ids, 0, prefill), cols(&b.positions, 0, prefill), mask_cols(0, prefill));
+        let mut full = m.new_cache();
+        m.forward(&ids, &pos, &mask, Some(&mut full)).unwrap();
+        let mut filled = m.new_cache();
+        m.fill_cache_adapted(&ids, &pos, &mask, &mut filled, None).unwrap();
+        assert_eq!(filled.seq_len(), prefill);
+        assert_eq!(filled.key_mask(), full.key_mask());
+        for i in prefill..t {
+            let step = |cache: &mut oxrl::model::KvCache| {
+                let (ids, pos) = (cols(&b.ids, i, i + 1), cols(&b.positions, i, i + 1));
+                m.forward(&ids, &pos, &mask_cols(i, i + 1), Some(cache)).unwrap().flatten_all().unwrap()
+            };
+            let (a, c) = (step(&mut full).to_vec1::<f32>().unwrap(), step(&mut filled).to_vec1::<f32>().unwrap());
+            assert!(a == c, "{arch}: step {i} after fill_cache differs from after the full forward");
+        }
+    }
+}
+
+#[test]
 fn greedy_logprobs_equal_forward_logprobs_and_batch_does_not_change_rows() {
     let m = load("qwen3");
     let prompts = vec![vec![5, 6, 7, 8, 9], vec![40, 41], vec![100, 3, 17, 250]];

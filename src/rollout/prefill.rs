@@ -107,9 +107,20 @@ pub fn prefill_batch(model: &Transformer, items: &[PrefillItem]) -> Result<Prefi
         let mask = vec![vec![1u8; n]; b];
         let rows: Vec<Option<&Arc<Adapter>>> = group.iter().map(|(_, it)| it.adapter.map(|a| a.1)).collect();
         let adapters = RowAdapters::new(&rows, &model.device)?;
-        let hidden = model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut cache), adapters.as_ref())?;
+        // The final hidden states only when a prompt is scored: otherwise the cache is all a
+        // prefill leaves, and the last block's queries, attention and MLP are skipped.
+        let hidden = match group.iter().any(|(_, it)| it.logprobs || it.topk > 0) {
+            true => Some(model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut cache), adapters.as_ref())?),
+            false => {
+                model.fill_cache_adapted(&ids, &pos, &mask, &mut cache, adapters.as_ref())?;
+                None
+            }
+        };
         for (row, ((key, it), one)) in group.into_iter().zip(cache.split_rows()?).enumerate() {
-            let scores = score(model, &hidden.narrow(0, row, 1)?, &it)?;
+            let scores = match &hidden {
+                Some(h) => score(model, &h.narrow(0, row, 1)?, &it)?,
+                None => PromptScores::default(),
+            };
             out.insert(key, (one, scores));
         }
     }
