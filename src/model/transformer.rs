@@ -429,7 +429,7 @@ impl Transformer {
             let x = rms_norm(&h, &layer.post_attention_layernorm, eps)?;
             h = (h + layer.mlp.forward(&x, adapters)?)?;
         }
-        Ok(hidden.then(|| rms_norm(&h, &self.norm, eps)).transpose()?)
+        hidden.then(|| rms_norm(&h, &self.norm, eps)).transpose()
     }
 
     /// Checks a batch's shapes and token ids; returns (rows, tokens per row).

@@ -12,6 +12,8 @@ use super::Real;
 const LANES: usize = 16;
 
 /// Σ f(chunks of a, chunks of b, ...) for one to three equally long slices.
+// j indexes K slices at once, which no iterator over one of them expresses.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn lanes<T: Real, const K: usize>(xs: [&[T]; K], f: impl Fn([T; K]) -> T) -> T {
     let n = xs.iter().map(|x| x.len()).min().unwrap_or(0);
