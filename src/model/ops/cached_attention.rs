@@ -40,7 +40,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{data, dispatch_real, fused, softmax, Real};
+use super::{data, dispatch_real, dot, fused, softmax, Real};
 use crate::{Error, Result};
 
 /// New tokens per row (T) up to which the transformer takes this op for a cached forward:
@@ -122,55 +122,15 @@ struct Inputs<'a, T> {
 /// Query rows processed together: each key row read serves all of them.
 const GROUP: usize = 4;
 
-/// q·k in 16 lanes (lane l sums the products at indices ≡ l mod 16; the tail of a length that
-/// is not a multiple of 16 goes to the first lanes), to be summed by [`reduce`]. The sum is a
-/// second loop over stored lanes: in the same expression LLVM narrows this loop to pairs of
-/// lanes.
-#[inline(always)]
-fn dot_lanes<T: Real>(q: &[T], k: &[T]) -> [T; LANES] {
-    debug_assert_eq!(q.len(), k.len());
-    let mut acc = [T::of(0.0); LANES];
-    let (qc, kc) = (q.chunks_exact(LANES), k.chunks_exact(LANES));
-    for ((a, &x), &y) in acc.iter_mut().zip(qc.remainder()).zip(kc.remainder()) {
-        *a = x * y;
-    }
-    for (x, y) in qc.zip(kc) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc
-}
-
-/// Σ of the lanes.
-#[inline(always)]
-fn reduce<T: Real>(acc: &[T; LANES]) -> T {
-    let mut sum = T::of(0.0);
-    for &a in acc {
-        sum += a;
-    }
-    sum
-}
-
 /// scores[r·S + j] = q_r·k_j for the N query rows `q` (N·D, contiguous) and every key: the
-/// portable kernel, lanes stored per key and summed in a second pass.
+/// portable kernel ([`super::dot`], 16 lanes).
 #[inline(always)]
-fn dots<T: Real, const N: usize>(
-    q: &[T],
-    k: &Heads<T>,
-    b: usize,
-    g: usize,
-    lanes: &mut [[T; LANES]],
-    scores: &mut [T],
-) {
-    let (d, s) = (k.d, lanes.len());
-    for (r, scores) in scores.chunks_exact_mut(s).take(N).enumerate() {
+fn dots<T: Real, const N: usize>(q: &[T], k: &Heads<T>, b: usize, g: usize, scores: &mut [T]) {
+    let (d, s) = (k.d, scores.len() / N);
+    for (r, scores) in scores.chunks_exact_mut(s).enumerate() {
         let q = &q[r * d..(r + 1) * d];
-        for (j, l) in lanes.iter_mut().enumerate() {
-            *l = dot_lanes(q, k.row(b, g, j));
-        }
-        for (sj, l) in scores.iter_mut().zip(lanes.iter()) {
-            *sj = reduce(l);
+        for (j, sj) in scores.iter_mut().enumerate() {
+            *sj = dot(q, k.row(b, g, j));
         }
     }
 }
@@ -290,7 +250,7 @@ unsafe fn rows<T: Real, const N: usize>(
             let scores = std::slice::from_raw_parts_mut(scores.as_mut_ptr().cast::<f32>(), N * s);
             dots_f32_avx512::<N>(q, &k, b, g, scores);
         }
-        _ => dots::<T, N>(q, &x.k, b, g, &mut sc.lanes, scores),
+        _ => dots::<T, N>(q, &x.k, b, g, scores),
     }
     // (Plain loops: a closure, as in array::from_fn, may not be inlined, and is then compiled
     // without the caller's target features.)
@@ -320,18 +280,16 @@ unsafe fn rows<T: Real, const N: usize>(
     }
 }
 
-/// A task's scratch, reused for every group of rows: per key the dot products' lanes (the
-/// portable kernel), the scores and the probabilities of the group's rows.
+/// A task's scratch, reused for every group of rows: the scores and the probabilities of the
+/// group's rows.
 struct Scratch<T> {
-    lanes: Vec<[T; LANES]>,
     scores: Vec<T>,
     probs: Vec<T>,
 }
 
 impl<T: Real> Scratch<T> {
     fn new(s: usize) -> Self {
-        let zero = T::of(0.0);
-        Scratch { lanes: vec![[zero; LANES]; s], scores: vec![zero; GROUP * s], probs: vec![zero; GROUP * s] }
+        Scratch { scores: vec![T::of(0.0); GROUP * s], probs: vec![T::of(0.0); GROUP * s] }
     }
 }
 
