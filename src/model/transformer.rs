@@ -414,7 +414,7 @@ impl Transformer {
 
         let mut h = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?;
         let eps = self.config.rms_norm_eps;
-        let last = self.layers.len() - 1;
+        let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
             let x = rms_norm(&h, &layer.input_layernorm, eps)?;
             let adapters = adapters.map(|a| (a, i * Block::LINEARS));
