@@ -197,6 +197,35 @@ fn sampler_distribution_matches_intended() {
     }
 }
 
+/// A vocabulary-sized row (the vectorised weights in blocks of 16 and groups of 256, with a
+/// tail): every draw's log-prob is that of the intended distribution, and the frequencies of the
+/// likeliest tokens and of the rest match it (chi-square over those bins).
+#[test]
+fn sampler_on_a_long_row_matches_intended() {
+    let z: Vec<f32> = (0..4099)
+        .map(|i| if i % 1000 == 7 { 3.0 - (i / 1000) as f32 * 0.4 } else { -((i * 37 % 101) as f32) * 0.05 })
+        .collect();
+    for t in [1.0, 0.7] {
+        let p = SamplingParams { temperature: t, ..Default::default() };
+        let want = intended(&z, t, 0, 1.0);
+        let top: Vec<usize> = (0..5).map(|k| k * 1000 + 7).collect();
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut counts = vec![0usize; top.len() + 1];
+        for _ in 0..20_000 {
+            let (tok, lp) = sample(&z, &p, &mut rng).unwrap();
+            assert!((lp as f64 - want[tok as usize].ln()).abs() < 1e-5, "T={t}: token {tok}: log-prob {lp}");
+            counts[top.iter().position(|&i| i == tok as usize).unwrap_or(top.len())] += 1;
+        }
+        let mut bins: Vec<f64> = top.iter().map(|&i| want[i]).collect();
+        bins.push(1.0 - bins.iter().sum::<f64>());
+        let (stat, df) = chi_square(&counts, &bins);
+        assert!(
+            stat < chi_square_critical(df),
+            "T={t}: chi-square {stat:.1} (df {df}), counts {counts:?}, want {bins:?}"
+        );
+    }
+}
+
 #[test]
 fn engine_distribution_matches_intended() {
     let vocab = 12;

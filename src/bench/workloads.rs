@@ -83,16 +83,25 @@ impl TrainBench {
     }
 }
 
-/// Greedy decoding of `concurrent` requests through a fresh engine; returns the tokens generated.
-pub fn decode(model: &Transformer, concurrent: usize, prompt_len: usize, new_tokens: usize) -> Result<usize> {
+/// Decoding of `concurrent` requests through a fresh engine, greedy at temperature 0 (the issue's
+/// workload) or sampled at `temperature` (as RL rollouts are; request r seeded with r); returns
+/// the tokens generated.
+pub fn decode(
+    model: &Transformer,
+    concurrent: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+    temperature: f64,
+) -> Result<usize> {
     if concurrent == 0 || prompt_len == 0 {
         return Err(Error::input("the decoding benchmark needs at least one request and one prompt token"));
     }
     let vocab = model.config.vocab_size;
     let mut engine = EngineCore::new(model.clone(), EngineConfig { max_batch: concurrent, ..Default::default() })?;
-    let p = SamplingParams { max_tokens: new_tokens, temperature: 0.0, ignore_eos: true, ..Default::default() };
+    let p = SamplingParams { max_tokens: new_tokens, temperature, ignore_eos: true, ..Default::default() };
     for r in 0..concurrent {
-        engine.add_request(Request::new(prompt(r, prompt_len, vocab), p.clone()))?;
+        let p = SamplingParams { seed: Some(r as u64), ..p.clone() };
+        engine.add_request(Request::new(prompt(r, prompt_len, vocab), p))?;
     }
     let outs = engine.run_until_idle()?;
     Ok(outs.iter().map(|(_, o)| o.samples.iter().map(|s| s.tokens.len()).sum::<usize>()).sum())

@@ -82,6 +82,9 @@ struct DecodeArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = workloads::NEW_TOKENS)]
     new_tokens: usize,
+    /// Sampling temperature: 0 = greedy (the peers' workload); RL samples at 1.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
 }
 
 impl Common {
@@ -158,7 +161,7 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     for &n in &a.batch {
         let mut generated = 0;
         let ms = measure_ms(c.warmup, c.reps, || {
-            generated = workloads::decode(&model, n, a.prompt, a.new_tokens)?;
+            generated = workloads::decode(&model, n, a.prompt, a.new_tokens, a.temperature)?;
             Ok(())
         })?;
         let med = median(ms.clone());
@@ -166,6 +169,7 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         r["batch"] = json!(n);
         r["prompt_len"] = json!(a.prompt);
         r["new_tokens"] = json!(a.new_tokens);
+        r["temperature"] = json!(a.temperature);
         r["median_ms"] = json!(med);
         r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
         r["tokens_per_s"] = json!(generated as f64 / (med / 1e3));

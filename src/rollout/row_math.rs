@@ -1,5 +1,5 @@
 //! Passes over one row of logits for the sampler: the maximum (NaN-aware), the first index of
-//! the maximum, and Σ exp((z − max) / t).
+//! the maximum, Σ exp((z − max) / t), and those terms themselves.
 //!
 //! Greedy decoding samples every row of every step with these, and with libm's scalar `expf`
 //! the sum alone was a tenth of a 64-row decode run. The maximum runs 16 lanes at a time on CPUs
@@ -27,6 +27,12 @@ pub fn first_index_of(z: &[f32], max: f32) -> usize {
 /// Σ exp((z − max) · inv_t) in f64 (the vectorised exp of [`crate::model::ops::exp`]).
 pub fn sum_exp(z: &[f32], max: f32, inv_t: f32) -> f64 {
     crate::model::ops::exp::sum_exp_scaled_f32(z, max, inv_t)
+}
+
+/// out ← exp((z − max) · inv_t) (the vectorised exp); returns Σ out, equal to
+/// `sum_exp(z, max, inv_t)`.
+pub fn exp_scaled(out: &mut [f32], z: &[f32], max: f32, inv_t: f32) -> f64 {
+    crate::model::ops::exp::exp_scaled_f32_into(out, z, max, inv_t)
 }
 
 #[cfg(target_arch = "x86_64")]

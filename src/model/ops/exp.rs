@@ -83,6 +83,42 @@ fn sum_exp_loop(xs: &[f32], shift: f32, scale: f32) -> f64 {
     total
 }
 
+/// out ← exp((x − shift) · scale), returning Σ out with [`sum_exp_loop`]'s terms and grouping
+/// (so the same number `sum_exp_scaled_f32` gives).
+#[inline(always)]
+fn exp_scaled_loop(out: &mut [f32], xs: &[f32], shift: f32, scale: f32) -> f64 {
+    let mut total = 0f64;
+    for (out, group) in out.chunks_mut(256).zip(xs.chunks(256)) {
+        let mut acc = [0f32; 16];
+        let (mut outs, mut chunks) = (out.chunks_exact_mut(16), group.chunks_exact(16));
+        for (o, c) in (&mut outs).zip(&mut chunks) {
+            for i in 0..16 {
+                o[i] = exp_f32((c[i] - shift) * scale);
+                acc[i] += o[i];
+            }
+        }
+        let mut tail = 0f32;
+        for (o, &x) in outs.into_remainder().iter_mut().zip(chunks.remainder()) {
+            *o = exp_f32((x - shift) * scale);
+            tail += *o;
+        }
+        total += (acc.iter().sum::<f32>() + tail) as f64;
+    }
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_scaled_avx512(out: &mut [f32], xs: &[f32], shift: f32, scale: f32) -> f64 {
+    exp_scaled_loop(out, xs, shift, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_scaled_avx2(out: &mut [f32], xs: &[f32], shift: f32, scale: f32) -> f64 {
+    exp_scaled_loop(out, xs, shift, scale)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_avx512(xs: &mut [f32]) {
@@ -142,6 +178,23 @@ pub fn sum_exp_scaled_f32(xs: &[f32], shift: f32, scale: f32) -> f64 {
     sum_exp_loop(xs, shift, scale)
 }
 
+/// out ← exp((x − shift) · scale) for xs as long as out (the sampler's unnormalised
+/// probabilities at temperature 1/scale); returns Σ out, equal to [`sum_exp_scaled_f32`]'s.
+pub fn exp_scaled_f32_into(out: &mut [f32], xs: &[f32], shift: f32, scale: f32) -> f64 {
+    assert_eq!(out.len(), xs.len(), "exp_scaled_f32_into: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: as in exp_f32_in_place.
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return unsafe { exp_scaled_avx512(out, xs, shift, scale) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            return unsafe { exp_scaled_avx2(out, xs, shift, scale) };
+        }
+    }
+    exp_scaled_loop(out, xs, shift, scale)
+}
+
 /// xs ← exp(xs), libm's exp.
 pub fn exp_f64_in_place(xs: &mut [f64]) {
     xs.iter_mut().for_each(|x| *x = x.exp())
@@ -194,5 +247,12 @@ mod tests {
         let want: f64 = row.iter().map(|&x| ((x - 2.5) as f64).exp()).sum();
         let got = sum_exp_f32(&row, 2.5) as f64;
         assert!(((got - want) / want).abs() < 1e-6, "{got} vs {want}");
+        // The terms written out: each the one-element value, their sum exactly sum_exp's.
+        let mut terms = vec![0f32; row.len()];
+        let total = exp_scaled_f32_into(&mut terms, &row, 2.5, 0.7);
+        assert_eq!(total, sum_exp_scaled_f32(&row, 2.5, 0.7));
+        for (&t, &x) in terms.iter().zip(&row) {
+            assert_eq!(t, exp_f32((x - 2.5) * 0.7));
+        }
     }
 }
