@@ -44,7 +44,7 @@ fn adapted(base: &Transformer, seed: u64) -> (Transformer, Arc<Adapter>) {
             l.b = (Tensor::randn(0f32, 1.0, l.b.dims(), l.b.device()).unwrap() * 0.02).unwrap();
         }
     }
-    let a = Arc::new(Adapter::from_model(&m, cfg));
+    let a = Arc::new(Adapter::from_model(&m, cfg).unwrap());
     (m, a)
 }
 

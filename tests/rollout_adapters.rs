@@ -42,7 +42,7 @@ fn adapters(base: &Transformer) -> Vec<(Transformer, Arc<Adapter>)> {
         .enumerate()
         .map(|(k, cfg)| {
             let m = adapted(base, cfg, 10 + k as u64);
-            let a = Arc::new(Adapter::from_model(&m, cfg.clone()));
+            let a = Arc::new(Adapter::from_model(&m, cfg.clone()).unwrap());
             (m, a)
         })
         .collect()
@@ -209,4 +209,54 @@ fn unknown_and_removed_adapters() {
     same(&outs.pop().unwrap().1, &alone.run_until_idle().unwrap().pop().unwrap().1, "removed while running");
     let err = e.add_request(req).unwrap_err().to_string();
     assert!(err.contains("unknown LoRA adapter `a`"), "{err}");
+}
+
+/// An engine owns its weights: the variables of the model and of the adapter it was built from
+/// (a trainer's, updated in place by optimizer steps) are copied, so training them changes
+/// nothing the engine samples until a versioned weight update. Controls: an engine and an
+/// adapter built after the in-place change do sample differently.
+#[test]
+fn an_engine_owns_its_weights_and_adapters() {
+    let mut m = base();
+    let vars = m.make_trainable().unwrap();
+    let cfg = LoraConfig::new(4, 8.0, &["all-linear"]);
+    let adapter_vars = lora::attach_new(&mut m, &cfg, 3).unwrap();
+    let mut plain = m.without_variables().unwrap();
+    for (_, lin) in plain.linears_mut() {
+        lin.lora = None;
+    }
+    let req = |adapter: Option<&str>| Request {
+        adapter: adapter.map(str::to_string),
+        ..Request::new(
+            vec![1, 5, 9, 14],
+            SamplingParams { max_tokens: 6, temperature: 1.0, seed: Some(4), ignore_eos: true, ..Default::default() },
+        )
+    };
+    let run = |e: &mut EngineCore, adapter: Option<&str>| {
+        e.add_request(req(adapter)).unwrap();
+        e.run_until_idle().unwrap().pop().unwrap().1
+    };
+    let mut e = core(&m, 8);
+    let mut on_plain = core(&plain, 8);
+    on_plain.add_adapter("a", Arc::new(Adapter::from_model(&m, cfg.clone()).unwrap()));
+    let (before, before_adapter) = (run(&mut e, None), run(&mut on_plain, Some("a")));
+
+    // In place, as an optimizer step would: every base weight scaled, every B made nonzero.
+    for (_, v) in &vars {
+        v.set(&(v.as_tensor() * 1.5).unwrap()).unwrap();
+    }
+    for (name, v) in &adapter_vars {
+        if name.contains("lora_B") {
+            v.set(&(Tensor::ones(v.dims(), DType::F32, &Device::Cpu).unwrap() * 0.1).unwrap()).unwrap();
+        }
+    }
+    same(&run(&mut e, None), &before, "engine after the in-place change");
+    same(&run(&mut on_plain, Some("a")), &before_adapter, "adapter after the in-place change");
+
+    let after = run(&mut core(&m, 8), None);
+    assert_ne!(after.samples[0].logprobs, before.samples[0].logprobs, "control: the change matters");
+    let mut fresh = core(&plain, 8);
+    fresh.add_adapter("a", Arc::new(Adapter::from_model(&m, cfg).unwrap()));
+    let after_adapter = run(&mut fresh, Some("a"));
+    assert_ne!(after_adapter.samples[0].logprobs, before_adapter.samples[0].logprobs, "control: adapter");
 }

@@ -17,7 +17,19 @@ pub struct LoraPair {
     pub scale: f64,
 }
 
+/// `t` itself, or when it belongs to an autograd graph (a variable, or computed from one) a copy
+/// in storage of its own, detached: a tensor that in-place optimizer steps cannot reach and that
+/// builds no graph.
+pub(crate) fn owned(t: &Tensor) -> Result<Tensor> {
+    Ok(if t.track_op() { t.copy()?.detach() } else { t.clone() })
+}
+
 impl LoraPair {
+    /// The pair with A and B [`owned`].
+    pub fn owned(&self) -> Result<LoraPair> {
+        Ok(LoraPair { a: owned(&self.a)?, b: owned(&self.b)?, scale: self.scale })
+    }
+
     /// s·(x·Aᵀ)·Bᵀ for x [..., in]: [..., out].
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
         let mut dims = x.dims().to_vec();

@@ -37,10 +37,14 @@ pub struct Adapter {
 }
 
 impl Adapter {
-    /// The adapter attached to `model` (which must have one).
-    pub fn from_model(model: &Transformer, config: LoraConfig) -> Self {
-        let pairs = model.clone().linears_mut().into_iter().map(|(_, lin)| lin.lora.clone()).collect();
-        Adapter { config, pairs }
+    /// The adapter attached to `model` (which must have one), in tensors of its own where the
+    /// model's are variables ([`LoraPair::owned`]): training the model in place does not change it.
+    pub fn from_model(model: &Transformer, config: LoraConfig) -> Result<Self> {
+        let mut pairs = vec![];
+        for (_, lin) in model.clone().linears_mut() {
+            pairs.push(lin.lora.as_ref().map(LoraPair::owned).transpose()?);
+        }
+        Ok(Adapter { config, pairs })
     }
 
     /// Reads a PEFT adapter directory for `base` (shapes checked against it; the base is not
@@ -48,7 +52,7 @@ impl Adapter {
     pub fn load_peft(base: &Transformer, dir: &Path) -> Result<Self> {
         let mut model = base.clone();
         let (config, _) = lora::load_peft(&mut model, dir, false)?;
-        Ok(Self::from_model(&model, config))
+        Self::from_model(&model, config)
     }
 
     fn pair(&self, index: usize) -> Option<&LoraPair> {

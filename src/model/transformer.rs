@@ -324,6 +324,25 @@ impl Transformer {
         out
     }
 
+    /// This model with every tensor that belongs to an autograd graph (a trainable parameter or
+    /// adapter) copied into storage of its own, detached; the rest is shared. What a sampling
+    /// engine holds: a trainer's in-place optimizer steps must not reach it (its weights change
+    /// only by versioned updates), and a forward over variables would build an autograd graph at
+    /// every decode step.
+    pub fn without_variables(&self) -> Result<Transformer> {
+        let mut m = self.clone();
+        m.visit_params_mut(&mut |_, t| {
+            *t = super::linear::owned(t)?;
+            Ok(())
+        })?;
+        for (_, lin) in m.linears_mut() {
+            if let Some(l) = lin.lora.as_mut() {
+                *l = l.owned()?;
+            }
+        }
+        Ok(m)
+    }
+
     /// Turns every base parameter into a trainable variable and returns them by HF name.
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
         let mut vars = vec![];

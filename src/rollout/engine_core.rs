@@ -158,6 +158,8 @@ impl EngineCore {
         if budget == 0 {
             return Err(Error::input("engine kv_cache_tokens must be positive"));
         }
+        // The engine's weights are its own (see `Transformer::without_variables`).
+        let model = model.without_variables()?;
         let cache = model.new_cache();
         Ok(EngineCore {
             model,
