@@ -1,19 +1,17 @@
-fn main() {
-    keep_freed_memory();
-    std::process::exit(oxrl::cli::main());
-}
+//! The `oxrl` command line (cli::main), with mimalloc as the allocator.
+//!
+//! Why mimalloc: glibc gave freed memory back to the kernel between steps — past its trim
+//! threshold on the main heap, and on worker, engine and rayon threads (where all tensor work runs)
+//! whenever one of their 64 MiB arena heaps emptied, at the end of every step, whatever the
+//! threshold — so each step's buffers were page-faulted in and zeroed again (8,900 faults, 36 MB,
+//! a training step even with glibc tuned by `mallopt`). Forcing glibc to one arena removed the
+//! faults but made the RL demo 15 % slower (its threads contending for one lock). mimalloc keeps
+//! memory per thread: same-run A/B against glibc with `mallopt` (BENCHMARKS.md): decoding +3 to
+//! +5 %, the training step at one thread about 4 % faster, the RL demo 4 % faster.
 
-/// glibc gives freed memory back to the kernel once the free space at the top of the heap passes
-/// a threshold (twice the largest buffer freed so far), so the buffers of every step (a prompt
-/// prefill's 4 MB activations, a training step's) came back as fresh pages to fault in and
-/// zero, step after step (4 % of a 64-request decode run in perf). Here the heap keeps up to
-/// 1 GiB of freed memory and serves buffers up to 32 MiB (glibc's largest setting) from it, as
-/// PyTorch's caching allocator does: the resident size stays at its peak between steps.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // Safety: mallopt only sets allocator parameters; called before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-    }
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() {
+    std::process::exit(oxrl::cli::main());
 }
