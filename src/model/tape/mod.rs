@@ -16,7 +16,7 @@
 //! embedding gets two parts, the head's and the gather's, which the caller sums). Numbers: the
 //! same operations as the candle path (the fused kernels' slice functions of
 //! [`crate::model::ops`] are shared), equal to it up to float summation order
-//! (tests/model_tape.rs compares both in f64 and f32).
+//! (tests/integration/model_tape.rs compares both in f64 and f32).
 //!
 //! Simplifications: no KV cache and no per-row adapters (training and scoring only); f64 models
 //! compute in f64 and all others in f32 (bf16/f16 weights widened as they are read); other

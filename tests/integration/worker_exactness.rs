@@ -6,7 +6,7 @@
 //! - padding datums with weight 0 change nothing; `return_per_token_outputs = false` returns
 //!   empty records and identical metrics and gradients.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;

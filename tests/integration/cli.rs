@@ -1,7 +1,7 @@
 //! The `oxrl` binary end to end on tiny models: `init-model`, `score` and `generate`, checked
 //! against the library and the transformers golden fixtures, and its errors on bad input.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Output};

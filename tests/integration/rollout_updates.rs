@@ -2,7 +2,7 @@
 //! client's routing, abort-and-continue retry and cancellation, snapshots that do not alias the
 //! trainer's variables, and the chat entry point.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

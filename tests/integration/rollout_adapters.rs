@@ -4,7 +4,7 @@
 //! attached to the model; unknown adapters are clear errors and removing an adapter leaves the
 //! requests that use it alone.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

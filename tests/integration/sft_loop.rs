@@ -1,7 +1,7 @@
 //! The SFT loop end to end on the tiny fixture model: the loss against a hand computation,
 //! bit-exact resume, exported models (HF and PEFT) that score like the in-memory one, bad input.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,7 @@
 //! each equal to its solo run), cancelling a request, and bad requests refused with a clear
 //! error.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! Resume after SIGKILL: `oxrl rl` killed at a random step and resumed with `--resume` ends with
 //! the same parameters, bit for bit, as an uninterrupted run (and the same metrics).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -1,7 +1,7 @@
 //! The SFT data path: loss masks against the fixtures' ChatML template, truncation, bad rows,
 //! instruction rows, Parquet, the eval split and the seeded, resumable data loader.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! The model against Hugging Face transformers: log-probs, logits, gradients, greedy tokens.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;

@@ -3,7 +3,7 @@
 //! logits at each prompt position, and of the sampling distribution (logits / T) at each sampled
 //! token; a sampled token found among them has the log-prob the engine reported for it.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device};
 use common::*;

@@ -3,7 +3,7 @@
 //! one model (order, equality with blocking calls, awaiting), models by id (LoRA models over one
 //! shared base that train independently, create/drop at run time), and cancelling a request.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{fixture_dir, loss};

@@ -2,7 +2,7 @@
 //! with `max_staleness = 0`, bounded staleness and complete prompt bookkeeping otherwise, and
 //! no prompt trained twice or skipped across a SIGKILL and resume.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

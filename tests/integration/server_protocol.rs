@@ -2,7 +2,7 @@
 //! requests, long-poll and `try_again`, JSON forward_backward (older SDKs), errors and API keys.
 //! The server runs in-process on loopback.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -5,7 +5,7 @@
 //! including lm_head, on the golden batch (left padding, ragged rows); cut at the hidden states,
 //! at the target log-probs, and at the log-probs with the entropies.
 
-mod common;
+use crate::common;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};

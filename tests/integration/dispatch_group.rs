@@ -1,7 +1,7 @@
 //! Worker groups over a data-parallel mesh: equivalence with one rank, ordering, staging,
 //! collection ranks, colocation of models by id and bad calls.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

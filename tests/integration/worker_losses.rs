@@ -7,7 +7,7 @@
 //! - its value recomputed by hand, in plain f64, from the returned log-probs (or values) and the
 //!   inputs, against `loss:sum` and every `elementwise_loss`.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::fixture_dir;

@@ -2,7 +2,7 @@
 //! fault, and never a panic: broken config.json, weights, sharded indexes, forward inputs and
 //! LoRA adapters, each built in a temporary copy of a fixture model.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};

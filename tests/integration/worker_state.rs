@@ -1,6 +1,6 @@
 //! Checkpoints, LoRA, the critic, optimizer details, and input errors.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;

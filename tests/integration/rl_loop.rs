@@ -1,6 +1,6 @@
 //! The synchronous RL loop end to end on a tiny model: metrics, checkpoints, resume.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -2,7 +2,7 @@
 //! documented fields, mixed-precision training, and clear errors on bad arguments. Timings are
 //! not checked (benchmarks are not tests); `save-model` is checked in the library (`bench::model`).
 
-mod common;
+use crate::common;
 
 use std::process::Output;
 

@@ -2,7 +2,7 @@
 //! episode runs several turns, its token sequence is the chat template's rendering of the whole
 //! conversation, and the loss mask covers exactly the sampled tokens.
 
-mod common;
+use crate::common;
 
 use std::cell::RefCell;
 

@@ -1,6 +1,6 @@
 //! KV-cache decode, greedy generation, LoRA, save/load and sharded checkpoints.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;

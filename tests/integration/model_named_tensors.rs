@@ -1,6 +1,6 @@
 //! `NamedTensors` (take, leftovers, dtype conversion, files) and the weight-update snapshots.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;

@@ -5,7 +5,7 @@
 //! without it they fail with the command to run. They are skipped, with a message, only when no
 //! Python 3 is installed.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

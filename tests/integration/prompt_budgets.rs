@@ -2,7 +2,7 @@
 //! episodes at min(row `max_tokens`, `env.max_turn_tokens`), and a bad value is a `file:line`
 //! error naming the field.
 
-mod common;
+use crate::common;
 
 use std::cell::RefCell;
 use std::io::Write;

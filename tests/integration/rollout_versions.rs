@@ -4,7 +4,7 @@
 //! token's version over the same prefix — full fine-tuning and LoRA; a refused update mid-sample
 //! is an error that leaves the sample untouched.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,7 @@
 //! its updates are rounded away, so the comparison shows what the masters are for; and a
 //! checkpoint round trip resumes bit-for-bit from the f32 masters.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device};
 use common::*;

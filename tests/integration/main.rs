@@ -1,0 +1,54 @@
+//! The integration tests, as one test binary: one module per file, each for one part of oxrl
+//! (a module docstring says which). One binary links once, where a binary per file linked the
+//! whole crate and its dependencies 45 times (2.4 GB of test binaries; a CI machine's disk ran
+//! out). `cargo test --test integration rl_loop::` runs one file's tests.
+//!
+//! Two suites stay binaries of their own: `dispatch_offload` (a counting global allocator that
+//! must see no other test's allocations) and `gpu` (`cargo test --features cuda --test gpu`).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod algo_estimators;
+mod algo_gradients;
+mod algo_losses;
+mod cli;
+mod cli_bench;
+mod cli_plot;
+mod config;
+mod config_saved;
+mod core_api;
+mod dispatch_group;
+mod dispatch_units;
+mod env_checkers;
+mod env_episodes;
+mod env_prompts;
+mod model_errors;
+mod model_features;
+mod model_golden;
+mod model_named_tensors;
+mod model_tape;
+mod prompt_budgets;
+mod rl_async;
+mod rl_async_staleness;
+mod rl_config;
+mod rl_loop;
+mod rl_plots;
+mod rl_resume;
+mod rl_rollouts;
+mod rl_step;
+mod rollout_adapters;
+mod rollout_engine;
+mod rollout_topk;
+mod rollout_updates;
+mod rollout_versions;
+mod server_protocol;
+mod server_sdk;
+mod sft_data;
+mod sft_loop;
+mod sft_metrics;
+mod tokenizer;
+mod worker_exactness;
+mod worker_losses;
+mod worker_mixed_precision;
+mod worker_state;
