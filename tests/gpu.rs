@@ -287,3 +287,140 @@ fn device_names_and_cpu_builds_refusing_cuda() {
     let e = oxrl::trainer::RlConfig::load(None, &sets("cuda:1")).unwrap_err().to_string();
     assert!(e.contains("model.device") && e.contains("--features cuda"), "{e}");
 }
+
+/// Deterministic values in [-scale, scale) as a tensor of `shape` on `dev`.
+fn values(shape: &[usize], seed: u64, scale: f64, dtype: DType, dev: &Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale) as f32
+        })
+        .collect();
+    Tensor::from_vec(v, shape, dev).unwrap().to_dtype(dtype).unwrap()
+}
+
+/// Largest |a − b| / (1 + |b|).
+fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    let f = |t: &Tensor| cpu(t).to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    f(a).iter().zip(f(b)).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f64::max)
+}
+
+/// The fused op (the CUDA kernel) against the op's reference graph (candle's CUDA kernels): the
+/// values, and the gradients of Σ out · w for a fixed random w with respect to `vars`.
+fn check_op(
+    what: &str,
+    vars: &[candle_core::Var],
+    fused: impl Fn() -> Tensor,
+    reference: impl Fn() -> Tensor,
+    tol: f64,
+) {
+    let (a, b) = (fused(), reference());
+    assert!(a.device().is_cuda(), "{what}: not on the GPU");
+    let e = max_rel(&a, &b);
+    println!("{what}: values max relative difference {e:.2e}");
+    assert!(e < tol, "{what}: values differ by {e}");
+    let w = values(a.dims(), 99, 1.0, a.dtype(), a.device());
+    let ga = (&a * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gb = (&b * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (i, v) in vars.iter().enumerate() {
+        let (x, y) =
+            (ga.get(v.as_tensor()).expect("fused gradient"), gb.get(v.as_tensor()).expect("reference gradient"));
+        let e = max_rel(x, y);
+        println!("{what}: gradient {i} max relative difference {e:.2e}");
+        assert!(e < tol, "{what}: gradient of input {i} differs by {e}");
+    }
+}
+
+#[test]
+fn fused_ops_on_cuda_equal_their_reference_graphs() {
+    use candle_core::{Var, D};
+    use oxrl::model::ops;
+    let Some(dev) = gpu() else { return };
+    assert!(
+        ops::fused(&Tensor::zeros(1, DType::F32, &dev).unwrap()),
+        "the CUDA kernels are off (OXRL_CUDA_KERNELS=0?)"
+    );
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2), (DType::F16, 5e-3)] {
+        let var = |shape: &[usize], seed, scale| Var::from_tensor(&values(shape, seed, scale, dtype, &dev)).unwrap();
+        let name = |op: &str| format!("{op} {dtype:?}");
+
+        let (x, w) = (var(&[2, 7, 300], 1, 3.0), var(&[300], 2, 1.0));
+        let (xt, wt) = (x.as_tensor(), w.as_tensor());
+        check_op(
+            &name("rms_norm"),
+            &[x.clone(), w.clone()],
+            || ops::rms_norm::rms_norm(xt, wt, 1e-6).unwrap(),
+            || ops::rms_norm::reference(xt, wt, 1e-6).unwrap(),
+            tol,
+        );
+
+        // [B, T, H, D] seen as [B, H, T, D], as the projections give it.
+        let x = var(&[2, 5, 3, 8], 3, 2.0);
+        let (cos, sin) = (values(&[2, 1, 5, 4], 4, 1.0, dtype, &dev), values(&[2, 1, 5, 4], 5, 1.0, dtype, &dev));
+        let xt = x.as_tensor().transpose(1, 2).unwrap();
+        check_op(
+            &name("rope"),
+            std::slice::from_ref(&x),
+            || ops::rope::rope(&xt, &cos, &sin).unwrap(),
+            || ops::rope::reference(&xt, &cos, &sin).unwrap(),
+            tol,
+        );
+
+        let (g, u) = (var(&[3, 7001], 6, 6.0), var(&[3, 7001], 7, 2.0));
+        let (gt, ut) = (g.as_tensor(), u.as_tensor());
+        check_op(
+            &name("swiglu"),
+            &[g.clone(), u.clone()],
+            || ops::swiglu::swiglu(gt, ut).unwrap(),
+            || ops::swiglu::reference(gt, ut).unwrap(),
+            tol,
+        );
+
+        let z = var(&[3, 5, 1000], 8, 8.0);
+        let ids: Vec<u32> = (0..15).map(|i| (i * 337 % 1000) as u32).collect();
+        let y = Tensor::from_vec(ids, (3, 5), &dev).unwrap();
+        let both = |f: fn(&Tensor, &Tensor) -> oxrl::Result<(Tensor, Tensor)>| {
+            let (lp, lse) = f(z.as_tensor(), &y).unwrap();
+            Tensor::cat(&[lp.unsqueeze(D::Minus1).unwrap(), lse], D::Minus1).unwrap()
+        };
+        check_op(
+            &name("logprob_lse"),
+            std::slice::from_ref(&z),
+            || both(ops::logprob_lse::forward),
+            || both(ops::logprob_lse::reference),
+            tol,
+        );
+
+        let scores = var(&[2, 3, 4, 37], 9, 4.0);
+        let mask: Vec<f32> = (0..2 * 4 * 37).map(|i| if i % 5 == 1 && i % 37 != 0 { -1e30 } else { 0.0 }).collect();
+        let bias = Tensor::from_vec(mask, (2, 4, 37), &dev).unwrap();
+        let st = scores.as_tensor();
+        check_op(
+            &name("masked_softmax"),
+            std::slice::from_ref(&scores),
+            || ops::softmax::masked_softmax(st, &bias, 0.7).unwrap(),
+            || ops::softmax::reference(st, &bias.to_dtype(dtype).unwrap(), 0.7).unwrap(),
+            tol,
+        );
+
+        // Decoding: 2 new tokens over a cache of 45 positions held in buffers of 50 (k and v are
+        // strided views, read in place), grouped heads, left padding in row 1.
+        for d in [64, 128] {
+            let q = values(&[2, 4, 2, d], 10, 1.5, dtype, &dev);
+            let k = values(&[2, 2, 50, d], 11, 1.5, dtype, &dev).narrow(2, 0, 45).unwrap();
+            let v = values(&[2, 2, 50, d], 12, 1.5, dtype, &dev).narrow(2, 0, 45).unwrap();
+            let mask: Vec<f32> = (0..2 * 2 * 45).map(|i| if i >= 90 && i % 45 < 3 { -1e30 } else { 0.0 }).collect();
+            let bias = Tensor::from_vec(mask, (2, 2, 45), &dev).unwrap();
+            let scale = 1.0 / (d as f64).sqrt();
+            let fused = ops::cached_attention::cached_attention(&q, &k, &v, &bias, scale).unwrap();
+            let reference =
+                ops::cached_attention::reference(&q, &k, &v, &bias.to_dtype(dtype).unwrap(), scale).unwrap();
+            let e = max_rel(&fused, &reference);
+            println!("{} d={d}: max relative difference {e:.2e}", name("cached_attention"));
+            assert!(e < tol, "cached_attention {dtype:?} d={d}: differs by {e}");
+        }
+    }
+}

@@ -19,6 +19,7 @@ mod cli_plot;
 mod config;
 mod config_saved;
 mod core_api;
+mod cuda_kernels_emulated;
 mod dispatch_group;
 mod dispatch_units;
 mod env_checkers;

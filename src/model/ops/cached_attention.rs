@@ -37,6 +37,8 @@
 //! that a backward through it fails loudly (candle's `BackwardNotSupported`) instead of
 //! silently cutting the gradient.
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
@@ -460,7 +462,75 @@ impl CustomOp3 for CachedAttention {
             Ok((T::to_cpu_storage_owned(out), Shape::from((b, t, h * d))))
         })
     }
+
+    /// A block of [`CUDA_THREADS`] per query row, its warps taking the keys in turn with an
+    /// online softmax each (see `cuda/cached_attention.cu`); k and v read through their strides.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+        let (b, h, t, d) = l1.shape().dims4()?;
+        let (_, kvh, s, _) = l2.shape().dims4()?;
+        let strided_rows = |l: &Layout| d > 1 && l.stride()[3] != 1;
+        if l2.dims() != l3.dims()
+            || kvh == 0
+            || h % kvh != 0
+            || s == 0
+            || d > CUDA_MAX_HEAD_DIM
+            || strided_rows(l2)
+            || strided_rows(l3)
+        {
+            return Err(candle_core::Error::Msg(format!(
+                "cached-attention: q {:?}, k {:?}, v {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )));
+        }
+        let (bias_storage, bias_layout) = self.bias.storage_and_layout();
+        let Storage::Cuda(bias_storage) = &*bias_storage else {
+            return Err(candle_core::Error::Msg("cached-attention: the bias is not on the GPU".into()));
+        };
+        if bias_layout.dims() != [b, t, s] {
+            return Err(candle_core::Error::Msg(format!("cached-attention: bias {:?}", bias_layout.dims())));
+        }
+        dispatch_cuda!(s1, T => {
+            let q = cuda::view::<T>(s1, l1)?;
+            let k = s2.as_cuda_slice::<T>()?.slice(l2.start_offset()..);
+            let v = s3.as_cuda_slice::<T>()?.slice(l3.start_offset()..);
+            let bias = cuda::view::<T>(bias_storage, bias_layout)?;
+            let out = cuda::output::<T>(s1, b * t * h * d)?;
+            let [hi, kvhi, ti, si, di] = [h, kvh, t, s, d].map(|x| x as i64);
+            let [k_b, k_g, k_j] = [0, 1, 2].map(|i| l2.stride()[i] as i64);
+            let [v_b, v_g, v_j] = [0, 1, 2].map(|i| l3.stride()[i] as i64);
+            let scale = self.scale as f32;
+            let cfg = LaunchConfig {
+                grid_dim: ((b * h * t) as u32, 1, 1),
+                block_dim: (CUDA_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(s1.device, cuda::CACHED_ATTENTION, cuda::entry::<T>("cached_attention"), cfg;
+                &q, &k, &v, &bias, &out, &hi, &kvhi, &ti, &si, &di, &k_b, &k_g, &k_j, &v_b, &v_g, &v_j, &scale);
+            Ok((cuda::storage(s1, out), Shape::from((b, t, h * d))))
+        })
+    }
 }
+
+/// The largest head dimension of the CUDA kernel (its lanes hold D / 32 values each); larger
+/// heads take the candle path.
+pub const CUDA_MAX_HEAD_DIM: usize = 256;
+
+/// Threads per block of the CUDA kernel: 4 warps (the kernel takes up to 8).
+#[cfg(feature = "cuda")]
+const CUDA_THREADS: u32 = 128;
 
 /// Checks the shapes: q [B, H, T, D], k and v [B, KV, S, D] with KV dividing H, bias [B, T, S].
 fn check(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<()> {
@@ -491,7 +561,7 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<()> {
 pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     check(q, k, v, bias)?;
     let bias = bias.to_dtype(q.dtype())?;
-    if !fused(q) {
+    if !fused(q) || (q.device().is_cuda() && q.dim(3)? > CUDA_MAX_HEAD_DIM) {
         return reference(q, k, v, &bias, scale);
     }
     // A view whose last dimension is strided (never one the cache hands out) is copied.

@@ -7,6 +7,8 @@
 //! logits and their exponentials, [.., V] each, plus a zero-filled buffer and an add per node in
 //! the backward.)
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
 
@@ -71,6 +73,30 @@ impl CustomOp2 for LogprobLse {
         })
     }
 
+    /// A block per row. A target outside the vocabulary gives NaN here (checking on the host
+    /// would wait for the device); the worker checks every batch's targets before it runs.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        let v = *l1.dims().last().expect("logits have a vocabulary dimension");
+        let mut dims = l2.dims().to_vec();
+        dims.push(2);
+        let y = cuda::view::<u32>(s2, l2)?;
+        dispatch_cuda!(s1, T => {
+            let z = cuda::view::<T>(s1, l1)?;
+            let out = cuda::output::<T>(s1, 2 * y.len())?;
+            let vi = v as i64;
+            launch!(s1.device, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse"), cuda::per_row(y.len()); &z, &y, &out, &vi);
+            Ok((cuda::storage(s1, out), Shape::from(dims)))
+        })
+    }
+
     fn bwd(
         &self,
         z: &Tensor,
@@ -114,6 +140,29 @@ impl candle_core::CustomOp3 for LogprobLseBwd {
                 row_backward(out, y[i], lse, g_lp, g_lse);
             });
             Ok((T::to_cpu_storage_owned(dz), l1.shape().clone()))
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        let v = *l1.dims().last().expect("logits have a vocabulary dimension");
+        let y = cuda::view::<u32>(s2, l2)?;
+        dispatch_cuda!(s1, T => {
+            let (z, rg) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s3, l3)?);
+            let dz = cuda::output::<T>(s1, z.len())?;
+            let vi = v as i64;
+            launch!(s1.device, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse_bwd"), cuda::per_row(y.len());
+                &z, &y, &rg, &dz, &vi);
+            Ok((cuda::storage(s1, dz), l1.shape().clone()))
         })
     }
 }

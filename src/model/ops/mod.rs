@@ -1,14 +1,17 @@
-//! Fused CPU kernels with a backward, for the training forward and decoding.
+//! Fused kernels with a backward, for the training forward and decoding.
 //!
 //! Each op lives in its own file as a candle `CustomOp` whose `cpu_fwd` runs one pass over
 //! contiguous f32/f64 data (rows split over the current rayon pool) and whose `bwd` is another
 //! fused pass, so that the autograd graph holds one node where the primitive graph held five to
-//! ten (each of which costs candle's backward a zero-filled buffer and an add). Each file also
-//! keeps `reference`, the candle-primitive graph the op replaces: it is what runs on other
-//! devices (CUDA) and for other dtypes (bf16/f16), and what the tests compare values and
-//! gradients against.
+//! ten (each of which costs candle's backward a zero-filled buffer and an add). With
+//! `--features cuda` each also has a `cuda_fwd`: the CUDA kernels of `cuda/*.cu` (see
+//! [`cuda`]), for f32, bf16 and f16. Each file also keeps `reference`, the candle-primitive
+//! graph the op replaces: it is what runs for the other dtypes (bf16/f16 on the CPU, f64 on a
+//! GPU), and what the tests compare values and gradients against.
 
 pub mod cached_attention;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 pub mod exp;
 pub mod logprob_lse;
 pub mod matmul_panel;
@@ -21,12 +24,25 @@ pub mod swiglu;
 
 pub(crate) use reduce::{dot, dot3, max, sum};
 
-use candle_core::{CpuStorage, DType, Layout, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, Device, Layout, Tensor, WithDType};
 use rayon::prelude::*;
 
-/// Whether the fused kernels serve `t`: on the CPU, in f32 or f64.
+/// Whether the fused kernels serve `t`: on the CPU in f32 or f64; on a GPU (a build with
+/// `--features cuda`) in f32, bf16 or f16, unless `OXRL_CUDA_KERNELS=0` sends CUDA to the
+/// primitive graphs.
 pub fn fused(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    match t.device() {
+        Device::Cpu => matches!(t.dtype(), DType::F32 | DType::F64),
+        Device::Cuda(_) => cuda_kernels() && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16),
+        _ => false,
+    }
+}
+
+/// Whether this build has the CUDA kernels and `OXRL_CUDA_KERNELS` does not turn them off
+/// (read once).
+pub fn cuda_kernels() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    cfg!(feature = "cuda") && *ON.get_or_init(|| std::env::var("OXRL_CUDA_KERNELS").as_deref() != Ok("0"))
 }
 
 /// The floats the kernels run in: the few operations they need, for f32 and f64.

@@ -7,6 +7,8 @@
 //! (f32 or f64), as the reference does for those; bf16/f16 go to the reference, which
 //! normalises in f32.
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -88,6 +90,26 @@ impl CustomOp2 for RmsNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        dispatch_cuda!(s1, T => {
+            let (x, w) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
+            let d = w.len();
+            let rows = x.len() / d;
+            let y = cuda::output::<T>(s1, rows * d)?;
+            let (d, eps) = (d as i64, self.eps as f32);
+            launch!(s1.device, cuda::RMS_NORM, cuda::entry::<T>("rms_norm"), cuda::per_row(rows); &x, &w, &y, &d, &eps);
+            Ok((cuda::storage(s1, y), l1.shape().clone()))
+        })
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -131,6 +153,49 @@ impl CustomOp2 for RmsNormBwd {
             let (dx, dw) = out.split_at_mut(half);
             backward(x, gy, w, self.eps, dx, dw);
             Ok((T::to_cpu_storage_owned(out), Shape::from(half + d)))
+        })
+    }
+
+    /// A block per row writes dx and r; dw is summed over chunks of rows in order (no atomics,
+    /// so it does not depend on timing).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+        dispatch_cuda!(s1, T => {
+            let (xg, w) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
+            let d = w.len();
+            let half = xg.len() / 2;
+            let rows = half / d;
+            let (x, gy) = (xg.slice(..half), xg.slice(half..));
+            let out = cuda::output::<T>(s1, half + d)?;
+            let (dx, dw) = (out.slice(..half), out.slice(half..));
+            let r = cuda::output::<f32>(s1, rows)?;
+            let rows_per_chunk = rows.div_ceil(65_535).max(64);
+            let chunks = rows.div_ceil(rows_per_chunk);
+            let partial = cuda::output::<f32>(s1, chunks * d)?;
+            let dev = &s1.device;
+            let (n, di, eps) = (rows as i64, d as i64, self.eps as f32);
+            let (per_chunk, chunks_i) = (rows_per_chunk as i64, chunks as i64);
+            launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_rows"), cuda::per_row(rows);
+                &x, &gy, &w, &dx, &r, &di, &eps);
+            let columns = (d as u32).div_ceil(cuda::ROW_THREADS);
+            let grid = |chunks: usize| LaunchConfig {
+                grid_dim: (columns, chunks as u32, 1),
+                block_dim: (cuda::ROW_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_dw_partial"), grid(chunks);
+                &x, &gy, &r, &partial, &n, &di, &per_chunk);
+            // With no rows there are no chunks, and dw is their empty sum: zeros.
+            launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_dw_sum"), grid(1); &partial, &dw, &chunks_i, &di);
+            Ok((cuda::storage(s1, out), Shape::from(half + d)))
         })
     }
 }

@@ -10,6 +10,8 @@
 //! (transpose of an orthogonal map), written back to the [B, T, H, D] layout:
 //!   dx1 = g1·cos + g2·sin,  dx2 = g2·cos − g1·sin.
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
@@ -65,6 +67,23 @@ pub(crate) fn backward_kernel<T: Real>(g: &[T], cos: &[T], sin: &[T], (t, h, d):
     dx
 }
 
+impl Rope {
+    /// (B, T, H, D) and the output's shape, from the input's layout and the tables'.
+    fn dims(&self, x: &Layout, cos: &Layout, sin: &Layout) -> candle_core::Result<RopeDims> {
+        let (d0, d1, d2, d) = x.shape().dims4()?;
+        // [B, T, H, D] dims whichever way we go.
+        let (b, t, h) = if self.backward { (d0, d2, d1) } else { (d0, d1, d2) };
+        let out_shape = if self.backward { (b, t, h, d) } else { (b, h, t, d) };
+        let table = b * t * d / 2;
+        if d % 2 != 0 || cos.shape().elem_count() != table || sin.shape().elem_count() != table {
+            return Err(candle_core::Error::Msg(format!("rope: tables do not match x {:?}", x.dims())));
+        }
+        Ok((b, t, h, d, out_shape))
+    }
+}
+
+type RopeDims = (usize, usize, usize, usize, (usize, usize, usize, usize));
+
 impl CustomOp3 for Rope {
     fn name(&self) -> &'static str {
         if self.backward {
@@ -83,13 +102,7 @@ impl CustomOp3 for Rope {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (d0, d1, d2, d) = l1.shape().dims4()?;
-        // [B, T, H, D] dims whichever way we go.
-        let (b, t, h) = if self.backward { (d0, d2, d1) } else { (d0, d1, d2) };
-        let out_shape = if self.backward { (b, t, h, d) } else { (b, h, t, d) };
-        if d % 2 != 0 || l2.shape().elem_count() != b * t * d / 2 || l3.shape().elem_count() != b * t * d / 2 {
-            return Err(candle_core::Error::Msg(format!("rope: tables do not match x {:?}", l1.dims())));
-        }
+        let (_, t, h, d, out_shape) = self.dims(l1, l2, l3)?;
         dispatch_real!(s1, T => {
             let (x, cos, sin) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?, data::<T>(s3, l3)?);
             let out = if self.backward {
@@ -98,6 +111,29 @@ impl CustomOp3 for Rope {
                 forward_kernel(x, cos, sin, (t, h, d))
             };
             Ok((T::to_cpu_storage_owned(out), Shape::from(out_shape)))
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        let (b, t, h, d, out_shape) = self.dims(l1, l2, l3)?;
+        dispatch_cuda!(s1, T => {
+            let (x, cos, sin) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?, cuda::view::<T>(s3, l3)?);
+            let out = cuda::output::<T>(s1, x.len())?;
+            let [bi, ti, hi, di] = [b, t, h, d].map(|v| v as i64);
+            let backward = i32::from(self.backward);
+            launch!(s1.device, cuda::ROPE, cuda::entry::<T>("rope"), cuda::elementwise(x.len() / 2);
+                &x, &cos, &sin, &out, &bi, &ti, &hi, &di, &backward);
+            Ok((cuda::storage(s1, out), Shape::from(out_shape)))
         })
     }
 

@@ -6,6 +6,8 @@
 //! The primitive graph took six nodes (scale, add bias, max, subtract, exp, sum, divide), each a
 //! [B, G, T, S] buffer, and twice as many in the backward.
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
 
@@ -85,6 +87,27 @@ impl CustomOp2 for MaskedSoftmax {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        let (b, g, t, s) = l1.shape().dims4()?;
+        dispatch_cuda!(s1, T => {
+            let (x, bias) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
+            let p = cuda::output::<T>(s1, x.len())?;
+            let [gi, ti, si] = [g, t, s].map(|v| v as i64);
+            let scale = self.scale as f32;
+            launch!(s1.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax"), cuda::per_row(b * g * t);
+                &x, &bias, &p, &gi, &ti, &si, &scale);
+            Ok((cuda::storage(s1, p), l1.shape().clone()))
+        })
+    }
+
     fn bwd(
         &self,
         _s: &Tensor,
@@ -122,6 +145,27 @@ impl CustomOp2 for SoftmaxBwd {
                 backward_row(out, &p[r * s..(r + 1) * s], &g[r * s..(r + 1) * s], self.scale);
             });
             Ok((T::to_cpu_storage_owned(ds), l1.shape().clone()))
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        let s = *l1.dims().last().expect("softmax has a last dimension");
+        dispatch_cuda!(s1, T => {
+            let (p, g) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
+            let ds = cuda::output::<T>(s1, p.len())?;
+            let (si, scale) = (s as i64, self.scale as f32);
+            let rows = if s == 0 { 0 } else { p.len() / s };
+            launch!(s1.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd"), cuda::per_row(rows);
+                &p, &g, &ds, &si, &scale);
+            Ok((cuda::storage(s1, ds), l1.shape().clone()))
         })
     }
 }

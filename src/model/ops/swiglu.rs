@@ -5,6 +5,8 @@
 //! (into one [2, N] buffer whose halves are returned as views). The primitive graph kept silu(g)
 //! and built silu's derivative from five elementwise nodes.
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::WithDType as _;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
@@ -73,6 +75,25 @@ impl CustomOp2 for SwiGlu {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        dispatch_cuda!(s1, T => {
+            let (g, u) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
+            let n = g.len();
+            let y = cuda::output::<T>(s1, n)?;
+            let ni = n as i64;
+            launch!(s1.device, cuda::SWIGLU, cuda::entry::<T>("swiglu"), cuda::elementwise(n); &g, &u, &y, &ni);
+            Ok((cuda::storage(s1, y), l1.shape().clone()))
+        })
+    }
+
     fn bwd(
         &self,
         g: &Tensor,
@@ -112,6 +133,27 @@ impl CustomOp3 for SwiGluBwd {
             let (dg, du) = out.split_at_mut(n);
             backward(g, u, dy, dg, du);
             Ok((T::to_cpu_storage_owned(out), Shape::from(2 * n)))
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use super::cuda::{self, dispatch_cuda, launch};
+        dispatch_cuda!(s1, T => {
+            let (g, u, dy) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?, cuda::view::<T>(s3, l3)?);
+            let n = g.len();
+            let out = cuda::output::<T>(s1, 2 * n)?;
+            let ni = n as i64;
+            launch!(s1.device, cuda::SWIGLU, cuda::entry::<T>("swiglu_bwd"), cuda::elementwise(n); &g, &u, &dy, &out, &ni);
+            Ok((cuda::storage(s1, out), Shape::from(2 * n)))
         })
     }
 }

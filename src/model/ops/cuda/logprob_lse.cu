@@ -1,0 +1,39 @@
+// Log-softmax + gather of the target (see logprob_lse.rs). A block per row of v logits:
+//   forward:  m = max z, lse = m + ln Σ exp(z − m), out[row] = (z_y − lse, lse)
+//             (a target outside the vocabulary gives NaN: the host checks targets first);
+//   backward: dz = p · (g_lse − g_lp) + g_lp · onehot(y), p = exp(z − lse), from
+//             rg[row] = (lp, lse, g_lp, g_lse).
+#include "common.cuh"
+
+template <typename T>
+__device__ void logprob_lse_kernel(const T* z, const unsigned int* y, T* out, long long v) {
+    const long long row = blockIdx.x;
+    const T* zr = z + row * v;
+    float m = -INFINITY;
+    for (long long j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, to_f32(zr[j]));
+    m = block_max(m);
+    float s = 0.0f;
+    for (long long j = threadIdx.x; j < v; j += blockDim.x) s += expf(to_f32(zr[j]) - m);
+    const float lse = m + logf(block_sum(s));
+    if (threadIdx.x == 0) {
+        const unsigned int target = y[row];
+        out[2 * row] = from_f32<T>(target < v ? to_f32(zr[target]) - lse : NAN);
+        out[2 * row + 1] = from_f32<T>(lse);
+    }
+}
+#define LOGPROB_LSE_PARAMS(T) (const T* z, const unsigned int* y, T* out, long long v)
+INSTANTIATE(logprob_lse, LOGPROB_LSE_PARAMS, (z, y, out, v))
+
+template <typename T>
+__device__ void logprob_lse_bwd_kernel(const T* z, const unsigned int* y, const T* rg, T* dz, long long v) {
+    const long long row = blockIdx.x;
+    const float lse = to_f32(rg[4 * row + 1]), g_lp = to_f32(rg[4 * row + 2]), g_lse = to_f32(rg[4 * row + 3]);
+    const float c = g_lse - g_lp;
+    const long long target = y[row];
+    for (long long j = threadIdx.x; j < v; j += blockDim.x) {
+        const float p = expf(to_f32(z[row * v + j]) - lse);
+        dz[row * v + j] = from_f32<T>(p * c + (j == target ? g_lp : 0.0f));
+    }
+}
+#define LOGPROB_LSE_BWD_PARAMS(T) (const T* z, const unsigned int* y, const T* rg, T* dz, long long v)
+INSTANTIATE(logprob_lse_bwd, LOGPROB_LSE_BWD_PARAMS, (z, y, rg, dz, v))

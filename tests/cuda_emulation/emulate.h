@@ -1,0 +1,152 @@
+// Runs the CUDA kernels of src/model/ops/cuda on the CPU, so that their logic is tested on
+// machines without a GPU. A block's threads are fibers (ucontext) on one OS thread, switched
+// only where a GPU thread may wait: __syncthreads waits for every thread of the block, a warp
+// shuffle for the 32 lanes of its warp (so, as on a GPU, every lane must reach it). Blocks run
+// one after another, so __shared__ variables can be statics. Deterministic, and a kernel whose
+// threads can never all meet at a barrier aborts ("deadlock") instead of hanging. bf16 and f16
+// are their bit patterns, converted with round-to-nearest-even as CUDA's intrinsics do.
+//
+// Included before the kernels (g++ -include); the kernels include common.cuh as on the GPU.
+#pragma once
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+// Set by the scheduler before it resumes a fiber, so always the running thread's.
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace emu {
+struct Fiber {
+    ucontext_t context;
+    bool done = false;
+};
+inline ucontext_t scheduler;
+inline std::vector<Fiber> fibers;
+inline std::vector<std::vector<char>> stacks;
+inline unsigned current = 0;
+inline bool progress = false;  // whether anything moved since the scheduler last looked
+inline std::function<void()> body;
+inline float exchange[1024];
+
+inline void yield() { swapcontext(&fibers[current].context, &scheduler); }
+
+struct Barrier {
+    unsigned expected = 0, arrived = 0, generation = 0;
+    void wait() {
+        const unsigned gen = generation;
+        progress = true;
+        if (++arrived == expected) {
+            arrived = 0;
+            ++generation;
+            return;
+        }
+        while (generation == gen) yield();
+    }
+};
+inline Barrier block_barrier;
+inline std::vector<Barrier> warp_barriers;
+
+inline void entry() {
+    body();
+    fibers[current].done = true;
+    progress = true;
+}  // returns to the scheduler through uc_link
+
+// Runs `body` as `threads` fibers until all have returned.
+inline void run_block(unsigned threads) {
+    constexpr size_t STACK = 64 * 1024;
+    fibers.assign(threads, Fiber{});
+    stacks.resize(threads);
+    for (unsigned t = 0; t < threads; ++t) {
+        stacks[t].resize(STACK);
+        getcontext(&fibers[t].context);
+        fibers[t].context.uc_stack.ss_sp = stacks[t].data();
+        fibers[t].context.uc_stack.ss_size = STACK;
+        fibers[t].context.uc_link = &scheduler;
+        makecontext(&fibers[t].context, entry, 0);
+    }
+    block_barrier = Barrier{threads};
+    warp_barriers.assign(threads / 32, Barrier{32});
+    for (bool alive = true; alive;) {
+        alive = false;
+        progress = false;
+        for (unsigned t = 0; t < threads; ++t) {
+            if (fibers[t].done) continue;
+            alive = true;
+            current = t;
+            threadIdx = dim3{t, 0, 0};
+            swapcontext(&scheduler, &fibers[t].context);
+        }
+        if (alive && !progress) {
+            std::fprintf(stderr, "deadlock: the block's threads wait at barriers that never complete\n");
+            std::abort();
+        }
+    }
+}
+}  // namespace emu
+
+inline void __syncthreads() { emu::block_barrier.wait(); }
+
+inline float __shfl_xor_sync(unsigned, float v, int offset) {
+    const unsigned tid = threadIdx.x;
+    emu::Barrier& warp = emu::warp_barriers[tid / 32];
+    emu::exchange[tid] = v;
+    warp.wait();
+    const float other = emu::exchange[tid ^ (unsigned)offset];
+    warp.wait();
+    return other;
+}
+
+struct __nv_bfloat16 {
+    uint16_t bits;
+};
+struct __half {
+    _Float16 value;
+};
+inline float __bfloat162float(__nv_bfloat16 x) {
+    uint32_t u = (uint32_t)x.bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline __nv_bfloat16 __float2bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) return {0x7fc0};
+    u += 0x7fff + ((u >> 16) & 1);
+    return {(uint16_t)(u >> 16)};
+}
+inline float __half2float(__half x) { return (float)x.value; }
+inline __half __float2half(float f) { return {(_Float16)f}; }
+
+// kernel<<<grid, block>>>(args...), for 1-D blocks of 32·k threads.
+template <typename... P, typename... A>
+void launch(dim3 grid, dim3 block, void (*kernel)(P...), A... args) {
+    if (block.x % 32 != 0 || block.x > 1024 || block.y != 1 || block.z != 1) {
+        std::fprintf(stderr, "launch: blocks are 1-D, of 32·k threads up to 1024\n");
+        std::abort();
+    }
+    gridDim = grid;
+    blockDim = block;
+    emu::body = [=] { kernel(args...); };
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                blockIdx = dim3{bx, by, bz};
+                emu::run_block(block.x);
+            }
+}

@@ -1,0 +1,330 @@
+// The CUDA kernels of src/model/ops/cuda, run on the CPU through emulate.h and compared with
+// plain double-precision computations written here: forward values against the formulas, and
+// every backward against central finite differences of the double forward (an independent
+// check of the gradient formulas, not a second copy of them). Each kernel runs in f32, bf16
+// and f16, with blocks of 32 (one warp) and 256 threads and shapes that are not multiples of a block.
+//
+// Built and run by tests/integration/cuda_kernels_emulated.rs; exits 1 when a check fails.
+#include <cstdio>
+#include <functional>
+#include <string>
+
+#include "../../src/model/ops/cuda/cached_attention.cu"
+#include "../../src/model/ops/cuda/logprob_lse.cu"
+#include "../../src/model/ops/cuda/rms_norm.cu"
+#include "../../src/model/ops/cuda/rope.cu"
+#include "../../src/model/ops/cuda/softmax.cu"
+#include "../../src/model/ops/cuda/swiglu.cu"
+
+using Vec = std::vector<double>;
+using Fn = std::function<double(const Vec&)>;
+
+static int checks = 0, failures = 0;
+
+static Vec values(size_t n, uint64_t seed, double scale) {
+    uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+    Vec out(n);
+    for (auto& x : out) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        x = ((double)(s >> 11) / (double)(1ull << 53) * 2.0 - 1.0) * scale;
+    }
+    return out;
+}
+
+template <typename T> static double to_double(T x) { return (double)to_f32(x); }
+template <typename T> static std::vector<T> cast(const Vec& x) {
+    std::vector<T> out;
+    for (double v : x) out.push_back(from_f32<T>((float)v));
+    return out;
+}
+template <typename T> static Vec widen(const std::vector<T>& x) {
+    Vec out;
+    for (T v : x) out.push_back(to_double(v));
+    return out;
+}
+// x as the kernel sees it: rounded to T.
+template <typename T> static Vec rounded(const Vec& x) { return widen(cast<T>(x)); }
+
+static void expect(const std::string& what, const Vec& got, const Vec& want, double tol) {
+    ++checks;
+    double worst = 0.0;
+    size_t at = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double e = std::fabs(got[i] - want[i]) / (1.0 + std::fabs(want[i]));
+        if (!(e <= worst)) worst = e, at = i;  // NaN counts as the worst
+    }
+    const bool ok = got.size() == want.size() && worst <= tol;
+    if (!ok) ++failures;
+    std::printf("%s %s: max relative error %.2e (at %zu, tolerance %.0e)\n", ok ? "ok  " : "FAIL", what.c_str(),
+                worst, at, tol);
+}
+
+// d f / d x by central differences.
+static Vec numeric_grad(const Fn& f, Vec x) {
+    Vec g(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+        const double h = 1e-5 * (1.0 + std::fabs(x[i])), keep = x[i];
+        x[i] = keep + h;
+        const double up = f(x);
+        x[i] = keep - h;
+        const double down = f(x);
+        x[i] = keep;
+        g[i] = (up - down) / (2 * h);
+    }
+    return g;
+}
+
+static double dot(const Vec& a, const Vec& b) {
+    double s = 0;
+    for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+    return s;
+}
+
+template <typename T> struct Kernels;
+#define KERNELS(T, sfx)                                                         \
+    template <> struct Kernels<T> {                                             \
+        static constexpr const char* name = #sfx;                               \
+        static constexpr auto rms_norm = rms_norm_##sfx;                        \
+        static constexpr auto rms_norm_bwd_rows = rms_norm_bwd_rows_##sfx;      \
+        static constexpr auto dw_partial = rms_norm_bwd_dw_partial_##sfx;       \
+        static constexpr auto dw_sum = rms_norm_bwd_dw_sum_##sfx;               \
+        static constexpr auto swiglu = swiglu_##sfx;                            \
+        static constexpr auto swiglu_bwd = swiglu_bwd_##sfx;                    \
+        static constexpr auto rope = rope_##sfx;                                \
+        static constexpr auto logprob_lse = logprob_lse_##sfx;                  \
+        static constexpr auto logprob_lse_bwd = logprob_lse_bwd_##sfx;          \
+        static constexpr auto masked_softmax = masked_softmax_##sfx;            \
+        static constexpr auto masked_softmax_bwd = masked_softmax_bwd_##sfx;    \
+        static constexpr auto cached_attention = cached_attention_##sfx;        \
+    };
+KERNELS(float, f32)
+KERNELS(bf16, bf16)
+KERNELS(f16, f16)
+
+template <typename T> static double tolerance() { return std::is_same<T, float>::value ? 2e-5 : 1.5e-2; }
+template <typename T> static std::string label(const char* what, unsigned block) {
+    return std::string(what) + " " + Kernels<T>::name + " block " + std::to_string(block);
+}
+
+template <typename T> static void rms_norm(unsigned block) {
+    const long long n = 5;
+    for (long long d : {70ll, 300ll}) {
+        const float eps = 1e-6f;
+        const Vec x = rounded<T>(values(n * d, 1, 3.0)), w = rounded<T>(values(d, 2, 1.0)),
+                  gy = rounded<T>(values(n * d, 3, 1.0));
+        auto fwd = [&](const Vec& x, const Vec& w) {
+            Vec y(n * d);
+            for (long long i = 0; i < n; ++i) {
+                double ss = 0;
+                for (long long j = 0; j < d; ++j) ss += x[i * d + j] * x[i * d + j];
+                const double r = 1.0 / std::sqrt(ss / d + eps);
+                for (long long j = 0; j < d; ++j) y[i * d + j] = x[i * d + j] * r * w[j];
+            }
+            return y;
+        };
+        auto xs = cast<T>(x), ws = cast<T>(w), gs = cast<T>(gy);
+        std::vector<T> y(n * d);
+        launch({(unsigned)n}, {block}, Kernels<T>::rms_norm, xs.data(), ws.data(), y.data(), d, eps);
+        const std::string dn = " d=" + std::to_string(d);
+        expect(label<T>("rms_norm", block) + dn, widen(y), fwd(x, w), tolerance<T>());
+
+        std::vector<T> dx(n * d), dw(d);
+        std::vector<float> r(n);
+        const long long rows_per_chunk = 2, chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
+        std::vector<float> partial(chunks * d);
+        launch({(unsigned)n}, {block}, Kernels<T>::rms_norm_bwd_rows, xs.data(), gs.data(), ws.data(), dx.data(),
+               r.data(), d, eps);
+        launch({(unsigned)((d + 63) / 64), (unsigned)chunks}, {64}, Kernels<T>::dw_partial, xs.data(), gs.data(),
+               (const float*)r.data(), partial.data(), n, d, rows_per_chunk);
+        launch({(unsigned)((d + 31) / 32)}, {32}, Kernels<T>::dw_sum, (const float*)partial.data(), dw.data(), chunks, d);
+        expect(label<T>("rms_norm dx", block) + dn, widen(dx),
+               numeric_grad([&](const Vec& x) { return dot(fwd(x, w), gy); }, x), 4 * tolerance<T>());
+        expect(label<T>("rms_norm dw", block) + dn, widen(dw),
+               numeric_grad([&](const Vec& w) { return dot(fwd(x, w), gy); }, w), 4 * tolerance<T>());
+    }
+}
+
+template <typename T> static void swiglu(unsigned block) {
+    const long long n = 1000;
+    const Vec g = rounded<T>(values(n, 1, 6.0)), u = rounded<T>(values(n, 2, 2.0)), dy = rounded<T>(values(n, 3, 1.0));
+    auto fwd = [&](const Vec& g, const Vec& u) {
+        Vec y(n);
+        for (long long i = 0; i < n; ++i) y[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
+        return y;
+    };
+    auto gs = cast<T>(g), us = cast<T>(u), dys = cast<T>(dy);
+    std::vector<T> y(n), out(2 * n);
+    // Three blocks: the grid-stride loop goes round several times.
+    launch({3}, {block}, Kernels<T>::swiglu, gs.data(), us.data(), y.data(), n);
+    expect(label<T>("swiglu", block), widen(y), fwd(g, u), tolerance<T>());
+    launch({3}, {block}, Kernels<T>::swiglu_bwd, gs.data(), us.data(), dys.data(), out.data(), n);
+    const Vec both = widen(out);
+    expect(label<T>("swiglu dg", block), Vec(both.begin(), both.begin() + n),
+           numeric_grad([&](const Vec& g) { return dot(fwd(g, u), dy); }, g), 4 * tolerance<T>());
+    expect(label<T>("swiglu du", block), Vec(both.begin() + n, both.end()),
+           numeric_grad([&](const Vec& u) { return dot(fwd(g, u), dy); }, u), 4 * tolerance<T>());
+}
+
+template <typename T> static void rope(unsigned block) {
+    const long long b = 2, t = 3, h = 2, d = 8, half = d / 2, n = b * t * h * d;
+    const Vec x = rounded<T>(values(n, 1, 2.0)), g = rounded<T>(values(n, 2, 1.0)), ang = values(b * t * half, 3, 3.0);
+    Vec c, s;
+    for (double a : ang) c.push_back(std::cos(a)), s.push_back(std::sin(a));
+    c = rounded<T>(c), s = rounded<T>(s);
+    // x [B, T, H, D] → [B, H, T, D], rotate-half.
+    auto fwd = [&](const Vec& x) {
+        Vec out(n);
+        for (long long bi = 0; bi < b; ++bi)
+            for (long long ti = 0; ti < t; ++ti)
+                for (long long hi = 0; hi < h; ++hi)
+                    for (long long k = 0; k < d; ++k) {
+                        const double* xv = &x[((bi * t + ti) * h + hi) * d];
+                        const long long tab = (bi * t + ti) * half + k % half;
+                        const double rot = k < half ? -xv[k + half] : xv[k - half];
+                        out[((bi * h + hi) * t + ti) * d + k] = xv[k] * c[tab] + rot * s[tab];
+                    }
+        return out;
+    };
+    auto xs = cast<T>(x), gs = cast<T>(g), cs = cast<T>(c), ss = cast<T>(s);
+    std::vector<T> out(n), dx(n);
+    launch({1}, {block}, Kernels<T>::rope, (const T*)xs.data(), (const T*)cs.data(), (const T*)ss.data(), out.data(), b, t,
+           h, d, 0);
+    expect(label<T>("rope", block), widen(out), fwd(x), tolerance<T>());
+    launch({1}, {block}, Kernels<T>::rope, (const T*)gs.data(), (const T*)cs.data(), (const T*)ss.data(), dx.data(), b, t,
+           h, d, 1);
+    expect(label<T>("rope backward", block), widen(dx), numeric_grad([&](const Vec& x) { return dot(fwd(x), g); }, x),
+           4 * tolerance<T>());
+}
+
+template <typename T> static void logprob_lse(unsigned block) {
+    const long long n = 4, v = 300;
+    const Vec z = rounded<T>(values(n * v, 1, 8.0));
+    const std::vector<unsigned> y = {0, 299, 17, 150};
+    const Vec g = rounded<T>(values(2 * n, 2, 1.0));  // (g_lp, g_lse) per row
+    auto fwd = [&](const Vec& z) {  // (lp, lse) per row
+        Vec out(2 * n);
+        for (long long i = 0; i < n; ++i) {
+            double m = -INFINITY, s = 0;
+            for (long long j = 0; j < v; ++j) m = std::max(m, z[i * v + j]);
+            for (long long j = 0; j < v; ++j) s += std::exp(z[i * v + j] - m);
+            const double lse = m + std::log(s);
+            out[2 * i] = z[i * v + y[i]] - lse, out[2 * i + 1] = lse;
+        }
+        return out;
+    };
+    auto zs = cast<T>(z);
+    std::vector<T> out(2 * n);
+    launch({(unsigned)n}, {block}, Kernels<T>::logprob_lse, (const T*)zs.data(), y.data(), out.data(), v);
+    const Vec got = widen(out);
+    expect(label<T>("logprob_lse", block), got, fwd(z), tolerance<T>());
+
+    Vec rg;
+    for (long long i = 0; i < n; ++i) rg.insert(rg.end(), {got[2 * i], got[2 * i + 1], g[2 * i], g[2 * i + 1]});
+    auto rgs = cast<T>(rg);
+    std::vector<T> dz(n * v);
+    launch({(unsigned)n}, {block}, Kernels<T>::logprob_lse_bwd, (const T*)zs.data(), y.data(), (const T*)rgs.data(),
+           dz.data(), v);
+    expect(label<T>("logprob_lse backward", block), widen(dz),
+           numeric_grad([&](const Vec& z) { return dot(fwd(z), g); }, z), 4 * tolerance<T>());
+
+    // A target outside the vocabulary: NaN, never a read past the row.
+    const std::vector<unsigned> bad = {0, 300, 1, 2};
+    launch({(unsigned)n}, {block}, Kernels<T>::logprob_lse, (const T*)zs.data(), bad.data(), out.data(), v);
+    ++checks;
+    const bool nan = std::isnan(to_double(out[2])) && !std::isnan(to_double(out[0]));
+    if (!nan) ++failures;
+    std::printf("%s %s\n", nan ? "ok  " : "FAIL", label<T>("logprob_lse out-of-range target is NaN", block).c_str());
+}
+
+template <typename T> static void masked_softmax(unsigned block) {
+    const long long b = 2, g = 3, t = 2, s = 37, rows = b * g * t;
+    const float scale = 0.7f;
+    const Vec x = rounded<T>(values(rows * s, 1, 4.0)), gout = rounded<T>(values(rows * s, 2, 1.0));
+    Vec bias(b * t * s, 0.0);
+    for (long long i = 0; i < b * t; ++i)
+        for (long long j = 0; j < s; ++j)
+            if ((j * 7 + i) % 5 == 0 && j != i) bias[i * s + j] = -1e30;  // masked keys; the diagonal stays
+    bias = rounded<T>(bias);
+    auto fwd = [&](const Vec& x) {
+        Vec p(rows * s);
+        for (long long r = 0; r < rows; ++r) {
+            const double* br = &bias[((r / (g * t)) * t + r % t) * s];
+            double m = -INFINITY, sum = 0;
+            for (long long j = 0; j < s; ++j) m = std::max(m, x[r * s + j] * scale + br[j]);
+            for (long long j = 0; j < s; ++j) sum += std::exp(x[r * s + j] * scale + br[j] - m);
+            for (long long j = 0; j < s; ++j) p[r * s + j] = std::exp(x[r * s + j] * scale + br[j] - m) / sum;
+        }
+        return p;
+    };
+    auto xs = cast<T>(x), bs = cast<T>(bias), gs = cast<T>(gout);
+    std::vector<T> p(rows * s), ds(rows * s);
+    launch({(unsigned)rows}, {block}, Kernels<T>::masked_softmax, (const T*)xs.data(), (const T*)bs.data(), p.data(), g, t,
+           s, scale);
+    expect(label<T>("masked_softmax", block), widen(p), fwd(x), tolerance<T>());
+    launch({(unsigned)rows}, {block}, Kernels<T>::masked_softmax_bwd, (const T*)p.data(), (const T*)gs.data(), ds.data(),
+           s, scale);
+    expect(label<T>("masked_softmax backward", block), widen(ds),
+           numeric_grad([&](const Vec& x) { return dot(fwd(x), gout); }, x), 4 * tolerance<T>());
+}
+
+template <typename T> static void cached_attention(unsigned block) {
+    const long long b = 2, h = 4, kvh = 2, t = 2, cap = 50;
+    for (long long s : {3ll, 45ll})
+        for (long long d : {40ll, 64ll}) {
+            const float scale = 1.0f / std::sqrt((float)d);
+            // The cache's buffers hold `cap` positions; k and v are views of the first s.
+            const Vec q = rounded<T>(values(b * h * t * d, 1, 1.5)), k = rounded<T>(values(b * kvh * cap * d, 2, 1.5)),
+                      v = rounded<T>(values(b * kvh * cap * d, 3, 1.5));
+            Vec bias(b * t * s, 0.0);
+            for (long long i = 0; i < t; ++i)  // row 1: the first two keys are left padding
+                for (long long j = 0; j < std::min(2ll, s - 1); ++j) bias[(1 * t + i) * s + j] = -1e30;
+            bias = rounded<T>(bias);
+            Vec want(b * t * h * d);
+            for (long long bi = 0; bi < b; ++bi)
+                for (long long hi = 0; hi < h; ++hi)
+                    for (long long i = 0; i < t; ++i) {
+                        const long long gi = hi / (h / kvh);
+                        Vec z(s);
+                        double m = -INFINITY, sum = 0;
+                        for (long long j = 0; j < s; ++j) {
+                            double acc = 0;
+                            for (long long e = 0; e < d; ++e)
+                                acc += q[((bi * h + hi) * t + i) * d + e] * k[((bi * kvh + gi) * cap + j) * d + e];
+                            z[j] = acc * scale + bias[(bi * t + i) * s + j];
+                            m = std::max(m, z[j]);
+                        }
+                        for (long long j = 0; j < s; ++j) sum += (z[j] = std::exp(z[j] - m));
+                        for (long long e = 0; e < d; ++e) {
+                            double acc = 0;
+                            for (long long j = 0; j < s; ++j) acc += z[j] / sum * v[((bi * kvh + gi) * cap + j) * d + e];
+                            want[((bi * t + i) * h + hi) * d + e] = acc;
+                        }
+                    }
+            auto qs = cast<T>(q), ks = cast<T>(k), vs = cast<T>(v), bs = cast<T>(bias);
+            std::vector<T> out(b * t * h * d);
+            launch({(unsigned)(b * h * t)}, {block}, Kernels<T>::cached_attention, (const T*)qs.data(), (const T*)ks.data(),
+                   (const T*)vs.data(), (const T*)bs.data(), out.data(), h, kvh, t, s, d, kvh * cap * d, cap * d, d,
+                   kvh * cap * d, cap * d, d, scale);
+            expect(label<T>("cached_attention", block) + " s=" + std::to_string(s) + " d=" + std::to_string(d),
+                   widen(out), want, tolerance<T>());
+        }
+}
+
+template <typename T> static void all(unsigned block) {
+    rms_norm<T>(block);
+    swiglu<T>(block);
+    rope<T>(block);
+    logprob_lse<T>(block);
+    masked_softmax<T>(block);
+    cached_attention<T>(block);
+}
+
+int main() {
+    for (unsigned block : {32u, 256u}) {
+        all<float>(block);
+        all<bf16>(block);
+        all<f16>(block);
+    }
+    std::printf("emulated kernel checks: %d, failed: %d\n", checks, failures);
+    return failures == 0 ? 0 : 1;
+}
