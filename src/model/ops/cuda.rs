@@ -10,7 +10,7 @@
 //! on a GPU by `tests/gpu.rs`.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig};
-use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::{Layout, Result};
 
 /// A PTX module: its name in candle's cache of loaded modules, and its text.
@@ -78,11 +78,6 @@ pub(crate) fn per_row(rows: usize) -> LaunchConfig {
 pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(ELEMENTWISE_THREADS as usize).clamp(1, ELEMENTWISE_MAX_BLOCKS);
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (ELEMENTWISE_THREADS, 1, 1), shared_mem_bytes: 0 }
-}
-
-/// Whether a storage holds a dtype with kernels (f64 and the integer types have none).
-pub(crate) fn has_kernels(s: &CudaStorage) -> bool {
-    matches!(s.slice, CudaStorageSlice::F32(_) | CudaStorageSlice::BF16(_) | CudaStorageSlice::F16(_))
 }
 
 /// Runs `$body` with `$T` bound to the storage's element type (f32, bf16 or f16).
