@@ -162,7 +162,7 @@ impl CustomOp2 for SoftmaxBwd {
             let (p, g) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
             let ds = cuda::output::<T>(s1, p.len())?;
             let (si, scale) = (s as i64, self.scale as f32);
-            let rows = if s == 0 { 0 } else { p.len() / s };
+            let rows = p.len().checked_div(s).unwrap_or(0);
             launch!(s1.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd"), cuda::per_row(rows);
                 &p, &g, &ds, &si, &scale);
             Ok((cuda::storage(s1, ds), l1.shape().clone()))
