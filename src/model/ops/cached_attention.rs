@@ -416,6 +416,30 @@ fn run<T: Real>(x: &Inputs<T>, b: usize, out: &mut [T]) {
     }
 }
 
+/// (B, H, KV, T, S, D) from the layouts of q [B, H, T, D], k and v [B, KV, S, D] (KV dividing
+/// H, S > 0) and the bias [B, T, S], or an error naming them.
+fn op_dims(
+    q: &Layout,
+    k: &Layout,
+    v: &Layout,
+    bias: &Layout,
+) -> candle_core::Result<(usize, usize, usize, usize, usize, usize)> {
+    let (b, h, t, d) = q.shape().dims4()?;
+    let (kb, kvh, s, kd) = k.shape().dims4()?;
+    if k.dims() != v.dims() || kb != b || kd != d || kvh == 0 || h % kvh != 0 || s == 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "cached-attention: q {:?}, k {:?}, v {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    if bias.dims() != [b, t, s] {
+        return Err(candle_core::Error::Msg(format!("cached-attention: bias {:?}", bias.dims())));
+    }
+    Ok((b, h, kvh, t, s, d))
+}
+
 impl CustomOp3 for CachedAttention {
     fn name(&self) -> &'static str {
         "cached-attention"
@@ -430,23 +454,11 @@ impl CustomOp3 for CachedAttention {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, h, t, d) = l1.shape().dims4()?;
-        let (_, kvh, s, _) = l2.shape().dims4()?;
-        if l2.dims() != l3.dims() || l2.dims()[0] != b || l2.dims()[3] != d || kvh == 0 || h % kvh != 0 || s == 0 {
-            return Err(candle_core::Error::Msg(format!(
-                "cached-attention: q {:?}, k {:?}, v {:?}",
-                l1.dims(),
-                l2.dims(),
-                l3.dims()
-            )));
-        }
         let (bias_storage, bias_layout) = self.bias.storage_and_layout();
+        let (b, h, kvh, t, s, d) = op_dims(l1, l2, l3, bias_layout)?;
         let Storage::Cpu(bias_storage) = &*bias_storage else {
             return Err(candle_core::Error::Msg("cached-attention: the bias is not on the CPU".into()));
         };
-        if bias_layout.dims() != [b, t, s] {
-            return Err(candle_core::Error::Msg(format!("cached-attention: bias {:?}", bias_layout.dims())));
-        }
         dispatch_real!(s1, T => {
             let x = Inputs {
                 q: data::<T>(s1, l1)?,
@@ -477,31 +489,21 @@ impl CustomOp3 for CachedAttention {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         use super::cuda::{self, dispatch_cuda, launch};
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
-        let (b, h, t, d) = l1.shape().dims4()?;
-        let (_, kvh, s, _) = l2.shape().dims4()?;
+        let (bias_storage, bias_layout) = self.bias.storage_and_layout();
+        let (b, h, kvh, t, s, d) = op_dims(l1, l2, l3, bias_layout)?;
         let strided_rows = |l: &Layout| d > 1 && l.stride()[3] != 1;
-        if l2.dims() != l3.dims()
-            || kvh == 0
-            || h % kvh != 0
-            || s == 0
-            || d > CUDA_MAX_HEAD_DIM
-            || strided_rows(l2)
-            || strided_rows(l3)
-        {
+        if d > CUDA_MAX_HEAD_DIM || strided_rows(l2) || strided_rows(l3) {
             return Err(candle_core::Error::Msg(format!(
-                "cached-attention: q {:?}, k {:?}, v {:?}",
-                l1.dims(),
+                "cached-attention: k {:?} / v {:?} (strides {:?} / {:?}) need rows of at most {CUDA_MAX_HEAD_DIM} contiguous values",
                 l2.dims(),
-                l3.dims()
+                l3.dims(),
+                l2.stride(),
+                l3.stride()
             )));
         }
-        let (bias_storage, bias_layout) = self.bias.storage_and_layout();
         let Storage::Cuda(bias_storage) = &*bias_storage else {
             return Err(candle_core::Error::Msg("cached-attention: the bias is not on the GPU".into()));
         };
-        if bias_layout.dims() != [b, t, s] {
-            return Err(candle_core::Error::Msg(format!("cached-attention: bias {:?}", bias_layout.dims())));
-        }
         dispatch_cuda!(s1, T => {
             let q = cuda::view::<T>(s1, l1)?;
             let k = s2.as_cuda_slice::<T>()?.slice(l2.start_offset()..);

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds, on a machine without a GPU, what a GPU machine with no Rust toolchain needs to run
+# oxrl's GPU tests and benchmarks, into .gpu/ (git-ignored): the `gpu` test binary and the
+# `oxrl` binary, built with `--features cuda` in release and stripped. Then prints the command
+# that runs them there from the repository root (the `device` tool's `run`, with `.gpu` carried).
+#
+#   scripts/install_cuda.sh && scripts/gpu_bundle.sh
+#
+# The GPU machine supplies the driver and the CUDA 13 libraries (cuBLAS, cuRAND, NVRTC, the
+# runtime): its PyTorch environment's nvidia/cu13/lib, or LIBS=... . The test binary finds the
+# fixtures through the path it was built in, so the command links that path to the checkout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+eval "$(scripts/install_cuda.sh --env)"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
+cargo build --locked --release --features cuda --bin oxrl
+test_bin=$(cargo test --locked --release --features cuda --test gpu --no-run --message-format=json \
+    | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+mkdir -p .gpu
+cp "$test_bin" .gpu/gpu-tests
+cp "$CARGO_TARGET_DIR/release/oxrl" .gpu/oxrl
+strip .gpu/gpu-tests .gpu/oxrl
+ls -la .gpu
+cat <<CMD
+# On the GPU machine, from the repository root (carry .gpu):
+mkdir -p "$(dirname "$PWD")" && { [ -e "$PWD" ] || ln -s "\$PWD" "$PWD"; } && \\
+export LD_LIBRARY_PATH="\${LIBS:-\$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')}" && \\
+nvidia-smi -L && .gpu/gpu-tests --nocapture --test-threads 1
+CMD
