@@ -558,8 +558,8 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<()> {
 
 /// Attention output [B, T, H·D] (o_proj's input) for q [B, H, T, D], k and v [B, KV, S, D]
 /// (views of the cache: read in place when their last dimension is contiguous) and the additive
-/// bias [B, T, S] (any float dtype: converted to q's). Fused on the CPU for f32/f64; the candle
-/// path ([`reference()`]) elsewhere. Inference only (see the module docs).
+/// bias [B, T, S] (any float dtype: converted to q's). Fused where [`fused`] says (on CUDA for
+/// head dimensions up to [`CUDA_MAX_HEAD_DIM`]); the candle path ([`reference()`]) elsewhere. Inference only (see the module docs).
 pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     check(q, k, v, bias)?;
     let bias = bias.to_dtype(q.dtype())?;

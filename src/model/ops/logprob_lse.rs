@@ -167,7 +167,7 @@ impl candle_core::CustomOp3 for LogprobLseBwd {
     }
 }
 
-/// `(log p(targets), logsumexp)`: logits [..., V] (f32/f64), targets u32 [...]; log-probs of
+/// `(log p(targets), logsumexp)`: logits [..., V] (fused where [`fused`] says), targets u32 [...]; log-probs of
 /// the shape of `targets`, the normaliser as [..., 1].
 pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     if !fused(logits) {

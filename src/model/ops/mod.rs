@@ -4,8 +4,8 @@
 //! contiguous f32/f64 data (rows split over the current rayon pool) and whose `bwd` is another
 //! fused pass, so that the autograd graph holds one node where the primitive graph held five to
 //! ten (each of which costs candle's backward a zero-filled buffer and an add). With
-//! `--features cuda` each also has a `cuda_fwd`: the CUDA kernels of `cuda/*.cu` (see
-//! [`cuda`]), for f32, bf16 and f16. Each file also keeps `reference`, the candle-primitive
+//! `--features cuda` each also has a `cuda_fwd`: the CUDA kernels of `cuda/*.cu` (launched by
+//! `cuda.rs`), for f32, bf16 and f16. Each file also keeps `reference`, the candle-primitive
 //! graph the op replaces: it is what runs for the other dtypes (bf16/f16 on the CPU, f64 on a
 //! GPU), and what the tests compare values and gradients against.
 

@@ -4,8 +4,9 @@
 //! with x̂ = x · r and gy the output gradient, writes in one pass per row
 //!   dx = r · (w·gy − x̂ · mean(w·gy·x̂)),   dw = Σ_rows gy · x̂
 //! (dw summed per thread chunk, then over chunks). The computation runs in the input's dtype
-//! (f32 or f64), as the reference does for those; bf16/f16 go to the reference, which
-//! normalises in f32.
+//! (f32 or f64), as the reference does for those; on the CPU bf16/f16 go to the reference, which
+//! normalises in f32. The CUDA kernels (f32, bf16, f16) compute in f32 and sum dw over chunks of
+//! rows in a fixed order.
 
 #[cfg(feature = "cuda")]
 use candle_core::cuda_backend::CudaStorage;
@@ -200,7 +201,7 @@ impl CustomOp2 for RmsNormBwd {
     }
 }
 
-/// RMSNorm of x [..., D] with weight [D]; fused on the CPU for f32/f64 (x and w of one dtype).
+/// RMSNorm of x [..., D] with weight [D]; fused where [`fused`] says (x and w of one dtype).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if !fused(x) || x.dtype() != w.dtype() || w.rank() != 1 || x.dim(D::Minus1)? != w.dim(0)? {
         return reference(x, w, eps);
