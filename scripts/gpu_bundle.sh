@@ -3,7 +3,8 @@
 # oxrl's GPU tests and benchmarks, into .gpu/ (git-ignored): the `gpu` test binary and the
 # `oxrl` binary, built with `--features cuda` in release, stripped and gzipped (candle's PTX
 # makes each about 65 MB, 17-19 MB gzipped: the `device` tool carries 64 MiB in all). Then
-# prints the command that runs the tests there from the repository root (`run`, `.gpu` carried).
+# prints the command that runs the tests there from the repository root (`run`, `.gpu` carried),
+# on candle's primitive graphs and then with OXRL_CUDA_KERNELS=1 on oxrl's kernels.
 #
 #   scripts/install_cuda.sh && scripts/gpu_bundle.sh
 #
@@ -31,5 +32,6 @@ cat <<CMD
 # On the GPU machine, from the repository root (carry .gpu):
 mkdir -p "$(dirname "$PWD")" && { [ -e "$PWD" ] || ln -s "\$PWD" "$PWD"; } && \\
 export LD_LIBRARY_PATH="\${LIBS:-\$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')}" && \\
-gunzip -kf .gpu/gpu-tests.gz .gpu/oxrl.gz && nvidia-smi -L && .gpu/gpu-tests --nocapture --test-threads 1
+gunzip -kf .gpu/gpu-tests.gz .gpu/oxrl.gz && nvidia-smi -L && .gpu/gpu-tests --nocapture --test-threads 1 && \\
+OXRL_CUDA_KERNELS=1 .gpu/gpu-tests --nocapture --test-threads 1
 CMD

@@ -28,8 +28,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Tensor, WithDType};
 use rayon::prelude::*;
 
 /// Whether the fused kernels serve `t`: on the CPU in f32 or f64; on a GPU (a build with
-/// `--features cuda`) in f32, bf16 or f16, unless `OXRL_CUDA_KERNELS=0` sends CUDA to the
-/// primitive graphs.
+/// `--features cuda`) in f32, bf16 or f16 when [`cuda_kernels`] is on.
 pub fn fused(t: &Tensor) -> bool {
     match t.device() {
         Device::Cpu => matches!(t.dtype(), DType::F32 | DType::F64),
@@ -38,11 +37,21 @@ pub fn fused(t: &Tensor) -> bool {
     }
 }
 
-/// Whether this build has the CUDA kernels and `OXRL_CUDA_KERNELS` does not turn them off
-/// (read once).
+/// Whether CUDA tensors take oxrl's kernels (`cuda/*.cu`) rather than candle's primitive graphs.
+/// Off unless `OXRL_CUDA_KERNELS=1` (read once) or [`set_cuda_kernels`]: the kernels are checked
+/// on the CPU by emulation but have not yet run on a GPU, where the primitive graphs have.
 pub fn cuda_kernels() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    cfg!(feature = "cuda") && *ON.get_or_init(|| std::env::var("OXRL_CUDA_KERNELS").as_deref() != Ok("0"))
+    cfg!(feature = "cuda") && cuda_switch().load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Turns the CUDA kernels on or off for the whole process (see [`cuda_kernels`]).
+pub fn set_cuda_kernels(on: bool) {
+    cuda_switch().store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn cuda_switch() -> &'static std::sync::atomic::AtomicBool {
+    static ON: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
+    ON.get_or_init(|| std::sync::atomic::AtomicBool::new(std::env::var("OXRL_CUDA_KERNELS").as_deref() == Ok("1")))
 }
 
 /// The floats the kernels run in: the few operations they need, for f32 and f64.
