@@ -21,10 +21,15 @@
 //!
 //! Seeds: each group has its own seed `s` (given, or `hash(seed, i)` for prompt i); its first
 //! turn samples j with `s + j` (the engine's rule), later turns of episode j with
-//! `hash(s, 1_000_003 · turn + j)`. A group's episodes therefore depend only on its prompt and
-//! seed — not on the other prompts of the call, nor on how the engines interleave them — so the
-//! asynchronous trainer, which generates one group at a time, samples what the synchronous one
-//! does.
+//! `hash(s, 1_000_003 · turn + j)`. A group's random draws therefore depend only on its prompt
+//! and seed — not on the other prompts of the call, nor on how the engines interleave them — so
+//! the asynchronous trainer, which generates one group at a time, samples what the synchronous
+//! one does, up to float rounding: a row's logits can differ in their last bits with the rows it
+//! shares a decode step with (the matmul kernel and its summation order depend on the batch
+//! size, and which requests share a step depends on when they reached the engine), and a draw
+//! that lands within that of a boundary between two tokens picks the other one. Rare (two
+//! 500-step demo runs with one seed: identical rewards and losses, entropies 1e-8 apart), but two
+//! runs are not bit-identical.
 
 use crate::env::{
     build_sequence, messages_to_json, Env, EnvConfig, Message, PromptRow, Segment, Step, TrainingSequence,
