@@ -34,4 +34,8 @@ mkdir -p "$(dirname "$PWD")" && { [ -e "$PWD" ] || ln -s "\$PWD" "$PWD"; } && \\
 export LD_LIBRARY_PATH="\${LIBS:-\$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')}" && \\
 gunzip -kf .gpu/gpu-tests.gz .gpu/oxrl.gz && nvidia-smi -L && .gpu/gpu-tests --nocapture --test-threads 1 && \\
 OXRL_CUDA_KERNELS=1 .gpu/gpu-tests --nocapture --test-threads 1
+# Then the benchmarks, each on candle's graphs (0) and on oxrl's kernels (1), alternated:
+for r in 1 2; do for k in 0 1; do for dt in f32 bf16; do echo "kernels=\$k dtype=\$dt"; \\
+OXRL_CUDA_KERNELS=\$k .gpu/oxrl bench train --device cuda --dtype \$dt --reps 20 && \\
+OXRL_CUDA_KERNELS=\$k .gpu/oxrl bench decode --device cuda --dtype \$dt --batch 1,16,64,256; done; done; done
 CMD
