@@ -104,9 +104,10 @@ impl Common {
         })
     }
 
-    /// The fields every record has.
+    /// The fields every record has (on a GPU also whether oxrl's CUDA kernels ran, see
+    /// `ops::cuda_kernels`).
     fn record(&self, bench: &str, model: &str) -> serde_json::Value {
-        json!({
+        let mut r = json!({
             "bench": bench,
             "framework": "oxrl",
             "model": model,
@@ -114,7 +115,11 @@ impl Common {
             "device": self.device,
             "threads": rayon::current_num_threads(),
             "reps": self.reps,
-        })
+        });
+        if self.device.starts_with("cuda") {
+            r["cuda_kernels"] = json!(crate::model::ops::cuda_kernels());
+        }
+        r
     }
 }
 
