@@ -2,7 +2,8 @@
 // plain double-precision computations written here: forward values against the formulas, and
 // every backward against central finite differences of the double forward (an independent
 // check of the gradient formulas, not a second copy of them). Each kernel runs in f32, bf16
-// and f16, with blocks of 32 (one warp) and 256 threads and shapes that are not multiples of a block.
+// and f16, with blocks of 32 (one warp), 128 and 256 threads (what the host launches: 128 for the
+// cached attention, 256 for the rest) and shapes that are not multiples of a block.
 //
 // Built and run by tests/integration/cuda_kernels_emulated.rs; exits 1 when a check fails.
 #include <cstdio>
@@ -320,7 +321,7 @@ template <typename T> static void all(unsigned block) {
 }
 
 int main() {
-    for (unsigned block : {32u, 256u}) {
+    for (unsigned block : {32u, 128u, 256u}) {
         all<float>(block);
         all<bf16>(block);
         all<f16>(block);

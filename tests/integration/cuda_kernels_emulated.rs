@@ -1,7 +1,7 @@
 //! The CUDA kernels of the fused ops (src/model/ops/cuda/*.cu), run on the CPU: every build
 //! checks their logic, with or without a GPU. tests/cuda_emulation/emulate.h runs a kernel's
 //! threads as fibers that meet at __syncthreads and warp shuffles; main.cpp compares every
-//! kernel (f32, bf16, f16; blocks of one warp and of 256 threads) with double-precision
+//! kernel (f32, bf16, f16; blocks of one warp, 128 and 256 threads) with double-precision
 //! formulas, and every backward with finite differences. What this cannot see (the launches'
 //! arguments from Rust, the real hardware) tests/gpu.rs checks on a GPU.
 
