@@ -114,6 +114,9 @@ pub(crate) fn data<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> candle_co
 /// Rows of `out` (each `width` long) filled by `f(row index, row)` on the current rayon pool,
 /// in chunks large enough that the split pays.
 pub(crate) fn par_rows<T: Send>(out: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    if width == 0 {
+        return; // rows of nothing: nothing to fill (and no chunks of size 0)
+    }
     let rows_per_task = (16_384 / width.max(1)).max(1);
     out.par_chunks_mut(width).with_min_len(rows_per_task).enumerate().for_each(|(i, row)| f(i, row));
 }

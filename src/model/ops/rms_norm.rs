@@ -203,7 +203,7 @@ impl CustomOp2 for RmsNormBwd {
 
 /// RMSNorm of x [..., D] with weight [D]; fused where [`fused`] says (x and w of one dtype).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if !fused(x) || x.dtype() != w.dtype() || w.rank() != 1 || x.dim(D::Minus1)? != w.dim(0)? {
+    if !fused(x) || x.dtype() != w.dtype() || w.rank() != 1 || w.elem_count() == 0 || x.dim(D::Minus1)? != w.dim(0)? {
         return reference(x, w, eps);
     }
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })?)
@@ -247,5 +247,12 @@ mod tests {
                 "transposed",
             );
         }
+    }
+
+    #[test]
+    fn rows_of_no_width_are_not_a_panic() {
+        let x = candle_core::Tensor::zeros((3, 0), DType::F32, &candle_core::Device::Cpu).unwrap();
+        let w = candle_core::Tensor::zeros(0, DType::F32, &candle_core::Device::Cpu).unwrap();
+        assert_eq!(rms_norm(&x, &w, 1e-6).unwrap().dims(), [3, 0]);
     }
 }

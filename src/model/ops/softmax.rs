@@ -225,4 +225,11 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn rows_of_no_keys_are_not_a_panic() {
+        let s = Tensor::zeros((1, 2, 3, 0), DType::F32, &Device::Cpu).unwrap();
+        let bias = Tensor::zeros((1, 3, 0), DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(masked_softmax(&s, &bias, 1.0).unwrap().dims(), [1, 2, 3, 0]);
+    }
 }
