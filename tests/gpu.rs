@@ -289,15 +289,8 @@ fn device_names_and_cpu_builds_refusing_cuda() {
 }
 
 /// Deterministic values in [-scale, scale) as a tensor of `shape` on `dev`.
-fn values(shape: &[usize], seed: u64, scale: f64, dtype: DType, dev: &Device) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale) as f32
-        })
-        .collect();
+fn random(shape: &[usize], seed: u64, scale: f64, dtype: DType, dev: &Device) -> Tensor {
+    let v: Vec<f32> = values(shape.iter().product(), seed).into_iter().map(|x| (x * scale) as f32).collect();
     Tensor::from_vec(v, shape, dev).unwrap().to_dtype(dtype).unwrap()
 }
 
@@ -322,7 +315,7 @@ fn check_op(
     let e = max_rel(&a, &b);
     println!("{what}: values max relative difference {e:.2e}");
     assert!(e < tol, "{what}: values differ by {e}");
-    let w = values(a.dims(), 99, 1.0, a.dtype(), a.device());
+    let w = random(a.dims(), 99, 1.0, a.dtype(), a.device());
     let ga = (&a * &w).unwrap().sum_all().unwrap().backward().unwrap();
     let gb = (&b * &w).unwrap().sum_all().unwrap().backward().unwrap();
     for (i, v) in vars.iter().enumerate() {
@@ -345,7 +338,7 @@ fn fused_ops_on_cuda_equal_their_reference_graphs() {
     ops::set_cuda_kernels(true);
     assert!(ops::fused(&Tensor::zeros(1, DType::F32, &dev).unwrap()), "the CUDA kernels did not turn on");
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 5e-2), (DType::F16, 1e-2)] {
-        let var = |shape: &[usize], seed, scale| Var::from_tensor(&values(shape, seed, scale, dtype, &dev)).unwrap();
+        let var = |shape: &[usize], seed, scale| Var::from_tensor(&random(shape, seed, scale, dtype, &dev)).unwrap();
         let name = |op: &str| format!("{op} {dtype:?}");
 
         let (x, w) = (var(&[2, 7, 300], 1, 3.0), var(&[300], 2, 1.0));
@@ -360,7 +353,7 @@ fn fused_ops_on_cuda_equal_their_reference_graphs() {
 
         // [B, T, H, D] seen as [B, H, T, D], as the projections give it.
         let x = var(&[2, 5, 3, 8], 3, 2.0);
-        let (cos, sin) = (values(&[2, 1, 5, 4], 4, 1.0, dtype, &dev), values(&[2, 1, 5, 4], 5, 1.0, dtype, &dev));
+        let (cos, sin) = (random(&[2, 1, 5, 4], 4, 1.0, dtype, &dev), random(&[2, 1, 5, 4], 5, 1.0, dtype, &dev));
         let xt = x.as_tensor().transpose(1, 2).unwrap();
         check_op(
             &name("rope"),
@@ -410,9 +403,9 @@ fn fused_ops_on_cuda_equal_their_reference_graphs() {
         // Decoding: 2 new tokens over a cache of 45 positions held in buffers of 50 (k and v are
         // strided views, read in place), grouped heads, left padding in row 1.
         for d in [64, 128] {
-            let q = values(&[2, 4, 2, d], 10, 1.5, dtype, &dev);
-            let k = values(&[2, 2, 50, d], 11, 1.5, dtype, &dev).narrow(2, 0, 45).unwrap();
-            let v = values(&[2, 2, 50, d], 12, 1.5, dtype, &dev).narrow(2, 0, 45).unwrap();
+            let q = random(&[2, 4, 2, d], 10, 1.5, dtype, &dev);
+            let k = random(&[2, 2, 50, d], 11, 1.5, dtype, &dev).narrow(2, 0, 45).unwrap();
+            let v = random(&[2, 2, 50, d], 12, 1.5, dtype, &dev).narrow(2, 0, 45).unwrap();
             let mask: Vec<f32> = (0..2 * 2 * 45).map(|i| if i >= 90 && i % 45 < 3 { -1e30 } else { 0.0 }).collect();
             let bias = Tensor::from_vec(mask, (2, 2, 45), &dev).unwrap();
             let scale = 1.0 / (d as f64).sqrt();

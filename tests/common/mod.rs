@@ -66,6 +66,17 @@ pub struct Batch {
     pub weights: Vec<Vec<f32>>,
 }
 
+/// Deterministic pseudo-random values in [-1, 1) (an LCG: the same in every test and build).
+pub fn values(n: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        })
+        .collect()
+}
+
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
     let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();

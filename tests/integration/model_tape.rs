@@ -15,17 +15,6 @@ use oxrl::model::lora::{self, LoraConfig};
 use oxrl::model::tape::Tape;
 use oxrl::model::Transformer;
 
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-        })
-        .collect()
-}
-
 fn random_like(t: &Tensor, seed: u64, scale: f64) -> Tensor {
     let v: Vec<f64> = values(t.elem_count(), seed).into_iter().map(|x| x * scale).collect();
     Tensor::from_vec(v, t.shape(), &Device::Cpu).unwrap().to_dtype(t.dtype()).unwrap()
