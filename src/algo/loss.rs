@@ -162,6 +162,15 @@ impl Loss {
         }
     }
 
+    /// The same loss with its KL coefficient set to `coef` (an adaptive controller's current
+    /// one), when it carries a KL term; any other loss unchanged.
+    pub fn with_kl_coef(&self, coef: f64) -> Loss {
+        match self {
+            Loss::Policy(p) if p.kl_coef != 0.0 => Loss::Policy(PolicyLoss { kl_coef: coef, ..p.clone() }),
+            other => other.clone(),
+        }
+    }
+
     pub fn compute(&self, inputs: &LossInputs) -> Result<LossOutput> {
         match self {
             Loss::Tinker(loss) => loss.compute(inputs),

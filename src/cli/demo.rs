@@ -44,7 +44,9 @@ use crate::model::tokenizer::{Tokenizer, BYTE_LEVEL_VOCAB_SIZE};
 use crate::rollout::{Engine, EngineClient, EngineConfig, SamplingParams};
 use crate::trainer::rl::{pass_rates, run_rl};
 use crate::trainer::rollouts::generate_episodes;
-use crate::trainer::sft::{run_sft, FinishWhen, RunOptions, POLICY};
+use crate::trainer::model_ids::POLICY;
+use crate::trainer::sft::run_sft;
+use crate::trainer::{FinishWhen, RunOptions};
 use crate::trainer::{RlConfig, SftConfig};
 
 #[derive(clap::Args)]

@@ -10,7 +10,7 @@ use crate::model::tokenizer::Tokenizer;
 use crate::model::{weights, Transformer};
 use crate::rollout::{Engine, EngineClient, EngineConfig};
 use crate::trainer::config::ModelSection;
-use crate::trainer::rl_ids::{CRITIC, POLICY, REFERENCE};
+use crate::trainer::model_ids::{CRITIC, POLICY, REFERENCE};
 use crate::trainer::{RlConfig, SftConfig};
 use crate::worker::WorkerConfig;
 use crate::{Error, Result};

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::trainer::sft::RunOptions;
+use crate::trainer::RunOptions;
 
 #[derive(clap::Args)]
 pub struct RunArgs {

@@ -1,121 +1,144 @@
-//! The synchronous RL loop (GRPO, PPO and relatives).
+//! The RL loop (GRPO, PPO and relatives), one for both modes: only where a step's groups come
+//! from differs.
 //!
 //! ```text
 //! for step in start..max_steps:
-//!     prompts  = loader.next_batch(prompts_per_step)               # seeded shuffle, resumable
-//!     episodes = n samples per prompt on the engines, envs give rewards     (rollouts.rs)
-//!     drop / replace groups without signal (zero_variance_filter, dynamic_sampling)
-//!     old      = policy.forward(episodes)          # the policy the step starts from
-//!     ref      = ref.forward(episodes)             # if a KL coefficient is set
-//!     values   = critic.forward(episodes)          # if the estimator is gae
-//!     advantages, corrections, KL in reward                             (rl_step.rs)
+//!     groups   = source.next_groups()            # whole groups with signal, in identity order
+//!                  sync  (sync_groups.rs):  generate this step's prompts × n on the engines
+//!                  async (async_groups.rs): take groups generated in the background, staleness-bounded
+//!     episodes = the groups' episodes, numbered by group                        (group.rs)
+//!     old      = policy.forward(episodes); ref, values if needed  # the step's anchor (rl_run.rs)
+//!     advantages, corrections, KL in reward                                     (rl_step.rs)
 //!     for epoch in update_epochs: for each mini-batch (whole groups):
 //!         policy.forward_backward(datums, loss); policy.optim_step(lr = schedule(step))
 //!         critic.forward_backward(value datums, value loss); critic.optim_step(critic lr)
-//!     engines.update_weights(policy.sampler_weights())   # versioned: version = optimizer steps
-//!     every eval_every: pass@1 and pass@n on the held-out prompts
-//!     every checkpoint_every: worker states + loader position + KL controller
+//!     engines.update_weights(policy weights)      # sync: engines idle; async: paused in flight
+//!     source.trained(groups)                      # async: consumed, staleness advances
+//!     metrics line; every eval_every: pass@1 and pass@n; every checkpoint_every: checkpoint
 //! ```
-//! Sampling seeds derive from `train.seed`, the step and the prompt's place in it
-//! ([`group_seed`]), so a resumed run reproduces an uninterrupted one: it restores parameters,
-//! optimizer moments, the loader position and the KL coefficient, and pushes the restored
-//! weights to the engines before its first step. Interruption (Ctrl-C, `stop_after`) is checked
-//! between steps and always leaves a checkpoint. `mode = "async"` runs [`super::rl_async`].
-//!
-//! The trainer knows models only by id (`policy`, `ref`, `critic`) on a ready [`Dispatch`] and
-//! engines through an [`EngineClient`]: it never names a device or a data-parallel size.
+//! `time_generate_s` means the same in both modes: the wall seconds the loop waited for the
+//! step's groups (sync: the whole generation; async: what generation did not overlap with
+//! training). Interruption (Ctrl-C, `stop_after`) is checked between steps and, in async mode,
+//! while waiting for groups; it always leaves a checkpoint. The loop knows models only by id on
+//! a ready [`Dispatch`] and engines through an [`EngineClient`]: never a device or a
+//! data-parallel size.
 
 use std::time::Instant;
 
-use serde_json::{json, Map};
+use serde_json::{json, Map, Value};
 
-use super::data_loader::DataLoader;
-use super::rl_run::{group_seed, keep_group, RlRun, RolloutStats, TrainerState};
-use super::rollouts::{generate_groups, Episode};
-use super::sft::RunOptions;
+use super::async_groups::AsyncGroups;
+use super::group::{step_episodes, Group};
+use super::rl_config::{Mode, RlConfig};
+use super::rl_run::RlRun;
+use super::rollout_stats::RolloutStats;
+use super::rollouts::GroupSampler;
+use super::run_dir::{check_resumable, DataPosition, RunOptions};
+use super::sync_groups::SyncGroups;
 use crate::dispatch::Dispatch;
-use crate::rollout::EngineClient;
+use crate::model::tokenizer::Tokenizer;
+use crate::rollout::{EngineClient, PauseMode};
 use crate::{Error, Result};
 
-use super::rl_config::RlConfig;
-pub use super::rl_run::{evaluate, load_rl_prompts, pass_rates, RlSummary, EXPORT_DIR};
+pub use super::rl_eval::{evaluate, pass_rates};
+pub use super::rl_prompts::load_rl_prompts;
+pub use super::rl_run::RlSummary;
+pub use super::run_dir::EXPORT_DIR;
 
-/// Renumbers the groups of `episodes` 0, 1, … in order (after filtering).
-pub(super) fn renumber(episodes: &mut [Episode]) {
-    let mut next = 0;
-    let mut last = None;
-    for e in episodes.iter_mut() {
-        if last != Some(e.group) {
-            last = Some(e.group);
-            next += 1;
-        }
-        e.group = next - 1;
-    }
+/// Where the loop's groups come from.
+pub trait GroupSource {
+    /// The next step's groups (step `steps_done + 1`): whole groups with signal, in identity
+    /// order. Every episode generated for it, filtered or not, goes into `rollouts`. `None`:
+    /// `stop()` turned true while waiting.
+    fn next_groups(
+        &mut self,
+        steps_done: usize,
+        rollouts: &mut RolloutStats,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<Vec<Group>>>;
+    /// How the engines take the step's new weights: `None` when they are idle.
+    fn pause_mode(&self) -> Option<PauseMode>;
+    /// The step `step` (from 1) trained `groups` and its weights reached the engines.
+    fn trained(&mut self, groups: &[Group], step: u64);
+    /// The source's own keys of the step's metrics line.
+    fn describe(&self, groups: &[Group], step: u64, line: &mut Map<String, Value>);
+    /// Where the source is in the prompts, for a checkpoint.
+    fn position(&self) -> DataPosition;
 }
 
 /// Runs (or resumes) RL as `cfg` says, on the models of `dispatch` (`policy`, and `ref` /
 /// `critic` when the config needs them) and the sampling engines of `engines`, which must hold
 /// the policy's initial weights.
 pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts: &RunOptions) -> Result<RlSummary> {
-    if cfg.mode == "async" {
-        return super::rl_async::run_rl_async(cfg, dispatch, engines, opts);
+    check_resumable(&cfg.output.run_dir, opts)?; // before the prompts are read
+    let tok = Tokenizer::from_dir(&cfg.model.path)?;
+    let (train, eval) = load_rl_prompts(cfg)?;
+    if train.is_empty() {
+        return Err(Error::input("the RL training set is empty"));
     }
-    let mut run = RlRun::open(cfg, dispatch, engines, opts)?;
-    let t = &cfg.train;
-    let mut loader = DataLoader::new(run.train.clone(), t.prompts_per_step, cfg.data.shuffle_seed, true);
-    if let Some(state) = &run.resumed {
-        loader.set_position(state.loader)?;
-    }
-    let (env_config, params) = (cfg.env.env_config(), cfg.sampling_params(false));
-    let n = cfg.rollout.n_samples;
-    let mut reward_mean = f64::NAN;
-    let state = |run: &RlRun, loader: &DataLoader<_>| TrainerState {
-        step: run.step,
-        loader: loader.position(),
-        kl_coef: run.kl.coef(),
-        evals: run.evals.clone(),
-        ..Default::default()
+    eprintln!("rl ({}): {} training prompts, {} eval prompts", cfg.mode, train.len(), eval.len());
+    let (run, resumed) = RlRun::open(cfg, dispatch, engines, &tok, &eval, opts)?;
+    let sampler = GroupSampler {
+        engines,
+        tok: &tok,
+        env_config: cfg.env.env_config(),
+        params: cfg.sampling_params(false),
+        n: cfg.rollout.n_samples,
+        train_seed: cfg.train.seed,
     };
+    match cfg.mode {
+        Mode::Sync => train_loop(run, SyncGroups::new(cfg, &sampler, &train, resumed.as_ref())?),
+        Mode::Async => std::thread::scope(|scope| {
+            let source = AsyncGroups::start(scope, cfg, &sampler, &train, resumed.as_ref())?;
+            train_loop(run, source)
+        }),
+    }
+}
 
+/// The loop of the module docs over any source of groups.
+fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary> {
+    let total = run.cfg.train.max_steps;
+    let mut reward_mean = f64::NAN;
     let interrupted = loop {
-        if let (true, interrupted) = run.should_stop() {
-            break interrupted;
+        if run.step >= total {
+            break false;
         }
-        // Generate: n episodes per prompt; groups without signal dropped or replaced.
+        if run.dir.should_stop(run.step) {
+            break true;
+        }
+        // The step's groups.
         let t0 = Instant::now();
-        let mut episodes: Vec<Episode> = vec![];
         let mut rollouts = RolloutStats::default();
-        let rounds =
-            if cfg.algorithm.dynamic_sampling == "replace" { cfg.algorithm.max_sampling_rounds.max(1) } else { 1 };
-        for round in 0..rounds {
-            let batch = loader.next_batch().ok_or_else(|| Error::input("the training set is empty"))?;
-            let seeds: Vec<u64> = (0..batch.items.len()).map(|i| group_seed(t.seed, run.step, round, i)).collect();
-            let fresh = generate_groups(engines, &run.tok, &batch.items, &seeds, &env_config, &params, n)?;
-            for group in fresh.chunks(n) {
-                rollouts.add(group);
-                if keep_group(cfg, group) && episodes.len() / n < t.prompts_per_step {
-                    let offset = episodes.last().map_or(0, |e| e.group + 1);
-                    episodes.extend(group.iter().cloned().map(|e| Episode { group: offset, ..e }));
-                }
-            }
-            if episodes.len() / n >= t.prompts_per_step {
-                break;
-            }
-        }
-        renumber(&mut episodes);
+        let stop = || run.dir.should_stop(run.step);
+        let Some(groups) = source.next_groups(run.step, &mut rollouts, &stop)? else { break true };
         let time_generate = t0.elapsed().as_secs_f64();
         reward_mean = rollouts.reward_mean();
 
+        // Train on them, then send the new weights to the engines.
+        let episodes = step_episodes(&groups);
         let trained = run.train_step(&episodes)?;
-        // Sync: the engines sample the next step with the new weights.
-        let time_sync = if episodes.is_empty() { 0.0 } else { run.push_weights(None)?.0 };
-        let elapsed = time_generate + trained.time_reference + trained.time_train + time_sync;
+        let (time_sync, version) =
+            if episodes.is_empty() { (0.0, None) } else { run.push_weights(source.pause_mode()).map(|(t, v)| (t, Some(v)))? };
+        let this_step = run.step as u64 + 1;
+        source.trained(&groups, this_step);
+
+        // Metrics, evaluation, checkpoint.
         let mut line = Map::new();
         line.insert("time_generate_s".into(), json!(time_generate));
         line.insert("time_sync_s".into(), json!(time_sync));
+        let elapsed = time_generate + trained.time_reference + trained.time_train + time_sync;
         line.insert("samples_per_s".into(), json!(rollouts.generated as f64 / elapsed.max(1e-9)));
-        run.end_step(line, &rollouts, &trained, |run| state(run, &loader))?;
+        if let Some(v) = version {
+            line.insert("weight_version".into(), json!(v));
+        }
+        source.describe(&groups, this_step, &mut line);
+        run.end_step(line, &rollouts, &trained, || source.position())?;
+        if run.dir.finish_now(run.step, run.dispatch)? {
+            run.dir.progress().println(format!("finished early at step {}", run.step));
+            break false;
+        }
     };
-    let last = state(&run, &loader);
-    run.finish(interrupted, reward_mean, last)
+    let position = source.position();
+    drop(source); // async: the generation workers stop
+    run.finish(interrupted, reward_mean, position)
 }

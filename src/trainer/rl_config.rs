@@ -16,20 +16,82 @@ use serde_json::Value as Json;
 
 use super::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
 use super::config_file::{ConfigPaths, Sources};
+use super::group::GroupFilter;
+use super::rl_step::StepRecipe;
 use crate::algo::{
     AdaptiveKlController, AdvantageEstimator, KlController, KlEstimator, Loss, LossReduction, OffPolicyCorrection,
 };
 use crate::env::EnvConfig;
-use crate::error::{nearest_name, Error, Result};
+use super::choice::unknown;
+use crate::error::{Error, Result};
 use crate::rollout::SamplingParams;
 
-/// Run modes: `sync` (generate, then train, then sync weights) and `async` (generation runs
-/// on while the trainer trains; weights are updated in flight).
-pub const MODES: [&str; 2] = ["sync", "async"];
-/// Values of `async_rl.weight_update`.
-pub const WEIGHT_UPDATE_MODES: [&str; 2] = ["keep", "abort"];
-/// Values of `algorithm.dynamic_sampling`.
-pub const DYNAMIC_SAMPLING: [&str; 3] = ["none", "filter", "replace"];
+crate::choice! {
+    /// How generation and training alternate.
+    pub enum Mode("mode") {
+        /// Each step generates its groups, trains on them, then syncs the engines' weights.
+        Sync = "sync",
+        /// Generation never waits for training (see `[async_rl]`); weights are updated in flight.
+        Async = "async",
+    }
+}
+
+crate::choice! {
+    /// How engines take new weights in flight (async mode).
+    pub enum WeightUpdate("weight update mode") {
+        /// Running requests freeze, weights swap, their caches are recomputed, decoding continues.
+        Keep = "keep",
+        /// Running requests end and continue on the new weights.
+        Abort = "abort",
+    }
+}
+
+crate::choice! {
+    /// What happens to groups whose episodes are all correct or all wrong (DAPO's dynamic
+    /// sampling: such a group has no signal under GRPO / RLOO with a 0/1 reward).
+    pub enum DynamicSampling("dynamic sampling mode") {
+        /// Keep them.
+        None = "none",
+        /// Drop them; the step trains the groups left (sync mode only).
+        Filter = "filter",
+        /// Drop them and sample more: sync mode, more prompts until the step has
+        /// `prompts_per_step` groups or `max_sampling_rounds`; async mode, the next groups of
+        /// the stream take their place.
+        Replace = "replace",
+    }
+}
+
+crate::choice! {
+    /// The advantage estimator (specs/algorithms.md).
+    pub enum AdvantageName("advantage estimator") {
+        Grpo = "grpo",
+        Rloo = "rloo",
+        ReinforcePlusPlus = "reinforce++",
+        /// Trains a critic (see `[critic]`).
+        Gae = "gae",
+    }
+}
+
+crate::choice! {
+    /// The loss reduction, expressed as per-token weights.
+    pub enum ReductionName("loss reduction") {
+        TokenMean = "token_mean",
+        SequenceMean = "sequence_mean",
+        /// Needs `algorithm.max_seq_len`.
+        SeqMeanTokenSumNorm = "seq_mean_token_sum_norm",
+        PromptMean = "prompt_mean",
+    }
+}
+
+crate::choice! {
+    /// The KL estimator `k(lp, ref)`.
+    pub enum KlEstimatorName("KL estimator") {
+        K1 = "k1",
+        K2 = "k2",
+        K3 = "k3",
+        Abs = "abs",
+    }
+}
 
 /// A full RL run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -37,7 +99,7 @@ pub const DYNAMIC_SAMPLING: [&str; 3] = ["none", "filter", "replace"];
 pub struct RlConfig {
     /// `sync`: each step generates, scores, trains, then syncs the engines' weights. `async`:
     /// generation never waits for training (see `[async_rl]`). Default `sync`.
-    pub mode: String,
+    pub mode: Mode,
     pub model: ModelSection,
     pub data: RlDataSection,
     pub env: EnvSection,
@@ -55,7 +117,7 @@ pub struct RlConfig {
 impl Default for RlConfig {
     fn default() -> Self {
         RlConfig {
-            mode: "sync".into(),
+            mode: Mode::Sync,
             model: ModelSection::default(),
             data: RlDataSection::default(),
             env: EnvSection::default(),
@@ -217,7 +279,7 @@ impl Default for RolloutSection {
 pub struct AlgorithmSection {
     /// Advantage estimator: `grpo`, `rloo`, `reinforce++` or `gae` (trains a critic, see
     /// `[critic]`). Default `grpo`.
-    pub advantage: String,
+    pub advantage: AdvantageName,
     /// GRPO: divide by the group's reward standard deviation. Default true.
     pub norm_by_std: bool,
     /// Discount of `reinforce++` and `gae`. Default 1.
@@ -234,7 +296,7 @@ pub struct AlgorithmSection {
     pub loss_config: toml::Table,
     /// Loss reduction, as per-token weights: `token_mean` (the default), `sequence_mean`,
     /// `seq_mean_token_sum_norm` (needs `max_seq_len`) or `prompt_mean`.
-    pub reduction: String,
+    pub reduction: ReductionName,
     /// The constant length of `seq_mean_token_sum_norm`. Default 0 (unset).
     pub max_seq_len: usize,
     /// KL penalty against the reference (the initial policy).
@@ -244,31 +306,36 @@ pub struct AlgorithmSection {
     /// `tis_cap`, `sequence_mask` (`geometric` | `product`), `sequence_mask_low`,
     /// `sequence_mask_high` (see [`OffPolicyCorrection::from_config`]). Default `{}`: none.
     pub off_policy: toml::Table,
-    /// Groups whose rewards are all equal (zero advantage under GRPO / RLOO): `none` (keep
-    /// them, the default), `filter` (drop them) or `replace` (drop them and sample more
-    /// prompts until the step has `prompts_per_step` groups, or `max_sampling_rounds`).
-    pub dynamic_sampling: String,
-    /// Rounds of sampling per step at most with `dynamic_sampling = "replace"`. Default 3.
+    /// Groups whose episodes are all correct or all wrong (the env's verdict, not the reward,
+    /// which may include format rewards): `none` (keep them, the default), `filter` (drop them;
+    /// sync mode only) or `replace` (drop them and sample more in their place: in sync mode
+    /// more prompts until the step has `prompts_per_step` groups, or `max_sampling_rounds`; in
+    /// async mode the stream's next groups).
+    pub dynamic_sampling: DynamicSampling,
+    /// Rounds of sampling per step at most with `dynamic_sampling = "replace"` (sync mode only:
+    /// the async stream has no rounds). Default 3.
     pub max_sampling_rounds: usize,
-    /// Give the tokens of zero-variance groups zero weight in the loss (they still count in
-    /// the reduction's denominators). Default false.
+    /// Drop groups whose rewards are all equal (zero advantage under GRPO / RLOO): they are not
+    /// trained and count in no denominator. Sync mode: the step trains the groups left (or,
+    /// with `dynamic_sampling = "replace"`, samples more); async mode: the stream's next groups
+    /// take their place. Default false.
     pub zero_variance_filter: bool,
 }
 
 impl Default for AlgorithmSection {
     fn default() -> Self {
         AlgorithmSection {
-            advantage: "grpo".into(),
+            advantage: AdvantageName::Grpo,
             norm_by_std: true,
             gamma: 1.0,
             lambda: 1.0,
             loss: "regular".into(),
             loss_config: toml::Table::new(),
-            reduction: "token_mean".into(),
+            reduction: ReductionName::TokenMean,
             max_seq_len: 0,
             kl: KlSection::default(),
             off_policy: toml::Table::new(),
-            dynamic_sampling: "none".into(),
+            dynamic_sampling: DynamicSampling::None,
             max_sampling_rounds: 3,
             zero_variance_filter: false,
         }
@@ -282,7 +349,7 @@ pub struct KlSection {
     /// Coefficient; 0 (the default) turns the penalty off and no reference model is loaded.
     pub coef: f64,
     /// Estimator: `k1`, `k2`, `k3` (the default) or `abs`.
-    pub estimator: String,
+    pub estimator: KlEstimatorName,
     /// false (the default): a per-token term of the policy loss (its `kl_coef`); true:
     /// subtracted from the token rewards before the advantages.
     pub in_reward: bool,
@@ -298,7 +365,7 @@ impl Default for KlSection {
     fn default() -> Self {
         KlSection {
             coef: 0.0,
-            estimator: "k3".into(),
+            estimator: KlEstimatorName::K3,
             in_reward: false,
             adaptive: false,
             target: 0.1,
@@ -359,7 +426,8 @@ impl Default for RlTrainSection {
     }
 }
 
-/// `[async_rl]`: the fully asynchronous trainer (`mode = "async"`; ignored otherwise).
+/// `[async_rl]`: the fully asynchronous trainer (`mode = "async"`; in sync mode a key set to
+/// other than its default is an error).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AsyncSection {
@@ -371,12 +439,12 @@ pub struct AsyncSection {
     /// How engines take new weights in flight: `keep` (running requests freeze, weights swap,
     /// their caches are recomputed, decoding continues) or `abort` (running requests end and
     /// continue on the new weights). Default `keep`.
-    pub weight_update: String,
+    pub weight_update: WeightUpdate,
 }
 
 impl Default for AsyncSection {
     fn default() -> Self {
-        AsyncSection { max_staleness: 1, max_concurrent: 0, weight_update: "keep".into() }
+        AsyncSection { max_staleness: 1, max_concurrent: 0, weight_update: WeightUpdate::Keep }
     }
 }
 
@@ -392,10 +460,9 @@ impl AsyncSection {
 
     /// The engines' pause mode for a weight update.
     pub fn pause_mode(&self) -> crate::rollout::PauseMode {
-        if self.weight_update == "abort" {
-            crate::rollout::PauseMode::Abort
-        } else {
-            crate::rollout::PauseMode::Keep
+        match self.weight_update {
+            WeightUpdate::Abort => crate::rollout::PauseMode::Abort,
+            WeightUpdate::Keep => crate::rollout::PauseMode::Keep,
         }
     }
 }
@@ -446,13 +513,7 @@ impl RlConfig {
     pub fn validate(&self, sources: &Sources) -> Result<()> {
         let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
         let wrap = |key: &str, e: Error| parser_error(sources, key, e);
-        if !MODES.contains(&self.mode.as_str()) {
-            return Err(err("mode", &unknown("mode", &self.mode, &MODES)));
-        }
-        if !WEIGHT_UPDATE_MODES.contains(&self.async_rl.weight_update.as_str()) {
-            let msg = unknown("weight update mode", &self.async_rl.weight_update, &WEIGHT_UPDATE_MODES);
-            return Err(err("async_rl.weight_update", &msg));
-        }
+        self.validate_mode_keys(sources)?;
         self.model.validate(sources)?;
         self.validate_data(sources)?;
 
@@ -474,7 +535,7 @@ impl RlConfig {
         if r.n_samples == 0 {
             return Err(err("rollout.n_samples", &"must be positive"));
         }
-        if r.n_samples < 2 && matches!(self.algorithm.advantage.as_str(), "grpo" | "rloo") {
+        if r.n_samples < 2 && matches!(self.algorithm.advantage, AdvantageName::Grpo | AdvantageName::Rloo) {
             return Err(err(
                 "rollout.n_samples",
                 &format!(
@@ -541,6 +602,26 @@ impl RlConfig {
             return Err(err("train.max_steps", &"must be positive"));
         }
 
+        if self.mode == Mode::Async {
+            let a = &self.async_rl;
+            if a.max_staleness > t.max_steps as u64 {
+                return Err(err(
+                    "async_rl.max_staleness",
+                    &format!("must be at most train.max_steps ({}): a larger bound changes nothing", t.max_steps),
+                ));
+            }
+            let most = (a.max_staleness + 1) * t.prompts_per_step as u64;
+            if a.max_concurrent > most {
+                return Err(err(
+                    "async_rl.max_concurrent",
+                    &format!(
+                        "must be at most (async_rl.max_staleness + 1) × train.prompts_per_step = {most}: \
+                         staleness control never runs more groups at once (0: that many)"
+                    ),
+                ));
+            }
+        }
+
         let l = &self.launch;
         for (key, n) in [
             ("launch.data_parallel", l.data_parallel),
@@ -555,6 +636,44 @@ impl RlConfig {
             return Err(err("output.run_dir", &"required"));
         }
         Ok(())
+    }
+
+    /// Keys that do not apply to the chosen mode, set to other than their defaults, are errors
+    /// naming them (a saved `config.toml` lists every key at its default, which is fine).
+    fn validate_mode_keys(&self, sources: &Sources) -> Result<()> {
+        let (a, d) = (&self.async_rl, AsyncSection::default());
+        let misapplied: Vec<(&str, &str)> = match self.mode {
+            Mode::Sync => [
+                ("async_rl.max_staleness", a.max_staleness != d.max_staleness),
+                ("async_rl.max_concurrent", a.max_concurrent != d.max_concurrent),
+                ("async_rl.weight_update", a.weight_update != d.weight_update),
+            ]
+            .into_iter()
+            .filter(|(_, set)| *set)
+            .map(|(key, _)| (key, "applies only to mode = \"async\""))
+            .collect(),
+            Mode::Async => {
+                let mut keys = vec![];
+                if self.algorithm.dynamic_sampling == DynamicSampling::Filter {
+                    keys.push((
+                        "algorithm.dynamic_sampling",
+                        "`filter` applies only to mode = \"sync\": in async mode a dropped group is always \
+                         replaced by the stream's next one (use `replace`)",
+                    ));
+                }
+                if self.algorithm.max_sampling_rounds != AlgorithmSection::default().max_sampling_rounds {
+                    keys.push((
+                        "algorithm.max_sampling_rounds",
+                        "applies only to mode = \"sync\" (the async stream replaces dropped groups without rounds)",
+                    ));
+                }
+                keys
+            }
+        };
+        match misapplied.first() {
+            Some((key, why)) => Err(sources.error(key, why)),
+            None => Ok(()),
+        }
     }
 
     fn validate_data(&self, sources: &Sources) -> Result<()> {
@@ -584,12 +703,6 @@ impl RlConfig {
         let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
         let wrap = |key: &str, e: Error| parser_error(sources, key, e);
         let a = &self.algorithm;
-        if !AdvantageEstimator::NAMES.contains(&a.advantage.as_str()) {
-            return Err(err(
-                "algorithm.advantage",
-                &unknown("advantage estimator", &a.advantage, &AdvantageEstimator::NAMES),
-            ));
-        }
         for (key, x) in [("algorithm.gamma", a.gamma), ("algorithm.lambda", a.lambda)] {
             if !(0.0..=1.0).contains(&x) {
                 return Err(err(key, &"must be in [0, 1]"));
@@ -619,7 +732,6 @@ impl RlConfig {
                 .unwrap_or_else(|| "algorithm.loss_config".into());
             return Err(wrap(&key, e));
         }
-        KlEstimator::from_name(&a.kl.estimator).map_err(|e| wrap("algorithm.kl.estimator", e))?;
         if !non_negative(a.kl.coef) {
             return Err(err("algorithm.kl.coef", &"must be non-negative (0 = no KL penalty)"));
         }
@@ -647,10 +759,7 @@ impl RlConfig {
         }
 
         let max_seq_len = (a.max_seq_len > 0).then_some(a.max_seq_len);
-        if !LossReduction::NAMES.contains(&a.reduction.as_str()) {
-            return Err(err("algorithm.reduction", &unknown("loss reduction", &a.reduction, &LossReduction::NAMES)));
-        }
-        LossReduction::from_name(&a.reduction, max_seq_len).map_err(|e| wrap("algorithm.max_seq_len", e))?;
+        LossReduction::from_name(a.reduction.name(), max_seq_len).map_err(|e| wrap("algorithm.max_seq_len", e))?;
 
         if let Err(e) = self.off_policy() {
             let key = offending_key(&e, &a.off_policy)
@@ -658,13 +767,7 @@ impl RlConfig {
                 .unwrap_or_else(|| "algorithm.off_policy".into());
             return Err(wrap(&key, e));
         }
-        if !DYNAMIC_SAMPLING.contains(&a.dynamic_sampling.as_str()) {
-            return Err(err(
-                "algorithm.dynamic_sampling",
-                &unknown("dynamic sampling mode", &a.dynamic_sampling, &DYNAMIC_SAMPLING),
-            ));
-        }
-        if a.dynamic_sampling == "replace" && a.max_sampling_rounds == 0 {
+        if a.dynamic_sampling == DynamicSampling::Replace && a.max_sampling_rounds == 0 {
             return Err(err("algorithm.max_sampling_rounds", &"must be positive"));
         }
         Ok(())
@@ -688,7 +791,7 @@ impl RlConfig {
         let mut config = toml_to_json(&a.loss_config);
         if kl_coef > 0.0 && !a.kl.in_reward {
             config["kl_coef"] = Json::from(kl_coef);
-            config["kl_estimator"] = Json::from(a.kl.estimator.clone());
+            config["kl_estimator"] = Json::from(a.kl.estimator.name());
         }
         Loss::parse(&a.loss, &config)
     }
@@ -701,24 +804,24 @@ impl RlConfig {
     /// The advantage estimator, with the keys it takes among `norm_by_std`, `gamma`, `lambda`.
     pub fn advantage(&self) -> Result<AdvantageEstimator> {
         let a = &self.algorithm;
-        let config = match a.advantage.as_str() {
-            "grpo" => serde_json::json!({ "norm_by_std": a.norm_by_std }),
-            "reinforce++" => serde_json::json!({ "gamma": a.gamma }),
-            "gae" => serde_json::json!({ "gamma": a.gamma, "lambda": a.lambda }),
-            _ => Json::Null,
+        let config = match a.advantage {
+            AdvantageName::Grpo => serde_json::json!({ "norm_by_std": a.norm_by_std }),
+            AdvantageName::ReinforcePlusPlus => serde_json::json!({ "gamma": a.gamma }),
+            AdvantageName::Gae => serde_json::json!({ "gamma": a.gamma, "lambda": a.lambda }),
+            AdvantageName::Rloo => Json::Null,
         };
-        AdvantageEstimator::from_config(&a.advantage, &config)
+        AdvantageEstimator::from_config(a.advantage.name(), &config)
     }
 
     /// The loss reduction (`max_seq_len` 0 is unset).
     pub fn reduction(&self) -> Result<LossReduction> {
         let a = &self.algorithm;
-        LossReduction::from_name(&a.reduction, (a.max_seq_len > 0).then_some(a.max_seq_len))
+        LossReduction::from_name(a.reduction.name(), (a.max_seq_len > 0).then_some(a.max_seq_len))
     }
 
     /// The KL estimator of `algorithm.kl.estimator`.
     pub fn kl_estimator(&self) -> Result<KlEstimator> {
-        KlEstimator::from_name(&self.algorithm.kl.estimator)
+        KlEstimator::from_name(self.algorithm.kl.estimator.name())
     }
 
     /// The KL coefficient over the run: fixed, or adaptive toward `kl.target`.
@@ -740,6 +843,32 @@ impl RlConfig {
         OffPolicyCorrection::from_config(&toml_to_json(table)).map(Some)
     }
 
+    /// What a run needs of the config, built once when it opens: the step recipe (advantage,
+    /// reduction, KL, off-policy correction), the policy loss, the critic's loss and the KL
+    /// controller. [`validate`](Self::validate) has run the same builders.
+    pub fn plan(&self) -> Result<RlPlan> {
+        let a = &self.algorithm;
+        Ok(RlPlan {
+            recipe: StepRecipe {
+                advantage: self.advantage()?,
+                reduction: self.reduction()?,
+                kl_coef: a.kl.coef,
+                kl_estimator: self.kl_estimator()?,
+                kl_in_reward: a.kl.in_reward,
+                off_policy: self.off_policy()?,
+            },
+            loss: self.loss()?,
+            value_loss: if self.needs_critic() { Some(self.value_loss()?) } else { None },
+            kl: self.kl_controller()?,
+        })
+    }
+
+    /// Which groups are dropped before training (`zero_variance_filter`, `dynamic_sampling`).
+    pub fn group_filter(&self) -> GroupFilter {
+        let a = &self.algorithm;
+        GroupFilter { equal_rewards: a.zero_variance_filter, equal_verdicts: a.dynamic_sampling != DynamicSampling::None }
+    }
+
     /// Whether a reference model is needed: a KL penalty (`algorithm.kl.coef > 0`).
     pub fn needs_reference(&self) -> bool {
         self.algorithm.kl.coef > 0.0
@@ -747,7 +876,7 @@ impl RlConfig {
 
     /// Whether a critic is trained: `algorithm.advantage = "gae"`.
     pub fn needs_critic(&self) -> bool {
-        self.algorithm.advantage == "gae"
+        self.algorithm.advantage == AdvantageName::Gae
     }
 
     /// Sampling parameters of a rollout turn (`eval`: of evaluation): `max_tokens` =
@@ -765,6 +894,19 @@ impl RlConfig {
             ignore_eos: false,
         }
     }
+}
+
+/// An RL config built into what a run uses ([`RlConfig::plan`]); nothing in it is parsed again.
+#[derive(Clone, Debug)]
+pub struct RlPlan {
+    /// How episodes become datums; its `kl_coef` is the initial coefficient.
+    pub recipe: StepRecipe,
+    /// The policy loss, with the initial KL coefficient when the KL term is in the loss.
+    pub loss: Loss,
+    /// The critic's loss, when a critic is trained (GAE).
+    pub value_loss: Option<Loss>,
+    /// The KL coefficient over the run (fixed or adaptive).
+    pub kl: KlController,
 }
 
 /// A parser's error as an error on config key `key`. Parser errors are `Error::Input(message)`;
@@ -797,10 +939,6 @@ fn offending_key(e: &Error, table: &toml::Table) -> Option<String> {
         .map(|(_, k)| k.clone())
 }
 
-fn unknown(kind: &str, name: &str, valid: &[&str]) -> String {
-    let hint = nearest_name(name, valid).map(|n| format!("; did you mean `{n}`?")).unwrap_or_default();
-    format!("unknown {kind} `{name}`{hint} (valid: {})", valid.join(", "))
-}
 
 /// Finite and above 0 (false for NaN).
 fn positive(x: f64) -> bool {

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use oxrl::cli::launch::sft_dispatch;
 use oxrl::trainer::config_file::absolutize;
-use oxrl::trainer::sft::{run_sft, RunOptions};
+use oxrl::trainer::sft::run_sft;
+use oxrl::trainer::RunOptions;
 use oxrl::trainer::SftConfig;
 
 const ROWS: &str = concat!(

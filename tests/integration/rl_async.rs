@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use oxrl::dispatch::Dispatch;
 use oxrl::rollout::EngineClient;
 use oxrl::trainer::rl::run_rl;
-use oxrl::trainer::sft::RunOptions;
+use oxrl::trainer::RunOptions;
 use oxrl::trainer::RlConfig;
 use serde_json::Value;
 

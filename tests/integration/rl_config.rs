@@ -370,7 +370,7 @@ fn rl_runtime_builds_the_models_the_config_needs() {
     let (dispatch, engines) = oxrl::cli::launch::rl_runtime(&c, Some(1)).unwrap();
     let mut ids = dispatch.ids();
     ids.sort();
-    use oxrl::trainer::rl_ids::{CRITIC, POLICY, REFERENCE};
+    use oxrl::trainer::model_ids::{CRITIC, POLICY, REFERENCE};
     assert_eq!(ids, vec![CRITIC.to_string(), POLICY.to_string(), REFERENCE.to_string()]);
     assert_eq!(engines.engines().len(), 2);
 }

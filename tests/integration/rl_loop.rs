@@ -7,7 +7,7 @@ use std::path::Path;
 use oxrl::dispatch::Dispatch;
 use oxrl::rollout::EngineClient;
 use oxrl::trainer::rl::run_rl;
-use oxrl::trainer::sft::RunOptions;
+use oxrl::trainer::RunOptions;
 use oxrl::trainer::RlConfig;
 
 fn config(model: &Path, run: &Path, extra: &[&str]) -> RlConfig {

@@ -10,7 +10,9 @@ use common::fixture_dir;
 use oxrl::cli::launch::sft_dispatch;
 use oxrl::model::{logprobs::target_logprobs, lora, tokenizer::Tokenizer, Transformer};
 use oxrl::trainer::metrics::read_metrics;
-use oxrl::trainer::sft::{RunOptions, SftSummary, EXPORT_DIR};
+use oxrl::trainer::run_dir::EXPORT_DIR;
+use oxrl::trainer::sft::SftSummary;
+use oxrl::trainer::RunOptions;
 use oxrl::trainer::SftConfig;
 use oxrl::worker::{Datum, Worker, WorkerConfig};
 use serde_json::json;
@@ -140,8 +142,8 @@ fn worker_logprobs(run: &Path, lora_rank: usize, seq: &[u32]) -> Vec<f32> {
     let model = Transformer::load(&fixture_dir("qwen3"), DType::F32, &Device::Cpu).unwrap();
     let lora = (lora_rank > 0).then(|| lora::LoraConfig::new(lora_rank, 8.0, &["q_proj", "v_proj"]));
     let mut w = Worker::new(model, WorkerConfig { lora, ..Default::default() }).unwrap();
-    let (_, ckpt) = oxrl::trainer::sft::latest_checkpoint(run).unwrap().unwrap();
-    w.load_state(&ckpt.join("worker")).unwrap();
+    let (_, ckpt) = oxrl::trainer::run_dir::latest_checkpoint(run).unwrap().unwrap();
+    w.load_state(&ckpt.join("policy")).unwrap();
     let targets: Vec<u32> = seq[1..].iter().copied().chain([0]).collect();
     let out = w.forward(&[Datum::supervised(seq.to_vec(), targets, vec![1.0; seq.len()])], None, true).unwrap();
     out.loss_fn_outputs[0].logprobs[..seq.len() - 1].to_vec()
@@ -262,7 +264,7 @@ fn ctrl_c_saves_a_checkpoint_that_resumes() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "an interrupted run exits non-zero");
     assert!(stderr.contains("interrupted at step"), "{stderr}");
-    let (step, _) = oxrl::trainer::sft::latest_checkpoint(&run).unwrap().expect("a checkpoint");
+    let (step, _) = oxrl::trainer::run_dir::latest_checkpoint(&run).unwrap().expect("a checkpoint");
     let lines = std::fs::read_to_string(&metrics).unwrap().lines().count();
     assert!(step >= 3 && step == lines, "checkpoint at step {step}, {lines} metric lines");
     // It resumes from there (a shorter max_steps ends the run at once) and exports.

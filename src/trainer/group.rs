@@ -1,0 +1,75 @@
+//! A group: the `n` episodes of one prompt, the unit that RL advantages (GRPO, RLOO), the
+//! group filters and staleness control work on, and what both sources of episodes hand the RL
+//! loop.
+//!
+//! A group's identity is `(step, round, index)`: the prompt `index` of the sync trainer's step
+//! `step` (from 0), in sampling round `round` of dynamic sampling. Its sampling seed is a function
+//! of that identity alone ([`GroupId::seed`]), so the async trainer's group `k` — identity
+//! `(k / prompts_per_step, 0, k mod prompts_per_step)` — samples what the sync trainer's does.
+//! A step's groups are trained in identity order.
+
+use super::rollouts::{prompt_seed, Episode};
+
+/// Where a group sits in the run: see the module docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GroupId {
+    /// The sync step it belongs to, from 0.
+    pub step: usize,
+    /// The dynamic-sampling round (0 unless `dynamic_sampling = "replace"` sampled more).
+    pub round: usize,
+    /// Its prompt's place in the step's batch.
+    pub index: usize,
+}
+
+impl GroupId {
+    /// The async stream's group `k`: prompt `k mod per_step` of step `k / per_step`, round 0.
+    pub fn of_stream(k: u64, per_step: usize) -> GroupId {
+        let per_step = per_step as u64;
+        GroupId { step: (k / per_step) as usize, round: 0, index: (k % per_step) as usize }
+    }
+
+    /// The group's sampling seed, from the run's `train.seed` and the identity alone.
+    pub fn seed(&self, train_seed: u64) -> u64 {
+        let step_seed = train_seed.wrapping_mul(1_000_003).wrapping_add(self.step as u64);
+        prompt_seed(step_seed.wrapping_mul(31).wrapping_add(self.round as u64), self.index)
+    }
+}
+
+/// A finished group.
+#[derive(Clone, Debug)]
+pub struct Group {
+    pub id: GroupId,
+    /// The training step (from 1) being worked on when its generation started; a group trained
+    /// in step `s` is `s − start_step` steps stale.
+    pub start_step: u64,
+    /// Its episodes, in sample order.
+    pub episodes: Vec<Episode>,
+}
+
+/// Which groups have no learning signal and are dropped before training.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupFilter {
+    /// Drop a group whose rewards are all equal (`algorithm.zero_variance_filter`).
+    pub equal_rewards: bool,
+    /// Drop a group whose episodes are all correct or all wrong (`algorithm.dynamic_sampling`).
+    pub equal_verdicts: bool,
+}
+
+impl GroupFilter {
+    /// Whether `episodes` (one group) are kept for training.
+    pub fn keeps(&self, episodes: &[Episode]) -> bool {
+        let same_reward = episodes.windows(2).all(|w| w[0].reward == w[1].reward);
+        let same_verdict = episodes.windows(2).all(|w| w[0].correct == w[1].correct);
+        !(self.equal_rewards && same_reward) && !(self.equal_verdicts && same_verdict)
+    }
+}
+
+/// The episodes of a step's groups, in order, each numbered with its group's place (what
+/// advantages and mini-batches group by).
+pub fn step_episodes(groups: &[Group]) -> Vec<Episode> {
+    let mut episodes = vec![];
+    for (i, g) in groups.iter().enumerate() {
+        episodes.extend(g.episodes.iter().cloned().map(|e| Episode { group: i, ..e }));
+    }
+    episodes
+}

@@ -1,0 +1,47 @@
+//! RL evaluation: the policy samples `eval_samples` answers to each held-out prompt on the
+//! engines; pass@1 is the mean correctness, pass@n the share of prompts with a correct answer.
+
+use super::rl_config::RlConfig;
+use super::rollouts::{generate_episodes, Episode};
+use crate::env::PromptRow;
+use crate::model::tokenizer::Tokenizer;
+use crate::rollout::EngineClient;
+use crate::Result;
+
+/// Accuracy of a set of episodes, `n` per prompt: pass@1 = mean correctness, pass@n = share of
+/// prompts with at least one correct episode.
+pub fn pass_rates(episodes: &[Episode]) -> (f64, f64) {
+    if episodes.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let pass1 = episodes.iter().filter(|e| e.correct).count() as f64 / episodes.len() as f64;
+    let mut groups: Vec<(usize, bool)> = vec![];
+    for e in episodes {
+        match groups.iter_mut().find(|(g, _)| *g == e.group) {
+            Some((_, any)) => *any |= e.correct,
+            None => groups.push((e.group, e.correct)),
+        }
+    }
+    let passn = groups.iter().filter(|(_, any)| *any).count() as f64 / groups.len() as f64;
+    (pass1, passn)
+}
+
+/// Evaluates the policy on the engines: (pass@1, pass@n).
+pub fn evaluate(
+    cfg: &RlConfig,
+    engines: &EngineClient,
+    tok: &Tokenizer,
+    prompts: &[PromptRow],
+    seed: u64,
+) -> Result<(f64, f64)> {
+    let episodes = generate_episodes(
+        engines,
+        tok,
+        prompts,
+        &cfg.env.env_config(),
+        &cfg.sampling_params(true),
+        cfg.rollout.eval_samples,
+        seed,
+    )?;
+    Ok(pass_rates(&episodes))
+}

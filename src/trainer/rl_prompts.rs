@@ -1,0 +1,24 @@
+//! The prompts of an RL run: the synthetic arithmetic sets, or `data.train_file` with
+//! `data.eval_file` or an `eval_fraction` held out by the one eval split of oxrl
+//! ([`split_eval`], the SFT trainer's too).
+
+use super::rl_config::RlConfig;
+use super::sft_data::split_eval;
+use crate::env::{generate_arithmetic, load_prompts, sample_arithmetic, PromptOptions, PromptRow};
+use crate::Result;
+
+/// The train and eval prompts of a run.
+pub fn load_rl_prompts(cfg: &RlConfig) -> Result<(Vec<PromptRow>, Vec<PromptRow>)> {
+    let d = &cfg.data;
+    let options =
+        PromptOptions { default_env: Some(d.env.clone()), on_bad_row: d.on_bad_row, config: cfg.env.env_config() };
+    if d.is_synthetic() {
+        let generate = if d.synthetic_eval_disjoint { generate_arithmetic } else { sample_arithmetic };
+        return generate(&d.arithmetic_spec(), d.synthetic_train, d.synthetic_eval, d.shuffle_seed);
+    }
+    let train = load_prompts(&d.train_file, &options)?.rows;
+    if !d.eval_file.as_os_str().is_empty() {
+        return Ok((train, load_prompts(&d.eval_file, &options)?.rows));
+    }
+    Ok(split_eval(train, d.eval_fraction, d.shuffle_seed))
+}

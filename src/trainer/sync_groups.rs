@@ -1,0 +1,90 @@
+//! The synchronous source of groups: each step generates its own, on engines that are idle
+//! while the trainer trains.
+//!
+//! ```text
+//! for round in 0..rounds (1, or max_sampling_rounds with dynamic_sampling = "replace"):
+//!     prompts = loader.next_batch(prompts_per_step)          # seeded per-epoch shuffle, resumable
+//!     groups  = n samples of each prompt, group (step, round, i) seeded by its identity
+//!     keep the groups with signal (group filter) until the step has prompts_per_step of them
+//! ```
+//! A resumed run restores the loader position, so it samples what an uninterrupted run does.
+
+use serde_json::{Map, Value};
+
+use super::data_loader::DataLoader;
+use super::group::{Group, GroupFilter, GroupId};
+use super::rl::GroupSource;
+use super::rl_config::{DynamicSampling, RlConfig};
+use super::rollout_stats::RolloutStats;
+use super::rollouts::GroupSampler;
+use super::run_dir::{expect_position, DataPosition, TrainerState};
+use crate::env::PromptRow;
+use crate::rollout::PauseMode;
+use crate::{Error, Result};
+
+pub struct SyncGroups<'a> {
+    sampler: &'a GroupSampler<'a>,
+    loader: DataLoader<PromptRow>,
+    per_step: usize,
+    rounds: usize,
+    filter: GroupFilter,
+}
+
+impl<'a> SyncGroups<'a> {
+    /// The source of a run over `train` (at the resumed run's loader position, if any).
+    pub fn new(
+        cfg: &RlConfig,
+        sampler: &'a GroupSampler<'a>,
+        train: &[PromptRow],
+        resumed: Option<&TrainerState>,
+    ) -> Result<Self> {
+        let per_step = cfg.train.prompts_per_step;
+        let mut loader = DataLoader::new(train.to_vec(), per_step, cfg.data.shuffle_seed, true);
+        if let Some(state) = resumed {
+            if let DataPosition::Loader(position) = expect_position(state, false)? {
+                loader.set_position(*position)?;
+            }
+        }
+        let a = &cfg.algorithm;
+        let rounds = if a.dynamic_sampling == DynamicSampling::Replace { a.max_sampling_rounds.max(1) } else { 1 };
+        Ok(SyncGroups { sampler, loader, per_step, rounds, filter: cfg.group_filter() })
+    }
+}
+
+impl GroupSource for SyncGroups<'_> {
+    fn next_groups(
+        &mut self,
+        steps_done: usize,
+        rollouts: &mut RolloutStats,
+        _stop: &dyn Fn() -> bool,
+    ) -> Result<Option<Vec<Group>>> {
+        let mut groups = vec![];
+        for round in 0..self.rounds {
+            let batch = self.loader.next_batch().ok_or_else(|| Error::input("the training set is empty"))?;
+            let ids: Vec<GroupId> =
+                (0..batch.items.len()).map(|index| GroupId { step: steps_done, round, index }).collect();
+            for group in self.sampler.sample(&batch.items, &ids, steps_done as u64 + 1)? {
+                rollouts.add(&group.episodes);
+                if self.filter.keeps(&group.episodes) && groups.len() < self.per_step {
+                    groups.push(group);
+                }
+            }
+            if groups.len() >= self.per_step {
+                break;
+            }
+        }
+        Ok(Some(groups))
+    }
+
+    fn pause_mode(&self) -> Option<PauseMode> {
+        None
+    }
+
+    fn trained(&mut self, _groups: &[Group], _step: u64) {}
+
+    fn describe(&self, _groups: &[Group], _step: u64, _line: &mut Map<String, Value>) {}
+
+    fn position(&self) -> DataPosition {
+        DataPosition::Loader(self.loader.position())
+    }
+}
