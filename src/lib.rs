@@ -13,8 +13,10 @@
 //! - [`cli`]: the `oxrl` command line.
 //! - [`bench`]: the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
 //!
-//! Beside them: [`handle`] (results of submitted calls, awaited or waited on) and [`actor`]
-//! (the threads that own workers and engines, each with its own tensor-math thread budget).
+//! Beside them: [`handle`] (results of submitted calls, awaited or waited on), [`actor`]
+//! (the threads that own workers and engines, each with its own tensor-math thread budget) and
+//! [`rows`] (JSONL / Parquet dataset rows and the `on_bad_row` policy, shared by the SFT data of
+//! [`trainer`] and the prompt sets of [`env`]).
 
 pub mod actor;
 pub mod algo;
@@ -27,6 +29,7 @@ pub mod files;
 pub mod handle;
 pub mod model;
 pub mod rollout;
+pub mod rows;
 pub mod server;
 pub mod trainer;
 pub mod worker;

@@ -154,15 +154,9 @@ pub enum TrainOn {
     AllAssistant,
 }
 
-/// What a malformed dataset row does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OnBadRow {
-    /// Drop the row, warn, count it.
-    Skip,
-    /// Stop with an error naming the file and line (row for Parquet).
-    Error,
-}
+/// What a malformed dataset row does; defined with the row reader ([`crate::rows`]), re-exported
+/// here because it is a `[data]` setting.
+pub use crate::rows::OnBadRow;
 
 /// `[optimizer]`: AdamW (decoupled weight decay, bias-corrected).
 ///

@@ -12,10 +12,9 @@
 //!   `[output]`).
 //! - [`rl_config`]: the RL config (the SFT sections plus `[env]`, `[rollout]`, `[algorithm]`,
 //!   `[critic]`, `[async_rl]`, `[launch]`), and [`rl_ids`], the ids of an RL run's models.
-//! - [`rows`]: JSONL / Parquet rows with their file and line (or row).
 //! - [`chat_mask`]: tokens and trained-token mask of a conversation by incremental rendering.
 //! - [`sft_data`]: rows → conversations → `{input_tokens, target_tokens, weights}` examples,
-//!   truncation, eval split, bad-row policy.
+//!   truncation, eval split, bad-row policy (rows are read by [`crate::rows`]).
 //! - [`data_loader`]: seeded per-epoch shuffled batches with a resumable position.
 //! - [`metrics`]: `metrics.jsonl`, one line per step.
 //! - [`plot`]: `loss.png`, train and eval loss against step; the RL run's curves.
@@ -36,7 +35,6 @@ pub mod rl_ids;
 pub mod rl_run;
 pub mod rl_step;
 pub mod rollouts;
-pub mod rows;
 pub mod sft;
 pub mod sft_data;
 pub mod staleness;

@@ -31,9 +31,9 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 use crate::model::tokenizer::Tokenizer;
 use crate::trainer::chat_mask::{tokenize_conversation, MaskError, MaskedTokens};
-use crate::trainer::config::{DataSection, OnBadRow, TrainOn};
+use crate::rows::{read_rows, OnBadRow, RawRow, RowLocation};
+use crate::trainer::config::{DataSection, TrainOn};
 use crate::trainer::data_loader::permutation;
-use crate::trainer::rows::{read_rows, RawRow, RowLocation};
 
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 /// Skipped rows beyond this many are counted but not printed one by one.
