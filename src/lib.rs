@@ -16,7 +16,8 @@
 //! Beside them: [`handle`] (results of submitted calls, awaited or waited on), [`actor`]
 //! (the threads that own workers and engines, each with its own tensor-math thread budget) and
 //! [`rows`] (JSONL / Parquet dataset rows and the `on_bad_row` policy, shared by the SFT data of
-//! [`trainer`] and the prompt sets of [`env`]).
+//! [`trainer`] and the prompt sets of [`env`]) and [`splitmix`] (SplitMix64, the generator of
+//! oxrl's own seed streams).
 
 pub mod actor;
 pub mod algo;
@@ -31,6 +32,7 @@ pub mod model;
 pub mod rollout;
 pub mod rows;
 pub mod server;
+pub mod splitmix;
 pub mod trainer;
 pub mod worker;
 
