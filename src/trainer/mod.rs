@@ -15,6 +15,8 @@
 //! - [`chat_mask`]: tokens and trained-token mask of a conversation by incremental rendering.
 //! - [`sft_data`]: rows → conversations → `{input_tokens, target_tokens, weights}` examples,
 //!   truncation, eval split, bad-row policy (rows are read by [`crate::rows`]).
+//! - [`eval_split`]: the eval split (a seeded fraction of the training items held out), used
+//!   by SFT and meant for every trainer.
 //! - [`data_loader`]: seeded per-epoch shuffled batches with a resumable position.
 //! - [`metrics`]: `metrics.jsonl`, one line per step.
 //! - [`plot`]: `loss.png`, train and eval loss against step; the RL run's curves.
@@ -25,6 +27,7 @@ pub mod chat_mask;
 pub mod config;
 pub mod config_file;
 pub mod data_loader;
+pub mod eval_split;
 pub mod metrics;
 pub mod plot;
 pub mod prompt_stream;
