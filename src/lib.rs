@@ -13,11 +13,11 @@
 //! - [`cli`]: the `oxrl` command line.
 //! - [`bench`]: the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
 //!
-//! Beside them: [`handle`] (results of submitted calls, awaited or waited on), [`actor`]
-//! (the threads that own workers and engines, each with its own tensor-math thread budget) and
+//! Beside them: [`handle`] (results of submitted calls, awaited or waited on); [`actor`]
+//! (the threads that own workers and engines, each with its own tensor-math thread budget);
 //! [`rows`] (JSONL / Parquet dataset rows and the `on_bad_row` policy, shared by the SFT data of
-//! [`trainer`] and the prompt sets of [`env`]) and [`splitmix`] (SplitMix64, the generator of
-//! oxrl's own seed streams).
+//! the trainer and the prompt sets of env); [`splitmix`] (SplitMix64, the generator of oxrl's own
+//! seed streams).
 
 pub mod actor;
 pub mod algo;

@@ -1,6 +1,6 @@
 //! The SFT dataset: rows → conversations → tokenized examples with loss weights.
 //!
-//! Rows ([`rows`](super::rows)) are one of:
+//! Rows ([`rows`](crate::rows)) are one of:
 //! - chat: `messages`, a list of `{role, content}` with roles `system`, `user`, `assistant`,
 //!   `tool` (other keys such as `tool_calls`, `name`, `tool_call_id` are kept for the template;
 //!   null-valued keys are dropped, since Parquet structs give every message every key and a
