@@ -13,8 +13,11 @@
 //! - [`cli`]: the `oxrl` command line.
 //! - [`bench`]: the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
 //!
-//! Beside them: [`handle`] (results of submitted calls, awaited or waited on) and [`actor`]
-//! (the threads that own workers and engines, each with its own tensor-math thread budget).
+//! Beside them: [`handle`] (results of submitted calls, awaited or waited on); [`actor`]
+//! (the threads that own workers and engines, each with its own tensor-math thread budget);
+//! [`rows`] (JSONL / Parquet dataset rows and the `on_bad_row` policy, shared by the SFT data of
+//! the trainer and the prompt sets of env); [`splitmix`] (SplitMix64, the generator of oxrl's own
+//! seed streams).
 
 pub mod actor;
 pub mod algo;
@@ -27,7 +30,9 @@ pub mod files;
 pub mod handle;
 pub mod model;
 pub mod rollout;
+pub mod rows;
 pub mod server;
+pub mod splitmix;
 pub mod trainer;
 pub mod worker;
 

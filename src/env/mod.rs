@@ -10,8 +10,8 @@
 //! - built-ins: [`arithmetic`] (with a seeded generator), [`math`], [`countdown`],
 //!   [`calculator`] (multi-turn tool use); shared checkers in [`answer`] and [`expr`].
 //!
-//! Prompt files are read with the trainer's row reader (`trainer::rows`) and `on_bad_row`
-//! policy (`trainer::config::OnBadRow`), so SFT and RL data share one reader and one policy.
+//! Prompt files are read with the row reader of [`crate::rows`] and its `on_bad_row` policy
+//! ([`crate::rows::OnBadRow`]), so SFT and RL data share one reader and one policy.
 
 pub mod answer;
 pub mod arithmetic;

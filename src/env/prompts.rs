@@ -20,8 +20,7 @@ use serde_json::Value;
 
 use super::config::EnvConfig;
 use super::registry::try_make_env;
-use crate::trainer::config::OnBadRow;
-use crate::trainer::rows::read_rows;
+use crate::rows::{read_rows, OnBadRow};
 use crate::{Error, Result};
 
 /// Warnings printed for skipped rows before counting silently.

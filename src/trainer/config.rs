@@ -154,15 +154,9 @@ pub enum TrainOn {
     AllAssistant,
 }
 
-/// What a malformed dataset row does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OnBadRow {
-    /// Drop the row, warn, count it.
-    Skip,
-    /// Stop with an error naming the file and line (row for Parquet).
-    Error,
-}
+/// What a malformed dataset row does; defined with the row reader ([`crate::rows`]), re-exported
+/// here because it is a `[data]` setting.
+pub use crate::rows::OnBadRow;
 
 /// `[optimizer]`: AdamW (decoupled weight decay, bias-corrected).
 ///
@@ -200,6 +194,29 @@ impl Default for OptimizerSection {
 }
 
 impl OptimizerSection {
+    /// Checks the value ranges of `[optimizer]` (the SFT and the RL config share this section
+    /// and these checks). Errors name the dotted key (`optimizer.lr`, …) and where its value
+    /// came from.
+    pub fn validate(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &str| sources.error(key, msg);
+        if !positive(self.lr) {
+            return Err(err("optimizer.lr", "must be positive"));
+        }
+        if !self.betas.iter().all(|b| (0.0..1.0).contains(b)) {
+            return Err(err("optimizer.betas", "each must be in [0, 1)"));
+        }
+        if !positive(self.eps) {
+            return Err(err("optimizer.eps", "must be positive"));
+        }
+        if !non_negative(self.weight_decay) {
+            return Err(err("optimizer.weight_decay", "must be non-negative"));
+        }
+        if !non_negative(self.grad_clip_norm) {
+            return Err(err("optimizer.grad_clip_norm", "must be non-negative (0 disables)"));
+        }
+        Ok(())
+    }
+
     /// The step's AdamW parameters at learning rate `lr` (the schedule's, not `self.lr`).
     pub fn adam_params(&self, lr: f64) -> AdamParams {
         AdamParams {
@@ -233,6 +250,15 @@ impl Default for ScheduleSection {
 }
 
 impl ScheduleSection {
+    /// Checks the value ranges of `[schedule]` (shared by the SFT and the RL config). Errors
+    /// name the dotted key and where its value came from.
+    pub fn validate(&self, sources: &Sources) -> Result<()> {
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(sources.error("schedule.min_lr_ratio", "must be in [0, 1]"));
+        }
+        Ok(())
+    }
+
     /// The schedule of a run of `total_steps` steps.
     pub fn schedule(&self, total_steps: usize) -> crate::worker::LrSchedule {
         crate::worker::LrSchedule {
@@ -329,25 +355,8 @@ impl SftConfig {
         if self.data.max_length < 2 {
             return Err(err("data.max_length", "must be at least 2 (one input and one target token)"));
         }
-        let o = &self.optimizer;
-        if !positive(o.lr) {
-            return Err(err("optimizer.lr", "must be positive"));
-        }
-        if !o.betas.iter().all(|b| (0.0..1.0).contains(b)) {
-            return Err(err("optimizer.betas", "each must be in [0, 1)"));
-        }
-        if !positive(o.eps) {
-            return Err(err("optimizer.eps", "must be positive"));
-        }
-        if !non_negative(o.weight_decay) {
-            return Err(err("optimizer.weight_decay", "must be non-negative"));
-        }
-        if !non_negative(o.grad_clip_norm) {
-            return Err(err("optimizer.grad_clip_norm", "must be non-negative (0 disables)"));
-        }
-        if !(0.0..=1.0).contains(&self.schedule.min_lr_ratio) {
-            return Err(err("schedule.min_lr_ratio", "must be in [0, 1]"));
-        }
+        self.optimizer.validate(sources)?;
+        self.schedule.validate(sources)?;
         let t = &self.train;
         if t.batch_size == 0 {
             return Err(err("train.batch_size", "must be positive"));

@@ -18,7 +18,9 @@
 //!   [`model_ids`]: the ids of a run's models.
 //! - [`chat_mask`]: tokens and trained-token mask of a conversation by incremental rendering.
 //! - [`sft_data`]: rows → conversations → `{input_tokens, target_tokens, weights}` examples,
-//!   truncation, eval split, bad-row policy.
+//!   truncation, eval split, bad-row policy (rows are read by [`crate::rows`]).
+//! - [`eval_split`]: the one eval split of oxrl (a seeded fraction of the items held out), SFT's
+//!   and RL's.
 //! - [`data_loader`]: seeded per-epoch shuffled batches with a resumable position.
 //! - [`metrics`]: `metrics.jsonl`, one line per step; [`plot`]: the runs' PNG plots.
 //!
@@ -30,6 +32,7 @@ pub mod choice;
 pub mod config;
 pub mod config_file;
 pub mod data_loader;
+pub mod eval_split;
 pub mod group;
 pub mod metrics;
 pub mod model_ids;
@@ -43,7 +46,6 @@ pub mod rl_run;
 pub mod rl_step;
 pub mod rollout_stats;
 pub mod rollouts;
-pub mod rows;
 pub mod run_dir;
 pub mod sft;
 pub mod sft_data;

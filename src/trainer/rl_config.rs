@@ -565,25 +565,8 @@ impl RlConfig {
             self.value_loss().map_err(|e| wrap("critic.value_clip", e))?;
         }
 
-        let o = &self.optimizer;
-        if !positive(o.lr) {
-            return Err(err("optimizer.lr", &"must be positive"));
-        }
-        if !o.betas.iter().all(|b| (0.0..1.0).contains(b)) {
-            return Err(err("optimizer.betas", &"each must be in [0, 1)"));
-        }
-        if !positive(o.eps) {
-            return Err(err("optimizer.eps", &"must be positive"));
-        }
-        if !non_negative(o.weight_decay) {
-            return Err(err("optimizer.weight_decay", &"must be non-negative"));
-        }
-        if !non_negative(o.grad_clip_norm) {
-            return Err(err("optimizer.grad_clip_norm", &"must be non-negative (0 disables)"));
-        }
-        if !(0.0..=1.0).contains(&self.schedule.min_lr_ratio) {
-            return Err(err("schedule.min_lr_ratio", &"must be in [0, 1]"));
-        }
+        self.optimizer.validate(sources)?;
+        self.schedule.validate(sources)?;
 
         let t = &self.train;
         if t.prompts_per_step == 0 {

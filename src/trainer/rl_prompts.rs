@@ -3,7 +3,7 @@
 //! ([`split_eval`], the SFT trainer's too).
 
 use super::rl_config::RlConfig;
-use super::sft_data::split_eval;
+use super::eval_split::split_eval;
 use crate::env::{generate_arithmetic, load_prompts, sample_arithmetic, PromptOptions, PromptRow};
 use crate::Result;
 

@@ -1,6 +1,6 @@
 //! The SFT dataset: rows → conversations → tokenized examples with loss weights.
 //!
-//! Rows ([`rows`](super::rows)) are one of:
+//! Rows ([`rows`](crate::rows)) are one of:
 //! - chat: `messages`, a list of `{role, content}` with roles `system`, `user`, `assistant`,
 //!   `tool` (other keys such as `tool_calls`, `name`, `tool_call_id` are kept for the template;
 //!   null-valued keys are dropped, since Parquet structs give every message every key and a
@@ -18,7 +18,8 @@
 //! ([`token_mean_datums`]).
 //!
 //! The eval set is `eval_file`, or else `eval_fraction` of the well-formed training rows, chosen
-//! by a permutation seeded with `shuffle_seed` (so the split is reproducible).
+//! by a permutation seeded with `shuffle_seed` (so the split is reproducible): oxrl's one eval
+//! split, [`split_eval`] (in [`super::eval_split`]).
 //!
 //! A malformed row (bad JSON, missing or mistyped fields, a role the template rejects) is an
 //! error naming its file and line (row for Parquet), or with `on_bad_row = "skip"` a warning and
@@ -30,10 +31,12 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 use crate::model::tokenizer::Tokenizer;
+use crate::rows::{read_rows, OnBadRow, RawRow, RowLocation};
 use crate::trainer::chat_mask::{tokenize_conversation, MaskError, MaskedTokens};
-use crate::trainer::config::{DataSection, OnBadRow, TrainOn};
-use crate::trainer::data_loader::permutation;
-use crate::trainer::rows::{read_rows, RawRow, RowLocation};
+use crate::trainer::config::{DataSection, TrainOn};
+
+/// The eval split of oxrl, defined in [`super::eval_split`]; re-exported where SFT used to own it.
+pub use super::eval_split::split_eval;
 
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 /// Skipped rows beyond this many are counted but not printed one by one.
@@ -325,33 +328,6 @@ fn parse_instruction(obj: &Map<String, Value>) -> std::result::Result<Conversati
 
 fn decode_json_string(s: &str, field: &str) -> std::result::Result<Value, String> {
     serde_json::from_str(s).map_err(|e| format!("`{field}` is a string but not valid JSON: {e}"))
-}
-
-/// The eval split: `fraction` of the items (at least one when the fraction is positive and two
-/// or more items exist), picked by a seeded permutation. Both halves keep file order.
-pub fn split_eval<T>(items: Vec<T>, fraction: f64, seed: u64) -> (Vec<T>, Vec<T>) {
-    let n = items.len();
-    let mut n_eval = (n as f64 * fraction).round() as usize;
-    if fraction > 0.0 && n >= 2 {
-        n_eval = n_eval.clamp(1, n - 1);
-    }
-    if n_eval == 0 {
-        return (items, Vec::new());
-    }
-    // Salted so that the split and epoch 0's shuffle are not the same permutation.
-    let mut is_eval = vec![false; n];
-    for &i in &permutation(n, seed ^ 0x5eed_e7a1_5011_7700u64)[..n_eval] {
-        is_eval[i] = true;
-    }
-    let (mut train, mut eval) = (Vec::new(), Vec::new());
-    for (item, e) in items.into_iter().zip(is_eval) {
-        if e {
-            eval.push(item);
-        } else {
-            train.push(item);
-        }
-    }
-    (train, eval)
 }
 
 fn bad_row(location: &RowLocation, message: &str, policy: OnBadRow, stats: &mut DataStats) -> Result<()> {

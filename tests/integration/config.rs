@@ -195,6 +195,36 @@ fn wrong_types_and_bad_values_name_the_key() {
 }
 
 #[test]
+fn optimizer_and_schedule_ranges_name_the_key_in_both_configs() {
+    // The `[optimizer]` and `[schedule]` checks belong to their sections, so that the SFT and
+    // the RL config check them alike; the SFT config's errors are the sections' own.
+    let cases: [(&str, &str); 9] = [
+        ("optimizer.lr=0", "`optimizer.lr`: must be positive"),
+        ("optimizer.lr=nan", "`optimizer.lr`: must be positive"),
+        ("optimizer.betas=[0.9, 1.0]", "`optimizer.betas`: each must be in [0, 1)"),
+        ("optimizer.betas=[-0.1, 0.9]", "`optimizer.betas`: each must be in [0, 1)"),
+        ("optimizer.eps=0", "`optimizer.eps`: must be positive"),
+        ("optimizer.weight_decay=-1", "`optimizer.weight_decay`: must be non-negative"),
+        ("optimizer.grad_clip_norm=inf", "`optimizer.grad_clip_norm`: must be non-negative (0 disables)"),
+        ("schedule.min_lr_ratio=1.5", "`schedule.min_lr_ratio`: must be in [0, 1]"),
+        ("schedule.min_lr_ratio=-0.1", "`schedule.min_lr_ratio`: must be in [0, 1]"),
+    ];
+    for (set, message) in cases {
+        let e = load_err(MINIMAL, &[set]);
+        assert!(e.contains(&format!("--set {set}")) && e.contains(message), "{set}: {e}");
+        let c: SftConfig =
+            config_file::resolve(None, &sets(&["model.path=m", "data.train_file=d.jsonl", set])).unwrap();
+        let none = config_file::Sources::none();
+        let own = c.optimizer.validate(&none).and_then(|()| c.schedule.validate(&none)).unwrap_err().to_string();
+        assert_eq!(own, format!("invalid input: config key {message}"), "{set}");
+        assert_eq!(c.validate(&none).unwrap_err().to_string(), own, "{set}");
+    }
+    let d = SftConfig::default();
+    d.optimizer.validate(&config_file::Sources::none()).unwrap();
+    d.schedule.validate(&config_file::Sources::none()).unwrap();
+}
+
+#[test]
 fn set_errors_name_the_argument() {
     let e = load_err(MINIMAL, &["optimizer.lrr=2e-5"]);
     assert!(e.contains("--set optimizer.lrr=2e-5") && e.contains("did you mean `optimizer.lr`?"), "{e}");

@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use common::fixture_dir;
 use oxrl::model::tokenizer::{write_byte_level_tokenizer, Tokenizer};
+use oxrl::rows::read_rows;
 use oxrl::trainer::chat_mask::tokenize_conversation;
 use oxrl::trainer::config::{DataSection, OnBadRow, SftConfig, TrainOn};
 use oxrl::trainer::data_loader::{permutation, DataLoader, LoaderPosition};
-use oxrl::trainer::rows::read_rows;
 use oxrl::trainer::sft_data::{example_of, load_sft_dataset, parse_row, split_eval, Conversation, SftExample};
 use serde_json::{json, Value};
 

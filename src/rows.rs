@@ -8,14 +8,28 @@
 //!   whatever JSON they are (the row parser decodes a string `messages`). Rows are 0-based.
 //!
 //! A file that cannot be opened or decoded at all is an error; a single bad row is returned as
-//! such, so that the caller can apply its `on_bad_row` policy.
+//! such, so that the caller can apply its `on_bad_row` policy ([`OnBadRow`]).
+//!
+//! SFT datasets (`trainer::sft_data`) and RL prompt sets (`env::prompts`) share this reader and
+//! this policy; it sits beside the layers so that neither has to reach into the other.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+
+/// What a malformed dataset row does (`on_bad_row` in the SFT `[data]` and RL configs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBadRow {
+    /// Drop the row, warn, count it.
+    Skip,
+    /// Stop with an error naming the file and line (row for Parquet).
+    Error,
+}
 
 /// Where a row is: a file and a line (JSONL, 1-based) or row index (Parquet, 0-based).
 #[derive(Clone, Debug, PartialEq, Eq)]
