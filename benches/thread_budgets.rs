@@ -111,7 +111,6 @@ fn separate_processes(dir: &std::path::Path) -> (f64, f64) {
 }
 
 fn main() {
-    oxrl::actor::confine_candle_threads();
     if let (Ok(role), Ok(dir)) = (std::env::var("OXRL_BENCH_ROLE"), std::env::var("OXRL_BENCH_DIR")) {
         return child(&role, dir.as_ref());
     }
