@@ -6,7 +6,8 @@
 //! in two separate processes (one thread each), where no thread budget is needed to keep them
 //! apart. One process with two 1-thread pools should match that.
 //!
-//! `cargo bench --bench thread_budgets` (leave RAYON_NUM_THREADS unset: the pools decide).
+//! `CANDLE_NUM_THREADS=1 cargo bench --bench thread_budgets` (leave RAYON_NUM_THREADS unset: the
+//! pools decide; CANDLE_NUM_THREADS=1 keeps candle's process-wide elementwise pool out of it).
 
 mod common;
 
@@ -111,7 +112,6 @@ fn separate_processes(dir: &std::path::Path) -> (f64, f64) {
 }
 
 fn main() {
-    oxrl::actor::confine_candle_threads();
     if let (Ok(role), Ok(dir)) = (std::env::var("OXRL_BENCH_ROLE"), std::env::var("OXRL_BENCH_DIR")) {
         return child(&role, dir.as_ref());
     }

@@ -9,14 +9,16 @@
 //! idle actor costs nothing.
 //!
 //! Thread budget: the job loop runs inside a rayon pool of `threads` threads owned by this
-//! actor, and candle's CPU kernels (gemm) split their work over the pool they run in. So an
-//! engine given 1 thread and a trainer given 1 thread share two cores without stealing each
-//! other's. (candle decides *whether* to split a matmul from `RAYON_NUM_THREADS`; the pool
-//! decides *how many* threads actually run.) candle also has a process-wide pool of its own for
-//! large elementwise ops, sized by `CANDLE_NUM_THREADS`, which every workload would share and
-//! spin on: [`confine_candle_threads`] turns it off, so all of a workload's work stays on its
-//! own pool (measured in BENCHMARKS.md: without it a trainer beside an engine ran at 0.53× of
-//! its speed alone, with it at 1.02×, as two separate processes do).
+//! actor, and oxrl's CPU kernels (the tape's products, `model::ops`, including
+//! [`ops::matmul`](crate::model::ops::matmul), which makes candle's gemm calls) take their thread
+//! count from the pool they run in, never from the environment. So an engine given 1 thread and
+//! a trainer given 1 thread share two cores without stealing each other's, and the budget is the
+//! one given where the actor starts ([`crate::launch`] for runs): a program using the library
+//! and the `oxrl` command line run with the same threads. Nothing here sets a process-wide
+//! variable. (candle keeps one process-wide pool of its own, for its elementwise ops on tensors
+//! of 64 Ki elements and more, sized once from `CANDLE_NUM_THREADS`, else `RAYON_NUM_THREADS`,
+//! else the physical cores; splitting those ops does not change their results. Set
+//! `CANDLE_NUM_THREADS=1` in the environment to keep them on the calling thread.)
 //!
 //! [`fan_out`] sends one job to each of several actors and completes one handle when the last
 //! one finishes — how a worker group speaks to its ranks and the engine client to its engines,
@@ -30,15 +32,6 @@ use tokio::sync::mpsc;
 
 use crate::handle::{self, Handle, Reply};
 use crate::{Error, Result};
-
-/// Makes candle run elementwise ops on the calling thread (`CANDLE_NUM_THREADS=1`) unless the
-/// user chose otherwise. Call it at the start of a process that runs several workloads, before
-/// any tensor op (candle reads the variable once).
-pub fn confine_candle_threads() {
-    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-        std::env::set_var("CANDLE_NUM_THREADS", "1");
-    }
-}
 
 /// State owned by an actor's thread.
 pub trait ActorState: Send + 'static {

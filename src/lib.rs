@@ -9,6 +9,7 @@
 //! - [`rollout`]: the sampling engine, its client, weight updates.
 //! - [`env`]: RL environments and rewards (text and tokens in, rewards out; no models).
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
+//! - [`launch`]: run configs → ready workers and engines (devices, meshes, thread budgets).
 //! - [`server`]: the Tinker-compatible HTTP server (`oxrl serve`).
 //! - [`cli`]: the `oxrl` command line.
 //! - [`bench`]: the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
@@ -28,6 +29,7 @@ pub mod env;
 pub mod error;
 pub mod files;
 pub mod handle;
+pub mod launch;
 pub mod model;
 pub mod rollout;
 pub mod rows;

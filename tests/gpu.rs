@@ -205,7 +205,7 @@ fn sft_on_cuda_loss_falls_and_matches_cpu() {
             "schedule.warmup_steps=1".into(),
         ];
         let cfg = oxrl::trainer::SftConfig::load(None, &sets).unwrap();
-        let dispatch = oxrl::cli::launch::sft_dispatch(&cfg, Some(1)).unwrap();
+        let dispatch = oxrl::launch::sft_dispatch(&cfg, Some(1)).unwrap();
         let s = oxrl::trainer::sft::run_sft(&cfg, &dispatch, &Default::default()).unwrap();
         let m = oxrl::trainer::metrics::read_metrics(&s.run_dir.join("metrics.jsonl")).unwrap();
         m.iter().map(|r| r.loss).collect::<Vec<f64>>()
@@ -245,7 +245,7 @@ fn rl_on_cuda_runs_steps() {
         "algorithm.kl.coef=0.05".into(),
     ];
     let cfg = oxrl::trainer::RlConfig::load(None, &sets).unwrap();
-    let (d, engines) = oxrl::cli::launch::rl_runtime(&cfg, Some(1)).unwrap();
+    let (d, engines) = oxrl::launch::rl_runtime(&cfg, Some(1)).unwrap();
     let s = oxrl::trainer::rl::run_rl(&cfg, &d, &engines, &Default::default()).unwrap();
     assert_eq!(s.steps, 3);
     let text = std::fs::read_to_string(tmp.path().join("run/metrics.jsonl")).unwrap();

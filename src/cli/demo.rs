@@ -34,7 +34,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use super::launch::{rl_runtime, sft_dispatch};
+use crate::launch::{rl_runtime, sft_dispatch};
 use crate::dispatch::Dispatch;
 use crate::env::{messages_to_json, sample_arithmetic, ArithmeticSpec, EnvConfig, PromptRow};
 use crate::files::write_json;

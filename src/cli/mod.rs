@@ -5,7 +5,6 @@ mod config;
 mod demo;
 mod generate;
 mod init_model;
-pub mod launch;
 mod plot;
 mod rl;
 mod run_args;
@@ -52,35 +51,26 @@ enum Command {
 /// Runs the command line; returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
-    // Workloads (ranks, engines) each have their own thread pool; candle's shared one for
-    // elementwise ops would make them contend.
-    crate::actor::confine_candle_threads();
     // Decoding one sequence is faster on one thread (DESIGN.md: 619 vs 274 tokens/s); benchmarks
-    // name their thread count, one unless told.
-    let default_threads = match cli.command {
+    // name their thread count, one unless told. The commands that compute on the calling thread
+    // run in a pool of that many threads; the others pass `--threads` to the launcher, which
+    // gives each worker rank and engine its own pool (none of it goes through the environment).
+    let threads = cli.threads.or(match cli.command {
         Command::Generate(_) | Command::Bench(_) => Some(1),
         _ => None,
-    };
-    if let Some(n) = cli.threads.or(default_threads) {
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    } else if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        // candle decides whether to split a matmul from this variable, and without it counts the
-        // physical cores anew on every matmul (reading /proc/cpuinfo: about 30 µs a call). Set
-        // to what rayon uses when it is not given, so nothing else changes.
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
+    });
+    let pool_threads = threads.unwrap_or_else(crate::launch::cores);
     let result = match cli.command {
         Command::InitModel(a) => init_model::run(a),
-        Command::Score(a) => on_pool(|| score::run(a)),
-        Command::Generate(a) => on_pool(|| generate::run(a)),
+        Command::Score(a) => on_pool(pool_threads, || score::run(a)),
+        Command::Generate(a) => on_pool(pool_threads, || generate::run(a)),
         Command::Config(a) => config::run(a),
         Command::Sft(a) => sft::run(a, cli.threads),
         Command::Rl(a) => rl::run(a, cli.threads),
         Command::Demo(a) => demo::run(a, cli.threads),
         Command::Plot(a) => plot::run(a),
         Command::Serve(a) => serve::run_cmd(a, cli.threads),
-        Command::Bench(a) => on_pool(|| bench::run(a)),
+        Command::Bench(a) => on_pool(pool_threads, || bench::run(a)),
     };
     match result {
         Ok(()) => 0,
@@ -91,14 +81,14 @@ pub fn main() -> i32 {
     }
 }
 
-/// Runs `f` inside a rayon pool of RAYON_NUM_THREADS threads, for the commands that compute on
+/// Runs `f` inside a rayon pool of `threads` threads, for the commands that compute on
 /// the calling thread (trainers and servers run their workers and engines as actors, each inside
 /// its own pool already). From a thread outside the pool every parallel op is handed across
 /// threads, even at one thread, and at two the pool's threads spin beside the caller: measured
 /// with `oxrl bench decode`, 64 requests, 7.2–7.5k → 7.9k tokens/s at one thread and
 /// 7.3–8.6k → 9.6–9.9k at two.
-fn on_pool(f: impl FnOnce() -> anyhow::Result<()> + Send) -> anyhow::Result<()> {
-    rayon::ThreadPoolBuilder::new().build()?.install(f)
+fn on_pool(threads: usize, f: impl FnOnce() -> anyhow::Result<()> + Send) -> anyhow::Result<()> {
+    rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build()?.install(f)
 }
 
 /// Which model a command runs: a HF model directory, optionally with a LoRA adapter.

@@ -1,6 +1,6 @@
 //! `oxrl rl`: reinforcement learning from a TOML config (see `oxrl config show --kind rl`).
 
-use super::launch::rl_runtime;
+use crate::launch::rl_runtime;
 use super::run_args::RunArgs;
 use crate::trainer::rl::run_rl;
 use crate::trainer::RlConfig;

@@ -1,6 +1,6 @@
 //! `oxrl sft`: supervised fine-tuning from a TOML config (see `oxrl config show --kind sft`).
 
-use super::launch::sft_dispatch;
+use crate::launch::sft_dispatch;
 use super::run_args::RunArgs;
 use crate::trainer::sft::run_sft;
 use crate::trainer::SftConfig;

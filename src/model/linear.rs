@@ -34,7 +34,8 @@ impl LoraPair {
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
         let mut dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
-        let d = (x.reshape(((), in_dim))?.matmul(&self.a.t()?)?.matmul(&self.b.t()?)? * self.scale)?;
+        let xa = super::ops::matmul::matmul(&x.reshape(((), in_dim))?, &self.a.t()?)?;
+        let d = (super::ops::matmul::matmul(&xa, &self.b.t()?)? * self.scale)?;
         *dims.last_mut().unwrap() = self.b.dim(0)?;
         Ok(d.reshape(dims)?)
     }

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use oxrl::cli::launch::sft_dispatch;
+use oxrl::launch::sft_dispatch;
 use oxrl::trainer::config_file::absolutize;
 use oxrl::trainer::sft::run_sft;
 use oxrl::trainer::RunOptions;

@@ -34,6 +34,7 @@ mod prompt_budgets;
 mod rl_async;
 mod rl_async_staleness;
 mod rl_config;
+mod rl_library_cli;
 mod rl_loop;
 mod rl_plots;
 mod rl_resume;

@@ -37,7 +37,7 @@ fn config(model: &Path, run: &Path, extra: &[&str]) -> RlConfig {
 }
 
 fn runtime(cfg: &RlConfig) -> (Dispatch, EngineClient) {
-    oxrl::cli::launch::rl_runtime(cfg, Some(1)).unwrap()
+    oxrl::launch::rl_runtime(cfg, Some(1)).unwrap()
 }
 
 fn metric_lines(run: &Path) -> Vec<Value> {

@@ -352,7 +352,7 @@ fn rl_runtime_builds_the_models_the_config_needs() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen2");
     let path = model.to_str().unwrap();
     let c = RlConfig::load(None, &sets(&[&format!("model.path={path}")])).unwrap();
-    let (dispatch, engines) = oxrl::cli::launch::rl_runtime(&c, Some(1)).unwrap();
+    let (dispatch, engines) = oxrl::launch::rl_runtime(&c, Some(1)).unwrap();
     assert_eq!(dispatch.ids(), vec!["policy".to_string()]);
     assert_eq!(engines.engines().len(), 1);
 
@@ -367,7 +367,7 @@ fn rl_runtime_builds_the_models_the_config_needs() {
         ]),
     )
     .unwrap();
-    let (dispatch, engines) = oxrl::cli::launch::rl_runtime(&c, Some(1)).unwrap();
+    let (dispatch, engines) = oxrl::launch::rl_runtime(&c, Some(1)).unwrap();
     let mut ids = dispatch.ids();
     ids.sort();
     use oxrl::trainer::model_ids::{CRITIC, POLICY, REFERENCE};

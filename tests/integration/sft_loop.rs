@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use common::fixture_dir;
-use oxrl::cli::launch::sft_dispatch;
+use oxrl::launch::sft_dispatch;
 use oxrl::model::{logprobs::target_logprobs, lora, tokenizer::Tokenizer, Transformer};
 use oxrl::trainer::metrics::read_metrics;
 use oxrl::trainer::run_dir::EXPORT_DIR;

@@ -584,9 +584,9 @@ pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
     let rep = h / kvh;
     let dtype = q.dtype();
     let qg = q.reshape((b, kvh, rep * t, d))?;
-    let scores = qg.matmul(&k.t()?)?.reshape((b, h, t, s))?.to_dtype(softmax_dtype(dtype))?;
+    let scores = super::matmul::matmul(&qg, &k.t()?)?.reshape((b, h, t, s))?.to_dtype(softmax_dtype(dtype))?;
     let probs = softmax::masked_softmax(&scores, bias, scale)?.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
-    Ok(probs.matmul(v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?)
+    Ok(super::matmul::matmul(&probs, v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?)
 }
 
 /// The dtype the softmax runs in (the transformer's `norm_dtype`): f64 for f64, else f32.
@@ -786,10 +786,7 @@ mod timing {
     #[test]
     #[ignore]
     fn fused_vs_candle() {
-        // As `oxrl` sets them (cli::main): without RAYON_NUM_THREADS candle reads /proc/cpuinfo
-        // on every matmul (~30 µs).
-        std::env::set_var("RAYON_NUM_THREADS", "1");
-        std::env::set_var("CANDLE_NUM_THREADS", "1");
+        // One thread: the candle path's products split by this pool (`ops::matmul`).
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         pool.install(|| {
             let (h, kvh, d) = (4usize, 2usize, 64usize);

@@ -9,7 +9,7 @@
 //! as much as the products and [`matmul_panel`]'s outer-product kernel takes over (see
 //! [`kernel_for`]). Column blocks are split over the rayon pool. Used for at most [`MAX_ROWS`]
 //! rows of f32 on CPUs with AVX-512F; everything else (prefill and training batches, other dtypes
-//! and devices) takes candle's matmul, which is also the backward.
+//! and devices) takes gemm as candle's matmul does ([`super::matmul`]), which is also the backward.
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
@@ -191,8 +191,8 @@ impl CustomOp2 for MatmulWt {
         _res: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = g.matmul(w)?;
-        let dw = g.t()?.matmul(x)?;
+        let dx = super::matmul::matmul(g, w).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let dw = super::matmul::matmul(&g.t()?, x).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         Ok((super::grad_for(x, dx), super::grad_for(w, dw)))
     }
 }
@@ -213,9 +213,9 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, MatmulWt)?)
 }
 
-/// candle's matmul with the transposed view.
+/// The product with the transposed view, through gemm as candle's matmul ([`super::matmul`]).
 pub fn reference(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.matmul(&w.t()?)?)
+    super::matmul::matmul(x, &w.t()?)
 }
 
 #[cfg(test)]

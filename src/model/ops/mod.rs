@@ -14,6 +14,7 @@ pub mod cached_attention;
 pub(crate) mod cuda;
 pub mod exp;
 pub mod logprob_lse;
+pub mod matmul;
 pub mod matmul_panel;
 pub mod matmul_wt;
 mod reduce;

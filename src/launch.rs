@@ -1,5 +1,15 @@
-//! Launching: the one place that turns a run's config into ready workers — devices, meshes and
-//! thread budgets are chosen here, so trainers receive a built [`Dispatch`] and never name them.
+//! Launching: the one place that turns a run config into workers and engines.
+//!
+//! Devices, data-parallel meshes and thread budgets are chosen here and nowhere else, so
+//! trainers receive a built [`Dispatch`] (and [`EngineClient`]) and never name them. Thread
+//! budgets are explicit: every worker rank and every engine is an [`Actor`](crate::actor::Actor)
+//! that runs inside its own rayon pool of the number of threads given here, and oxrl's tensor
+//! math takes its thread count from the pool it runs in, never from the environment. So a
+//! library caller (`launch::rl_runtime(&cfg, threads)` then `trainer::rl::run_rl`) and
+//! `oxrl rl --config` (which makes the same two calls) run with the same threads and compute
+//! the same result.
+//!
+//! The `oxrl` subcommands call these functions; tests, benchmarks and examples call them too.
 
 use std::sync::Arc;
 
