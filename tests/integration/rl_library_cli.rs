@@ -8,7 +8,7 @@ use crate::common;
 use std::path::Path;
 
 use oxrl::trainer::rl::run_rl;
-use oxrl::trainer::sft::RunOptions;
+use oxrl::trainer::RunOptions;
 use oxrl::trainer::RlConfig;
 
 /// Every safetensors file of `run/final/`, by name.
