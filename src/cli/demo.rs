@@ -34,17 +34,17 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use crate::launch::{rl_runtime, sft_dispatch};
 use crate::dispatch::Dispatch;
 use crate::env::{messages_to_json, sample_arithmetic, ArithmeticSpec, EnvConfig, PromptRow};
 use crate::files::write_json;
+use crate::launch::{rl_runtime, sft_dispatch};
 use crate::model::config::{Arch, ModelShape};
 use crate::model::init::write_random_model;
 use crate::model::tokenizer::{Tokenizer, BYTE_LEVEL_VOCAB_SIZE};
 use crate::rollout::{Engine, EngineClient, EngineConfig, SamplingParams};
+use crate::trainer::model_ids::POLICY;
 use crate::trainer::rl::{pass_rates, run_rl};
 use crate::trainer::rollouts::generate_episodes;
-use crate::trainer::model_ids::POLICY;
 use crate::trainer::sft::run_sft;
 use crate::trainer::{FinishWhen, RunOptions};
 use crate::trainer::{RlConfig, SftConfig};

@@ -1,7 +1,7 @@
 //! `oxrl rl`: reinforcement learning from a TOML config (see `oxrl config show --kind rl`).
 
-use crate::launch::rl_runtime;
 use super::run_args::RunArgs;
+use crate::launch::rl_runtime;
 use crate::trainer::rl::run_rl;
 use crate::trainer::RlConfig;
 

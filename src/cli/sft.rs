@@ -1,7 +1,7 @@
 //! `oxrl sft`: supervised fine-tuning from a TOML config (see `oxrl config show --kind sft`).
 
-use crate::launch::sft_dispatch;
 use super::run_args::RunArgs;
+use crate::launch::sft_dispatch;
 use crate::trainer::sft::run_sft;
 use crate::trainer::SftConfig;
 

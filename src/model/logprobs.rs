@@ -9,15 +9,10 @@
 
 use candle_core::{Tensor, D};
 
-use super::transformer::norm_dtype;
+pub use super::ops::logprob_lse::logsumexp_keepdim;
+use super::ops::norm_dtype;
 
 use crate::Result;
-
-/// logsumexp over the last dimension, keeping it (shape [..., 1]).
-pub fn logsumexp_keepdim(logits: &Tensor) -> Result<Tensor> {
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    Ok((logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?)
-}
 
 /// `(log p(targets), logsumexp)` for logits [..., V] and u32 target ids [...]: log-probs of the
 /// shape of `targets`, the normaliser keeping its last dimension [..., 1].

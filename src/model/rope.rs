@@ -3,11 +3,11 @@
 //! For a head vector x = [x1, x2] (two halves of length d/2) at position p:
 //!   rope(x) = [x1·cos − x2·sin, x2·cos + x1·sin],  angle_i = p · inv_freq_i,
 //!   inv_freq_i = theta^(−2i/d), optionally rescaled (linear, or Llama 3's piecewise rule).
-//! Built only from differentiable primitives (narrow, mul, cat), so gradients flow through it.
-//! Tables are computed in f64 and stored in f32 (transformers computes them in f32; the
+//! This file holds the tables; the rotation is [`super::ops::rope`] (fused, and its candle
+//! reference). Tables are computed in f64 and stored in f32 (transformers computes them in f32; the
 //! difference is far below the 1e-4 tolerance against it).
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::{Error, Result};
@@ -87,14 +87,4 @@ impl Rope {
         };
         Ok((gather(&self.cos)?, gather(&self.sin)?))
     }
-}
-
-/// Applies the rotation to x of shape [B, heads, T, head_dim] with tables from [`Rope::tables`].
-pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
-    let b = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
-    Ok(Tensor::cat(&[a, b], D::Minus1)?)
 }

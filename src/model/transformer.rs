@@ -72,16 +72,6 @@ pub struct Transformer {
     pub device: Device,
 }
 
-/// The dtype softmax and RMSNorm run in: f32, or f64 for an f64 model (so that f64 runs,
-/// e.g. finite-difference checks, are f64 throughout).
-pub fn norm_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// RMSNorm over the last dimension, computed in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.
 /// Fused on the CPU for f32/f64 (`ops::rms_norm`).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {

@@ -274,11 +274,8 @@ impl GroupSource for AsyncGroups {
         line.insert("time_wait_capacity_s".into(), json!(self.wait_capacity_s));
         line.insert("staleness_mean".into(), json!(staleness.iter().sum::<f64>() / staleness.len().max(1) as f64));
         line.insert("staleness_max".into(), json!(staleness.iter().copied().fold(0.0, f64::max)));
-        let mixed = groups
-            .iter()
-            .flat_map(|g| &g.episodes)
-            .filter(|e| e.versions.windows(2).any(|w| w[0] != w[1]))
-            .count();
+        let mixed =
+            groups.iter().flat_map(|g| &g.episodes).filter(|e| e.versions.windows(2).any(|w| w[0] != w[1])).count();
         line.insert("episodes_mixed_versions".into(), json!(mixed));
     }
 

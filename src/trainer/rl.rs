@@ -117,8 +117,11 @@ fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary>
         // Train on them, then send the new weights to the engines.
         let episodes = step_episodes(&groups);
         let trained = run.train_step(&episodes)?;
-        let (time_sync, version) =
-            if episodes.is_empty() { (0.0, None) } else { run.push_weights(source.pause_mode()).map(|(t, v)| (t, Some(v)))? };
+        let (time_sync, version) = if episodes.is_empty() {
+            (0.0, None)
+        } else {
+            run.push_weights(source.pause_mode()).map(|(t, v)| (t, Some(v)))?
+        };
         let this_step = run.step as u64 + 1;
         source.trained(&groups, this_step);
 

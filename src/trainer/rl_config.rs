@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
+use super::choice::unknown;
 use super::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
 use super::config_file::{ConfigPaths, Sources};
 use super::group::GroupFilter;
@@ -22,7 +23,6 @@ use crate::algo::{
     AdaptiveKlController, AdvantageEstimator, KlController, KlEstimator, Loss, LossReduction, OffPolicyCorrection,
 };
 use crate::env::EnvConfig;
-use super::choice::unknown;
 use crate::error::{Error, Result};
 use crate::rollout::SamplingParams;
 
@@ -849,7 +849,10 @@ impl RlConfig {
     /// Which groups are dropped before training (`zero_variance_filter`, `dynamic_sampling`).
     pub fn group_filter(&self) -> GroupFilter {
         let a = &self.algorithm;
-        GroupFilter { equal_rewards: a.zero_variance_filter, equal_verdicts: a.dynamic_sampling != DynamicSampling::None }
+        GroupFilter {
+            equal_rewards: a.zero_variance_filter,
+            equal_verdicts: a.dynamic_sampling != DynamicSampling::None,
+        }
     }
 
     /// Whether a reference model is needed: a KL penalty (`algorithm.kl.coef > 0`).
@@ -921,7 +924,6 @@ fn offending_key(e: &Error, table: &toml::Table) -> Option<String> {
         .min()
         .map(|(_, k)| k.clone())
 }
-
 
 /// Finite and above 0 (false for NaN).
 fn positive(x: f64) -> bool {

@@ -2,8 +2,8 @@
 //! `data.eval_file` or an `eval_fraction` held out by the one eval split of oxrl
 //! ([`split_eval`], the SFT trainer's too).
 
-use super::rl_config::RlConfig;
 use super::eval_split::split_eval;
+use super::rl_config::RlConfig;
 use crate::env::{generate_arithmetic, load_prompts, sample_arithmetic, PromptOptions, PromptRow};
 use crate::Result;
 

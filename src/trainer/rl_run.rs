@@ -23,7 +23,7 @@ use super::rl_eval::evaluate;
 use super::rl_step::{critic_datums, minibatches, policy_datums, prepare, StepRecipe};
 use super::rollout_stats::RolloutStats;
 use super::rollouts::Episode;
-use super::run_dir::{RunDir, RunOptions, TrainerState, DataPosition};
+use super::run_dir::{DataPosition, RunDir, RunOptions, TrainerState};
 use crate::algo::{KlController, Metrics};
 use crate::dispatch::Dispatch;
 use crate::env::PromptRow;
@@ -94,7 +94,15 @@ impl<'a> RlRun<'a> {
             models.push(CRITIC);
         }
         let total = cfg.train.max_steps;
-        let (dir, resumed) = RunDir::open(&cfg.output.run_dir, || super::config_file::absolutize(cfg)?.to_toml(), models, plot_rl, total, dispatch, opts)?;
+        let (dir, resumed) = RunDir::open(
+            &cfg.output.run_dir,
+            || super::config_file::absolutize(cfg)?.to_toml(),
+            models,
+            plot_rl,
+            total,
+            dispatch,
+            opts,
+        )?;
         let mut run = RlRun {
             cfg,
             dispatch,
@@ -269,7 +277,15 @@ impl<'a> RlRun<'a> {
         let (cfg, run_dir) = (self.cfg, self.dir.root().to_path_buf());
         let total = cfg.train.max_steps;
         let export_dir = self.dir.finish(self.dispatch, &state, total, interrupted, &cfg.model)?;
-        Ok(RlSummary { steps: self.step, total_steps: total, reward_mean, evals: self.evals, interrupted, run_dir, export_dir })
+        Ok(RlSummary {
+            steps: self.step,
+            total_steps: total,
+            reward_mean,
+            evals: self.evals,
+            interrupted,
+            run_dir,
+            export_dir,
+        })
     }
 }
 

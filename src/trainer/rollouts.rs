@@ -293,7 +293,8 @@ impl GroupSampler<'_> {
         start_step: u64,
     ) -> Result<Vec<super::group::Group>> {
         let seeds: Vec<u64> = ids.iter().map(|id| id.seed(self.train_seed)).collect();
-        let episodes = generate_groups(self.engines, self.tok, prompts, &seeds, &self.env_config, &self.params, self.n)?;
+        let episodes =
+            generate_groups(self.engines, self.tok, prompts, &seeds, &self.env_config, &self.params, self.n)?;
         let mut groups = Vec::with_capacity(ids.len());
         for (id, chunk) in ids.iter().zip(episodes.chunks(self.n)) {
             groups.push(super::group::Group { id: *id, start_step, episodes: chunk.to_vec() });

@@ -202,7 +202,13 @@ impl RunDir {
 
     /// Saves a checkpoint after `state.step` when one is due: every `every` steps (0: never),
     /// except the last step `total`, which [`finish`](Self::finish) saves.
-    pub fn checkpoint_if_due(&self, dispatch: &Dispatch, every: usize, total: usize, state: &TrainerState) -> Result<()> {
+    pub fn checkpoint_if_due(
+        &self,
+        dispatch: &Dispatch,
+        every: usize,
+        total: usize,
+        state: &TrainerState,
+    ) -> Result<()> {
         if every > 0 && state.step.is_multiple_of(every) && state.step < total {
             self.save_checkpoint(dispatch, state)?;
         }

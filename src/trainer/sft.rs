@@ -146,7 +146,8 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
             pb.println(format!("step {step}: train loss {final_loss:.4}, eval loss {e:.4}"));
             run.plot()?;
         }
-        let state = || TrainerState { step, data: DataPosition::Loader(loader.position()), kl_coef: 0.0, evals: evals.clone() };
+        let state =
+            || TrainerState { step, data: DataPosition::Loader(loader.position()), kl_coef: 0.0, evals: evals.clone() };
         run.checkpoint_if_due(dispatch, cfg.train.checkpoint_every, total, &state())?;
         if run.finish_now(step, dispatch)? {
             run.progress().println(format!("finished early at step {step}"));

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use oxrl::dispatch::Dispatch;
 use oxrl::rollout::EngineClient;
 use oxrl::trainer::rl::run_rl;
-use oxrl::trainer::RunOptions;
 use oxrl::trainer::RlConfig;
+use oxrl::trainer::RunOptions;
 use serde_json::Value;
 
 fn config(model: &Path, run: &Path, extra: &[&str]) -> RlConfig {

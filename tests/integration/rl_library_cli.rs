@@ -8,8 +8,8 @@ use crate::common;
 use std::path::Path;
 
 use oxrl::trainer::rl::run_rl;
-use oxrl::trainer::RunOptions;
 use oxrl::trainer::RlConfig;
+use oxrl::trainer::RunOptions;
 
 /// Every safetensors file of `run/final/`, by name.
 fn exported(run: &Path) -> Vec<(String, Vec<u8>)> {

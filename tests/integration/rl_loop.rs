@@ -7,8 +7,8 @@ use std::path::Path;
 use oxrl::dispatch::Dispatch;
 use oxrl::rollout::EngineClient;
 use oxrl::trainer::rl::run_rl;
-use oxrl::trainer::RunOptions;
 use oxrl::trainer::RlConfig;
+use oxrl::trainer::RunOptions;
 
 fn config(model: &Path, run: &Path, extra: &[&str]) -> RlConfig {
     let mut sets: Vec<String> = vec![

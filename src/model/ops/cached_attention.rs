@@ -38,11 +38,16 @@
 //! silently cutting the gradient.
 
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, WithDType};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{data, dispatch_real, dot, fused, softmax, Real};
+#[cfg(feature = "cuda")]
+use super::cuda::{self, launch};
+#[cfg(feature = "cuda")]
+use super::custom_op::Cuda;
+use super::custom_op::{Cpu, FusedOp, Op};
+use super::{data, dot, fused, norm_dtype, softmax, Real};
 use crate::{Error, Result};
 
 /// New tokens per row (T) up to which the transformer takes this op for a cached forward:
@@ -440,57 +445,39 @@ fn op_dims(
     Ok((b, h, kvh, t, s, d))
 }
 
-impl CustomOp3 for CachedAttention {
+impl FusedOp<3> for CachedAttention {
     fn name(&self) -> &'static str {
         "cached-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu<T: Real>(&self, [q, k, v]: [Cpu<'_>; 3]) -> candle_core::Result<(Vec<T>, Shape)> {
         let (bias_storage, bias_layout) = self.bias.storage_and_layout();
-        let (b, h, kvh, t, s, d) = op_dims(l1, l2, l3, bias_layout)?;
+        let (b, h, kvh, t, s, d) = op_dims(q.layout, k.layout, v.layout, bias_layout)?;
         let Storage::Cpu(bias_storage) = &*bias_storage else {
             return Err(candle_core::Error::Msg("cached-attention: the bias is not on the CPU".into()));
         };
-        dispatch_real!(s1, T => {
-            let x = Inputs {
-                q: data::<T>(s1, l1)?,
-                k: Heads::new(s2, l2, "k")?,
-                v: Heads::new(s3, l3, "v")?,
-                bias: data::<T>(bias_storage, bias_layout)?,
-                dims: (h, kvh, t, s, d),
-                scale: self.scale,
-                avx512_f32: self.simd && T::DTYPE == DType::F32 && avx512(),
-            };
-            let mut out = vec![T::of(0.0); b * t * h * d];
-            run(&x, b, &mut out);
-            Ok((T::to_cpu_storage_owned(out), Shape::from((b, t, h * d))))
-        })
+        let x = Inputs {
+            q: q.data::<T>()?,
+            k: Heads::new(k.storage, k.layout, "k")?,
+            v: Heads::new(v.storage, v.layout, "v")?,
+            bias: data::<T>(bias_storage, bias_layout)?,
+            dims: (h, kvh, t, s, d),
+            scale: self.scale,
+            avx512_f32: self.simd && T::DTYPE == DType::F32 && avx512(),
+        };
+        let mut out = vec![T::of(0.0); b * t * h * d];
+        run(&x, b, &mut out);
+        Ok((out, Shape::from((b, t, h * d))))
     }
 
     /// A block of [`CUDA_THREADS`] per query row, its warps taking the keys in turn with an
     /// online softmax each (see `cuda/cached_attention.cu`); k and v read through their strides.
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
+    fn cuda<T: cuda::Elem>(&self, [qs, ks, vs]: [Cuda<'_>; 3]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+        let (l2, l3) = (ks.layout, vs.layout);
         let (bias_storage, bias_layout) = self.bias.storage_and_layout();
-        let (b, h, kvh, t, s, d) = op_dims(l1, l2, l3, bias_layout)?;
+        let (b, h, kvh, t, s, d) = op_dims(qs.layout, l2, l3, bias_layout)?;
         let strided_rows = |l: &Layout| d > 1 && l.stride()[3] != 1;
         if d > CUDA_MAX_HEAD_DIM || strided_rows(l2) || strided_rows(l3) {
             return Err(candle_core::Error::Msg(format!(
@@ -504,25 +491,20 @@ impl CustomOp3 for CachedAttention {
         let Storage::Cuda(bias_storage) = &*bias_storage else {
             return Err(candle_core::Error::Msg("cached-attention: the bias is not on the GPU".into()));
         };
-        dispatch_cuda!(s1, T => {
-            let q = cuda::view::<T>(s1, l1)?;
-            let k = s2.as_cuda_slice::<T>()?.slice(l2.start_offset()..);
-            let v = s3.as_cuda_slice::<T>()?.slice(l3.start_offset()..);
-            let bias = cuda::view::<T>(bias_storage, bias_layout)?;
-            let out = cuda::output::<T>(s1, b * t * h * d)?;
-            let [hi, kvhi, ti, si, di] = [h, kvh, t, s, d].map(|x| x as i64);
-            let [k_b, k_g, k_j] = [0, 1, 2].map(|i| l2.stride()[i] as i64);
-            let [v_b, v_g, v_j] = [0, 1, 2].map(|i| l3.stride()[i] as i64);
-            let scale = self.scale as f32;
-            let cfg = LaunchConfig {
-                grid_dim: ((b * h * t) as u32, 1, 1),
-                block_dim: (CUDA_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launch!(s1.device, cuda::CACHED_ATTENTION, cuda::entry::<T>("cached_attention"), cfg;
-                &q, &k, &v, &bias, &out, &hi, &kvhi, &ti, &si, &di, &k_b, &k_g, &k_j, &v_b, &v_g, &v_j, &scale);
-            Ok((cuda::storage(s1, out), Shape::from((b, t, h * d))))
-        })
+        let q = qs.view::<T>()?;
+        let k = ks.storage.as_cuda_slice::<T>()?.slice(l2.start_offset()..);
+        let v = vs.storage.as_cuda_slice::<T>()?.slice(l3.start_offset()..);
+        let bias = cuda::view::<T>(bias_storage, bias_layout)?;
+        let out = cuda::output::<T>(qs.storage, b * t * h * d)?;
+        let [hi, kvhi, ti, si, di] = [h, kvh, t, s, d].map(|x| x as i64);
+        let [k_b, k_g, k_j] = [0, 1, 2].map(|i| l2.stride()[i] as i64);
+        let [v_b, v_g, v_j] = [0, 1, 2].map(|i| l3.stride()[i] as i64);
+        let scale = self.scale as f32;
+        let cfg =
+            LaunchConfig { grid_dim: ((b * h * t) as u32, 1, 1), block_dim: (CUDA_THREADS, 1, 1), shared_mem_bytes: 0 };
+        launch!(qs.storage.device, cuda::CACHED_ATTENTION, cuda::entry::<T>("cached_attention"), cfg;
+            &q, &k, &v, &bias, &out, &hi, &kvhi, &ti, &si, &di, &k_b, &k_g, &k_j, &v_b, &v_g, &v_j, &scale);
+        Ok((out, Shape::from((b, t, h * d))))
     }
 }
 
@@ -571,7 +553,7 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale
         Ok(if x.dim(3)? > 1 && x.stride()[3] != 1 { x.contiguous()? } else { x.clone() })
     };
     let op = CachedAttention { bias: bias.contiguous()?, scale, simd: true };
-    Ok(q.contiguous()?.apply_op3(&rows(k)?, &rows(v)?, op)?)
+    Ok(q.contiguous()?.apply_op3(&rows(k)?, &rows(v)?, Op(op))?)
 }
 
 /// The candle path of `Attention::forward`: the rep query heads sharing a kv head folded into
@@ -589,9 +571,9 @@ pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
     Ok(super::matmul::matmul(&probs, v)?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?)
 }
 
-/// The dtype the softmax runs in (the transformer's `norm_dtype`): f64 for f64, else f32.
+/// The dtype the softmax runs in ([`norm_dtype`]): f64 for f64, else f32.
 fn softmax_dtype(dtype: DType) -> DType {
-    crate::model::transformer::norm_dtype(dtype)
+    norm_dtype(dtype)
 }
 
 #[cfg(test)]
@@ -679,7 +661,7 @@ mod tests {
                     assert_eq!(got.dims(), [b, t, h * d], "{what}");
                     // The portable kernel (what f64 and CPUs without AVX-512 run) for f32 too.
                     let op = CachedAttention { bias: bias.to_dtype(dtype).unwrap(), scale, simd: false };
-                    let portable = q.apply_op3(&k, &v, op).unwrap();
+                    let portable = q.apply_op3(&k, &v, Op(op)).unwrap();
                     let want = reference(&q, &kc, &vc, &bias.to_dtype(dtype).unwrap(), scale).unwrap();
                     let e = max_rel(&got, &want);
                     assert!(e < tol, "{what} cap {cap} from {from}: fused vs candle path {e}");
@@ -759,7 +741,7 @@ mod tests {
         assert!(max_rel(&got, &want) < 1e-5);
         // The op itself refuses such a layout.
         let op = CachedAttention { bias: bias.clone(), scale: 1.0, simd: true };
-        assert!(q.apply_op3(&kt, &v, op).is_err());
+        assert!(q.apply_op3(&kt, &v, Op(op)).is_err());
     }
 
     #[test]

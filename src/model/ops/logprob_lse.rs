@@ -8,12 +8,15 @@
 //! the backward.)
 
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
-use candle_core::WithDType as _;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::{Shape, Tensor, D};
 
-use super::{data, dispatch_real, fused, par_rows, Real};
-use crate::model::logprobs::logsumexp_keepdim;
+#[cfg(feature = "cuda")]
+use super::cuda::{self, launch};
+#[cfg(feature = "cuda")]
+use super::custom_op::Cuda;
+use super::custom_op::{Cpu, FusedOp, Op};
+use super::{fused, par_rows, Real};
 use crate::{Error, Result};
 
 struct LogprobLse;
@@ -51,119 +54,71 @@ fn forward_kernel<T: Real>(z: &[T], y: &[u32], v: usize) -> candle_core::Result<
     Ok(out)
 }
 
-impl CustomOp2 for LogprobLse {
+impl FusedOp<2> for LogprobLse {
     fn name(&self) -> &'static str {
         "logprob-lse"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let v = *l1.dims().last().expect("logits have a vocabulary dimension");
-        let y = data::<u32>(s2, l2)?;
-        let mut dims = l2.dims().to_vec();
+    fn cpu<T: Real>(&self, [z, y]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let v = *z.dims().last().expect("logits have a vocabulary dimension");
+        let mut dims = y.dims().to_vec();
         dims.push(2);
-        dispatch_real!(s1, T => {
-            let out = forward_kernel::<T>(data::<T>(s1, l1)?, y, v)?;
-            Ok((T::to_cpu_storage_owned(out), Shape::from(dims)))
-        })
+        Ok((forward_kernel::<T>(z.data::<T>()?, y.data::<u32>()?, v)?, Shape::from(dims)))
     }
 
     /// A block per row. A target outside the vocabulary gives NaN here (checking on the host
     /// would wait for the device); the worker checks every batch's targets before it runs.
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        let v = *l1.dims().last().expect("logits have a vocabulary dimension");
-        let mut dims = l2.dims().to_vec();
+    fn cuda<T: cuda::Elem>(&self, [zs, ys]: [Cuda<'_>; 2]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let v = *zs.dims().last().expect("logits have a vocabulary dimension");
+        let mut dims = ys.dims().to_vec();
         dims.push(2);
-        let y = cuda::view::<u32>(s2, l2)?;
-        dispatch_cuda!(s1, T => {
-            let z = cuda::view::<T>(s1, l1)?;
-            let out = cuda::output::<T>(s1, 2 * y.len())?;
-            let vi = v as i64;
-            launch!(s1.device, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse"), cuda::per_row(y.len()); &z, &y, &out, &vi);
-            Ok((cuda::storage(s1, out), Shape::from(dims)))
-        })
+        let (z, y) = (zs.view::<T>()?, ys.view::<u32>()?);
+        let out = cuda::output::<T>(zs.storage, 2 * y.len())?;
+        let vi = v as i64;
+        launch!(zs.storage.device, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse"), cuda::per_row(y.len()); &z, &y, &out, &vi);
+        Ok((out, Shape::from(dims)))
     }
 
-    fn bwd(
-        &self,
-        z: &Tensor,
-        y: &Tensor,
-        res: &Tensor,
-        g: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [z, y]: [&Tensor; 2], res: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
         let res = res.contiguous()?;
         let g = g.contiguous()?;
-        let dz = z.apply_op3_no_bwd(y, &Tensor::cat(&[&res, &g], candle_core::D::Minus1)?, &LogprobLseBwd)?;
-        Ok((Some(dz), None))
+        let dz = z.apply_op3_no_bwd(y, &Tensor::cat(&[&res, &g], D::Minus1)?, &Op(LogprobLseBwd))?;
+        Ok([Some(dz), None])
     }
 }
 
 /// dz from (z, y, [res | g]) with res = (lp, lse) and g = (g_lp, g_lse): [..., 4].
 struct LogprobLseBwd;
 
-impl candle_core::CustomOp3 for LogprobLseBwd {
+impl FusedOp<3> for LogprobLseBwd {
     fn name(&self) -> &'static str {
         "logprob-lse-bwd"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let v = *l1.dims().last().expect("logits have a vocabulary dimension");
-        let y = data::<u32>(s2, l2)?;
-        dispatch_real!(s1, T => {
-            let z = data::<T>(s1, l1)?;
-            let rg = data::<T>(s3, l3)?;
-            let mut dz = vec![T::of(0.0); z.len()];
-            par_rows(&mut dz, v, |i, out| {
-                let (lse, g_lp, g_lse) = (rg[4 * i + 1], rg[4 * i + 2], rg[4 * i + 3]);
-                out.copy_from_slice(&z[i * v..(i + 1) * v]);
-                row_backward(out, y[i], lse, g_lp, g_lse);
-            });
-            Ok((T::to_cpu_storage_owned(dz), l1.shape().clone()))
-        })
+    fn cpu<T: Real>(&self, [zs, y, rg]: [Cpu<'_>; 3]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let v = *zs.dims().last().expect("logits have a vocabulary dimension");
+        let y = y.data::<u32>()?;
+        let (z, rg) = (zs.data::<T>()?, rg.data::<T>()?);
+        let mut dz = vec![T::of(0.0); z.len()];
+        par_rows(&mut dz, v, |i, out| {
+            let (lse, g_lp, g_lse) = (rg[4 * i + 1], rg[4 * i + 2], rg[4 * i + 3]);
+            out.copy_from_slice(&z[i * v..(i + 1) * v]);
+            row_backward(out, y[i], lse, g_lp, g_lse);
+        });
+        Ok((dz, zs.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        let v = *l1.dims().last().expect("logits have a vocabulary dimension");
-        let y = cuda::view::<u32>(s2, l2)?;
-        dispatch_cuda!(s1, T => {
-            let (z, rg) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s3, l3)?);
-            let dz = cuda::output::<T>(s1, z.len())?;
-            let vi = v as i64;
-            launch!(s1.device, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse_bwd"), cuda::per_row(y.len());
-                &z, &y, &rg, &dz, &vi);
-            Ok((cuda::storage(s1, dz), l1.shape().clone()))
-        })
+    fn cuda<T: cuda::Elem>(&self, [zs, ys, rgs]: [Cuda<'_>; 3]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let v = *zs.dims().last().expect("logits have a vocabulary dimension");
+        let y = ys.view::<u32>()?;
+        let (z, rg) = (zs.view::<T>()?, rgs.view::<T>()?);
+        let dz = cuda::output::<T>(zs.storage, z.len())?;
+        let vi = v as i64;
+        launch!(zs.storage.device, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse_bwd"), cuda::per_row(y.len());
+            &z, &y, &rg, &dz, &vi);
+        Ok((dz, zs.shape().clone()))
     }
 }
 
@@ -176,8 +131,15 @@ pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     if targets.dims() != &logits.dims()[..logits.rank() - 1] {
         return Err(Error::input(format!("targets {:?} do not match logits {:?}", targets.dims(), logits.dims())));
     }
-    let out = logits.contiguous()?.apply_op2(&targets.contiguous()?, LogprobLse)?;
+    let out = logits.contiguous()?.apply_op2(&targets.contiguous()?, Op(LogprobLse))?;
     Ok((out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?, out.narrow(D::Minus1, 1, 1)?))
+}
+
+/// logsumexp over the last dimension, keeping it (shape [..., 1]); the max is subtracted first
+/// (detached: it cancels in the value and its gradient).
+pub fn logsumexp_keepdim(logits: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    Ok((logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?)
 }
 
 /// The primitive graph: logsumexp with the max subtracted, gather, subtract.

@@ -16,8 +16,11 @@
 //! candle's). Other dtypes and devices, and layouts candle's CPU matmul refuses, take
 //! `Tensor::matmul` itself.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
+use candle_core::{DType, Layout, Shape, Tensor, WithDType};
 use gemm::Parallelism;
+
+use super::custom_op::{grad_for, Cpu, FusedOp, Op};
+use super::Real;
 
 use crate::Result;
 
@@ -35,7 +38,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return Ok(a.matmul(b)?);
     }
     // A graph node only when an input tracks gradients, as with candle's matmul.
-    Ok(a.apply_op2(b, PoolMatmul)?)
+    Ok(a.apply_op2(b, Op(PoolMatmul))?)
 }
 
 /// The op (use [`matmul`]).
@@ -117,31 +120,22 @@ fn product<T: WithDType>(a: &[T], al: &Layout, b: &[T], bl: &Layout) -> candle_c
     Ok((dst, Shape::from(out_dims)))
 }
 
-impl CustomOp2 for PoolMatmul {
+impl FusedOp<2> for PoolMatmul {
     fn name(&self) -> &'static str {
         "pool-matmul"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        match (s1, s2) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                let (y, s) = product(a, l1, b, l2)?;
-                Ok((CpuStorage::F32(y), s))
-            }
-            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
-                let (y, s) = product(a, l1, b, l2)?;
-                Ok((CpuStorage::F64(y), s))
-            }
-            _ => Err(candle_core::Error::Msg("pool-matmul: f32 or f64 operands of one dtype".into())),
-        }
+    fn cpu<T: Real>(&self, [a, b]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        // Strided views are read in place (as candle does): the storages whole, not `data`.
+        product(a.storage.as_slice::<T>()?, a.layout, b.storage.as_slice::<T>()?, b.layout)
     }
 
-    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [a, b]: [&Tensor; 2], _res: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
         let rank = a.rank();
         let t = |x: &Tensor| x.transpose(rank - 2, rank - 1);
         let da = matmul(g, &t(b)?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let db = matmul(&t(a)?, g).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        Ok((super::grad_for(a, da), super::grad_for(b, db)))
+        Ok([grad_for(a, da), grad_for(b, db)])
     }
 }
 
@@ -157,7 +151,15 @@ mod tests {
     }
 
     fn bits(t: &Tensor) -> Vec<u64> {
-        t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap().iter().map(|x| x.to_bits()).collect()
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
     }
 
     fn pool(n: usize) -> rayon::ThreadPool {
@@ -177,7 +179,10 @@ mod tests {
             (tensor(&[7, 256], 6, dtype), w.t().unwrap()),
             (q.clone(), kv.t().unwrap()),
             (tensor(&[2, 2, 24, 40], 7, dtype), kv.clone()),
-            (tensor(&[3, 5, 64], 8, dtype), tensor(&[64, 33], 9, dtype).unsqueeze(0).unwrap().broadcast_as((3, 64, 33)).unwrap()),
+            (
+                tensor(&[3, 5, 64], 8, dtype),
+                tensor(&[64, 33], 9, dtype).unsqueeze(0).unwrap().broadcast_as((3, 64, 33)).unwrap(),
+            ),
             (tensor(&[0, 16], 10, dtype), tensor(&[16, 4], 11, dtype)),
             (tensor(&[3, 0], 12, dtype), tensor(&[0, 4], 13, dtype)),
         ]
@@ -187,7 +192,8 @@ mod tests {
     fn equals_candles_matmul_bit_for_bit_at_any_thread_count() {
         for dtype in [DType::F32, DType::F64] {
             let cases = cases(dtype);
-            let ours_at_one: Vec<Vec<u64>> = pool(1).install(|| cases.iter().map(|(a, b)| bits(&matmul(a, b).unwrap())).collect());
+            let ours_at_one: Vec<Vec<u64>> =
+                pool(1).install(|| cases.iter().map(|(a, b)| bits(&matmul(a, b).unwrap())).collect());
             for threads in [1, 2, 3] {
                 pool(threads).install(|| {
                     for (i, (a, b)) in cases.iter().enumerate() {

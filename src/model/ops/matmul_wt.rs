@@ -11,16 +11,17 @@
 //! rows of f32 on CPUs with AVX-512F; everything else (prefill and training batches, other dtypes
 //! and devices) takes gemm as candle's matmul does ([`super::matmul`]), which is also the backward.
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{Shape, Tensor};
 
-use super::{data, matmul_panel};
+use super::custom_op::{grad_for, Cpu, FusedOp, Op};
+use super::{matmul_panel, Real};
 use crate::Result;
 
 /// Rows of x up to which the kernels beat gemm (measured on the benchmark model's shapes).
 pub const MAX_ROWS: usize = 128;
 
-/// The op (public for benchmarks; use [`matmul_wt`]).
-pub struct MatmulWt;
+/// The op (see [`matmul_wt`]).
+struct MatmulWt;
 
 fn supported() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -155,24 +156,19 @@ pub fn run(kernel: Kernel, x: &[f32], w: &[f32], y: &mut [std::mem::MaybeUninit<
     }
 }
 
-impl CustomOp2 for MatmulWt {
+impl FusedOp<2> for MatmulWt {
     fn name(&self) -> &'static str {
         "matmul-wt"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, k) = l1.shape().dims2()?;
-        let (n, k2) = l2.shape().dims2()?;
+    /// f32 only: for f64, reading x as f32 is an error.
+    fn cpu<T: Real>(&self, [xs, ws]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let (m, k) = xs.shape().dims2()?;
+        let (n, k2) = ws.shape().dims2()?;
         if k != k2 || !supported() {
-            return Err(candle_core::Error::Msg(format!("matmul-wt: x {:?}, w {:?}", l1.dims(), l2.dims())));
+            return Err(candle_core::Error::Msg(format!("matmul-wt: x {:?}, w {:?}", xs.dims(), ws.dims())));
         }
-        let (x, w) = (data::<f32>(s1, l1)?, data::<f32>(s2, l2)?);
+        let (x, w) = (xs.data::<f32>()?, ws.data::<f32>()?);
         // Not zero-filled: the kernels write every element.
         let mut y: Vec<f32> = Vec::with_capacity(m * n);
         #[cfg(target_arch = "x86_64")]
@@ -181,19 +177,17 @@ impl CustomOp2 for MatmulWt {
             // Safety: `run` wrote all m · n elements.
             unsafe { y.set_len(m * n) };
         }
-        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+        // T is f32 (x was read as f32): the vector moves out as it is.
+        let y = (Box::new(y) as Box<dyn std::any::Any>)
+            .downcast::<Vec<T>>()
+            .map_err(|_| candle_core::Error::Msg("matmul-wt: f32 only".into()))?;
+        Ok((*y, Shape::from((m, n))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w]: [&Tensor; 2], _res: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
         let dx = super::matmul::matmul(g, w).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let dw = super::matmul::matmul(&g.t()?, x).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        Ok((super::grad_for(x, dx), super::grad_for(w, dw)))
+        Ok([grad_for(x, dx), grad_for(w, dw)])
     }
 }
 
@@ -210,7 +204,7 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !fast {
         return reference(x, w);
     }
-    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, MatmulWt)?)
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(MatmulWt))?)
 }
 
 /// The product with the transposed view, through gemm as candle's matmul ([`super::matmul`]).

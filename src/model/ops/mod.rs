@@ -12,6 +12,7 @@
 pub mod cached_attention;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod custom_op;
 pub mod exp;
 pub mod logprob_lse;
 pub mod matmul;
@@ -53,6 +54,16 @@ pub fn set_cuda_kernels(on: bool) {
 fn cuda_switch() -> &'static std::sync::atomic::AtomicBool {
     static ON: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
     ON.get_or_init(|| std::sync::atomic::AtomicBool::new(std::env::var("OXRL_CUDA_KERNELS").as_deref() == Ok("1")))
+}
+
+/// The dtype softmax and RMSNorm run in: f32, or f64 for an f64 model (so that f64 runs,
+/// e.g. finite-difference checks, are f64 throughout).
+pub fn norm_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
 }
 
 /// The floats the kernels run in: the few operations they need, for f32 and f64.
@@ -120,12 +131,6 @@ pub(crate) fn par_rows<T: Send>(out: &mut [T], width: usize, f: impl Fn(usize, &
     }
     let rows_per_task = (16_384 / width.max(1)).max(1);
     out.par_chunks_mut(width).with_min_len(rows_per_task).enumerate().for_each(|(i, row)| f(i, row));
-}
-
-/// A backward's gradient for `arg`, or None when `arg` is not part of the graph (a frozen
-/// weight): candle would otherwise store a gradient for it under its own id.
-pub(crate) fn grad_for(arg: &Tensor, grad: Tensor) -> Option<Tensor> {
-    arg.track_op().then_some(grad)
 }
 
 /// Runs `$body` with `$T` bound to the storage's float type; other dtypes are an error (the

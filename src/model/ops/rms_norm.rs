@@ -9,12 +9,16 @@
 //! rows in a fixed order.
 
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
-use candle_core::WithDType as _;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::{Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::{data, dispatch_real, dot, dot3, fused, grad_for, par_rows, Real};
+#[cfg(feature = "cuda")]
+use super::cuda::{self, launch};
+#[cfg(feature = "cuda")]
+use super::custom_op::Cuda;
+use super::custom_op::{grad_for, Cpu, FusedOp, Op};
+use super::{dot, dot3, fused, norm_dtype, par_rows, Real};
 use crate::Result;
 
 struct RmsNorm {
@@ -73,58 +77,34 @@ pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [
     }
 }
 
-impl CustomOp2 for RmsNorm {
+impl FusedOp<2> for RmsNorm {
     fn name(&self) -> &'static str {
         "rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        dispatch_real!(s1, T => {
-            let y = forward(data::<T>(s1, l1)?, data::<T>(s2, l2)?, self.eps);
-            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
-        })
+    fn cpu<T: Real>(&self, [x, w]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        Ok((forward(x.data::<T>()?, w.data::<T>()?, self.eps), x.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        dispatch_cuda!(s1, T => {
-            let (x, w) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
-            let d = w.len();
-            let rows = x.len() / d;
-            let y = cuda::output::<T>(s1, rows * d)?;
-            let (d, eps) = (d as i64, self.eps as f32);
-            launch!(s1.device, cuda::RMS_NORM, cuda::entry::<T>("rms_norm"), cuda::per_row(rows); &x, &w, &y, &d, &eps);
-            Ok((cuda::storage(s1, y), l1.shape().clone()))
-        })
+    fn cuda<T: cuda::Elem>(&self, [xs, ws]: [Cuda<'_>; 2]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let (x, w) = (xs.view::<T>()?, ws.view::<T>()?);
+        let d = w.len();
+        let rows = x.len() / d;
+        let y = cuda::output::<T>(xs.storage, rows * d)?;
+        let (d, eps) = (d as i64, self.eps as f32);
+        launch!(xs.storage.device, cuda::RMS_NORM, cuda::entry::<T>("rms_norm"), cuda::per_row(rows); &x, &w, &y, &d, &eps);
+        Ok((y, xs.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        gy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w]: [&Tensor; 2], _res: &Tensor, gy: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
         let d = w.elem_count();
         let n = x.elem_count() / d;
         let both = Tensor::cat(&[x.flatten_all()?, gy.contiguous()?.flatten_all()?], 0)?;
-        let out = both.apply_op2_no_bwd(w, &RmsNormBwd { eps: self.eps })?;
+        let out = both.apply_op2_no_bwd(w, &Op(RmsNormBwd { eps: self.eps }))?;
         let dx = out.narrow(0, 0, n * d)?.reshape(x.shape())?;
         let dw = out.narrow(0, n * d, d)?.reshape(w.shape())?;
-        Ok((grad_for(x, dx), grad_for(w, dw)))
+        Ok([grad_for(x, dx), grad_for(w, dw)])
     }
 }
 
@@ -133,71 +113,54 @@ struct RmsNormBwd {
     eps: f64,
 }
 
-impl CustomOp2 for RmsNormBwd {
+impl FusedOp<2> for RmsNormBwd {
     fn name(&self) -> &'static str {
         "rms-norm-bwd"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        dispatch_real!(s1, T => {
-            let (xg, w) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let d = w.len();
-            let half = xg.len() / 2;
-            let (x, gy) = xg.split_at(half);
-            let mut out = vec![T::of(0.0); half + d];
-            let (dx, dw) = out.split_at_mut(half);
-            backward(x, gy, w, self.eps, dx, dw);
-            Ok((T::to_cpu_storage_owned(out), Shape::from(half + d)))
-        })
+    fn cpu<T: Real>(&self, [xg, w]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let (xg, w) = (xg.data::<T>()?, w.data::<T>()?);
+        let d = w.len();
+        let half = xg.len() / 2;
+        let (x, gy) = xg.split_at(half);
+        let mut out = vec![T::of(0.0); half + d];
+        let (dx, dw) = out.split_at_mut(half);
+        backward(x, gy, w, self.eps, dx, dw);
+        Ok((out, Shape::from(half + d)))
     }
 
     /// A block per row writes dx and r; dw is summed over chunks of rows in order (no atomics,
     /// so it does not depend on timing).
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
+    fn cuda<T: cuda::Elem>(&self, [xgs, ws]: [Cuda<'_>; 2]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
-        dispatch_cuda!(s1, T => {
-            let (xg, w) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
-            let d = w.len();
-            let half = xg.len() / 2;
-            let rows = half / d;
-            let (x, gy) = (xg.slice(..half), xg.slice(half..));
-            let out = cuda::output::<T>(s1, half + d)?;
-            let (dx, dw) = (out.slice(..half), out.slice(half..));
-            let r = cuda::output::<f32>(s1, rows)?;
-            let rows_per_chunk = rows.div_ceil(65_535).max(64);
-            let chunks = rows.div_ceil(rows_per_chunk);
-            let partial = cuda::output::<f32>(s1, chunks * d)?;
-            let dev = &s1.device;
-            let (n, di, eps) = (rows as i64, d as i64, self.eps as f32);
-            let (per_chunk, chunks_i) = (rows_per_chunk as i64, chunks as i64);
-            launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_rows"), cuda::per_row(rows);
-                &x, &gy, &w, &dx, &r, &di, &eps);
-            let columns = (d as u32).div_ceil(cuda::ROW_THREADS);
-            let grid = |chunks: usize| LaunchConfig {
-                grid_dim: (columns, chunks as u32, 1),
-                block_dim: (cuda::ROW_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_dw_partial"), grid(chunks);
-                &x, &gy, &r, &partial, &n, &di, &per_chunk);
-            // With no rows there are no chunks, and dw is their empty sum: zeros.
-            launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_dw_sum"), grid(1); &partial, &dw, &chunks_i, &di);
-            Ok((cuda::storage(s1, out), Shape::from(half + d)))
-        })
+        let (xg, w) = (xgs.view::<T>()?, ws.view::<T>()?);
+        let d = w.len();
+        let half = xg.len() / 2;
+        let rows = half / d;
+        let (x, gy) = (xg.slice(..half), xg.slice(half..));
+        let out = cuda::output::<T>(xgs.storage, half + d)?;
+        let (dx, dw) = (out.slice(..half), out.slice(half..));
+        let r = cuda::output::<f32>(xgs.storage, rows)?;
+        let rows_per_chunk = rows.div_ceil(65_535).max(64);
+        let chunks = rows.div_ceil(rows_per_chunk);
+        let partial = cuda::output::<f32>(xgs.storage, chunks * d)?;
+        let dev = &xgs.storage.device;
+        let (n, di, eps) = (rows as i64, d as i64, self.eps as f32);
+        let (per_chunk, chunks_i) = (rows_per_chunk as i64, chunks as i64);
+        launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_rows"), cuda::per_row(rows);
+            &x, &gy, &w, &dx, &r, &di, &eps);
+        let columns = (d as u32).div_ceil(cuda::ROW_THREADS);
+        let grid = |chunks: usize| LaunchConfig {
+            grid_dim: (columns, chunks as u32, 1),
+            block_dim: (cuda::ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_dw_partial"), grid(chunks);
+            &x, &gy, &r, &partial, &n, &di, &per_chunk);
+        // With no rows there are no chunks, and dw is their empty sum: zeros.
+        launch!(dev, cuda::RMS_NORM, cuda::entry::<T>("rms_norm_bwd_dw_sum"), grid(1); &partial, &dw, &chunks_i, &di);
+        Ok((out, Shape::from(half + d)))
     }
 }
 
@@ -206,13 +169,13 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if !fused(x) || x.dtype() != w.dtype() || w.rank() != 1 || w.elem_count() == 0 || x.dim(D::Minus1)? != w.dim(0)? {
         return reference(x, w, eps);
     }
-    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })?)
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(RmsNorm { eps }))?)
 }
 
 /// The primitive graph, normalising in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.
 pub fn reference(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    let x = x.to_dtype(crate::model::transformer::norm_dtype(dtype))?;
+    let x = x.to_dtype(norm_dtype(dtype))?;
     let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
     let normed = x.broadcast_mul(&inv_rms)?.to_dtype(dtype)?;
     Ok(normed.broadcast_mul(weight)?)

@@ -11,13 +11,17 @@
 //!   dx1 = g1·cos + g2·sin,  dx2 = g2·cos − g1·sin.
 
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
-use candle_core::WithDType as _;
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::{Layout, Shape, Tensor, D};
 
 use rayon::prelude::*;
 
-use super::{data, dispatch_real, fused, Real};
+#[cfg(feature = "cuda")]
+use super::cuda::{self, launch};
+#[cfg(feature = "cuda")]
+use super::custom_op::Cuda;
+use super::custom_op::{Cpu, FusedOp, Op};
+use super::{fused, Real};
 use crate::Result;
 
 /// Rotation direction: forward (x → out, [B,T,H,D] → [B,H,T,D]) or backward (g → dx, the
@@ -84,7 +88,7 @@ impl Rope {
 
 type RopeDims = (usize, usize, usize, usize, (usize, usize, usize, usize));
 
-impl CustomOp3 for Rope {
+impl FusedOp<3> for Rope {
     fn name(&self) -> &'static str {
         if self.backward {
             "rope-bwd"
@@ -93,60 +97,32 @@ impl CustomOp3 for Rope {
         }
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (_, t, h, d, out_shape) = self.dims(l1, l2, l3)?;
-        dispatch_real!(s1, T => {
-            let (x, cos, sin) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?, data::<T>(s3, l3)?);
-            let out = if self.backward {
-                backward_kernel(x, cos, sin, (t, h, d))
-            } else {
-                forward_kernel(x, cos, sin, (t, h, d))
-            };
-            Ok((T::to_cpu_storage_owned(out), Shape::from(out_shape)))
-        })
+    fn cpu<T: Real>(&self, [x, cos, sin]: [Cpu<'_>; 3]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let (_, t, h, d, out_shape) = self.dims(x.layout, cos.layout, sin.layout)?;
+        let (x, cos, sin) = (x.data::<T>()?, cos.data::<T>()?, sin.data::<T>()?);
+        let out = if self.backward {
+            backward_kernel(x, cos, sin, (t, h, d))
+        } else {
+            forward_kernel(x, cos, sin, (t, h, d))
+        };
+        Ok((out, Shape::from(out_shape)))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        let (b, t, h, d, out_shape) = self.dims(l1, l2, l3)?;
-        dispatch_cuda!(s1, T => {
-            let (x, cos, sin) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?, cuda::view::<T>(s3, l3)?);
-            let out = cuda::output::<T>(s1, x.len())?;
-            let [bi, ti, hi, di] = [b, t, h, d].map(|v| v as i64);
-            let backward = i32::from(self.backward);
-            launch!(s1.device, cuda::ROPE, cuda::entry::<T>("rope"), cuda::elementwise(x.len() / 2);
-                &x, &cos, &sin, &out, &bi, &ti, &hi, &di, &backward);
-            Ok((cuda::storage(s1, out), Shape::from(out_shape)))
-        })
+    fn cuda<T: cuda::Elem>(&self, [xs, coss, sins]: [Cuda<'_>; 3]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let (b, t, h, d, out_shape) = self.dims(xs.layout, coss.layout, sins.layout)?;
+        let (x, cos, sin) = (xs.view::<T>()?, coss.view::<T>()?, sins.view::<T>()?);
+        let out = cuda::output::<T>(xs.storage, x.len())?;
+        let [bi, ti, hi, di] = [b, t, h, d].map(|v| v as i64);
+        let backward = i32::from(self.backward);
+        launch!(xs.storage.device, cuda::ROPE, cuda::entry::<T>("rope"), cuda::elementwise(x.len() / 2);
+            &x, &cos, &sin, &out, &bi, &ti, &hi, &di, &backward);
+        Ok((out, Shape::from(out_shape)))
     }
 
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope { backward: true })?;
-        Ok((Some(dx), None, None))
+    fn bwd(&self, [_x, cos, sin]: [&Tensor; 3], _res: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 3]> {
+        let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Op(Rope { backward: true }))?;
+        Ok([Some(dx), None, None])
     }
 }
 
@@ -159,12 +135,18 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     }
     let (b, _, t, d) = x.dims4()?;
     let table = |c: &Tensor| -> Result<Tensor> { Ok(c.reshape((b, t, d / 2))?.contiguous()?) };
-    Ok(x.transpose(1, 2)?.contiguous()?.apply_op3(&table(cos)?, &table(sin)?, Rope { backward: false })?)
+    Ok(x.transpose(1, 2)?.contiguous()?.apply_op3(&table(cos)?, &table(sin)?, Op(Rope { backward: false }))?)
 }
 
-/// The primitive graph: the rotate-half formula, then a contiguous copy.
+/// The primitive graph: the rotate-half formula (from differentiable primitives: narrow, mul,
+/// cat), then a contiguous copy.
 pub fn reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    Ok(crate::model::rope::apply(x, cos, sin)?.contiguous()?)
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let b = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Ok(Tensor::cat(&[a, b], D::Minus1)?.contiguous()?)
 }
 
 #[cfg(test)]

@@ -7,11 +7,15 @@
 //! [B, G, T, S] buffer, and twice as many in the backward.
 
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
-use candle_core::WithDType as _;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::{Shape, Tensor, D};
 
-use super::{data, dispatch_real, dot, fused, max, par_rows, sum, Real};
+#[cfg(feature = "cuda")]
+use super::cuda::{self, launch};
+#[cfg(feature = "cuda")]
+use super::custom_op::Cuda;
+use super::custom_op::{Cpu, FusedOp, Op};
+use super::{dot, fused, max, par_rows, sum, Real};
 use crate::{Error, Result};
 
 struct MaskedSoftmax {
@@ -61,62 +65,40 @@ pub(crate) fn backward_row<T: Real>(out: &mut [T], p: &[T], g: &[T], scale: f64)
     }
 }
 
-impl CustomOp2 for MaskedSoftmax {
+impl FusedOp<2> for MaskedSoftmax {
     fn name(&self) -> &'static str {
         "masked-softmax"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (_, g, t, s) = l1.shape().dims4()?;
-        dispatch_real!(s1, T => {
-            let (x, bias) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let mut p = vec![T::of(0.0); x.len()];
-            par_rows(&mut p, s, |r, out| {
-                // Row r is query (r mod t) of head ((r / t) mod g) of batch row r / (g·t).
-                let (bi, ti) = (r / (g * t), r % t);
-                let bias = &bias[(bi * t + ti) * s..(bi * t + ti + 1) * s];
-                forward_row(out, &x[r * s..(r + 1) * s], bias, self.scale);
-            });
-            Ok((T::to_cpu_storage_owned(p), l1.shape().clone()))
-        })
+    fn cpu<T: Real>(&self, [x, bias]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let (_, g, t, s) = x.shape().dims4()?;
+        let shape = x.shape().clone();
+        let (x, bias) = (x.data::<T>()?, bias.data::<T>()?);
+        let mut p = vec![T::of(0.0); x.len()];
+        par_rows(&mut p, s, |r, out| {
+            // Row r is query (r mod t) of head ((r / t) mod g) of batch row r / (g·t).
+            let (bi, ti) = (r / (g * t), r % t);
+            let bias = &bias[(bi * t + ti) * s..(bi * t + ti + 1) * s];
+            forward_row(out, &x[r * s..(r + 1) * s], bias, self.scale);
+        });
+        Ok((p, shape))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        let (b, g, t, s) = l1.shape().dims4()?;
-        dispatch_cuda!(s1, T => {
-            let (x, bias) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
-            let p = cuda::output::<T>(s1, x.len())?;
-            let [gi, ti, si] = [g, t, s].map(|v| v as i64);
-            let scale = self.scale as f32;
-            launch!(s1.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax"), cuda::per_row(b * g * t);
-                &x, &bias, &p, &gi, &ti, &si, &scale);
-            Ok((cuda::storage(s1, p), l1.shape().clone()))
-        })
+    fn cuda<T: cuda::Elem>(&self, [xs, biass]: [Cuda<'_>; 2]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let (b, g, t, s) = xs.shape().dims4()?;
+        let (x, bias) = (xs.view::<T>()?, biass.view::<T>()?);
+        let p = cuda::output::<T>(xs.storage, x.len())?;
+        let [gi, ti, si] = [g, t, s].map(|v| v as i64);
+        let scale = self.scale as f32;
+        launch!(xs.storage.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax"), cuda::per_row(b * g * t);
+            &x, &bias, &p, &gi, &ti, &si, &scale);
+        Ok((p, xs.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        _s: &Tensor,
-        _bias: &Tensor,
-        p: &Tensor,
-        g: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let ds = p.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxBwd { scale: self.scale })?;
-        Ok((Some(ds), None))
+    fn bwd(&self, _inputs: [&Tensor; 2], p: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
+        let ds = p.apply_op2_no_bwd(&g.contiguous()?, &Op(SoftmaxBwd { scale: self.scale }))?;
+        Ok([Some(ds), None])
     }
 }
 
@@ -125,48 +107,32 @@ struct SoftmaxBwd {
     scale: f64,
 }
 
-impl CustomOp2 for SoftmaxBwd {
+impl FusedOp<2> for SoftmaxBwd {
     fn name(&self) -> &'static str {
         "masked-softmax-bwd"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let s = *l1.dims().last().expect("softmax has a last dimension");
-        dispatch_real!(s1, T => {
-            let (p, g) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            let mut ds = vec![T::of(0.0); p.len()];
-            par_rows(&mut ds, s, |r, out| {
-                backward_row(out, &p[r * s..(r + 1) * s], &g[r * s..(r + 1) * s], self.scale);
-            });
-            Ok((T::to_cpu_storage_owned(ds), l1.shape().clone()))
-        })
+    fn cpu<T: Real>(&self, [p, g]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let s = *p.dims().last().expect("softmax has a last dimension");
+        let shape = p.shape().clone();
+        let (p, g) = (p.data::<T>()?, g.data::<T>()?);
+        let mut ds = vec![T::of(0.0); p.len()];
+        par_rows(&mut ds, s, |r, out| {
+            backward_row(out, &p[r * s..(r + 1) * s], &g[r * s..(r + 1) * s], self.scale);
+        });
+        Ok((ds, shape))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        let s = *l1.dims().last().expect("softmax has a last dimension");
-        dispatch_cuda!(s1, T => {
-            let (p, g) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
-            let ds = cuda::output::<T>(s1, p.len())?;
-            let (si, scale) = (s as i64, self.scale as f32);
-            let rows = p.len().checked_div(s).unwrap_or(0);
-            launch!(s1.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd"), cuda::per_row(rows);
-                &p, &g, &ds, &si, &scale);
-            Ok((cuda::storage(s1, ds), l1.shape().clone()))
-        })
+    fn cuda<T: cuda::Elem>(&self, [ps, gs]: [Cuda<'_>; 2]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let s = *ps.dims().last().expect("softmax has a last dimension");
+        let (p, g) = (ps.view::<T>()?, gs.view::<T>()?);
+        let ds = cuda::output::<T>(ps.storage, p.len())?;
+        let (si, scale) = (s as i64, self.scale as f32);
+        let rows = p.len().checked_div(s).unwrap_or(0);
+        launch!(ps.storage.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd"), cuda::per_row(rows);
+            &p, &g, &ds, &si, &scale);
+        Ok((ds, ps.shape().clone()))
     }
 }
 
@@ -181,7 +147,7 @@ pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tens
     if !fused(scores) {
         return reference(scores, &bias, scale);
     }
-    Ok(scores.contiguous()?.apply_op2(&bias.contiguous()?, MaskedSoftmax { scale })?)
+    Ok(scores.contiguous()?.apply_op2(&bias.contiguous()?, Op(MaskedSoftmax { scale }))?)
 }
 
 /// The primitive graph: scale, add the bias broadcast over heads, softmax with the max

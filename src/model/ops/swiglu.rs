@@ -6,11 +6,15 @@
 //! and built silu's derivative from five elementwise nodes.
 
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::CudaStorage;
-use candle_core::WithDType as _;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::{Shape, Tensor};
 
-use super::{data, dispatch_real, fused, grad_for, Real};
+#[cfg(feature = "cuda")]
+use super::cuda::{self, launch};
+#[cfg(feature = "cuda")]
+use super::custom_op::Cuda;
+use super::custom_op::{grad_for, Cpu, FusedOp, Op};
+use super::{fused, Real};
 use crate::{Error, Result};
 
 /// Rows per rayon task: elementwise work is cheap, so tasks are large.
@@ -57,104 +61,59 @@ pub(crate) fn backward<T: Real>(g: &[T], u: &[T], dy: &[T], dg: &mut [T], du: &m
 
 struct SwiGlu;
 
-impl CustomOp2 for SwiGlu {
+impl FusedOp<2> for SwiGlu {
     fn name(&self) -> &'static str {
         "swiglu"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        dispatch_real!(s1, T => {
-            let y = forward(data::<T>(s1, l1)?, data::<T>(s2, l2)?);
-            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
-        })
+    fn cpu<T: Real>(&self, [g, u]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
+        Ok((forward(g.data::<T>()?, u.data::<T>()?), g.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        dispatch_cuda!(s1, T => {
-            let (g, u) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?);
-            let n = g.len();
-            let y = cuda::output::<T>(s1, n)?;
-            let ni = n as i64;
-            launch!(s1.device, cuda::SWIGLU, cuda::entry::<T>("swiglu"), cuda::elementwise(n); &g, &u, &y, &ni);
-            Ok((cuda::storage(s1, y), l1.shape().clone()))
-        })
+    fn cuda<T: cuda::Elem>(&self, [gs, us]: [Cuda<'_>; 2]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let (g, u) = (gs.view::<T>()?, us.view::<T>()?);
+        let n = g.len();
+        let y = cuda::output::<T>(gs.storage, n)?;
+        let ni = n as i64;
+        launch!(gs.storage.device, cuda::SWIGLU, cuda::entry::<T>("swiglu"), cuda::elementwise(n); &g, &u, &y, &ni);
+        Ok((y, gs.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [g, u]: [&Tensor; 2], _res: &Tensor, dy: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
         let n = g.elem_count();
-        let both = g.apply_op3_no_bwd(u, &dy.contiguous()?, &SwiGluBwd)?;
+        let both = g.apply_op3_no_bwd(u, &dy.contiguous()?, &Op(SwiGluBwd))?;
         let dg = both.narrow(0, 0, n)?.reshape(g.shape())?;
         let du = both.narrow(0, n, n)?.reshape(u.shape())?;
-        Ok((grad_for(g, dg), grad_for(u, du)))
+        Ok([grad_for(g, dg), grad_for(u, du)])
     }
 }
 
 /// [dg | du] flat from (g, u, dy).
 struct SwiGluBwd;
 
-impl CustomOp3 for SwiGluBwd {
+impl FusedOp<3> for SwiGluBwd {
     fn name(&self) -> &'static str {
         "swiglu-bwd"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        dispatch_real!(s1, T => {
-            let (g, u, dy) = (data::<T>(s1, l1)?, data::<T>(s2, l2)?, data::<T>(s3, l3)?);
-            let n = g.len();
-            let mut out = vec![T::of(0.0); 2 * n];
-            let (dg, du) = out.split_at_mut(n);
-            backward(g, u, dy, dg, du);
-            Ok((T::to_cpu_storage_owned(out), Shape::from(2 * n)))
-        })
+    fn cpu<T: Real>(&self, [g, u, dy]: [Cpu<'_>; 3]) -> candle_core::Result<(Vec<T>, Shape)> {
+        let (g, u, dy) = (g.data::<T>()?, u.data::<T>()?, dy.data::<T>()?);
+        let n = g.len();
+        let mut out = vec![T::of(0.0); 2 * n];
+        let (dg, du) = out.split_at_mut(n);
+        backward(g, u, dy, dg, du);
+        Ok((out, Shape::from(2 * n)))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        use super::cuda::{self, dispatch_cuda, launch};
-        dispatch_cuda!(s1, T => {
-            let (g, u, dy) = (cuda::view::<T>(s1, l1)?, cuda::view::<T>(s2, l2)?, cuda::view::<T>(s3, l3)?);
-            let n = g.len();
-            let out = cuda::output::<T>(s1, 2 * n)?;
-            let ni = n as i64;
-            launch!(s1.device, cuda::SWIGLU, cuda::entry::<T>("swiglu_bwd"), cuda::elementwise(n); &g, &u, &dy, &out, &ni);
-            Ok((cuda::storage(s1, out), Shape::from(2 * n)))
-        })
+    fn cuda<T: cuda::Elem>(&self, [gs, us, dys]: [Cuda<'_>; 3]) -> candle_core::Result<(CudaSlice<T>, Shape)> {
+        let (g, u, dy) = (gs.view::<T>()?, us.view::<T>()?, dys.view::<T>()?);
+        let n = g.len();
+        let out = cuda::output::<T>(gs.storage, 2 * n)?;
+        let ni = n as i64;
+        launch!(gs.storage.device, cuda::SWIGLU, cuda::entry::<T>("swiglu_bwd"), cuda::elementwise(n); &g, &u, &dy, &out, &ni);
+        Ok((out, Shape::from(2 * n)))
     }
 }
 
@@ -166,7 +125,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if !fused(gate) || gate.dtype() != up.dtype() {
         return reference(gate, up);
     }
-    Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)?)
+    Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, Op(SwiGlu))?)
 }
 
 /// The primitive graph: silu, then the product.
