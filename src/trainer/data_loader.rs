@@ -11,6 +11,9 @@
 //! Batches never straddle epochs: the last batch of an epoch holds the remainder
 //! (`n mod batch_size` items, when that is not 0), so every item is seen once per epoch and
 //! `steps_per_epoch = ceil(n / batch_size)`. The loader is endless; the loop decides when to stop.
+//! RL takes [`DataLoader::next_items_across_epochs`] instead: always `batch_size` items, the
+//! epochs' orders read as one endless sequence (the async trainer's prompt stream, so that
+//! both RL modes cut their steps alike).
 
 use serde::{Deserialize, Serialize};
 
@@ -108,6 +111,24 @@ impl<T: Clone> DataLoader<T> {
         Some(batch)
     }
 
+    /// The next `batch_size` items of the endless sequence of epoch orders: a batch that reaches
+    /// the end of an epoch continues with the next epoch's first items. `None` only for an
+    /// empty dataset.
+    pub fn next_items_across_epochs(&mut self) -> Option<Vec<T>> {
+        if self.items.is_empty() {
+            return None;
+        }
+        let mut items = Vec::with_capacity(self.batch_size);
+        while items.len() < self.batch_size {
+            let start = self.position.index;
+            let end = (start + self.batch_size - items.len()).min(self.items.len());
+            items.extend(self.order[start..end].iter().map(|&i| self.items[i].clone()));
+            self.position.index = end;
+            self.normalise();
+        }
+        Some(items)
+    }
+
     /// The item order of `epoch`.
     pub fn order_of(&self, epoch: usize) -> Vec<usize> {
         if self.shuffle {
@@ -161,5 +182,22 @@ mod tests {
         assert_eq!(permutation(10, 42), [8, 3, 6, 5, 4, 0, 9, 2, 1, 7]);
         assert_eq!(permutation(10, 7), [9, 5, 8, 6, 1, 2, 4, 7, 0, 3]);
         assert_eq!(permutation(5, 3), [3, 4, 1, 2, 0]);
+    }
+
+    /// Across epochs, batches are the epochs' orders concatenated and cut every `batch_size`
+    /// items, from any position a checkpoint can hold.
+    #[test]
+    fn batches_across_epochs_cut_the_concatenated_orders() {
+        let (n, b, seed) = (10, 4, 3);
+        let mut loader = DataLoader::new((0..n).collect::<Vec<usize>>(), b, seed, true);
+        let endless: Vec<usize> = (0..4).flat_map(|e| permutation(n, epoch_seed(seed, e))).collect();
+        for step in 0..9 {
+            assert_eq!(loader.next_items_across_epochs().unwrap(), endless[step * b..(step + 1) * b], "step {step}");
+            let mut resumed = DataLoader::new((0..n).collect::<Vec<usize>>(), b, seed, true);
+            resumed.set_position(loader.position()).unwrap();
+            let (mut a, mut c) = (loader.clone(), resumed);
+            assert_eq!(a.next_items_across_epochs(), c.next_items_across_epochs(), "resumed after step {step}");
+        }
+        assert_eq!(loader.position(), LoaderPosition { epoch: 3, index: 6 });
     }
 }

@@ -73,3 +73,55 @@ pub fn step_episodes(groups: &[Group]) -> Vec<Episode> {
     }
     episodes
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env::TrainingSequence;
+
+    fn group(rewards: &[f64], correct: &[bool]) -> Vec<Episode> {
+        let sequence = TrainingSequence {
+            input_tokens: vec![],
+            target_tokens: vec![],
+            mask: vec![],
+            logprobs: vec![],
+            turn: vec![],
+        };
+        rewards
+            .iter()
+            .zip(correct)
+            .map(|(&reward, &correct)| Episode {
+                group: 0,
+                uid: String::new(),
+                sequence: sequence.clone(),
+                reward,
+                correct,
+                truncated: false,
+                turns: 1,
+                response_tokens: 0,
+                min_version: 0,
+                versions: vec![],
+            })
+            .collect()
+    }
+
+    /// `zero_variance_filter` drops a group of equal rewards (whatever its verdicts); dynamic
+    /// sampling drops a group of equal verdicts (`correct`), even when format rewards differ.
+    #[test]
+    fn the_filters_test_what_their_docs_say() {
+        let none = GroupFilter::default();
+        let zero_variance = GroupFilter { equal_rewards: true, equal_verdicts: false };
+        let dynamic = GroupFilter { equal_rewards: false, equal_verdicts: true };
+        let equal_rewards_mixed_verdicts = group(&[0.5, 0.5], &[true, false]);
+        let mixed_rewards_all_correct = group(&[1.0, 1.1], &[true, true]);
+        let signal = group(&[0.0, 1.0], &[false, true]);
+        for g in [&equal_rewards_mixed_verdicts, &mixed_rewards_all_correct, &signal] {
+            assert!(none.keeps(g));
+        }
+        assert!(!zero_variance.keeps(&equal_rewards_mixed_verdicts));
+        assert!(zero_variance.keeps(&mixed_rewards_all_correct));
+        assert!(dynamic.keeps(&equal_rewards_mixed_verdicts));
+        assert!(!dynamic.keeps(&mixed_rewards_all_correct));
+        assert!(zero_variance.keeps(&signal) && dynamic.keeps(&signal));
+    }
+}

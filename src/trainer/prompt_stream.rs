@@ -5,7 +5,8 @@
 //! take()     -> the smallest k not consumed, filtered, nor in flight
 //! consume(k) -> trained;  filter(k) -> dropped by dynamic sampling;  release(k) -> cancelled
 //! ```
-//! The order is the synchronous trainer's (the data loader's per-epoch shuffle), so with no
+//! The order is the synchronous trainer's (the data loader's per-epoch shuffle, read across
+//! epochs as `DataLoader::next_items_across_epochs` does), so with no
 //! group filtered and no staleness both trainers see the same prompts in the same steps.
 //! A checkpoint holds the consumed and filtered sequence numbers; a resumed stream hands out the
 //! groups that were in flight or finished-but-untrained again, first, and never a consumed one:

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! for round in 0..rounds (1, or max_sampling_rounds with dynamic_sampling = "replace"):
-//!     prompts = loader.next_batch(prompts_per_step)          # seeded per-epoch shuffle, resumable
+//!     prompts = the loader's next prompts_per_step prompts   # seeded per-epoch shuffle, resumable;
+//!                                                             # a step may span two epochs
 //!     groups  = n samples of each prompt, group (step, round, i) seeded by its identity
 //!     keep the groups with signal (group filter) until the step has prompts_per_step of them
 //! ```
@@ -60,10 +61,11 @@ impl GroupSource for SyncGroups<'_> {
     ) -> Result<Option<Vec<Group>>> {
         let mut groups = vec![];
         for round in 0..self.rounds {
-            let batch = self.loader.next_batch().ok_or_else(|| Error::input("the training set is empty"))?;
+            let prompts =
+                self.loader.next_items_across_epochs().ok_or_else(|| Error::input("the training set is empty"))?;
             let ids: Vec<GroupId> =
-                (0..batch.items.len()).map(|index| GroupId { step: steps_done, round, index }).collect();
-            for group in self.sampler.sample(&batch.items, &ids, steps_done as u64 + 1)? {
+                (0..prompts.len()).map(|index| GroupId { step: steps_done, round, index }).collect();
+            for group in self.sampler.sample(&prompts, &ids, steps_done as u64 + 1)? {
                 rollouts.add(&group.episodes);
                 if self.filter.keeps(&group.episodes) && groups.len() < self.per_step {
                     groups.push(group);

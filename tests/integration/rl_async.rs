@@ -58,19 +58,39 @@ fn safetensors(path: &Path) -> Vec<(String, Vec<f32>)> {
 
 #[test]
 fn staleness_zero_reproduces_the_synchronous_trainer() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
+    let tmp = sync_and_staleness_zero(&[]);
+    assert_same_training(&tmp.path().join("sync"), &tmp.path().join("async"), 0.0);
+}
+
+/// 10 prompts, 4 a step, 4 steps: steps cross the end of the prompt set mid-batch, and the
+/// async stream must cut its groups across epochs as the sync loader does. Bit-identical.
+#[test]
+fn staleness_zero_reproduces_the_synchronous_trainer_on_a_ragged_prompt_set() {
+    let tmp = sync_and_staleness_zero(&["data.synthetic_train=10", "train.max_steps=4"]);
+    assert_same_training(&tmp.path().join("sync"), &tmp.path().join("async"), 0.0);
+}
+
+/// A directory with a model and the runs `sync` and `async` (`max_staleness = 0`) on it.
+fn sync_and_staleness_zero(extra: &[&str]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path();
+    let model = tmp.join("model");
     common::tiny_byte_model(&model, 32, 256, 7);
-    let mut finals = vec![];
-    for (name, extra) in [("sync", &["mode=\"sync\""][..]), ("async", &["mode=\"async\"", "async_rl.max_staleness=0"])]
-    {
-        let cfg = config(&model, &tmp.path().join(name), extra);
+    for (name, mode) in [("sync", &["mode=\"sync\""][..]), ("async", &["mode=\"async\"", "async_rl.max_staleness=0"])] {
+        let sets: Vec<&str> = mode.iter().chain(extra).copied().collect();
+        let cfg = config(&model, &tmp.join(name), &sets);
         let (d, engines) = runtime(&cfg);
         let s = run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap();
-        assert_eq!(s.steps, 3);
-        finals.push(safetensors(&s.export_dir.unwrap().join("model.safetensors")));
+        assert_eq!(s.steps, cfg.train.max_steps);
     }
-    let initial = safetensors(&model.join("model.safetensors"));
+    dir
+}
+
+/// Same final parameters (within `tol`; 0: bit for bit) and the same metrics step by step; and
+/// the runs trained.
+fn assert_same_training(sync: &Path, asy: &Path, tol: f32) {
+    let finals = [sync, asy].map(|run| safetensors(&run.join("final/model.safetensors")));
+    let initial = safetensors(&sync.parent().unwrap().join("model/model.safetensors"));
     let (mut max_diff, mut moved) = (0f32, 0f32);
     for (((name, a), (_, b)), (_, init)) in finals[0].iter().zip(&finals[1]).zip(&initial) {
         for ((x, y), z) in a.iter().zip(b).zip(init) {
@@ -79,15 +99,56 @@ fn staleness_zero_reproduces_the_synchronous_trainer() {
         }
         assert_eq!(a.len(), b.len(), "{name}");
     }
-    assert!(max_diff <= 1e-6, "async (max_staleness 0) differs from sync by {max_diff}");
+    assert!(max_diff <= tol, "async (max_staleness 0) differs from sync by {max_diff}");
     assert!(moved > 1e-3, "the runs did not train ({moved})");
-    let (sync, asy) = (metric_lines(&tmp.path().join("sync")), metric_lines(&tmp.path().join("async")));
+    let (sync, asy) = (metric_lines(sync), metric_lines(asy));
+    assert_eq!(sync.len(), asy.len());
     for (a, b) in sync.iter().zip(&asy) {
-        for key in ["reward_mean", "response_length_mean", "episodes_trained", "loss"] {
+        for key in ["reward_mean", "response_length_mean", "episodes_trained", "loss", "weight_version"] {
             assert_eq!(a[key], b[key], "`{key}` at step {}", a["step"]);
         }
         assert_eq!(b["staleness_max"], 0.0);
     }
+}
+
+/// `max_staleness` is part of an async run's checkpoint: a resume keeps the bound, and a config
+/// that changes it is refused by name (the books of the stream were kept under the old bound).
+#[test]
+fn max_staleness_survives_a_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    let run = tmp.path().join("run");
+    let sets = |staleness: &str| -> Vec<String> {
+        vec![
+            "mode=\"async\"".into(),
+            format!("async_rl.max_staleness={staleness}"),
+            "train.max_steps=4".into(),
+            "train.checkpoint_every=1".into(),
+        ]
+    };
+    let cfg = |s: &str| config(&model, &run, &sets(s).iter().map(String::as_str).collect::<Vec<_>>());
+    let first = cfg("2");
+    let (d, engines) = runtime(&first);
+    let s = run_rl(&first, &d, &engines, &RunOptions { stop_after: Some(2), ..Default::default() }).unwrap();
+    assert_eq!(s.steps, 2);
+    let state = read_state(&run.join("checkpoints/step_000002"));
+    assert_eq!(state["stream"]["staleness"]["max_staleness"], 2, "{state}");
+
+    let changed = cfg("1");
+    let (d, engines) = runtime(&changed);
+    let err =
+        run_rl(&changed, &d, &engines, &RunOptions { resume: true, ..Default::default() }).unwrap_err().to_string();
+    assert!(err.contains("async_rl.max_staleness") && err.contains('2') && err.contains('1'), "{err}");
+
+    let same = cfg("2");
+    let (d, engines) = runtime(&same);
+    let s = run_rl(&same, &d, &engines, &RunOptions { resume: true, ..Default::default() }).unwrap();
+    assert_eq!(s.steps, 4);
+    let state = read_state(&run.join("checkpoints/step_000004"));
+    assert_eq!(state["stream"]["staleness"]["max_staleness"], 2, "{state}");
+    assert_complete(&state, "resumed run");
+    assert!(metric_lines(&run).iter().all(|l| l["staleness_max"].as_f64().unwrap() <= 2.0));
 }
 
 /// With max_staleness 1 and dynamic sampling: every metric of the mode is written, no group is

@@ -374,3 +374,48 @@ fn rl_runtime_builds_the_models_the_config_needs() {
     assert_eq!(ids, vec![CRITIC.to_string(), POLICY.to_string(), REFERENCE.to_string()]);
     assert_eq!(engines.engines().len(), 2);
 }
+
+/// A key that does nothing in the chosen mode is refused by name, with what it applies to; the
+/// same key in its own mode loads. Setting it to its default is harmless (the saved
+/// `config.toml` lists every key) and loads in both modes.
+#[test]
+fn keys_of_the_other_mode_are_refused_by_name() {
+    let m = MINIMAL;
+    for key in ["async_rl.max_staleness=2", "async_rl.max_concurrent=8", "async_rl.weight_update=\"abort\""] {
+        let name = key.split('=').next().unwrap();
+        load_err(m, &[key], &[name, "applies only to mode = \"async\""]);
+        assert!(load(m, &["mode=\"async\"", key]).is_ok(), "{key} in async mode");
+    }
+    let e = load_err(m, &["mode=\"async\"", "algorithm.dynamic_sampling=\"filter\""], &["algorithm.dynamic_sampling"]);
+    assert!(e.contains("replace"), "the error offers what async does instead: {e}");
+    assert!(load(m, &["mode=\"async\"", "algorithm.dynamic_sampling=\"replace\""]).is_ok());
+    load_err(m, &["mode=\"async\"", "algorithm.max_sampling_rounds=2"], &["algorithm.max_sampling_rounds", "sync"]);
+    assert!(load(m, &["algorithm.dynamic_sampling=\"filter\"", "algorithm.max_sampling_rounds=2"]).is_ok());
+    // Defaults written out (as in a run's config.toml) load in either mode.
+    let d = RlConfig::default();
+    for mode in ["sync", "async"] {
+        assert!(
+            load(&d.to_toml().unwrap().replace("path = \"\"", "path = \"m\""), &[&format!("mode=\"{mode}\"")]).is_ok()
+        );
+    }
+    // In a file, the error names the file.
+    let e = load_err("[model]\npath = \"m\"\n[async_rl]\nmax_staleness = 3\n", &[], &["async_rl.max_staleness"]);
+    assert!(e.contains("rl.toml"), "{e}");
+}
+
+/// `async_rl.max_staleness` is bounded by the run (a bound above `train.max_steps` is no bound),
+/// and `max_concurrent` by what the bound lets the stream use.
+#[test]
+fn async_bounds_are_validated() {
+    let m = MINIMAL;
+    let a = "mode=\"async\"";
+    load_err(m, &[a, "train.max_steps=3", "async_rl.max_staleness=4"], &["async_rl.max_staleness", "train.max_steps"]);
+    assert!(load(m, &[a, "train.max_steps=3", "async_rl.max_staleness=3"]).is_ok());
+    // (max_staleness + 1) · prompts_per_step groups at most can be useful at once.
+    load_err(
+        m,
+        &[a, "train.prompts_per_step=4", "async_rl.max_staleness=1", "async_rl.max_concurrent=9"],
+        &["async_rl.max_concurrent"],
+    );
+    assert!(load(m, &[a, "train.prompts_per_step=4", "async_rl.max_staleness=1", "async_rl.max_concurrent=8"]).is_ok());
+}

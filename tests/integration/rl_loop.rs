@@ -184,3 +184,64 @@ fn a_short_grpo_run_on_arithmetic_raises_the_reward() {
     eprintln!("reward: first 5 steps {first:.3}, last 5 {last:.3}: {rewards:?}");
     assert!(last > first + 0.3, "reward did not rise: {first:.3} → {last:.3}");
 }
+
+/// `RunOptions::finish_when` ends an RL run as finished (exported) once it says so, as in SFT;
+/// it is asked after every step with the steps done.
+#[test]
+fn finish_when_ends_the_run_as_finished() {
+    use std::sync::{Arc, Mutex};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    for mode in ["sync", "async"] {
+        let run = tmp.path().join(mode);
+        let cfg = config(&model, &run, &[&format!("mode=\"{mode}\""), "train.max_steps=5", "train.eval_every=0"]);
+        let (d, engines) = runtime(&cfg);
+        let asked = Arc::new(Mutex::new(vec![]));
+        let log = asked.clone();
+        let finish_when = oxrl::trainer::FinishWhen(Arc::new(move |steps, _d| {
+            log.lock().unwrap().push(steps);
+            Ok(steps == 2)
+        }));
+        let s =
+            run_rl(&cfg, &d, &engines, &RunOptions { finish_when: Some(finish_when), ..Default::default() }).unwrap();
+        assert_eq!(s.steps, 2, "{mode}");
+        assert_eq!(*asked.lock().unwrap(), [1, 2], "{mode}");
+        assert!(s.export_dir.unwrap().join("model.safetensors").exists(), "{mode}: finished runs export");
+        assert_eq!(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().lines().count(), 2, "{mode}");
+    }
+}
+
+/// `time_generate_s` is, in both modes, the wall seconds the loop waited for the step's groups:
+/// a part of the step's wall time (so the parts of all steps fit in the run's), and in async
+/// mode the same wait that `time_wait_data_s` reports.
+#[test]
+fn time_generate_s_is_the_wait_for_the_groups_in_both_modes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    for mode in ["sync", "async"] {
+        let run = tmp.path().join(mode);
+        let cfg = config(&model, &run, &[&format!("mode=\"{mode}\""), "train.eval_every=0"]);
+        let (d, engines) = runtime(&cfg);
+        let t = std::time::Instant::now();
+        run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap();
+        let wall = t.elapsed().as_secs_f64();
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let f = |l: &serde_json::Value, k: &str| l[k].as_f64().unwrap_or_else(|| panic!("{mode}: no `{k}` in {l}"));
+        let parts: f64 =
+            lines.iter().map(|l| f(l, "time_generate_s") + f(l, "time_train_s") + f(l, "time_sync_s")).sum();
+        assert!(parts <= wall, "{mode}: the steps' parts ({parts} s) exceed the run's wall time ({wall} s)");
+        for l in &lines {
+            assert!(f(l, "time_generate_s") > 0.0, "{mode}: {l}");
+            if mode == "async" {
+                let (generate, wait) = (f(l, "time_generate_s"), f(l, "time_wait_data_s"));
+                assert!(wait <= generate && generate - wait < 0.5, "{mode}: generate {generate} s, wait {wait} s");
+            }
+        }
+    }
+}
