@@ -60,7 +60,8 @@ impl GroupFilter {
     pub fn keeps(&self, episodes: &[Episode]) -> bool {
         let same_reward = episodes.windows(2).all(|w| w[0].reward == w[1].reward);
         let same_verdict = episodes.windows(2).all(|w| w[0].correct == w[1].correct);
-        !(self.equal_rewards && same_reward) && !(self.equal_verdicts && same_verdict)
+        let dropped = (self.equal_rewards && same_reward) || (self.equal_verdicts && same_verdict);
+        !dropped
     }
 }
 
