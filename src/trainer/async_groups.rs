@@ -40,12 +40,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
+use super::group::GroupSampler;
 use super::group::{Group, GroupFilter, GroupId};
+use super::group_source::GroupSource;
 use super::prompt_stream::PromptStream;
-use super::rl::GroupSource;
 use super::rl_config::RlConfig;
 use super::rollout_stats::RolloutStats;
-use super::rollouts::GroupSampler;
 use super::run_dir::{expect_position, DataPosition, StreamPosition, TrainerState};
 use super::staleness::Staleness;
 use crate::env::PromptRow;

@@ -8,7 +8,11 @@
 //! `(k / prompts_per_step, 0, k mod prompts_per_step)` — samples what the sync trainer's does.
 //! A step's groups are trained in identity order.
 
-use super::rollouts::{prompt_seed, Episode};
+use super::rollouts::{generate_groups, prompt_seed, Episode};
+use crate::env::{EnvConfig, PromptRow};
+use crate::model::tokenizer::Tokenizer;
+use crate::rollout::{EngineClient, SamplingParams};
+use crate::Result;
 
 /// Where a group sits in the run: see the module docs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -73,6 +77,33 @@ pub fn step_episodes(groups: &[Group]) -> Vec<Episode> {
         episodes.extend(g.episodes.iter().cloned().map(|e| Episode { group: i, ..e }));
     }
     episodes
+}
+
+/// What the RL trainers sample groups with: the engines, the prompts' environments and
+/// sampling settings, `n` episodes a group.
+pub struct GroupSampler<'a> {
+    pub engines: &'a EngineClient,
+    pub tok: &'a Tokenizer,
+    pub env_config: EnvConfig,
+    pub params: SamplingParams,
+    pub n: usize,
+    /// `train.seed`: with a group's identity, its sampling seed.
+    pub train_seed: u64,
+}
+
+impl GroupSampler<'_> {
+    /// One group per prompt, `prompts[i]` as group `ids[i]`, all submitted at once; groups come
+    /// back in order, each marked as started in training step `start_step`.
+    pub fn sample(&self, prompts: &[PromptRow], ids: &[GroupId], start_step: u64) -> Result<Vec<Group>> {
+        let seeds: Vec<u64> = ids.iter().map(|id| id.seed(self.train_seed)).collect();
+        let episodes =
+            generate_groups(self.engines, self.tok, prompts, &seeds, &self.env_config, &self.params, self.n)?;
+        let mut groups = Vec::with_capacity(ids.len());
+        for (id, chunk) in ids.iter().zip(episodes.chunks(self.n)) {
+            groups.push(Group { id: *id, start_step, episodes: chunk.to_vec() });
+        }
+        Ok(groups)
+    }
 }
 
 #[cfg(test)]

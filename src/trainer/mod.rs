@@ -34,6 +34,7 @@ pub mod config_file;
 pub mod data_loader;
 pub mod eval_split;
 pub mod group;
+pub mod group_source;
 pub mod metrics;
 pub mod model_ids;
 pub mod plot;

@@ -25,46 +25,26 @@
 
 use std::time::Instant;
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Map};
 
 use super::async_groups::AsyncGroups;
-use super::group::{step_episodes, Group};
+use super::group::step_episodes;
+use super::group::GroupSampler;
+use super::group_source::GroupSource;
 use super::rl_config::{Mode, RlConfig};
 use super::rl_run::RlRun;
 use super::rollout_stats::RolloutStats;
-use super::rollouts::GroupSampler;
-use super::run_dir::{check_resumable, DataPosition, RunOptions};
+use super::run_dir::{check_resumable, RunOptions};
 use super::sync_groups::SyncGroups;
 use crate::dispatch::Dispatch;
 use crate::model::tokenizer::Tokenizer;
-use crate::rollout::{EngineClient, PauseMode};
+use crate::rollout::EngineClient;
 use crate::{Error, Result};
 
 pub use super::rl_eval::{evaluate, pass_rates};
 pub use super::rl_prompts::load_rl_prompts;
 pub use super::rl_run::RlSummary;
 pub use super::run_dir::EXPORT_DIR;
-
-/// Where the loop's groups come from.
-pub trait GroupSource {
-    /// The next step's groups (step `steps_done + 1`): whole groups with signal, in identity
-    /// order. Every episode generated for it, filtered or not, goes into `rollouts`. `None`:
-    /// `stop()` turned true while waiting.
-    fn next_groups(
-        &mut self,
-        steps_done: usize,
-        rollouts: &mut RolloutStats,
-        stop: &dyn Fn() -> bool,
-    ) -> Result<Option<Vec<Group>>>;
-    /// How the engines take the step's new weights: `None` when they are idle.
-    fn pause_mode(&self) -> Option<PauseMode>;
-    /// The step `step` (from 1) trained `groups` and its weights reached the engines.
-    fn trained(&mut self, groups: &[Group], step: u64);
-    /// The source's own keys of the step's metrics line.
-    fn describe(&self, groups: &[Group], step: u64, line: &mut Map<String, Value>);
-    /// Where the source is in the prompts, for a checkpoint.
-    fn position(&self) -> DataPosition;
-}
 
 /// Runs (or resumes) RL as `cfg` says, on the models of `dispatch` (`policy`, and `ref` /
 /// `critic` when the config needs them) and the sampling engines of `engines`, which must hold

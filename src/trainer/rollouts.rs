@@ -271,38 +271,6 @@ fn continuation_tokens(
     tok.encode(&format!("{closing}{added}"), false)
 }
 
-/// What the RL trainers sample groups with: the engines, the prompts' environments and
-/// sampling settings, `n` episodes a group.
-pub struct GroupSampler<'a> {
-    pub engines: &'a EngineClient,
-    pub tok: &'a Tokenizer,
-    pub env_config: EnvConfig,
-    pub params: SamplingParams,
-    pub n: usize,
-    /// `train.seed`: with a group's identity, its sampling seed.
-    pub train_seed: u64,
-}
-
-impl GroupSampler<'_> {
-    /// One group per prompt, `prompts[i]` as group `ids[i]`, all submitted at once; groups come
-    /// back in order, each marked as started in training step `start_step`.
-    pub fn sample(
-        &self,
-        prompts: &[PromptRow],
-        ids: &[super::group::GroupId],
-        start_step: u64,
-    ) -> Result<Vec<super::group::Group>> {
-        let seeds: Vec<u64> = ids.iter().map(|id| id.seed(self.train_seed)).collect();
-        let episodes =
-            generate_groups(self.engines, self.tok, prompts, &seeds, &self.env_config, &self.params, self.n)?;
-        let mut groups = Vec::with_capacity(ids.len());
-        for (id, chunk) in ids.iter().zip(episodes.chunks(self.n)) {
-            groups.push(super::group::Group { id: *id, start_step, episodes: chunk.to_vec() });
-        }
-        Ok(groups)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

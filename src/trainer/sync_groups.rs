@@ -13,11 +13,11 @@
 use serde_json::{Map, Value};
 
 use super::data_loader::DataLoader;
+use super::group::GroupSampler;
 use super::group::{Group, GroupFilter, GroupId};
-use super::rl::GroupSource;
+use super::group_source::GroupSource;
 use super::rl_config::{DynamicSampling, RlConfig};
 use super::rollout_stats::RolloutStats;
-use super::rollouts::GroupSampler;
 use super::run_dir::{expect_position, DataPosition, TrainerState};
 use crate::env::PromptRow;
 use crate::rollout::PauseMode;
