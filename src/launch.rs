@@ -14,6 +14,7 @@
 use std::sync::Arc;
 
 use crate::dispatch::mesh::MeshShape;
+use crate::dispatch::world::world;
 use crate::dispatch::{Dispatch, WorkerSpec};
 use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
@@ -30,15 +31,18 @@ pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// The policy of an SFT run: `train.data_parallel` ranks on `model.device`, each with
-/// `threads_per_rank` tensor-math threads (default: the cores shared evenly among the ranks).
+/// The policy of an SFT run: `train.data_parallel` ranks on `model.device` in each process of
+/// the run (so `mpirun -np N` trains with N × that many ranks, every process holding its
+/// share), each with `threads_per_rank` tensor-math threads (default: the cores shared evenly
+/// among this process's ranks).
 pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<Dispatch> {
     let dp = cfg.train.data_parallel.max(1);
+    let processes = world()?.size();
     let lora = lora_config(&cfg.model);
     let spec = WorkerSpec {
         dtype: weights::parse_dtype(&cfg.model.dtype)?,
         device: weights::parse_device(&cfg.model.device)?,
-        mesh: MeshShape::dp(dp),
+        mesh: MeshShape::dp(dp * processes),
         threads: threads_per_rank.unwrap_or((cores() / dp).max(1)),
         worker: WorkerConfig {
             lora,
@@ -74,6 +78,12 @@ fn lora_config(model: &ModelSection) -> Option<LoraConfig> {
 /// engines on the base model, `launch.engine_threads` threads each, stopping at the tokenizer's
 /// EOS ids, batching up to `prompts_per_step × n_samples` rows (at least 64).
 pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, EngineClient)> {
+    if world()?.size() > 1 {
+        return Err(Error::input(
+            "RL over several processes (mpirun / srun) is not supported yet: run `oxrl rl` as one process \
+             (SFT runs over many: `mpirun -np N oxrl sft`)",
+        ));
+    }
     let l = &cfg.launch;
     let dp = l.data_parallel.max(1);
     let dtype = weights::parse_dtype(&cfg.model.dtype)?;

@@ -13,18 +13,19 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
 
 use crate::Result;
 
 /// One metric before reduction: the sum of its samples and how many there were.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MetricValue {
     pub sum: f64,
     pub count: f64,
 }
 
 /// Metrics by key `name:reduction`, ordered by key.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {
     entries: BTreeMap<String, MetricValue>,
 }

@@ -60,6 +60,14 @@ pub fn main() -> i32 {
         _ => None,
     });
     let pool_threads = threads.unwrap_or_else(crate::launch::cores);
+    // Under mpirun / srun, join the run's processes first (MPI starts on this thread).
+    let world = match crate::dispatch::world::world() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return 1;
+        }
+    };
     let result = match cli.command {
         Command::InitModel(a) => init_model::run(a),
         Command::Score(a) => on_pool(pool_threads, || score::run(a)),
@@ -73,7 +81,16 @@ pub fn main() -> i32 {
         Command::Bench(a) => on_pool(pool_threads, || bench::run(a)),
     };
     match result {
-        Ok(()) => 0,
+        Ok(()) => {
+            crate::dispatch::world::finalize();
+            0
+        }
+        Err(e) if world.size() > 1 => {
+            // The other processes may be waiting for this one: end them all, naming this one.
+            eprintln!("error in process {} of {}: {e:#}", world.rank(), world.size());
+            world.abort(1);
+            1
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             1

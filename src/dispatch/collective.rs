@@ -3,12 +3,19 @@
 //! [`InProcess`] is the implementation for ranks that are threads of one process: each rank
 //! deposits its tensors, the last to arrive sums them **in rank order** (so the result is the
 //! same whatever the arrival order, bit for bit) and every rank receives the sum. A generation
-//! counter lets the same object serve call after call.
+//! counter lets the same object serve call after call. Half-precision tensors are summed in
+//! f32 and rounded once.
+//!
+//! Across processes ([`InProcess::across`], a [`World`] of W processes with L local ranks
+//! each): the last local rank to arrive gathers every process's deposits
+//! ([`World::all_gather`]) and sums all W·L of them in global rank order — the same additions
+//! in the same order as W·L threads of one process, so the sum is the same bits.
 
 use std::sync::{Condvar, Mutex};
 
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 
+use super::world::World;
 use crate::{Error, Result};
 
 /// All-reduce with SUM over `world_size` ranks.
@@ -17,30 +24,55 @@ pub trait Collective: Send + Sync {
     /// Replaces each of `tensors` by its sum over all ranks. Every rank passes tensors of the
     /// same shapes, in the same order.
     fn all_reduce_sum(&self, rank: usize, tensors: Vec<Tensor>) -> Result<Vec<Tensor>>;
+    /// Every rank's `bytes`, in global rank order (how ranks in other processes share their
+    /// outputs). Every rank calls it, at the same point of the same call.
+    fn all_gather_bytes(&self, rank: usize, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
     /// Called when a rank fails before reaching a collective: wakes every waiting rank with
     /// an error instead of letting it wait forever. The collective stays failed afterwards.
     fn abort(&self, reason: &str);
 }
 
+/// What a rank deposits and what it takes back.
+#[derive(Clone)]
+enum Payload {
+    Tensors(Vec<Tensor>),
+    Bytes(Vec<Vec<u8>>),
+}
+
 struct State {
     generation: u64,
-    deposits: Vec<Option<Vec<Tensor>>>,
-    result: Option<Vec<Tensor>>,
+    deposits: Vec<Option<Payload>>,
+    result: Option<Payload>,
     taken: usize,
     failed: Option<String>,
     aborted: Option<String>,
 }
 
 pub struct InProcess {
+    /// Local ranks (threads of this process).
     n: usize,
+    /// The processes beyond this one, if any.
+    world: Option<&'static dyn World>,
     state: Mutex<State>,
     cv: Condvar,
 }
 
 impl InProcess {
+    /// `world_size` ranks, all threads of this process.
     pub fn new(world_size: usize) -> Self {
+        Self::with_world(world_size, None)
+    }
+
+    /// `local` ranks here and as many in each other process of `world`; global rank
+    /// `process · local + i` is local rank i of that process.
+    pub fn across(local: usize, world: &'static dyn World) -> Self {
+        Self::with_world(local, (world.size() > 1).then_some(world))
+    }
+
+    fn with_world(world_size: usize, world: Option<&'static dyn World>) -> Self {
         InProcess {
             n: world_size,
+            world,
             state: Mutex::new(State {
                 generation: 0,
                 deposits: vec![None; world_size],
@@ -54,58 +86,147 @@ impl InProcess {
     }
 }
 
-fn sum_in_rank_order(deposits: &mut [Option<Vec<Tensor>>]) -> Result<Vec<Tensor>> {
-    let mut it = deposits.iter_mut().map(|d| d.take().expect("every rank deposited"));
-    let mut acc = it.next().expect("world size > 0");
+/// The sum over `deposits` (one list per rank), added in rank order.
+fn sum_in_rank_order(deposits: Vec<Vec<Tensor>>) -> Result<Vec<Tensor>> {
+    let mut it = deposits.into_iter();
+    let first = it.next().expect("world size > 0");
+    let dtypes: Vec<DType> = first.iter().map(|t| t.dtype()).collect();
+    let wide = |t: Tensor| match t.dtype() {
+        DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
+        _ => Ok(t),
+    };
+    let mut acc = first.into_iter().map(wide).collect::<candle_core::Result<Vec<_>>>()?;
     for other in it {
         if other.len() != acc.len() {
             return Err(Error::Other("all_reduce: ranks passed different numbers of tensors".into()));
         }
         for (a, b) in acc.iter_mut().zip(other) {
-            *a = (&*a + b)?;
+            *a = (&*a + wide(b)?)?;
         }
     }
-    Ok(acc)
+    Ok(acc.into_iter().zip(dtypes).map(|(t, d)| t.to_dtype(d)).collect::<candle_core::Result<Vec<_>>>()?)
 }
 
-impl Collective for InProcess {
-    fn world_size(&self) -> usize {
-        self.n
-    }
-
-    fn all_reduce_sum(&self, rank: usize, tensors: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        if self.n == 1 {
-            return Ok(tensors);
+/// This process's deposits (local rank order) and every other process's, in global rank
+/// order.
+fn gather_across(world: &dyn World, local: Vec<Vec<Tensor>>) -> Result<Vec<Vec<Tensor>>> {
+    let device = local.first().and_then(|l| l.first()).map(|t| t.device().clone()).unwrap_or(Device::Cpu);
+    let all = world.all_gather(&encode(&local)?)?;
+    let mut global = vec![];
+    for (process, bytes) in all.iter().enumerate() {
+        let ranks = decode(bytes, &device)
+            .map_err(|e| Error::Other(format!("all_reduce: process {process}'s tensors: {e}")))?;
+        if ranks.len() != local.len() {
+            return Err(Error::Other(format!(
+                "all_reduce: process {process} has {} local ranks, this one {}",
+                ranks.len(),
+                local.len()
+            )));
         }
-        let mut s = self.state.lock().map_err(|_| Error::Other("all_reduce: a rank panicked".into()))?;
+        global.extend(ranks);
+    }
+    Ok(global)
+}
+
+/// `[ranks u32] per rank: [tensors u32] per tensor: [f64? u8][ndim u32][dims u64…][data LE]`,
+/// data as f64 for f64 tensors, else f32 (half precision is summed in f32 anyway).
+fn encode(ranks: &[Vec<Tensor>]) -> Result<Vec<u8>> {
+    let mut out = vec![];
+    out.extend((ranks.len() as u32).to_le_bytes());
+    for tensors in ranks {
+        out.extend((tensors.len() as u32).to_le_bytes());
+        for t in tensors {
+            let f64s = t.dtype() == DType::F64;
+            out.push(f64s as u8);
+            out.extend((t.rank() as u32).to_le_bytes());
+            for &d in t.dims() {
+                out.extend((d as u64).to_le_bytes());
+            }
+            let flat = t.flatten_all()?;
+            if f64s {
+                flat.to_vec1::<f64>()?.iter().for_each(|x| out.extend(x.to_le_bytes()));
+            } else {
+                flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().for_each(|x| out.extend(x.to_le_bytes()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn decode(bytes: &[u8], device: &Device) -> Result<Vec<Vec<Tensor>>> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Result<&[u8]> {
+        let s = bytes.get(at..at + n).ok_or_else(|| Error::Other(format!("truncated at byte {at}")))?;
+        at += n;
+        Ok(s)
+    };
+    let u32_at = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes")) as usize;
+    let n_ranks = u32_at(take(4)?);
+    let mut ranks = Vec::with_capacity(n_ranks);
+    for _ in 0..n_ranks {
+        let n = u32_at(take(4)?);
+        let mut tensors = Vec::with_capacity(n);
+        for _ in 0..n {
+            let f64s = take(1)?[0] == 1;
+            let ndim = u32_at(take(4)?);
+            let dims: Vec<usize> = (0..ndim)
+                .map(|_| take(8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")) as usize))
+                .collect::<Result<_>>()?;
+            let len: usize = dims.iter().product();
+            let t = if f64s {
+                let v = take(8 * len)?.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8"))).collect();
+                Tensor::from_vec::<_, f64>(v, dims, device)?
+            } else {
+                let v = take(4 * len)?.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+                Tensor::from_vec::<_, f32>(v, dims, device)?
+            };
+            tensors.push(t);
+        }
+        ranks.push(tensors);
+    }
+    Ok(ranks)
+}
+
+impl InProcess {
+    /// Deposits `mine` as local rank `rank`; the last local rank to arrive combines all deposits
+    /// (local rank order) with `combine`, and every rank takes the result.
+    fn rendezvous(
+        &self,
+        rank: usize,
+        mine: Payload,
+        combine: impl FnOnce(Vec<Payload>) -> Result<Payload>,
+    ) -> Result<Payload> {
+        let poisoned = |_| Error::Other("collective: a rank panicked".into());
+        let mut s = self.state.lock().map_err(poisoned)?;
         if let Some(reason) = &s.aborted {
-            return Err(Error::Other(format!("all_reduce aborted: {reason}")));
+            return Err(Error::Other(format!("collective aborted: {reason}")));
         }
         // Wait until the previous generation's result has been taken by everyone.
         while s.result.is_some() && s.aborted.is_none() {
-            s = self.cv.wait(s).map_err(|_| Error::Other("all_reduce: a rank panicked".into()))?;
+            s = self.cv.wait(s).map_err(poisoned)?;
         }
         let gen = s.generation;
         if s.deposits[rank].is_some() {
-            return Err(Error::Other(format!("all_reduce: rank {rank} entered twice")));
+            return Err(Error::Other(format!("collective: rank {rank} entered twice")));
         }
-        s.deposits[rank] = Some(tensors);
+        s.deposits[rank] = Some(mine);
         if s.deposits.iter().all(|d| d.is_some()) {
-            match sum_in_rank_order(&mut s.deposits) {
+            let all: Vec<Payload> = s.deposits.iter_mut().map(|d| d.take().expect("every rank deposited")).collect();
+            match combine(all) {
                 Ok(r) => s.result = Some(r),
                 Err(e) => {
                     s.failed = Some(e.to_string());
-                    s.result = Some(vec![]);
+                    s.result = Some(Payload::Bytes(vec![]));
                 }
             }
             s.generation += 1;
             self.cv.notify_all();
         }
         while s.generation == gen && s.aborted.is_none() {
-            s = self.cv.wait(s).map_err(|_| Error::Other("all_reduce: a rank panicked".into()))?;
+            s = self.cv.wait(s).map_err(poisoned)?;
         }
         if let Some(reason) = &s.aborted {
-            return Err(Error::Other(format!("all_reduce aborted: {reason}")));
+            return Err(Error::Other(format!("collective aborted: {reason}")));
         }
         let out = s.result.clone().expect("result set with the generation");
         let failed = s.failed.clone();
@@ -120,6 +241,77 @@ impl Collective for InProcess {
             Some(msg) => Err(Error::Other(msg)),
             None => Ok(out),
         }
+    }
+}
+
+fn tensors(p: Payload) -> Vec<Tensor> {
+    match p {
+        Payload::Tensors(t) => t,
+        Payload::Bytes(_) => unreachable!("a tensor rendezvous holds tensors"),
+    }
+}
+
+fn bytes(p: Payload) -> Vec<Vec<u8>> {
+    match p {
+        Payload::Bytes(b) => b,
+        Payload::Tensors(_) => unreachable!("a byte rendezvous holds bytes"),
+    }
+}
+
+impl Collective for InProcess {
+    fn world_size(&self) -> usize {
+        self.n * self.world.map_or(1, |w| w.size())
+    }
+
+    fn all_reduce_sum(&self, rank: usize, mine: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        if self.n == 1 && self.world.is_none() {
+            return Ok(mine);
+        }
+        let world = self.world;
+        let combine = move |all: Vec<Payload>| {
+            let local: Vec<Vec<Tensor>> = all.into_iter().map(tensors).collect();
+            // The wire carries f32 for half precision: each tensor gets its dtype back.
+            let dtypes: Vec<DType> = local[0].iter().map(|t| t.dtype()).collect();
+            let global = match world {
+                None => local,
+                Some(world) => gather_across(world, local)?,
+            };
+            let sum = sum_in_rank_order(global)?;
+            let sum = sum.into_iter().zip(&dtypes).map(|(t, &d)| t.to_dtype(d)).collect::<candle_core::Result<_>>()?;
+            Ok(Payload::Tensors(sum))
+        };
+        self.rendezvous(rank, Payload::Tensors(mine), combine).map(tensors)
+    }
+
+    fn all_gather_bytes(&self, rank: usize, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        if self.n == 1 && self.world.is_none() {
+            return Ok(vec![mine]);
+        }
+        let world = self.world;
+        let combine = move |all: Vec<Payload>| {
+            let local: Vec<Vec<u8>> = all.into_iter().map(|p| bytes(p).pop().expect("one deposit")).collect();
+            let Some(world) = world else { return Ok(Payload::Bytes(local)) };
+            // Each process's local deposits, length-prefixed, in one message.
+            let mut packed = vec![];
+            for b in &local {
+                packed.extend((b.len() as u64).to_le_bytes());
+                packed.extend(b);
+            }
+            let mut global = vec![];
+            for (process, msg) in world.all_gather(&packed)?.into_iter().enumerate() {
+                let mut at = 0;
+                while at < msg.len() {
+                    let len = msg.get(at..at + 8).map(|s| u64::from_le_bytes(s.try_into().expect("8")) as usize);
+                    let item = len.and_then(|n| msg.get(at + 8..at + 8 + n));
+                    let item = item
+                        .ok_or_else(|| Error::Other(format!("all_gather: process {process}'s message is truncated")))?;
+                    at += 8 + item.len();
+                    global.push(item.to_vec());
+                }
+            }
+            Ok(Payload::Bytes(global))
+        };
+        self.rendezvous(rank, Payload::Bytes(vec![mine]), combine).map(bytes)
     }
 
     fn abort(&self, reason: &str) {

@@ -37,6 +37,8 @@ pub struct RankState {
     staged: BTreeMap<usize, Vec<Datum>>,
     /// All-reduce over this rank's data-parallel group.
     collective: Arc<dyn Collective>,
+    /// This rank's place among its group's ranks in this process (its collective's rank).
+    local_rank: usize,
     host: HostCopy,
 }
 
@@ -49,6 +51,8 @@ pub type BuildWorker = Arc<dyn Fn(MeshCoord) -> Result<Worker> + Send + Sync>;
 pub struct WorkerGroup {
     id: String,
     shape: MeshShape,
+    /// Processes the mesh is spread over (1: every rank is a thread here).
+    processes: usize,
     ranks: Vec<Actor<RankState>>,
     /// Held while a call is queued on every rank: all ranks see the calls in one order.
     order: Mutex<()>,
@@ -102,25 +106,54 @@ fn collect(per_rank: Vec<(MeshInfo, ForwardBackwardOutput)>, real: usize) -> For
     ForwardBackwardOutput { metrics, loss_fn_outputs: merge_outputs(records, real) }
 }
 
+/// The dp ranks process `process` of `processes` holds: an equal, contiguous share (the whole
+/// mesh in a world of one). Across processes only pure data parallelism is supported.
+fn local_dp_ranks(shape: &MeshShape, process: usize, processes: usize) -> Result<std::ops::Range<usize>> {
+    if processes == 1 {
+        return Ok(0..shape.dp);
+    }
+    if (shape.tp, shape.sp, shape.pp) != (1, 1, 1) || shape.dp % processes != 0 {
+        return Err(Error::input(format!(
+            "a mesh over {processes} processes must be pure data parallelism with dp a multiple of {processes} \
+             (got dp {}, tp {}, sp {}, pp {})",
+            shape.dp, shape.tp, shape.sp, shape.pp
+        )));
+    }
+    let per = shape.dp / processes;
+    Ok(process * per..(process + 1) * per)
+}
+
 impl WorkerGroup {
     /// Starts one actor per mesh coordinate, each with `threads` tensor-math threads (0: one
     /// per core), and builds its worker there.
     pub fn new(id: &str, shape: MeshShape, threads: usize, build: BuildWorker) -> Result<Self> {
         shape.validate()?;
+        let world = super::world::world()?;
+        let local = local_dp_ranks(&shape, world.rank(), world.size())?;
+        let first_local = local.start;
         // One collective per data-parallel group: ranks with the same (tp, sp, pp).
         let mut collectives: BTreeMap<(usize, usize, usize), Arc<dyn Collective>> = BTreeMap::new();
         let mut ranks = vec![];
-        for (i, coord) in shape.coords().into_iter().enumerate() {
+        for (i, coord) in shape.coords().into_iter().enumerate().filter(|(_, c)| local.contains(&c.dp)) {
             let collective = collectives
                 .entry((coord.tp, coord.sp, coord.pp))
-                .or_insert_with(|| Arc::new(InProcess::new(shape.dp)) as Arc<dyn Collective>)
+                .or_insert_with(|| Arc::new(InProcess::across(local.len(), world)) as Arc<dyn Collective>)
                 .clone();
             let (build, mesh_name) = (build.clone(), id.to_string());
             let actor = Actor::spawn(&format!("oxrl-{id}-{i}"), threads, move || {
                 let worker = build(coord)?;
                 let mut registry = MeshRegistry::default();
                 let info = registry.register(&mesh_name, &shape, coord)?;
-                Ok(RankState { worker, info, registry, staged: BTreeMap::new(), collective, host: HostCopy::default() })
+                let local_rank = coord.dp - first_local;
+                Ok(RankState {
+                    worker,
+                    info,
+                    registry,
+                    staged: BTreeMap::new(),
+                    collective,
+                    local_rank,
+                    host: HostCopy::default(),
+                })
             })
             .map_err(|e| Error::Other(format!("model `{id}`, rank {i}: {e}")))?;
             ranks.push(actor);
@@ -128,6 +161,7 @@ impl WorkerGroup {
         Ok(WorkerGroup {
             id: id.to_string(),
             shape,
+            processes: world.size(),
             ranks,
             order: Mutex::new(()),
             staged_real: Mutex::new(BTreeMap::new()),
@@ -162,13 +196,47 @@ impl WorkerGroup {
         self.submit_each(f, |_| Ok(()))
     }
 
-    /// Runs `f` on every rank and keeps the collection ranks' outputs (`real` datums).
+    /// Runs `f` on every rank and keeps the collection ranks' outputs (`real` datums). Across
+    /// processes, each rank gathers every rank's output on its own thread, in call order (so
+    /// the gathers of successive calls never cross), and the local ranks' copies agree.
     fn submit_collected(
         &self,
         real: usize,
         f: impl Fn(&mut RankState) -> Result<ForwardBackwardOutput> + Send + Sync + 'static,
     ) -> Handle<ForwardBackwardOutput> {
-        self.submit_each(move |s| Ok((s.info, f(s)?)), move |per_rank| Ok(collect(per_rank, real)))
+        let across = self.processes > 1;
+        self.submit_each(
+            move |s| {
+                let out = f(s);
+                if !across {
+                    return Ok(vec![(s.info, out?)]);
+                }
+                // Every rank must reach the gather, also after an error (it carries the error).
+                let mine = match &out {
+                    Ok(o) => serde_json::to_vec(&(s.info.dp_rank, s.info.collect, o)),
+                    Err(e) => serde_json::to_vec(&e.to_string()),
+                }
+                .map_err(|e| Error::Other(format!("outputs of dp rank {}: {e}", s.info.dp_rank)))?;
+                let all = s.collective.all_gather_bytes(s.local_rank, mine)?;
+                out?;
+                all.iter()
+                    .enumerate()
+                    .map(|(rank, bytes)| {
+                        let (dp_rank, collect, out): (usize, bool, ForwardBackwardOutput) =
+                            serde_json::from_slice(bytes).map_err(|_| {
+                                match serde_json::from_slice::<String>(bytes) {
+                                    Ok(e) => Error::Other(format!("dp rank {rank} failed: {e}")),
+                                    Err(e) => Error::Other(format!("outputs of dp rank {rank}: {e}")),
+                                }
+                            })?;
+                        Ok((MeshInfo { dp_rank, collect, ..s.info }, out))
+                    })
+                    .collect()
+            },
+            move |per_rank: Vec<Vec<(MeshInfo, ForwardBackwardOutput)>>| {
+                Ok(collect(per_rank.into_iter().flatten().collect(), real))
+            },
+        )
     }
 
     /// `mesh` dispatch of forward_backward (a plain-sum gradient added on every rank).
@@ -264,7 +332,7 @@ impl WorkerGroup {
     pub fn submit_optim_step(&self, params: AdamParams) -> Handle<f64> {
         self.submit_each(
             move |s| {
-                let (collective, rank) = (s.collective.clone(), s.info.dp_rank);
+                let (collective, rank) = (s.collective.clone(), s.local_rank);
                 let reduced = s.worker.reduce_gradients(|g| collective.all_reduce_sum(rank, g));
                 if let Err(e) = &reduced {
                     s.collective.abort(&format!("rank {rank}: {e}"));
@@ -276,13 +344,14 @@ impl WorkerGroup {
         )
     }
 
-    /// Runs `f` on the first collection rank of dp rank 0 (every replica holds the same state).
+    /// Runs `f` on the first collection rank of this process's first dp rank (dp rank 0 in a
+    /// world of one; every replica holds the same state).
     fn submit_on_rank0<R: Send + 'static>(
         &self,
         f: impl Fn(&mut RankState) -> Result<R> + Send + Sync + 'static,
     ) -> Handle<R> {
         self.submit_each(
-            move |s| if s.info.dp_rank == 0 && s.info.collect { f(s).map(Some) } else { Ok(None) },
+            move |s| if s.local_rank == 0 && s.info.collect { f(s).map(Some) } else { Ok(None) },
             |results: Vec<Option<R>>| {
                 results
                     .into_iter()
@@ -295,6 +364,9 @@ impl WorkerGroup {
 
     /// Writes the training state (from dp rank 0).
     pub fn submit_save_state(&self, dir: &Path) -> Handle<()> {
+        if !super::world::is_writer() {
+            return Handle::ready(Ok(())); // process 0 writes the checkpoint
+        }
         let dir = dir.to_path_buf();
         self.submit_on_rank0(move |s| s.worker.save_state(&dir))
     }
@@ -313,6 +385,9 @@ impl WorkerGroup {
 
     /// Exports the model (HF layout, or PEFT for LoRA) from dp rank 0.
     pub fn submit_export(&self, dir: &Path, merge_lora: bool) -> Handle<()> {
+        if !super::world::is_writer() {
+            return Handle::ready(Ok(())); // process 0 writes the export
+        }
         let dir: PathBuf = dir.to_path_buf();
         self.submit_on_rank0(move |s| s.worker.export(&dir, merge_lora))
     }

@@ -16,6 +16,7 @@ pub mod mesh;
 pub mod residency;
 pub mod split;
 pub mod worker_spec;
+pub mod world;
 
 pub use dispatch::Dispatch;
 pub use group::WorkerGroup;

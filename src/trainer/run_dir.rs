@@ -27,6 +27,7 @@ use super::data_loader::LoaderPosition;
 use super::metrics::MetricsWriter;
 use super::prompt_stream::StreamState;
 use super::staleness::Staleness;
+use crate::dispatch::world::{check_same_run, is_writer};
 use crate::dispatch::Dispatch;
 use crate::files::{read_json, write_dir_atomically, write_json};
 use crate::{Error, Result};
@@ -128,7 +129,8 @@ pub struct RunDir {
     opts: RunOptions,
     /// Dispatch models saved in (and restored from) every checkpoint, in `<model>/`.
     models: Vec<&'static str>,
-    metrics: MetricsWriter,
+    /// `None` in the processes other than process 0, which write nothing here.
+    metrics: Option<MetricsWriter>,
     pb: indicatif::ProgressBar,
     /// Writes the run's plots from its metrics.
     plot: fn(&Path) -> Result<()>,
@@ -150,9 +152,17 @@ impl RunDir {
     ) -> Result<(RunDir, Option<TrainerState>)> {
         check_resumable(root, opts)?;
         let existing = latest_checkpoint(root)?;
-        std::fs::create_dir_all(root).map_err(|e| Error::file(root, format!("cannot create: {e}")))?;
-        let config_path = root.join(CONFIG_FILE);
-        std::fs::write(&config_path, config_toml()?).map_err(|e| Error::file(&config_path, e))?;
+        let writer = is_writer();
+        if writer {
+            std::fs::create_dir_all(root).map_err(|e| Error::file(root, format!("cannot create: {e}")))?;
+        }
+        let config_text = config_toml()?;
+        // Every process of a multi-process run checks it runs what process 0 runs.
+        check_same_run(&config_text)?;
+        if writer {
+            let config_path = root.join(CONFIG_FILE);
+            std::fs::write(&config_path, config_text).map_err(|e| Error::file(&config_path, e))?;
+        }
         let mut resumed = None;
         if let (true, Some((_, dir))) = (opts.resume, &existing) {
             let path = dir.join(TRAINER_STATE);
@@ -161,12 +171,18 @@ impl RunDir {
             for id in &models {
                 dispatch.load_state(id, &dir.join(id))?;
             }
-            eprintln!("resumed from {} (step {})", dir.display(), state.step);
+            if writer {
+                eprintln!("resumed from {} (step {})", dir.display(), state.step);
+            }
             resumed = Some(state);
         }
         let step = resumed.as_ref().map_or(0, |s| s.step);
-        let metrics = if step > 0 { MetricsWriter::resume(root, step)? } else { MetricsWriter::create(root)? };
-        let pb = progress_bar(total_steps, step, opts.progress);
+        let metrics = match (writer, step > 0) {
+            (false, _) => None,
+            (true, true) => Some(MetricsWriter::resume(root, step)?),
+            (true, false) => Some(MetricsWriter::create(root)?),
+        };
+        let pb = progress_bar(total_steps, step, opts.progress && writer);
         Ok((RunDir { root: root.to_path_buf(), opts: opts.clone(), models, metrics, pb, plot }, resumed))
     }
 
@@ -192,12 +208,15 @@ impl RunDir {
 
     /// Appends one step's line to `metrics.jsonl`.
     pub fn write_metrics(&mut self, line: &impl Serialize) -> Result<()> {
-        self.metrics.write_line(line)
+        self.metrics.as_mut().map_or(Ok(()), |m| m.write_line(line))
     }
 
     /// Writes the run's plots.
     pub fn plot(&self) -> Result<()> {
-        (self.plot)(&self.root)
+        match self.metrics {
+            Some(_) => (self.plot)(&self.root),
+            None => Ok(()),
+        }
     }
 
     /// Saves a checkpoint after `state.step` when one is due: every `every` steps (0: never),
@@ -218,6 +237,9 @@ impl RunDir {
     /// Writes the models' states and the trainer state together, atomically.
     pub fn save_checkpoint(&self, dispatch: &Dispatch, state: &TrainerState) -> Result<PathBuf> {
         let dir = self.root.join(CHECKPOINTS).join(format!("step_{:06}", state.step));
+        if self.metrics.is_none() {
+            return Ok(dir); // process 0 writes it
+        }
         write_dir_atomically(&dir, |tmp| {
             for id in &self.models {
                 dispatch.save_state(id, &tmp.join(id))?;
@@ -250,7 +272,9 @@ impl RunDir {
             return Ok(None);
         }
         let dir = self.root.join(EXPORT_DIR);
-        export_model(dispatch, super::model_ids::POLICY, &model.path, model.lora.rank > 0, &dir)?;
+        if self.metrics.is_some() {
+            export_model(dispatch, super::model_ids::POLICY, &model.path, model.lora.rank > 0, &dir)?;
+        }
         Ok(Some(dir))
     }
 }

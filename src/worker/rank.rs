@@ -28,7 +28,7 @@ use crate::model::{lora, SamplerWeights, Transformer};
 use crate::{Error, Result};
 
 /// What `forward_backward` and `forward` return.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct ForwardBackwardOutput {
     /// `name:reduction` → (sum, count); reduce with [`Metrics::reduce`].
     pub metrics: Metrics,
