@@ -30,6 +30,8 @@ mod model_features;
 mod model_golden;
 mod model_named_tensors;
 mod model_tape;
+#[cfg(feature = "mpi")]
+mod mpi_sft;
 mod prompt_budgets;
 mod rl_async;
 mod rl_async_staleness;

@@ -1,0 +1,184 @@
+//! SFT over several processes under `mpirun` (the cargo feature `mpi`): the same parameters, bit
+//! for bit, as the same data-parallel ranks as threads of one process; a bit-exact resume after
+//! a kill; a killed process ends the run instead of hanging it. The processes are spawned by
+//! this test binary, so the runner counts these tests.
+
+use crate::common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const ROWS: &[&str] = &[
+    r#"{"messages":[{"role":"user","content":"what is 12 plus 30?"},{"role":"assistant","content":"42"}]}"#,
+    r#"{"instruction":"Reverse the word","input":"fox","output":"xof"}"#,
+    r#"{"messages":[{"role":"user","content":"say hi"},{"role":"assistant","content":"hi"}]}"#,
+    r#"{"messages":[{"role":"user","content":"quick brown"},{"role":"assistant","content":"fox jumps over"}]}"#,
+    r#"{"messages":[{"role":"user","content":"def add(a, b)"},{"role":"assistant","content":"return a + b"}]}"#,
+];
+
+/// A config in `dir` training the qwen3 fixture for `steps` steps into `dir/<run>`.
+fn write_config(dir: &Path, steps: usize) -> PathBuf {
+    std::fs::write(dir.join("data.jsonl"), ROWS.join("\n") + "\n").unwrap();
+    let path = dir.join("run.toml");
+    let model = common::fixture_dir("qwen3");
+    std::fs::write(
+        &path,
+        format!(
+            "[model]\npath = {:?}\n[data]\ntrain_file = \"data.jsonl\"\n[optimizer]\nlr = 0.01\n\
+             [train]\nbatch_size = 2\nmicro_batch_size = 1\nmax_steps = {steps}\neval_every = 0\n\
+             checkpoint_every = 1\n",
+            model.display().to_string()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// `mpirun -np N oxrl sft` as root in a container on few cores.
+fn mpirun(np: usize, config: &Path, sets: &[&str]) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["-np", &np.to_string(), "--oversubscribe", "--bind-to", "none"])
+        .envs([
+            ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+            ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+            ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
+        ])
+        .current_dir(config.parent().unwrap())
+        .arg(env!("CARGO_BIN_EXE_oxrl"))
+        .args(["--threads", "1", "sft", "--config"])
+        .arg(config);
+    for s in sets {
+        c.args(["--set", s]);
+    }
+    c
+}
+
+fn ok(out: Output) -> Output {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+fn oxrl_sft(config: &Path, sets: &[&str]) -> Output {
+    let mut c = common::oxrl_command();
+    c.current_dir(config.parent().unwrap()).args(["sft", "--config"]).arg(config);
+    for s in sets {
+        c.args(["--set", s]);
+    }
+    ok(c.output().unwrap())
+}
+
+fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let t = candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
+    let mut v: Vec<(String, Vec<f32>)> = t
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn max_diff(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (tensors(a), tensors(b));
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(&b).flat_map(|((_, x), (_, y))| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0, f32::max)
+}
+
+#[test]
+fn two_processes_train_what_two_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), 3);
+    ok(mpirun(2, &config, &["output.run_dir=\"mpi\""]).output().unwrap());
+    oxrl_sft(&config, &["output.run_dir=\"dp2\"", "train.data_parallel=2"]);
+    oxrl_sft(&config, &["output.run_dir=\"dp1\""]);
+    let model = |run: &str| dir.path().join(run).join("final/model.safetensors");
+    let (mpi, dp2, dp1) = (model("mpi"), model("dp2"), model("dp1"));
+    assert!(std::fs::read(&mpi).unwrap() == std::fs::read(&dp2).unwrap(), "mpirun -np 2 differs from dp = 2");
+    let d = max_diff(&mpi, &dp1);
+    assert!(d <= 1e-6, "mpirun -np 2 is {d} from one rank");
+    assert!(max_diff(&mpi, &common::fixture_dir("qwen3").join("model.safetensors")) > 1e-4, "nothing trained");
+    // Process 0 alone wrote the run: one metrics line a step, equal to the threads' run's losses.
+    let lines = |run: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.path().join(run).join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let (a, b) = (lines("mpi"), lines("dp2"));
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((&x["loss"], &x["grad_norm"]), (&y["loss"], &y["grad_norm"]));
+    }
+}
+
+/// The oxrl processes mpirun started (its children), once there are `n`.
+fn ranks_of(mpirun: u32, n: usize) -> Vec<String> {
+    let t = Instant::now();
+    loop {
+        let out = Command::new("pgrep").args(["-P", &mpirun.to_string()]).output().unwrap();
+        let pids: Vec<String> = String::from_utf8(out.stdout).unwrap().split_whitespace().map(String::from).collect();
+        if pids.len() == n || t.elapsed() > Duration::from_secs(30) {
+            return pids;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `path` exists (or the run ended by itself).
+fn wait_for(path: &Path, child: &mut std::process::Child) {
+    let t = Instant::now();
+    while !path.exists() && child.try_wait().unwrap().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(120), "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn a_killed_run_resumes_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), 40);
+    ok(mpirun(2, &config, &["output.run_dir=\"whole\""]).output().unwrap());
+    // Both processes SIGKILLed once a checkpoint drawn at random (steps 1 to 5) exists.
+    let kill_after = common::random_step(5);
+    let mut child = mpirun(2, &config, &["output.run_dir=\"parts\""]).spawn().unwrap();
+    let ranks = ranks_of(child.id(), 2);
+    wait_for(&dir.path().join(format!("parts/checkpoints/step_{kill_after:06}")), &mut child);
+    for pid in &ranks {
+        let _ = Command::new("kill").args(["-9", pid]).status();
+    }
+    let _ = child.wait();
+    assert!(!dir.path().join("parts/final").exists(), "the run finished before the kill (after step {kill_after})");
+    let resumed = ok(mpirun(2, &config, &["output.run_dir=\"parts\""]).arg("--resume").output().unwrap());
+    assert!(String::from_utf8_lossy(&resumed.stderr).contains("resumed from"));
+    let model = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
+    assert!(model("whole") == model("parts"), "killed after step {kill_after}: the resumed run differs");
+}
+
+#[test]
+fn a_killed_process_ends_the_run_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), 100_000);
+    let mut child = mpirun(2, &config, &["output.run_dir=\"run\"", "train.checkpoint_every=0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = ranks_of(child.id(), 2);
+    assert_eq!(ranks.len(), 2, "two processes under mpirun: {ranks:?}");
+    // Once training runs, kill process 1 (the one that writes nothing).
+    let metrics = dir.path().join("run/metrics.jsonl");
+    let t = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the run did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let killed_at = Instant::now();
+    assert!(Command::new("kill").args(["-9", &ranks[1]]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let waited = killed_at.elapsed();
+    assert!(waited < Duration::from_secs(30), "the run took {waited:?} to end");
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("rank 1"), "the error does not name the killed process: {text}");
+}
