@@ -321,3 +321,102 @@ impl Collective for InProcess {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Barrier};
+
+    use super::*;
+
+    /// Processes played by threads: `all_gather` through shared slots and a barrier.
+    struct ThreadWorld {
+        rank: usize,
+        slots: Arc<(Mutex<Vec<Vec<u8>>>, Barrier)>,
+    }
+
+    impl World for ThreadWorld {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn size(&self) -> usize {
+            self.slots.0.lock().unwrap().len()
+        }
+        fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+            let (slots, barrier) = &*self.slots;
+            slots.lock().unwrap()[self.rank] = bytes.to_vec();
+            barrier.wait();
+            let all = slots.lock().unwrap().clone();
+            barrier.wait();
+            Ok(all)
+        }
+        fn abort(&self, _code: i32) {}
+    }
+
+    /// Global rank r's gradients: values of many magnitudes (so that the order of the additions
+    /// shows in the bits), in f32, f64 and bf16.
+    fn grads(r: usize) -> Vec<Tensor> {
+        let v: Vec<f32> = (0..97).map(|i| ((i * 7 + r * 13) as f32).sin() * 10f32.powi((i % 9) as i32 - 4)).collect();
+        let t = Tensor::from_vec(v, (97,), &Device::Cpu).unwrap();
+        vec![t.clone(), t.to_dtype(DType::F64).unwrap(), t.to_dtype(DType::BF16).unwrap().reshape((1, 97)).unwrap()]
+    }
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    /// 2 processes × 2 ranks sum to the bits of 4 ranks in one process, and gather bytes in
+    /// global rank order.
+    #[test]
+    fn ranks_across_processes_sum_as_threads_of_one_do() {
+        let (processes, local) = (2, 2);
+        let threads = InProcess::new(processes * local);
+        let expected: Vec<Vec<Tensor>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|r| {
+                    let c = &threads;
+                    s.spawn(move || c.all_reduce_sum(r, grads(r)).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let slots = Arc::new((Mutex::new(vec![vec![]; processes]), Barrier::new(processes)));
+        let collectives: Vec<InProcess> = (0..processes)
+            .map(|p| {
+                let world: &'static dyn World = Box::leak(Box::new(ThreadWorld { rank: p, slots: slots.clone() }));
+                InProcess::across(local, world)
+            })
+            .collect();
+        let got: Vec<(Vec<Tensor>, Vec<Vec<u8>>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..processes * local)
+                .map(|r| {
+                    let c = &collectives[r / local];
+                    s.spawn(move || {
+                        let sum = c.all_reduce_sum(r % local, grads(r)).unwrap();
+                        let gathered = c.all_gather_bytes(r % local, vec![r as u8; r + 1]).unwrap();
+                        (sum, gathered)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, (sum, gathered)) in got.iter().enumerate() {
+            assert_eq!(collectives[0].world_size(), 4);
+            for (a, b) in sum.iter().zip(&expected[r]) {
+                assert_eq!((a.dtype(), a.dims()), (b.dtype(), b.dims()));
+                assert_eq!(bits(a), bits(b), "rank {r}: the sum across processes differs from one process's");
+            }
+            assert_eq!(*gathered, (0..4).map(|q| vec![q as u8; q + 1]).collect::<Vec<_>>(), "rank {r}");
+        }
+        // And the sum is not order-free: adding in another order changes the bits.
+        let reversed = sum_in_rank_order((0..4).rev().map(grads).collect()).unwrap();
+        assert_ne!(bits(&reversed[0]), bits(&expected[0][0]));
+    }
+}
