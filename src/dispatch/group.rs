@@ -112,7 +112,7 @@ fn local_dp_ranks(shape: &MeshShape, process: usize, processes: usize) -> Result
     if processes == 1 {
         return Ok(0..shape.dp);
     }
-    if (shape.tp, shape.sp, shape.pp) != (1, 1, 1) || shape.dp % processes != 0 {
+    if (shape.tp, shape.sp, shape.pp) != (1, 1, 1) || !shape.dp.is_multiple_of(processes) {
         return Err(Error::input(format!(
             "a mesh over {processes} processes must be pure data parallelism with dp a multiple of {processes} \
              (got dp {}, tp {}, sp {}, pp {})",

@@ -159,7 +159,7 @@ fn a_killed_run_resumes_bit_identical() {
 fn a_killed_process_ends_the_run_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), 100_000);
-    let mut child = mpirun(2, &config, &["output.run_dir=\"run\"", "train.checkpoint_every=0"])
+    let child = mpirun(2, &config, &["output.run_dir=\"run\"", "train.checkpoint_every=0"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
