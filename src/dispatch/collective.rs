@@ -270,14 +270,15 @@ impl Collective for InProcess {
         let world = self.world;
         let combine = move |all: Vec<Payload>| {
             let local: Vec<Vec<Tensor>> = all.into_iter().map(tensors).collect();
-            // The wire carries f32 for half precision: each tensor gets its dtype back.
-            let dtypes: Vec<DType> = local[0].iter().map(|t| t.dtype()).collect();
-            let global = match world {
-                None => local,
-                Some(world) => gather_across(world, local)?,
+            let sum = match world {
+                None => sum_in_rank_order(local)?,
+                Some(world) => {
+                    // The wire carries f32 for half precision: each tensor gets its dtype back.
+                    let dtypes: Vec<DType> = local[0].iter().map(|t| t.dtype()).collect();
+                    let sum = sum_in_rank_order(gather_across(world, local)?)?;
+                    sum.into_iter().zip(dtypes).map(|(t, d)| t.to_dtype(d)).collect::<candle_core::Result<_>>()?
+                }
             };
-            let sum = sum_in_rank_order(global)?;
-            let sum = sum.into_iter().zip(&dtypes).map(|(t, &d)| t.to_dtype(d)).collect::<candle_core::Result<_>>()?;
             Ok(Payload::Tensors(sum))
         };
         self.rendezvous(rank, Payload::Tensors(mine), combine).map(tensors)
