@@ -76,16 +76,13 @@ fn lora_config(model: &ModelSection) -> Option<LoraConfig> {
 /// `threads` tensor-math threads (default `launch.trainer_threads`, 0 = the cores shared among the
 /// ranks) and `launch.micro_batch_size` / `max_tokens_per_microbatch`. Engines: `launch.engines`
 /// engines on the base model, `launch.engine_threads` threads each, stopping at the tokenizer's
-/// EOS ids, batching up to `prompts_per_step × n_samples` rows (at least 64).
+/// EOS ids, batching up to `prompts_per_step × n_samples` rows (at least 64). Under `mpirun -np
+/// N` each process holds `launch.data_parallel` of the N × that many ranks and its own
+/// `launch.engines` engines (colocated), which sample its share of every step's groups.
 pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, EngineClient)> {
-    if world()?.size() > 1 {
-        return Err(Error::input(
-            "RL over several processes (mpirun / srun) is not supported yet: run `oxrl rl` as one process \
-             (SFT runs over many: `mpirun -np N oxrl sft`)",
-        ));
-    }
     let l = &cfg.launch;
     let dp = l.data_parallel.max(1);
+    let processes = world()?.size();
     let dtype = weights::parse_dtype(&cfg.model.dtype)?;
     let device = weights::parse_device(&cfg.model.device)?;
     let threads = match threads.unwrap_or(l.trainer_threads) {
@@ -103,7 +100,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
     let base = WorkerSpec {
         dtype,
         device: device.clone(),
-        mesh: MeshShape::dp(dp),
+        mesh: MeshShape::dp(dp * processes),
         threads,
         worker,
         ..WorkerSpec::new(&cfg.model.path)

@@ -325,33 +325,8 @@ impl Collective for InProcess {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Barrier};
-
     use super::*;
-
-    /// Processes played by threads: `all_gather` through shared slots and a barrier.
-    struct ThreadWorld {
-        rank: usize,
-        slots: Arc<(Mutex<Vec<Vec<u8>>>, Barrier)>,
-    }
-
-    impl World for ThreadWorld {
-        fn rank(&self) -> usize {
-            self.rank
-        }
-        fn size(&self) -> usize {
-            self.slots.0.lock().unwrap().len()
-        }
-        fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-            let (slots, barrier) = &*self.slots;
-            slots.lock().unwrap()[self.rank] = bytes.to_vec();
-            barrier.wait();
-            let all = slots.lock().unwrap().clone();
-            barrier.wait();
-            Ok(all)
-        }
-        fn abort(&self, _code: i32) {}
-    }
+    use crate::dispatch::world::ThreadWorld;
 
     /// Global rank r's gradients: values of many magnitudes (so that the order of the additions
     /// shows in the bits), in f32, f64 and bf16.
@@ -388,12 +363,8 @@ mod tests {
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let slots = Arc::new((Mutex::new(vec![vec![]; processes]), Barrier::new(processes)));
-        let collectives: Vec<InProcess> = (0..processes)
-            .map(|p| {
-                let world: &'static dyn World = Box::leak(Box::new(ThreadWorld { rank: p, slots: slots.clone() }));
-                InProcess::across(local, world)
-            })
+        let collectives: Vec<InProcess> = (ThreadWorld::world(processes).into_iter())
+            .map(|w| InProcess::across(local, Box::leak(Box::new(w)) as &'static dyn World))
             .collect();
         let got: Vec<(Vec<Tensor>, Vec<Vec<u8>>)> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..processes * local)

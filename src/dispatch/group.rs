@@ -20,6 +20,7 @@ use super::collective::{Collective, InProcess};
 use super::mesh::{MeshCoord, MeshInfo, MeshRegistry, MeshShape};
 use super::residency::Parts;
 use super::split::{merge_outputs, pad_and_split};
+use super::world::{decode, encode};
 use crate::actor::{fan_out, Actor, ActorState};
 use crate::algo::{Loss, Metrics};
 use crate::handle::Handle;
@@ -212,23 +213,16 @@ impl WorkerGroup {
                     return Ok(vec![(s.info, out?)]);
                 }
                 // Every rank must reach the gather, also after an error (it carries the error).
-                let mine = match &out {
-                    Ok(o) => serde_json::to_vec(&(s.info.dp_rank, s.info.collect, o)),
-                    Err(e) => serde_json::to_vec(&e.to_string()),
-                }
-                .map_err(|e| Error::Other(format!("outputs of dp rank {}: {e}", s.info.dp_rank)))?;
-                let all = s.collective.all_gather_bytes(s.local_rank, mine)?;
+                let mine: std::result::Result<(usize, bool, &ForwardBackwardOutput), String> =
+                    out.as_ref().map(|o| (s.info.dp_rank, s.info.collect, o)).map_err(|e| e.to_string());
+                let all = s.collective.all_gather_bytes(s.local_rank, encode(&mine)?)?;
                 out?;
                 all.iter()
                     .enumerate()
                     .map(|(rank, bytes)| {
-                        let (dp_rank, collect, out): (usize, bool, ForwardBackwardOutput) =
-                            serde_json::from_slice(bytes).map_err(|_| {
-                                match serde_json::from_slice::<String>(bytes) {
-                                    Ok(e) => Error::Other(format!("dp rank {rank} failed: {e}")),
-                                    Err(e) => Error::Other(format!("outputs of dp rank {rank}: {e}")),
-                                }
-                            })?;
+                        let theirs: std::result::Result<(usize, bool, ForwardBackwardOutput), String> = decode(bytes)?;
+                        let (dp_rank, collect, out) =
+                            theirs.map_err(|e| Error::Other(format!("dp rank {rank} failed: {e}")))?;
                         Ok((MeshInfo { dp_rank, collect, ..s.info }, out))
                     })
                     .collect()

@@ -8,12 +8,17 @@
 //! Everything that crosses processes is built on [`World::all_gather`]: the gradient sum (each
 //! process gathers every rank's gradients and sums them in global rank order, so the result is
 //! the in-process sum bit for bit, whatever the MPI library's reduction order), the outputs of a
-//! forward pass, and the start-up check that every process runs the same binary and config.
+//! forward pass, work shared out by [`share`] (RL's groups: each process samples its share on
+//! its own engines), and the start-up check that every process runs the same binary and config.
+//! Values cross as MessagePack ([`encode`]): exact floats, NaN and infinities included.
 //! MPI is initialised once per process on first use, at `MPI_THREAD_SERIALIZED` (calls come from
 //! whichever rank thread arrives last, never two at once: a mutex orders them), and finalised
 //! by [`finalize`] at the end of `main`.
 
 use std::sync::OnceLock;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use crate::{Error, Result};
 
@@ -87,6 +92,46 @@ fn mpi_world() -> Result<Box<dyn World>> {
 pub fn finalize() {
     #[cfg(feature = "mpi")]
     mpi_impl::finalize();
+}
+
+/// Items `0..n` computed across the world's processes: process `p` of `W` computes the items
+/// `i` with `i mod W = p` (`f` gets their indices in order and returns one value each), and
+/// every process gets all `n`, in order. An error in `f` returns before the gather: the caller
+/// ends the run (see [`World::abort`]), as the other processes would wait for this one.
+pub fn share<T: Serialize + DeserializeOwned>(
+    world: &dyn World,
+    n: usize,
+    f: impl FnOnce(&[usize]) -> Result<Vec<T>>,
+) -> Result<Vec<T>> {
+    let (rank, size) = (world.rank(), world.size());
+    let mine: Vec<usize> = (rank..n).step_by(size).collect();
+    let values = f(&mine)?;
+    if values.len() != mine.len() {
+        return Err(Error::Other(format!("{} values for {} items", values.len(), mine.len())));
+    }
+    if size == 1 {
+        return Ok(values);
+    }
+    let all = world.all_gather(&encode(&values)?)?;
+    let mut parts = Vec::with_capacity(size);
+    for (p, bytes) in all.iter().enumerate() {
+        let part: Vec<T> = decode(bytes).map_err(|e| Error::Other(format!("the share of process {p}: {e}")))?;
+        if part.len() != (p..n).step_by(size).count() {
+            return Err(Error::Other(format!("process {p} computed {} of its items", part.len())));
+        }
+        parts.push(part.into_iter());
+    }
+    Ok((0..n).map(|i| parts[i % size].next().expect("counted above")).collect())
+}
+
+/// `value` as MessagePack (struct fields by name, so skipped fields stay optional).
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
+    rmp_serde::to_vec_named(value).map_err(|e| Error::Other(format!("cannot encode for another process: {e}")))
+}
+
+/// The value [`encode`] wrote.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Other(format!("cannot decode from another process: {e}")))
 }
 
 /// Checks that every process runs the same binary on the same resolved config: gathers a hash
@@ -212,9 +257,77 @@ mod mpi_impl {
     }
 }
 
+/// Processes played by threads, for tests: `all_gather` through shared slots and a barrier.
+#[cfg(test)]
+pub(crate) struct ThreadWorld {
+    pub rank: usize,
+    pub slots: std::sync::Arc<(std::sync::Mutex<Vec<Vec<u8>>>, std::sync::Barrier)>,
+}
+
+#[cfg(test)]
+impl ThreadWorld {
+    /// The `size` processes of one world.
+    pub fn world(size: usize) -> Vec<ThreadWorld> {
+        let slots = std::sync::Arc::new((std::sync::Mutex::new(vec![vec![]; size]), std::sync::Barrier::new(size)));
+        (0..size).map(|rank| ThreadWorld { rank, slots: slots.clone() }).collect()
+    }
+}
+
+#[cfg(test)]
+impl World for ThreadWorld {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.slots.0.lock().unwrap().len()
+    }
+    fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let (slots, barrier) = &*self.slots;
+        slots.lock().unwrap()[self.rank] = bytes.to_vec();
+        barrier.wait();
+        let all = slots.lock().unwrap().clone();
+        barrier.wait();
+        Ok(all)
+    }
+    fn abort(&self, _code: i32) {}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 3 processes share 8 items: each computes only its own (`i mod 3`), every one gets all 8
+    /// in order, and floats cross with their bits (NaN, infinities, -0.0).
+    #[test]
+    fn shared_items_come_back_whole_and_in_order() {
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-45, f32::MAX, 0.1, -7.5];
+        let value = |i: usize| (i, vec![specials[i]; i % 3]);
+        let worlds = ThreadWorld::world(3);
+        let got: Vec<(Vec<usize>, Vec<(usize, Vec<f32>)>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (worlds.iter())
+                .map(|w| {
+                    s.spawn(move || {
+                        let mut asked = vec![];
+                        let all = share(w, 8, |mine| {
+                            asked = mine.to_vec();
+                            Ok(mine.iter().map(|&i| value(i)).collect())
+                        })
+                        .unwrap();
+                        (asked, all)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let bits = |v: &[(usize, Vec<f32>)]| -> Vec<(usize, Vec<u32>)> {
+            v.iter().map(|(i, x)| (*i, x.iter().map(|f| f.to_bits()).collect())).collect()
+        };
+        let expected: Vec<(usize, Vec<f32>)> = (0..8).map(value).collect();
+        for (p, (asked, all)) in got.iter().enumerate() {
+            assert_eq!(*asked, (p..8).step_by(3).collect::<Vec<_>>(), "process {p} computed others' items");
+            assert_eq!(bits(all), bits(&expected), "process {p}");
+        }
+    }
 
     #[test]
     fn a_world_of_one_gathers_its_own_bytes() {

@@ -43,7 +43,7 @@ impl Segment {
 }
 
 /// Next-token training inputs of one episode; every field has length `L - 1`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainingSequence {
     pub input_tokens: Vec<u32>,
     pub target_tokens: Vec<u32>,

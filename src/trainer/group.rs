@@ -8,14 +8,17 @@
 //! `(k / prompts_per_step, 0, k mod prompts_per_step)` — samples what the sync trainer's does.
 //! A step's groups are trained in identity order.
 
+use serde::{Deserialize, Serialize};
+
 use super::rollouts::{generate_groups, prompt_seed, Episode};
+use crate::dispatch::world::{share, World};
 use crate::env::{EnvConfig, PromptRow};
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineClient, SamplingParams};
 use crate::Result;
 
 /// Where a group sits in the run: see the module docs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct GroupId {
     /// The sync step it belongs to, from 0.
     pub step: usize,
@@ -40,7 +43,7 @@ impl GroupId {
 }
 
 /// A finished group.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Group {
     pub id: GroupId,
     /// The training step (from 1) being worked on when its generation started; a group trained
@@ -80,8 +83,10 @@ pub fn step_episodes(groups: &[Group]) -> Vec<Episode> {
 }
 
 /// What the RL trainers sample groups with: the engines, the prompts' environments and
-/// sampling settings, `n` episodes a group.
+/// sampling settings, `n` episodes a group; in a run of several processes, each samples its
+/// share of the groups on its own engines and they exchange them.
 pub struct GroupSampler<'a> {
+    pub world: &'a dyn World,
     pub engines: &'a EngineClient,
     pub tok: &'a Tokenizer,
     pub env_config: EnvConfig,
@@ -93,16 +98,18 @@ pub struct GroupSampler<'a> {
 
 impl GroupSampler<'_> {
     /// One group per prompt, `prompts[i]` as group `ids[i]`, all submitted at once; groups come
-    /// back in order, each marked as started in training step `start_step`.
+    /// back in order, each marked as started in training step `start_step`. Process `p` of `W`
+    /// samples the groups `i mod W = p` (a group's seed is its identity's, so which process
+    /// samples it does not change it); rewards are computed where the whole group is.
     pub fn sample(&self, prompts: &[PromptRow], ids: &[GroupId], start_step: u64) -> Result<Vec<Group>> {
-        let seeds: Vec<u64> = ids.iter().map(|id| id.seed(self.train_seed)).collect();
-        let episodes =
-            generate_groups(self.engines, self.tok, prompts, &seeds, &self.env_config, &self.params, self.n)?;
-        let mut groups = Vec::with_capacity(ids.len());
-        for (id, chunk) in ids.iter().zip(episodes.chunks(self.n)) {
-            groups.push(Group { id: *id, start_step, episodes: chunk.to_vec() });
-        }
-        Ok(groups)
+        share(self.world, ids.len(), |mine| {
+            let prompts: Vec<PromptRow> = mine.iter().map(|&i| prompts[i].clone()).collect();
+            let seeds: Vec<u64> = mine.iter().map(|&i| ids[i].seed(self.train_seed)).collect();
+            let episodes =
+                generate_groups(self.engines, self.tok, &prompts, &seeds, &self.env_config, &self.params, self.n)?;
+            let groups = mine.iter().zip(episodes.chunks(self.n.max(1)));
+            Ok(groups.map(|(&i, chunk)| Group { id: ids[i], start_step, episodes: chunk.to_vec() }).collect())
+        })
     }
 }
 

@@ -36,6 +36,7 @@ use super::rl_run::RlRun;
 use super::rollout_stats::RolloutStats;
 use super::run_dir::{check_resumable, RunOptions};
 use super::sync_groups::SyncGroups;
+use crate::dispatch::world::world;
 use crate::dispatch::Dispatch;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
@@ -57,8 +58,17 @@ pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts:
         return Err(Error::input("the RL training set is empty"));
     }
     eprintln!("rl ({}): {} training prompts, {} eval prompts", cfg.mode, train.len(), eval.len());
-    let (run, resumed) = RlRun::open(cfg, dispatch, engines, &tok, &eval, opts)?;
+    let world = world()?;
+    if world.size() > 1 && cfg.mode == Mode::Async {
+        return Err(Error::input(format!(
+            "mode = \"async\" runs in one process ({} were started): async RL across processes needs engines \
+             of their own, not yet; run mode = \"sync\" under mpirun, or async as one process",
+            world.size()
+        )));
+    }
+    let (run, resumed) = RlRun::open(cfg, dispatch, world, engines, &tok, &eval, opts)?;
     let sampler = GroupSampler {
+        world,
         engines,
         tok: &tok,
         env_config: cfg.env.env_config(),

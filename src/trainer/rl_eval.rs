@@ -1,8 +1,11 @@
 //! RL evaluation: the policy samples `eval_samples` answers to each held-out prompt on the
 //! engines; pass@1 is the mean correctness, pass@n the share of prompts with a correct answer.
+//! Across processes each evaluates its share of the prompts (prompt `i` is seeded by `i`, so
+//! the share does not change the episodes).
 
 use super::rl_config::RlConfig;
-use super::rollouts::{generate_episodes, Episode};
+use super::rollouts::{generate_groups, prompt_seed, Episode};
+use crate::dispatch::world::{share, World};
 use crate::env::PromptRow;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
@@ -26,22 +29,25 @@ pub fn pass_rates(episodes: &[Episode]) -> (f64, f64) {
     (pass1, passn)
 }
 
-/// Evaluates the policy on the engines: (pass@1, pass@n).
+/// Evaluates the policy on the engines of the world's processes: (pass@1, pass@n).
 pub fn evaluate(
     cfg: &RlConfig,
+    world: &dyn World,
     engines: &EngineClient,
     tok: &Tokenizer,
     prompts: &[PromptRow],
     seed: u64,
 ) -> Result<(f64, f64)> {
-    let episodes = generate_episodes(
-        engines,
-        tok,
-        prompts,
-        &cfg.env.env_config(),
-        &cfg.sampling_params(true),
-        cfg.rollout.eval_samples,
-        seed,
-    )?;
+    let n = cfg.rollout.eval_samples;
+    let groups: Vec<Vec<Episode>> = share(world, prompts.len(), |mine| {
+        let rows: Vec<PromptRow> = mine.iter().map(|&i| prompts[i].clone()).collect();
+        let seeds: Vec<u64> = mine.iter().map(|&i| prompt_seed(seed, i)).collect();
+        let (env, params) = (cfg.env.env_config(), cfg.sampling_params(true));
+        let episodes = generate_groups(engines, tok, &rows, &seeds, &env, &params, n)?;
+        Ok(episodes.chunks(n.max(1)).map(<[Episode]>::to_vec).collect())
+    })?;
+    let episodes: Vec<Episode> = (groups.into_iter().enumerate())
+        .flat_map(|(i, g)| g.into_iter().map(move |e| Episode { group: i, ..e }))
+        .collect();
     Ok(pass_rates(&episodes))
 }

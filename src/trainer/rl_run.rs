@@ -25,6 +25,7 @@ use super::rollout_stats::RolloutStats;
 use super::rollouts::Episode;
 use super::run_dir::{DataPosition, RunDir, RunOptions, TrainerState};
 use crate::algo::{KlController, Metrics};
+use crate::dispatch::world::World;
 use crate::dispatch::Dispatch;
 use crate::env::PromptRow;
 use crate::model::tokenizer::Tokenizer;
@@ -66,6 +67,8 @@ fn plot_rl(run_dir: &std::path::Path) -> Result<()> {
 pub struct RlRun<'a> {
     pub cfg: &'a RlConfig,
     pub dispatch: &'a Dispatch,
+    /// The run's processes: evaluation shares its prompts among them.
+    pub world: &'a dyn World,
     pub engines: &'a EngineClient,
     pub tok: &'a Tokenizer,
     pub eval: &'a [PromptRow],
@@ -84,6 +87,7 @@ impl<'a> RlRun<'a> {
     pub fn open(
         cfg: &'a RlConfig,
         dispatch: &'a Dispatch,
+        world: &'a dyn World,
         engines: &'a EngineClient,
         tok: &'a Tokenizer,
         eval: &'a [PromptRow],
@@ -106,6 +110,7 @@ impl<'a> RlRun<'a> {
         let mut run = RlRun {
             cfg,
             dispatch,
+            world,
             engines,
             tok,
             eval,
@@ -248,7 +253,7 @@ impl<'a> RlRun<'a> {
         let eval_now =
             !self.eval.is_empty() && ((t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == t.max_steps);
         if eval_now {
-            let (p1, pn) = evaluate(self.cfg, self.engines, self.tok, self.eval, t.seed ^ 0xE7A1)?;
+            let (p1, pn) = evaluate(self.cfg, self.world, self.engines, self.tok, self.eval, t.seed ^ 0xE7A1)?;
             line.insert("eval_pass_at_1".into(), json!(p1));
             line.insert("eval_pass_at_n".into(), json!(pn));
             self.evals.push((step, p1, pn));

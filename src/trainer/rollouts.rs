@@ -52,7 +52,7 @@ impl TurnSampler for EngineClient {
 }
 
 /// One finished episode.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Episode {
     /// Index of its prompt in the step's batch (episodes of one prompt form a group).
     pub group: usize,

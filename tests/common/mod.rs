@@ -128,6 +128,43 @@ pub fn oxrl_command() -> std::process::Command {
     c
 }
 
+/// The largest difference between the same-named tensors of two safetensors files (which must
+/// hold the same names).
+pub fn file_max_diff(a: &std::path::Path, b: &std::path::Path) -> f32 {
+    let tensors = |path: &std::path::Path| -> Vec<(String, Vec<f32>)> {
+        let mut v: Vec<(String, Vec<f32>)> = candle_core::safetensors::load(path, &Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .map(|(k, t)| (k, t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let (a, b) = (tensors(a), tensors(b));
+    assert_eq!(a.iter().map(|t| &t.0).collect::<Vec<_>>(), b.iter().map(|t| &t.0).collect::<Vec<_>>());
+    a.iter().zip(&b).flat_map(|((_, x), (_, y))| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0, f32::max)
+}
+
+/// `mpirun -np N oxrl --threads 1 COMMAND --config CONFIG [--set S]…` in the config's folder,
+/// as root in a container on few cores (the settings README's "Many machines" names).
+pub fn mpirun(np: usize, command: &str, config: &std::path::Path, sets: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new("mpirun");
+    c.args(["-np", &np.to_string(), "--oversubscribe", "--bind-to", "none"])
+        .envs([
+            ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+            ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+            ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
+        ])
+        .current_dir(config.parent().unwrap())
+        .arg(env!("CARGO_BIN_EXE_oxrl"))
+        .args(["--threads", "1", command, "--config"])
+        .arg(config);
+    for s in sets {
+        c.args(["--set", s]);
+    }
+    c
+}
+
 /// A step drawn at random (from the clock) in `1..=max`.
 pub fn random_step(max: usize) -> usize {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();

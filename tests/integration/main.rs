@@ -31,6 +31,8 @@ mod model_golden;
 mod model_named_tensors;
 mod model_tape;
 #[cfg(feature = "mpi")]
+mod mpi_rl;
+#[cfg(feature = "mpi")]
 mod mpi_sft;
 mod prompt_budgets;
 mod rl_async;

@@ -1,6 +1,7 @@
 //! SFT over several processes under `mpirun` (the cargo feature `mpi`): the same parameters, bit
 //! for bit, as the same data-parallel ranks as threads of one process; a bit-exact resume after
-//! a kill; a killed process ends the run instead of hanging it. The processes are spawned by
+//! a kill, under mpirun or as threads of one process; a killed process ends the run instead of
+//! hanging it. The processes are spawned by
 //! this test binary, so the runner counts these tests.
 
 use crate::common;
@@ -35,23 +36,8 @@ fn write_config(dir: &Path, steps: usize) -> PathBuf {
     path
 }
 
-/// `mpirun -np N oxrl sft` as root in a container on few cores.
 fn mpirun(np: usize, config: &Path, sets: &[&str]) -> Command {
-    let mut c = Command::new("mpirun");
-    c.args(["-np", &np.to_string(), "--oversubscribe", "--bind-to", "none"])
-        .envs([
-            ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
-            ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
-            ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
-        ])
-        .current_dir(config.parent().unwrap())
-        .arg(env!("CARGO_BIN_EXE_oxrl"))
-        .args(["--threads", "1", "sft", "--config"])
-        .arg(config);
-    for s in sets {
-        c.args(["--set", s]);
-    }
-    c
+    common::mpirun(np, "sft", config, sets)
 }
 
 fn ok(out: Output) -> Output {
@@ -68,22 +54,6 @@ fn oxrl_sft(config: &Path, sets: &[&str]) -> Output {
     ok(c.output().unwrap())
 }
 
-fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let t = candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
-    let mut v: Vec<(String, Vec<f32>)> = t
-        .into_iter()
-        .map(|(k, t)| (k, t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
-
-fn max_diff(a: &Path, b: &Path) -> f32 {
-    let (a, b) = (tensors(a), tensors(b));
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(&b).flat_map(|((_, x), (_, y))| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0, f32::max)
-}
-
 #[test]
 fn two_processes_train_what_two_threads_do() {
     let dir = tempfile::tempdir().unwrap();
@@ -94,9 +64,12 @@ fn two_processes_train_what_two_threads_do() {
     let model = |run: &str| dir.path().join(run).join("final/model.safetensors");
     let (mpi, dp2, dp1) = (model("mpi"), model("dp2"), model("dp1"));
     assert!(std::fs::read(&mpi).unwrap() == std::fs::read(&dp2).unwrap(), "mpirun -np 2 differs from dp = 2");
-    let d = max_diff(&mpi, &dp1);
+    let d = common::file_max_diff(&mpi, &dp1);
     assert!(d <= 1e-6, "mpirun -np 2 is {d} from one rank");
-    assert!(max_diff(&mpi, &common::fixture_dir("qwen3").join("model.safetensors")) > 1e-4, "nothing trained");
+    assert!(
+        common::file_max_diff(&mpi, &common::fixture_dir("qwen3").join("model.safetensors")) > 1e-4,
+        "nothing trained"
+    );
     // Process 0 alone wrote the run: one metrics line a step, equal to the threads' run's losses.
     let lines = |run: &str| -> Vec<serde_json::Value> {
         std::fs::read_to_string(dir.path().join(run).join("metrics.jsonl"))
@@ -149,10 +122,22 @@ fn a_killed_run_resumes_bit_identical() {
     }
     let _ = child.wait();
     assert!(!dir.path().join("parts/final").exists(), "the run finished before the kill (after step {kill_after})");
+    // The same run resumed as two threads of one process: checkpoints do not depend on the layout.
+    assert!(Command::new("cp")
+        .arg("-r")
+        .arg(dir.path().join("parts"))
+        .arg(dir.path().join("threads"))
+        .status()
+        .unwrap()
+        .success());
     let resumed = ok(mpirun(2, &config, &["output.run_dir=\"parts\""]).arg("--resume").output().unwrap());
     assert!(String::from_utf8_lossy(&resumed.stderr).contains("resumed from"));
+    let mut c = common::oxrl_command();
+    c.current_dir(dir.path()).args(["sft", "--resume", "--config"]).arg(&config);
+    ok(c.args(["--set", "output.run_dir=\"threads\"", "--set", "train.data_parallel=2"]).output().unwrap());
     let model = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
     assert!(model("whole") == model("parts"), "killed after step {kill_after}: the resumed run differs");
+    assert!(model("whole") == model("threads"), "killed after step {kill_after}: resumed as threads, it differs");
 }
 
 #[test]
