@@ -7,14 +7,16 @@
 //! f32 and rounded once.
 //!
 //! Across processes ([`InProcess::across`], a [`World`] of W processes with L local ranks
-//! each): the last local rank to arrive gathers every process's deposits
-//! ([`World::all_gather`]) and sums all W·L of them in global rank order — the same additions
-//! in the same order as W·L threads of one process, so the sum is the same bits.
+//! each): the last local rank to arrive sums the W·L ranks' tensors with the other processes
+//! ([`sum_across`]: reduce-scatter, then all-gather), every element added in global rank order —
+//! the same additions in the same order as W·L threads of one process, so the sum is the same
+//! bits.
 
 use std::sync::{Condvar, Mutex};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
+use super::sum_across::sum_across;
 use super::world::World;
 use crate::{Error, Result};
 
@@ -107,86 +109,6 @@ fn sum_in_rank_order(deposits: Vec<Vec<Tensor>>) -> Result<Vec<Tensor>> {
     Ok(acc.into_iter().zip(dtypes).map(|(t, d)| t.to_dtype(d)).collect::<candle_core::Result<Vec<_>>>()?)
 }
 
-/// This process's deposits (local rank order) and every other process's, in global rank
-/// order.
-fn gather_across(world: &dyn World, local: Vec<Vec<Tensor>>) -> Result<Vec<Vec<Tensor>>> {
-    let device = local.first().and_then(|l| l.first()).map(|t| t.device().clone()).unwrap_or(Device::Cpu);
-    let all = world.all_gather(&encode(&local)?)?;
-    let mut global = vec![];
-    for (process, bytes) in all.iter().enumerate() {
-        let ranks = decode(bytes, &device)
-            .map_err(|e| Error::Other(format!("all_reduce: process {process}'s tensors: {e}")))?;
-        if ranks.len() != local.len() {
-            return Err(Error::Other(format!(
-                "all_reduce: process {process} has {} local ranks, this one {}",
-                ranks.len(),
-                local.len()
-            )));
-        }
-        global.extend(ranks);
-    }
-    Ok(global)
-}
-
-/// `[ranks u32] per rank: [tensors u32] per tensor: [f64? u8][ndim u32][dims u64…][data LE]`,
-/// data as f64 for f64 tensors, else f32 (half precision is summed in f32 anyway).
-fn encode(ranks: &[Vec<Tensor>]) -> Result<Vec<u8>> {
-    let mut out = vec![];
-    out.extend((ranks.len() as u32).to_le_bytes());
-    for tensors in ranks {
-        out.extend((tensors.len() as u32).to_le_bytes());
-        for t in tensors {
-            let f64s = t.dtype() == DType::F64;
-            out.push(f64s as u8);
-            out.extend((t.rank() as u32).to_le_bytes());
-            for &d in t.dims() {
-                out.extend((d as u64).to_le_bytes());
-            }
-            let flat = t.flatten_all()?;
-            if f64s {
-                flat.to_vec1::<f64>()?.iter().for_each(|x| out.extend(x.to_le_bytes()));
-            } else {
-                flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().for_each(|x| out.extend(x.to_le_bytes()));
-            }
-        }
-    }
-    Ok(out)
-}
-
-fn decode(bytes: &[u8], device: &Device) -> Result<Vec<Vec<Tensor>>> {
-    let mut at = 0usize;
-    let mut take = |n: usize| -> Result<&[u8]> {
-        let s = bytes.get(at..at + n).ok_or_else(|| Error::Other(format!("truncated at byte {at}")))?;
-        at += n;
-        Ok(s)
-    };
-    let u32_at = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes")) as usize;
-    let n_ranks = u32_at(take(4)?);
-    let mut ranks = Vec::with_capacity(n_ranks);
-    for _ in 0..n_ranks {
-        let n = u32_at(take(4)?);
-        let mut tensors = Vec::with_capacity(n);
-        for _ in 0..n {
-            let f64s = take(1)?[0] == 1;
-            let ndim = u32_at(take(4)?);
-            let dims: Vec<usize> = (0..ndim)
-                .map(|_| take(8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")) as usize))
-                .collect::<Result<_>>()?;
-            let len: usize = dims.iter().product();
-            let t = if f64s {
-                let v = take(8 * len)?.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8"))).collect();
-                Tensor::from_vec::<_, f64>(v, dims, device)?
-            } else {
-                let v = take(4 * len)?.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
-                Tensor::from_vec::<_, f32>(v, dims, device)?
-            };
-            tensors.push(t);
-        }
-        ranks.push(tensors);
-    }
-    Ok(ranks)
-}
-
 impl InProcess {
     /// Deposits `mine` as local rank `rank`; the last local rank to arrive combines all deposits
     /// (local rank order) with `combine`, and every rank takes the result.
@@ -272,12 +194,7 @@ impl Collective for InProcess {
             let local: Vec<Vec<Tensor>> = all.into_iter().map(tensors).collect();
             let sum = match world {
                 None => sum_in_rank_order(local)?,
-                Some(world) => {
-                    // The wire carries f32 for half precision: each tensor gets its dtype back.
-                    let dtypes: Vec<DType> = local[0].iter().map(|t| t.dtype()).collect();
-                    let sum = sum_in_rank_order(gather_across(world, local)?)?;
-                    sum.into_iter().zip(dtypes).map(|(t, d)| t.to_dtype(d)).collect::<candle_core::Result<_>>()?
-                }
+                Some(world) => sum_across(world, &local)?,
             };
             Ok(Payload::Tensors(sum))
         };
@@ -325,6 +242,8 @@ impl Collective for InProcess {
 
 #[cfg(test)]
 mod tests {
+    use candle_core::Device;
+
     use super::*;
     use crate::dispatch::world::ThreadWorld;
 
@@ -348,14 +267,14 @@ mod tests {
             .collect()
     }
 
-    /// 2 processes × 2 ranks sum to the bits of 4 ranks in one process, and gather bytes in
-    /// global rank order.
+    /// 3 processes × 2 ranks sum to the bits of 6 ranks in one process (97 elements cut into
+    /// uneven chunks by the reduce-scatter), and gather bytes in global rank order.
     #[test]
     fn ranks_across_processes_sum_as_threads_of_one_do() {
-        let (processes, local) = (2, 2);
+        let (processes, local) = (3, 2);
         let threads = InProcess::new(processes * local);
         let expected: Vec<Vec<Tensor>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..4)
+            let hs: Vec<_> = (0..processes * local)
                 .map(|r| {
                     let c = &threads;
                     s.spawn(move || c.all_reduce_sum(r, grads(r)).unwrap())
@@ -380,15 +299,15 @@ mod tests {
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for (r, (sum, gathered)) in got.iter().enumerate() {
-            assert_eq!(collectives[0].world_size(), 4);
+            assert_eq!(collectives[0].world_size(), processes * local);
             for (a, b) in sum.iter().zip(&expected[r]) {
                 assert_eq!((a.dtype(), a.dims()), (b.dtype(), b.dims()));
                 assert_eq!(bits(a), bits(b), "rank {r}: the sum across processes differs from one process's");
             }
-            assert_eq!(*gathered, (0..4).map(|q| vec![q as u8; q + 1]).collect::<Vec<_>>(), "rank {r}");
+            assert_eq!(*gathered, (0..processes * local).map(|q| vec![q as u8; q + 1]).collect::<Vec<_>>(), "rank {r}");
         }
         // And the sum is not order-free: adding in another order changes the bits.
-        let reversed = sum_in_rank_order((0..4).rev().map(grads).collect()).unwrap();
+        let reversed = sum_in_rank_order((0..processes * local).rev().map(grads).collect()).unwrap();
         assert_ne!(bits(&reversed[0]), bits(&expected[0][0]));
     }
 }

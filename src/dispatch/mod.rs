@@ -15,6 +15,7 @@ pub mod group;
 pub mod mesh;
 pub mod residency;
 pub mod split;
+pub mod sum_across;
 pub mod worker_spec;
 pub mod world;
 

@@ -3,14 +3,17 @@
 //!
 //! ```text
 //! process p of W holds global dp ranks p·L .. (p+1)·L   (L = ranks per process)
-//! all_gather(bytes)  -> every process's bytes, in process order   (the only cross-process op)
+//! all_gather(bytes)   -> every process's bytes, in process order
+//! all_to_all(parts)   -> part p of every process, in process order
 //! ```
-//! Everything that crosses processes is built on [`World::all_gather`]: the gradient sum (each
-//! process gathers every rank's gradients and sums them in global rank order, so the result is
-//! the in-process sum bit for bit, whatever the MPI library's reduction order), the outputs of a
-//! forward pass, work shared out by [`share`] (RL's groups: each process samples its share on
-//! its own engines), and the start-up check that every process runs the same binary and config.
-//! Values cross as MessagePack ([`encode`]): exact floats, NaN and infinities included.
+//! Everything that crosses processes is built on these two: the gradient sum (a reduce-scatter
+//! and an all-gather that add every element in global rank order, see
+//! [`sum_across`](super::sum_across), so the result is the in-process sum bit for bit whatever
+//! the MPI library's reduction order), the outputs of a forward pass, work shared out by
+//! [`share`] (RL's groups: each process samples its share on its own engines), and the start-up
+//! check that every process runs the same binary and config. Values other than gradients cross
+//! as MessagePack ([`encode`]): exact floats, NaN and infinities included. Buffers over 1 GiB
+//! go in rounds (MPI counts and displacements are 32-bit).
 //! MPI is initialised once per process on first use, at `MPI_THREAD_SERIALIZED` (calls come from
 //! whichever rank thread arrives last, never two at once: a mutex orders them), and finalised
 //! by [`finalize`] at the end of `main`.
@@ -30,6 +33,9 @@ pub trait World: Send + Sync {
     fn size(&self) -> usize;
     /// Every process's `bytes` (any lengths), in process order. Every process must call it.
     fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// Sends `parts[q]` to process `q` (one part per process, any lengths) and returns what
+    /// every process sent to this one, in process order. Every process must call it.
+    fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>;
     /// Ends every process of the run with `code` (after an error here: the others would wait
     /// for this one forever). Does not return in a world of many.
     fn abort(&self, code: i32);
@@ -49,6 +55,10 @@ impl World for Single {
 
     fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         Ok(vec![bytes.to_vec()])
+    }
+
+    fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        Ok(parts)
     }
 
     fn abort(&self, _code: i32) {}
@@ -169,15 +179,32 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 mod mpi_impl {
     use std::sync::Mutex;
 
-    use mpi::datatype::PartitionMut;
+    use mpi::collective::SystemOperation;
+    use mpi::datatype::{Partition, PartitionMut};
     use mpi::traits::*;
     use mpi::{Count, Threading};
 
     use super::World;
     use crate::{Error, Result};
 
-    /// MPI counts are 32-bit: larger buffers go in rounds of at most this many bytes each.
+    /// MPI counts are 32-bit: larger buffers go in rounds of at most this many bytes from each
+    /// process (fewer when the displacements of all processes' pieces would pass 2³¹).
     const BUCKET: usize = 1 << 30;
+
+    /// Bytes `[r·bucket, (r+1)·bucket)` of a buffer of `n`: how many there are.
+    fn piece(n: usize, r: usize, bucket: usize) -> usize {
+        n.saturating_sub(r * bucket).min(bucket)
+    }
+
+    /// Rounds of `bucket` bytes that carry `longest`.
+    fn rounds(longest: usize, bucket: usize) -> usize {
+        longest.div_ceil(bucket)
+    }
+
+    /// Each piece's displacement: the counts before it.
+    fn offsets(counts: &[Count]) -> Vec<Count> {
+        counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect()
+    }
 
     static UNIVERSE: Mutex<Option<mpi::environment::Universe>> = Mutex::new(None);
 
@@ -189,6 +216,11 @@ mod mpi_impl {
     }
 
     impl MpiWorld {
+        /// The bytes a process sends in one round: every displacement must fit in a `Count`.
+        fn bucket(&self) -> usize {
+            BUCKET.min(Count::MAX as usize / self.size)
+        }
+
         pub fn init() -> Result<MpiWorld> {
             let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
                 .ok_or_else(|| Error::Other("MPI was initialised already".into()))?;
@@ -223,29 +255,58 @@ mod mpi_impl {
             let world = mpi::topology::SimpleCommunicator::world();
             let mut lens = vec![0u64; self.size];
             world.all_gather_into(&(bytes.len() as u64), &mut lens[..]);
-            let mut out: Vec<Vec<u8>> = lens.iter().map(|&n| Vec::with_capacity(n as usize)).collect();
-            let rounds = lens.iter().map(|&n| (n as usize).div_ceil(BUCKET)).max().unwrap_or(0);
-            for r in 0..rounds {
-                let piece = |n: usize| n.saturating_sub(r * BUCKET).min(BUCKET);
-                let counts: Vec<Count> = lens.iter().map(|&n| piece(n as usize) as Count).collect();
-                let displs: Vec<Count> = counts
-                    .iter()
-                    .scan(0 as Count, |at, &c| {
-                        let d = *at;
-                        *at += c;
-                        Some(d)
-                    })
-                    .collect();
-                let total: usize = counts.iter().map(|&c| c as usize).sum();
-                let mut recv = vec![0u8; total];
-                let mine = &bytes[(r * BUCKET).min(bytes.len())..][..piece(bytes.len())];
+            let lens: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
+            let mut out: Vec<Vec<u8>> = lens.iter().map(|&n| Vec::with_capacity(n)).collect();
+            let bucket = self.bucket();
+            for r in 0..rounds(lens.iter().copied().max().unwrap_or(0), bucket) {
+                let counts: Vec<Count> = lens.iter().map(|&n| piece(n, r, bucket) as Count).collect();
+                let displs = offsets(&counts);
+                let mut recv = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
+                let mine = &bytes[(r * bucket).min(bytes.len())..][..piece(bytes.len(), r, bucket)];
                 {
                     let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
                     world.all_gather_varcount_into(mine, &mut partition);
                 }
                 for (p, o) in out.iter_mut().enumerate() {
-                    let (d, c) = (displs[p] as usize, counts[p] as usize);
-                    o.extend_from_slice(&recv[d..d + c]);
+                    o.extend_from_slice(&recv[displs[p] as usize..][..counts[p] as usize]);
+                }
+            }
+            Ok(out)
+        }
+
+        fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+            if parts.len() != self.size {
+                return Err(Error::Other(format!("all_to_all: {} parts for {} processes", parts.len(), self.size)));
+            }
+            let _serial = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+            let world = mpi::topology::SimpleCommunicator::world();
+            let send_lens: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
+            let mut recv_lens = vec![0u64; self.size];
+            world.all_to_all_into(&send_lens[..], &mut recv_lens[..]);
+            let (send_lens, recv_lens): (Vec<usize>, Vec<usize>) =
+                (send_lens.iter().map(|&n| n as usize).collect(), recv_lens.iter().map(|&n| n as usize).collect());
+            // Every process must run the same rounds: the longest part anywhere decides.
+            let longest = send_lens.iter().copied().max().unwrap_or(0) as u64;
+            let mut longest_anywhere = 0u64;
+            world.all_reduce_into(&longest, &mut longest_anywhere, SystemOperation::max());
+            let mut out: Vec<Vec<u8>> = recv_lens.iter().map(|&n| Vec::with_capacity(n)).collect();
+            let bucket = self.bucket();
+            for r in 0..rounds(longest_anywhere as usize, bucket) {
+                let send_counts: Vec<Count> = send_lens.iter().map(|&n| piece(n, r, bucket) as Count).collect();
+                let recv_counts: Vec<Count> = recv_lens.iter().map(|&n| piece(n, r, bucket) as Count).collect();
+                let (send_displs, recv_displs) = (offsets(&send_counts), offsets(&recv_counts));
+                let mut send = Vec::with_capacity(send_counts.iter().map(|&c| c as usize).sum());
+                for (p, part) in parts.iter().enumerate() {
+                    send.extend_from_slice(&part[(r * bucket).min(part.len())..][..send_counts[p] as usize]);
+                }
+                let mut recv = vec![0u8; recv_counts.iter().map(|&c| c as usize).sum()];
+                {
+                    let send = Partition::new(&send[..], &send_counts[..], &send_displs[..]);
+                    let mut recv = PartitionMut::new(&mut recv[..], &recv_counts[..], &recv_displs[..]);
+                    world.all_to_all_varcount_into(&send, &mut recv);
+                }
+                for (p, o) in out.iter_mut().enumerate() {
+                    o.extend_from_slice(&recv[recv_displs[p] as usize..][..recv_counts[p] as usize]);
                 }
             }
             Ok(out)
@@ -261,11 +322,22 @@ mod mpi_impl {
 #[cfg(test)]
 pub(crate) struct ThreadWorld {
     pub rank: usize,
-    pub slots: std::sync::Arc<(std::sync::Mutex<Vec<Vec<u8>>>, std::sync::Barrier)>,
+    /// Each process's deposit: one message (all_gather) or one per process (all_to_all).
+    pub slots: std::sync::Arc<(std::sync::Mutex<Vec<Vec<Vec<u8>>>>, std::sync::Barrier)>,
 }
 
 #[cfg(test)]
 impl ThreadWorld {
+    /// Every process's deposit, once all have deposited.
+    fn exchange(&self, mine: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
+        let (slots, barrier) = &*self.slots;
+        slots.lock().unwrap()[self.rank] = mine;
+        barrier.wait();
+        let all = slots.lock().unwrap().clone();
+        barrier.wait();
+        all
+    }
+
     /// The `size` processes of one world.
     pub fn world(size: usize) -> Vec<ThreadWorld> {
         let slots = std::sync::Arc::new((std::sync::Mutex::new(vec![vec![]; size]), std::sync::Barrier::new(size)));
@@ -282,12 +354,12 @@ impl World for ThreadWorld {
         self.slots.0.lock().unwrap().len()
     }
     fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let (slots, barrier) = &*self.slots;
-        slots.lock().unwrap()[self.rank] = bytes.to_vec();
-        barrier.wait();
-        let all = slots.lock().unwrap().clone();
-        barrier.wait();
-        Ok(all)
+        let all = self.exchange(vec![bytes.to_vec()]);
+        Ok(all.into_iter().map(|mut d| d.remove(0)).collect())
+    }
+    fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let all = self.exchange(parts);
+        Ok(all.into_iter().map(|mut d| d.swap_remove(self.rank)).collect())
     }
     fn abort(&self, _code: i32) {}
 }
