@@ -13,6 +13,8 @@
 
 use std::sync::Arc;
 
+use candle_core::Device;
+
 use crate::dispatch::mesh::MeshShape;
 use crate::dispatch::world::world;
 use crate::dispatch::{Dispatch, WorkerSpec};
@@ -31,6 +33,32 @@ pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// The variables in which launchers give a process its place among those of its node.
+const LOCAL_RANK_VARS: [&str; 4] = ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"];
+
+/// This process's place among the processes of its node, as the launcher's environment
+/// (`var`) gives it: `LOCAL_RANK`, then OpenMPI's, MPICH's and Slurm's variables.
+pub fn node_local_rank(var: impl Fn(&str) -> Option<String>) -> Option<usize> {
+    LOCAL_RANK_VARS.iter().find_map(|v| var(v)?.trim().parse().ok())
+}
+
+/// The device of this process's ranks and engines: `cuda` without an index in a run of several
+/// processes is the GPU of the process's local rank on its node, so `mpirun -np 8` on a node of
+/// 8 GPUs puts one process on each (`cuda:N` is taken as given).
+pub fn process_device(name: &str) -> Result<Device> {
+    if name == "cuda" && world()?.size() > 1 {
+        let local = node_local_rank(|v| std::env::var(v).ok()).ok_or_else(|| {
+            Error::input(format!(
+                "model.device = \"cuda\" under a launcher: none of {} says which GPU is this process's; \
+                 set LOCAL_RANK or name the device (cuda:N)",
+                LOCAL_RANK_VARS.join(", ")
+            ))
+        })?;
+        return weights::parse_device(&format!("cuda:{local}"));
+    }
+    weights::parse_device(name)
+}
+
 /// The policy of an SFT run: `train.data_parallel` ranks on `model.device` in each process of
 /// the run (so `mpirun -np N` trains with N × that many ranks, every process holding its
 /// share), each with `threads_per_rank` tensor-math threads (default: the cores shared evenly
@@ -41,7 +69,7 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
     let lora = lora_config(&cfg.model);
     let spec = WorkerSpec {
         dtype: weights::parse_dtype(&cfg.model.dtype)?,
-        device: weights::parse_device(&cfg.model.device)?,
+        device: process_device(&cfg.model.device)?,
         mesh: MeshShape::dp(dp * processes),
         threads: threads_per_rank.unwrap_or((cores() / dp).max(1)),
         worker: WorkerConfig {
@@ -84,7 +112,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
     let dp = l.data_parallel.max(1);
     let processes = world()?.size();
     let dtype = weights::parse_dtype(&cfg.model.dtype)?;
-    let device = weights::parse_device(&cfg.model.device)?;
+    let device = process_device(&cfg.model.device)?;
     let threads = match threads.unwrap_or(l.trainer_threads) {
         0 => (cores() / dp).max(1),
         n => n,
@@ -138,4 +166,21 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         engines.push(Engine::start(model, config)?);
     }
     Ok((dispatch, EngineClient::new(engines)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_node_local_rank_comes_from_the_first_launcher_variable_set() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |v: &str| pairs.iter().find(|(k, _)| *k == v).map(|(_, x)| x.to_string())
+        };
+        assert_eq!(node_local_rank(env(&[])), None);
+        assert_eq!(node_local_rank(env(&[("SLURM_LOCALID", "3")])), Some(3));
+        assert_eq!(node_local_rank(env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "1"), ("SLURM_LOCALID", "3")])), Some(1));
+        assert_eq!(node_local_rank(env(&[("LOCAL_RANK", "2"), ("MPI_LOCALRANKID", "5")])), Some(2));
+        assert_eq!(node_local_rank(env(&[("LOCAL_RANK", "x"), ("MPI_LOCALRANKID", "5")])), Some(5));
+    }
 }

@@ -1,6 +1,10 @@
-//! `oxrl bench train|decode|save-model`: the workloads on the benchmark model (or any HF
-//! model directory), one JSON line per measurement on stdout:
+//! `oxrl bench train|decode|all-reduce|save-model`: the workloads on the benchmark model
+//! (or any HF model directory), one JSON line per measurement on stdout:
 //! `{"bench": "train", ..., "median_ms": …, "tokens_per_s": …}`.
+//!
+//! `all-reduce` sums a gradient of every parameter over the data-parallel ranks through the
+//! collective the trainers use: `--ranks` threads of this process, and under `mpirun -np W`
+//! the same in each of W processes (process 0 prints).
 //!
 //! `save-model` writes the benchmark model as an HF directory with the workloads' tokens, so that
 //! other frameworks (benches/peers/) measure the same weights on the same tokens. Threads: the
@@ -28,6 +32,8 @@ enum What {
     Train(TrainArgs),
     /// Greedy decoding through the sampling engine at each concurrency of --batch.
     Decode(DecodeArgs),
+    /// The gradient sum over data-parallel ranks (threads here, processes under mpirun).
+    AllReduce(AllReduceArgs),
     /// Write the benchmark model (HF layout) and its workloads' tokens (bench_workloads.json).
     SaveModel {
         #[arg(long)]
@@ -87,6 +93,15 @@ struct DecodeArgs {
     temperature: f64,
 }
 
+#[derive(clap::Args)]
+struct AllReduceArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Data-parallel ranks in this process (threads).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+}
+
 impl Common {
     fn dtype(&self) -> anyhow::Result<DType> {
         match weights::parse_dtype(&self.dtype) {
@@ -127,6 +142,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     match a.what {
         What::Train(t) => train(t),
         What::Decode(d) => decode(d),
+        What::AllReduce(a) => all_reduce(a),
         What::SaveModel { out } => {
             bench_model::write(&out).with_context(|| format!("writing the benchmark model to {}", out.display()))?;
             eprintln!("wrote the benchmark model and {} to {}", bench_model::WORKLOADS_FILE, out.display());
@@ -178,6 +194,41 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         r["median_ms"] = json!(med);
         r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
         r["tokens_per_s"] = json!(generated as f64 / (med / 1e3));
+        println!("{r}");
+    }
+    Ok(())
+}
+
+fn all_reduce(a: AllReduceArgs) -> anyhow::Result<()> {
+    use crate::dispatch::collective::{Collective, InProcess};
+    let c = &a.common;
+    anyhow::ensure!(a.ranks > 0, "--ranks must be at least 1");
+    let (model, name) = c.load()?;
+    let grads: Vec<candle_core::Tensor> = model.named_params().into_iter().map(|(_, t)| t).collect();
+    let elements: usize = grads.iter().map(|t| t.elem_count()).sum();
+    let bytes: usize = grads.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+    let world = crate::dispatch::world::world()?;
+    let collective = InProcess::across(a.ranks, world);
+    let ms = measure_ms(c.warmup, c.reps, || {
+        world.all_gather(&[])?; // the processes start each repetition together
+        std::thread::scope(|s| {
+            let (collective, grads) = (&collective, &grads);
+            let ranks: Vec<_> =
+                (0..a.ranks).map(|r| s.spawn(move || collective.all_reduce_sum(r, grads.clone()).map(drop))).collect();
+            ranks.into_iter().try_for_each(|h| h.join().expect("a rank panicked"))
+        })?;
+        Ok(())
+    })?;
+    if crate::dispatch::world::is_writer() {
+        let med = median(ms.clone());
+        let mut r = c.record("all_reduce", &name);
+        r["processes"] = json!(world.size());
+        r["ranks"] = json!(collective.world_size());
+        r["elements"] = json!(elements);
+        r["bytes_per_rank"] = json!(bytes);
+        r["median_ms"] = json!(med);
+        r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
+        r["gb_per_s"] = json!(bytes as f64 / (med / 1e3) / 1e9);
         println!("{r}");
     }
     Ok(())

@@ -41,15 +41,17 @@ fn chunk(n: usize, q: usize, w: usize) -> std::ops::Range<usize> {
     q * n / w..(q + 1) * n / w
 }
 
-fn put<const B: usize, T: Copy>(out: &mut Vec<u8>, xs: &[T], bytes: impl Fn(T) -> [u8; B]) {
-    out.reserve(xs.len() * B);
-    xs.iter().for_each(|&x| out.extend(bytes(x)));
+/// Appends `xs` as bytes (native order: the processes of a run share one; every target oxrl
+/// builds for is little-endian).
+fn put<T: bytemuck::Pod>(out: &mut Vec<u8>, xs: &[T]) {
+    out.extend_from_slice(bytemuck::cast_slice(xs));
 }
 
-/// Reads `n` values of `B` bytes from `bytes[*at..]`.
-fn take<const B: usize, T>(bytes: &[u8], at: &mut usize, n: usize, value: impl Fn([u8; B]) -> T) -> Vec<T> {
-    let out = bytes[*at..*at + n * B].chunks_exact(B).map(|c| value(c.try_into().expect("B bytes"))).collect();
-    *at += n * B;
+/// Reads `n` values from `bytes[*at..]`.
+fn take<T: bytemuck::Pod>(bytes: &[u8], at: &mut usize, n: usize) -> Vec<T> {
+    let len = n * std::mem::size_of::<T>();
+    let out = bytemuck::pod_collect_to_vec(&bytes[*at..*at + len]);
+    *at += len;
     out
 }
 
@@ -78,8 +80,8 @@ pub fn sum_across(world: &dyn World, local: &[Vec<Tensor>]) -> Result<Vec<Tensor
         .map(|q| {
             let mut b = vec![];
             for f in &flats {
-                put(&mut b, &f.f32s[chunk(n32, q, w)], f32::to_le_bytes);
-                put(&mut b, &f.f64s[chunk(n64, q, w)], f64::to_le_bytes);
+                put(&mut b, &f.f32s[chunk(n32, q, w)]);
+                put(&mut b, &f.f64s[chunk(n64, q, w)]);
             }
             b
         })
@@ -99,16 +101,16 @@ pub fn sum_across(world: &dyn World, local: &[Vec<Tensor>]) -> Result<Vec<Tensor
         }
         let mut at = 0;
         for _ in 0..local.len() {
-            add_into(&mut acc32, take(bytes, &mut at, c32, f32::from_le_bytes));
-            add_into(&mut acc64, take(bytes, &mut at, c64, f64::from_le_bytes));
+            add_into(&mut acc32, take::<f32>(bytes, &mut at, c32));
+            add_into(&mut acc64, take::<f64>(bytes, &mut at, c64));
         }
     }
     drop(received);
 
     // All-gather the summed chunks; every process cuts the tensors out of the whole.
     let mut mine = vec![];
-    put(&mut mine, &acc32.unwrap_or_default(), f32::to_le_bytes);
-    put(&mut mine, &acc64.unwrap_or_default(), f64::to_le_bytes);
+    put(&mut mine, &acc32.unwrap_or_default());
+    put(&mut mine, &acc64.unwrap_or_default());
     let (mut all32, mut all64) = (Vec::with_capacity(n32), Vec::with_capacity(n64));
     for (p, bytes) in world.all_gather(&mine)?.iter().enumerate() {
         let (c32, c64) = (chunk(n32, p, w).len(), chunk(n64, p, w).len());
@@ -116,8 +118,8 @@ pub fn sum_across(world: &dyn World, local: &[Vec<Tensor>]) -> Result<Vec<Tensor
             return Err(Error::Other(format!("all_reduce: process {p}'s summed chunk has {} bytes", bytes.len())));
         }
         let mut at = 0;
-        all32.extend(take(bytes, &mut at, c32, f32::from_le_bytes));
-        all64.extend(take(bytes, &mut at, c64, f64::from_le_bytes));
+        all32.extend(take::<f32>(bytes, &mut at, c32));
+        all64.extend(take::<f64>(bytes, &mut at, c64));
     }
     unflatten(template, all32, all64)
 }
