@@ -3,37 +3,116 @@
 //! threads of one process — whatever the MPI library's own reduction order.
 //!
 //! ```text
-//! each process: flatten its L ranks' tensors (f32; f64 stays f64), cut the N elements into W chunks
-//! all_to_all:   process q receives chunk q of every rank of every process       (W·L slices)
-//!               and adds them in global rank order: ((r0 + r1) + r2) + …          (IEEE adds)
-//! all_gather:   every process receives every summed chunk and cuts the tensors back out
+//! the tensors, as one flat vector of N elements (f32; f64 tensors in a vector of their own)
+//! for each bucket of at most BUCKET elements, cut into W chunks:
+//!     all_to_all:  process q receives chunk q of every rank of every process      (W·L slices)
+//!                  and adds them in global rank order: ((r0 + r1) + r2) + …         (IEEE adds)
+//!     all_gather:  every process receives every summed chunk of the bucket
 //! ```
 //! Each process sends and receives about 2·N·L elements whatever W is (a gather of every rank's
-//! gradients would receive W·L·N), and holds one chunk of the sum while it is built. Half
-//! precision travels and is summed as f32 and is rounded once, at the end, as in one process.
+//! gradients would receive W·L·N), and beyond the sum it builds holds one bucket's messages at a
+//! time. Half precision travels and is summed as f32 and is rounded once, at the end, as in one
+//! process.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, WithDType};
 
 use super::world::World;
 use crate::{Error, Result};
 
-/// One rank's tensors flattened: the f64 tensors' elements, and every other tensor's as f32.
-#[derive(Default)]
-struct Flat {
-    f32s: Vec<f32>,
-    f64s: Vec<f64>,
+/// Elements summed per round of messages (64 MiB of f32).
+const BUCKET: usize = 1 << 24;
+
+/// The sum over every rank of every process of `world`, given this process's ranks' tensors
+/// (`local[i]` = local rank i's, all ranks the same shapes in the same order). Every process
+/// gets the whole sum, each tensor in its own dtype and on its own device.
+pub fn sum_across(world: &dyn World, local: &[Vec<Tensor>]) -> Result<Vec<Tensor>> {
+    sum_in_buckets(world, local, BUCKET)
 }
 
-fn flatten(tensors: &[Tensor]) -> Result<Flat> {
-    let mut flat = Flat::default();
-    for t in tensors {
-        let t = t.flatten_all()?;
-        match t.dtype() {
-            DType::F64 => flat.f64s.extend(t.to_vec1::<f64>()?),
-            _ => flat.f32s.extend(t.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+fn sum_in_buckets(world: &dyn World, local: &[Vec<Tensor>], bucket: usize) -> Result<Vec<Tensor>> {
+    let template = local.first().ok_or_else(|| Error::Other("all_reduce: no local ranks".into()))?;
+    for (r, tensors) in local.iter().enumerate() {
+        if tensors.len() != template.len() || tensors.iter().zip(template).any(|(a, b)| a.dims() != b.dims()) {
+            return Err(Error::Other(format!("all_reduce: local rank {r} passed other shapes than local rank 0")));
         }
     }
-    Ok(flat)
+    let mut out: Vec<Option<Tensor>> = vec![None; template.len()];
+    let f64s: Vec<usize> = (0..template.len()).filter(|&i| template[i].dtype() == DType::F64).collect();
+    let others: Vec<usize> = (0..template.len()).filter(|&i| template[i].dtype() != DType::F64).collect();
+    sum_class::<f32>(world, local, &others, bucket, &mut out)?;
+    sum_class::<f64>(world, local, &f64s, bucket, &mut out)?;
+    Ok(out.into_iter().map(|t| t.expect("every tensor is in one class")).collect())
+}
+
+/// Sums the tensors `which` of every rank as elements of type `T`, into `out[i]`.
+fn sum_class<T: WithDType + bytemuck::Pod>(
+    world: &dyn World,
+    local: &[Vec<Tensor>],
+    which: &[usize],
+    bucket_len: usize,
+    out: &mut [Option<Tensor>],
+) -> Result<()> {
+    let (w, me) = (world.size(), world.rank());
+    // Each rank's tensors of the class, flat, as T (a view when they already are).
+    let flats: Vec<Vec<Tensor>> = local
+        .iter()
+        .map(|ts| which.iter().map(|&i| ts[i].flatten_all()?.to_dtype(T::DTYPE)).collect())
+        .collect::<candle_core::Result<_>>()?;
+    let lens: Vec<usize> = flats[0].iter().map(|t| t.elem_count()).collect();
+    let n: usize = lens.iter().sum();
+    let mut sums: Vec<Vec<T>> = lens.iter().map(|&l| Vec::with_capacity(l)).collect();
+    for lo in (0..n).step_by(bucket_len) {
+        let m = bucket_len.min(n - lo);
+        // Reduce-scatter: chunk q of the bucket, of every local rank, goes to process q.
+        let parts: Vec<Vec<u8>> = (0..w)
+            .map(|q| {
+                let c = chunk(m, q, w);
+                let mut bytes = Vec::with_capacity(local.len() * c.len() * T::DTYPE.size_in_bytes());
+                for rank in &flats {
+                    bytes.extend_from_slice(bytemuck::cast_slice(&read::<T>(rank, &lens, lo + c.start, lo + c.end)?));
+                }
+                Ok(bytes)
+            })
+            .collect::<Result<_>>()?;
+        let received = world.all_to_all(parts)?;
+        let mine = chunk(m, me, w).len();
+        let mut acc: Option<Vec<T>> = None;
+        for (p, bytes) in received.iter().enumerate() {
+            let per_rank = mine * T::DTYPE.size_in_bytes();
+            if bytes.len() != local.len() * per_rank {
+                return Err(Error::Other(format!(
+                    "all_reduce: process {p} sent {} bytes where {} ranks of these tensors make {}",
+                    bytes.len(),
+                    local.len(),
+                    local.len() * per_rank
+                )));
+            }
+            for slice in bytes.chunks_exact(per_rank.max(1)).take(local.len()) {
+                let x: Vec<T> = bytemuck::pod_collect_to_vec(slice);
+                match &mut acc {
+                    None => acc = Some(x),
+                    Some(a) => a.iter_mut().zip(x).for_each(|(a, b)| *a = *a + b),
+                }
+            }
+        }
+        // All-gather the bucket's summed chunks, in process order: the bucket's sum.
+        let summed: Vec<u8> = bytemuck::cast_slice(&acc.unwrap_or_default()).to_vec();
+        let mut bucket: Vec<T> = Vec::with_capacity(m);
+        for (p, bytes) in world.all_gather(&summed)?.iter().enumerate() {
+            if bytes.len() != chunk(m, p, w).len() * T::DTYPE.size_in_bytes() {
+                return Err(Error::Other(format!("all_reduce: process {p}'s summed chunk has {} bytes", bytes.len())));
+            }
+            bucket.extend(bytemuck::pod_collect_to_vec::<u8, T>(bytes));
+        }
+        scatter_into(&mut sums, &lens, lo, bucket);
+    }
+    for ((&i, sum), len) in which.iter().zip(sums).zip(lens) {
+        let t = &local[0][i];
+        debug_assert_eq!(sum.len(), len);
+        let s = Tensor::from_vec(sum, t.dims(), &Device::Cpu)?.to_dtype(t.dtype())?;
+        out[i] = Some(s.to_device(t.device())?);
+    }
+    Ok(())
 }
 
 /// The elements `[q·n/w, (q+1)·n/w)`: chunk `q` of `w`.
@@ -41,103 +120,97 @@ fn chunk(n: usize, q: usize, w: usize) -> std::ops::Range<usize> {
     q * n / w..(q + 1) * n / w
 }
 
-/// Appends `xs` as bytes (native order: the processes of a run share one; every target oxrl
-/// builds for is little-endian).
-fn put<T: bytemuck::Pod>(out: &mut Vec<u8>, xs: &[T]) {
-    out.extend_from_slice(bytemuck::cast_slice(xs));
-}
-
-/// Reads `n` values from `bytes[*at..]`.
-fn take<T: bytemuck::Pod>(bytes: &[u8], at: &mut usize, n: usize) -> Vec<T> {
-    let len = n * std::mem::size_of::<T>();
-    let out = bytemuck::pod_collect_to_vec(&bytes[*at..*at + len]);
-    *at += len;
-    out
-}
-
-/// Adds `x` into `acc` element by element (the first slice starts it).
-fn add_into<T: Copy + std::ops::Add<Output = T>>(acc: &mut Option<Vec<T>>, x: Vec<T>) {
-    match acc {
-        None => *acc = Some(x),
-        Some(a) => a.iter_mut().zip(x).for_each(|(a, b)| *a = *a + b),
-    }
-}
-
-/// The sum over every rank of every process of `world`, given this process's ranks' tensors
-/// (`local[i]` = local rank i's, all ranks the same shapes in the same order). Every process
-/// gets the whole sum, each tensor in its own dtype.
-pub fn sum_across(world: &dyn World, local: &[Vec<Tensor>]) -> Result<Vec<Tensor>> {
-    let template = local.first().ok_or_else(|| Error::Other("all_reduce: no local ranks".into()))?;
-    let flats: Vec<Flat> = local.iter().map(|t| flatten(t)).collect::<Result<_>>()?;
-    let (n32, n64) = (flats[0].f32s.len(), flats[0].f64s.len());
-    if flats.iter().any(|f| (f.f32s.len(), f.f64s.len()) != (n32, n64)) {
-        return Err(Error::Other("all_reduce: local ranks passed tensors of different sizes".into()));
-    }
-    let (w, me) = (world.size(), world.rank());
-
-    // Reduce-scatter: chunk q of every local rank goes to process q.
-    let parts: Vec<Vec<u8>> = (0..w)
-        .map(|q| {
-            let mut b = vec![];
-            for f in &flats {
-                put(&mut b, &f.f32s[chunk(n32, q, w)]);
-                put(&mut b, &f.f64s[chunk(n64, q, w)]);
-            }
-            b
-        })
-        .collect();
-    drop(flats);
-    let received = world.all_to_all(parts)?;
-    let (c32, c64) = (chunk(n32, me, w).len(), chunk(n64, me, w).len());
-    let (mut acc32, mut acc64) = (None, None);
-    for (p, bytes) in received.iter().enumerate() {
-        if bytes.len() != local.len() * (4 * c32 + 8 * c64) {
-            return Err(Error::Other(format!(
-                "all_reduce: process {p} sent {} bytes where {} ranks of these tensors make {}",
-                bytes.len(),
-                local.len(),
-                local.len() * (4 * c32 + 8 * c64)
-            )));
+/// Elements `[lo, hi)` of the concatenation of `flats` (flat tensors of lengths `lens`).
+fn read<T: WithDType>(flats: &[Tensor], lens: &[usize], lo: usize, hi: usize) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(hi - lo);
+    let mut start = 0;
+    for (t, &len) in flats.iter().zip(lens) {
+        let (a, b) = (lo.max(start), hi.min(start + len));
+        if a < b {
+            out.extend(t.narrow(0, a - start, b - a)?.to_vec1::<T>()?);
         }
-        let mut at = 0;
-        for _ in 0..local.len() {
-            add_into(&mut acc32, take::<f32>(bytes, &mut at, c32));
-            add_into(&mut acc64, take::<f64>(bytes, &mut at, c64));
-        }
-    }
-    drop(received);
-
-    // All-gather the summed chunks; every process cuts the tensors out of the whole.
-    let mut mine = vec![];
-    put(&mut mine, &acc32.unwrap_or_default());
-    put(&mut mine, &acc64.unwrap_or_default());
-    let (mut all32, mut all64) = (Vec::with_capacity(n32), Vec::with_capacity(n64));
-    for (p, bytes) in world.all_gather(&mine)?.iter().enumerate() {
-        let (c32, c64) = (chunk(n32, p, w).len(), chunk(n64, p, w).len());
-        if bytes.len() != 4 * c32 + 8 * c64 {
-            return Err(Error::Other(format!("all_reduce: process {p}'s summed chunk has {} bytes", bytes.len())));
-        }
-        let mut at = 0;
-        all32.extend(take::<f32>(bytes, &mut at, c32));
-        all64.extend(take::<f64>(bytes, &mut at, c64));
-    }
-    unflatten(template, all32, all64)
-}
-
-/// Tensors of `template`'s shapes, dtypes and device from the flat sums.
-fn unflatten(template: &[Tensor], f32s: Vec<f32>, f64s: Vec<f64>) -> Result<Vec<Tensor>> {
-    let (mut at32, mut at64) = (0, 0);
-    let mut out = Vec::with_capacity(template.len());
-    for t in template {
-        let (n, device) = (t.elem_count(), t.device());
-        let sum = if t.dtype() == DType::F64 {
-            at64 += n;
-            Tensor::from_slice(&f64s[at64 - n..at64], t.dims(), &Device::Cpu)?
-        } else {
-            at32 += n;
-            Tensor::from_slice(&f32s[at32 - n..at32], t.dims(), &Device::Cpu)?.to_dtype(t.dtype())?
-        };
-        out.push(sum.to_device(device)?);
+        start += len;
     }
     Ok(out)
+}
+
+/// Appends `bucket` (elements from `lo` on of the concatenation) to the per-tensor sums.
+fn scatter_into<T>(sums: &mut [Vec<T>], lens: &[usize], lo: usize, bucket: Vec<T>) {
+    let (mut start, mut values) = (0, bucket.into_iter());
+    let hi = lo + values.len();
+    for (sum, &len) in sums.iter_mut().zip(lens) {
+        let (a, b) = (lo.max(start), hi.min(start + len));
+        if a < b {
+            sum.extend(values.by_ref().take(b - a));
+        }
+        start += len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dispatch::world::ThreadWorld;
+
+    /// Rank r's tensors: f32 of several sizes (one of them empty), a bf16 and an f64.
+    fn grads(r: usize) -> Vec<Tensor> {
+        let v = |n: usize, k: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * 7 + r * 13 + k) as f32).sin() * 10f32.powi((i % 9) as i32 - 4)).collect()
+        };
+        let d = &Device::Cpu;
+        vec![
+            Tensor::from_vec(v(23, 0), (23,), d).unwrap(),
+            Tensor::from_vec(v(0, 1), (0,), d).unwrap(),
+            Tensor::from_vec(v(12, 2), (3, 4), d).unwrap().to_dtype(DType::BF16).unwrap(),
+            Tensor::from_vec(v(17, 3), (17,), d).unwrap().to_dtype(DType::F64).unwrap(),
+            Tensor::from_vec(v(5, 4), (5,), d).unwrap(),
+        ]
+    }
+
+    /// The sum the way one process adds its threads' tensors: widened, rank after rank.
+    fn expected(ranks: usize) -> Vec<Tensor> {
+        let wide = |t: Tensor| if t.dtype() == DType::BF16 { t.to_dtype(DType::F32).unwrap() } else { t };
+        let mut acc: Vec<Tensor> = grads(0).into_iter().map(wide).collect();
+        for r in 1..ranks {
+            acc = acc.iter().zip(grads(r)).map(|(a, b)| (a + wide(b)).unwrap()).collect();
+        }
+        acc.into_iter().zip(grads(0)).map(|(s, t)| s.to_dtype(t.dtype()).unwrap()).collect()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        let v = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// 3 processes × 2 ranks, with buckets that cut tensors (and chunks smaller than the world):
+    /// the bits of the six ranks added in order, dtypes and shapes kept.
+    #[test]
+    fn buckets_of_any_size_give_the_sum_in_rank_order() {
+        let (processes, local) = (3, 2);
+        let want = expected(processes * local);
+        for bucket in [1, 2, 7, 10, 1 << 24] {
+            let worlds = ThreadWorld::world(processes);
+            let got: Vec<Vec<Tensor>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (worlds.iter().enumerate())
+                    .map(|(p, w)| {
+                        s.spawn(move || {
+                            let mine: Vec<Vec<Tensor>> = (0..local).map(|i| grads(p * local + i)).collect();
+                            sum_in_buckets(w, &mine, bucket).unwrap()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (p, sum) in got.iter().enumerate() {
+                for (i, (a, b)) in sum.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        (a.dtype(), a.dims()),
+                        (b.dtype(), b.dims()),
+                        "bucket {bucket}, process {p}, tensor {i}"
+                    );
+                    assert_eq!(bits(a), bits(b), "bucket {bucket}, process {p}, tensor {i}");
+                }
+            }
+        }
+    }
 }
