@@ -21,7 +21,7 @@ use crate::dispatch::{Dispatch, WorkerSpec};
 use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{weights, Transformer};
-use crate::rollout::{Engine, EngineClient, EngineConfig};
+use crate::rollout::{Engine, EngineClient, EngineConfig, RemoteEngine, SamplingEngine};
 use crate::trainer::config::ModelSection;
 use crate::trainer::model_ids::{CRITIC, POLICY, REFERENCE};
 use crate::trainer::{RlConfig, SftConfig};
@@ -31,6 +31,35 @@ use crate::{Error, Result};
 /// Cores available to this process.
 pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The client over `launch.remote_engines`, each checked to serve the run's model in its dtype,
+/// and given the policy's initial weights (so that a run never depends on how an engine was
+/// started, only on what it serves).
+fn remote_engines(cfg: &RlConfig) -> Result<EngineClient> {
+    let key = std::env::var("OXRL_ENGINE_API_KEY").ok();
+    let expected_name = cfg.model.path.file_name().map(|n| n.to_string_lossy().into_owned());
+    let mut engines: Vec<Box<dyn SamplingEngine>> = vec![];
+    for url in &cfg.launch.remote_engines {
+        let (engine, info) = RemoteEngine::connect(url, key.clone())?;
+        if expected_name.as_deref() != Some(info.model.as_str()) || info.dtype != cfg.model.dtype {
+            return Err(Error::input(format!(
+                "launch.remote_engines: {url} serves `{}` in {}, this run trains `{}` in {}",
+                info.model,
+                info.dtype,
+                expected_name.unwrap_or_default(),
+                cfg.model.dtype
+            )));
+        }
+        if cfg.model.lora.rank > 0 && info.lora_rank != cfg.model.lora.rank {
+            return Err(Error::input(format!(
+                "launch.remote_engines: {url} takes LoRA adapters of rank {} (--lora-rank), this run trains rank {}",
+                info.lora_rank, cfg.model.lora.rank
+            )));
+        }
+        engines.push(Box::new(engine));
+    }
+    EngineClient::over(engines)
 }
 
 /// The variables in which launchers give a process its place among those of its node.
@@ -149,6 +178,11 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         .map_err(|e| Error::input(format!("model.path: an RL run needs the model's tokenizer: {e}")))?;
     let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
     let tokenizer = Arc::new(tokenizer);
+    if !l.remote_engines.is_empty() {
+        let engines = remote_engines(cfg)?;
+        engines.update_weights(&dispatch.sampler_weights(POLICY)?).wait()?;
+        return Ok((dispatch, engines));
+    }
     let max_batch = (cfg.train.prompts_per_step * cfg.rollout.n_samples).max(64);
     let mut engines = Vec::with_capacity(l.engines.max(1));
     for _ in 0..l.engines.max(1) {

@@ -11,6 +11,8 @@
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
 //! - [`launch`]: run configs → ready workers and engines (devices, meshes, thread budgets).
 //! - [`server`]: the Tinker-compatible HTTP server (`oxrl serve`).
+//! - [`engine_server`]: one sampling engine as a server (`oxrl engine`): oxrl's API for
+//!   trainers in other processes, and OpenAI's.
 //! - [`cli`]: the `oxrl` command line.
 //! - [`bench`]: the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
 //!
@@ -25,6 +27,7 @@ pub mod algo;
 pub mod bench;
 pub mod cli;
 pub mod dispatch;
+pub mod engine_server;
 pub mod env;
 pub mod error;
 pub mod files;

@@ -3,6 +3,7 @@
 mod bench;
 mod config;
 mod demo;
+mod engine;
 mod generate;
 mod init_model;
 mod plot;
@@ -44,6 +45,8 @@ enum Command {
     Plot(plot::Args),
     /// The Tinker-compatible training server: the `tinker` SDK trains LoRA adapters over HTTP.
     Serve(serve::Args),
+    /// One sampling engine as a server: oxrl's API for remote trainers, and OpenAI's.
+    Engine(engine::Args),
     /// Benchmarks: a training step or decoding on the benchmark model (or --model), JSON lines.
     Bench(bench::Args),
 }
@@ -78,6 +81,7 @@ pub fn main() -> i32 {
         Command::Demo(a) => demo::run(a, cli.threads),
         Command::Plot(a) => plot::run(a),
         Command::Serve(a) => serve::run_cmd(a, cli.threads),
+        Command::Engine(a) => engine::run_cmd(a, cli.threads),
         Command::Bench(a) => on_pool(pool_threads, || bench::run(a)),
     };
     match result {

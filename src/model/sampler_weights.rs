@@ -7,13 +7,21 @@
 //! engine at the next `optim_step`. The snapshot itself is immutable and reference-counted, so
 //! any number of engines take it without copying it again. `version` is the number of optimizer
 //! steps behind these weights; engines stamp it on every token they sample with them.
+//!
+//! Across processes (an engine of its own, `oxrl engine`) a snapshot travels as one safetensors
+//! file: the tensors as they are (no float ever printed), and in its metadata the version, the
+//! kind and, for adapters, their config.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
+use candle_core::{Device, Tensor};
+
 use super::lora::LoraConfig;
+use super::named_tensors::NamedTensors;
 use super::transformer::Transformer;
 use super::weight_update::WeightUpdate;
-use crate::Result;
+use crate::{Error, Result};
 
 #[derive(Clone, Debug)]
 pub struct SamplerWeights {
@@ -39,6 +47,61 @@ impl SamplerWeights {
 
     pub fn update(&self) -> &WeightUpdate {
         &self.update
+    }
+
+    /// Weights made elsewhere (e.g. received from a trainer in another process).
+    pub fn new(version: u64, update: WeightUpdate) -> Self {
+        SamplerWeights { version, update: Arc::new(update) }
+    }
+
+    /// The snapshot as the bytes of one safetensors file (see the module docs).
+    pub fn to_safetensors(&self) -> Result<Vec<u8>> {
+        let mut meta = HashMap::from([("oxrl_version".to_string(), self.version.to_string())]);
+        let tensors = match &*self.update {
+            WeightUpdate::Full(t) => {
+                meta.insert("oxrl_kind".into(), "full".into());
+                t
+            }
+            WeightUpdate::Lora { config, tensors } => {
+                meta.insert("oxrl_kind".into(), "lora".into());
+                meta.insert("lora_rank".into(), config.rank.to_string());
+                meta.insert("lora_alpha".into(), config.alpha.to_string());
+                meta.insert("lora_targets".into(), config.target_modules.join(","));
+                meta.insert("lora_rslora".into(), config.use_rslora.to_string());
+                tensors
+            }
+        };
+        let views: Vec<(&str, &Tensor)> = tensors.iter().collect();
+        safetensors::serialize(views, Some(meta)).map_err(|e| Error::Other(format!("weights to safetensors: {e}")))
+    }
+
+    /// The snapshot [`SamplerWeights::to_safetensors`] wrote, its tensors on `device`.
+    pub fn from_safetensors(bytes: &[u8], device: &Device) -> Result<Self> {
+        let bad = |why: String| Error::input(format!("weights (safetensors): {why}"));
+        let (_, header) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let get = |k: &str| meta.get(k).ok_or_else(|| bad(format!("no `{k}` in the metadata")));
+        let parse = |k: &str| -> Result<f64> { get(k)?.parse().map_err(|_| bad(format!("`{k}` is not a number"))) };
+        let version = get("oxrl_version")?.parse().map_err(|_| bad("`oxrl_version` is not a number".into()))?;
+        let loaded = candle_core::safetensors::load_buffer(bytes, device).map_err(|e| bad(e.to_string()))?;
+        let mut named: Vec<(String, Tensor)> = loaded.into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let tensors = NamedTensors::from_vec("weights received", named)?;
+        let update = match get("oxrl_kind")?.as_str() {
+            "full" => WeightUpdate::Full(tensors),
+            "lora" => {
+                let targets: Vec<String> = get("lora_targets")?.split(',').map(String::from).collect();
+                let config = LoraConfig {
+                    rank: parse("lora_rank")? as usize,
+                    alpha: parse("lora_alpha")?,
+                    target_modules: targets,
+                    use_rslora: get("lora_rslora")? == "true",
+                };
+                WeightUpdate::Lora { config, tensors }
+            }
+            other => return Err(bad(format!("unknown kind `{other}` (full or lora)"))),
+        };
+        Ok(SamplerWeights::new(version, update))
     }
 
     pub fn is_lora(&self) -> bool {

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, Weak};
 use super::engine::{Engine, EngineHealth, Ticket};
 use super::engine_core::PauseMode;
 use super::request::{Generation, Request, RequestOutput, StopReason, TopLogprobs};
-use crate::actor::fan_out;
+use super::sampling_engine::{join_all, SamplingEngine};
 use crate::handle::{self, Handle, Reply};
 use crate::model::SamplerWeights;
 use crate::{Error, Result};
@@ -34,7 +34,7 @@ pub struct EngineClient {
 }
 
 struct Shared {
-    engines: Vec<Engine>,
+    engines: Vec<Box<dyn SamplingEngine>>,
     in_flight: Vec<AtomicUsize>,
     groups: Mutex<HashMap<u64, usize>>,
     pause: Mutex<PauseState>,
@@ -71,7 +71,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl EngineClient {
+    /// A client over engines of this process.
     pub fn new(engines: Vec<Engine>) -> Result<Self> {
+        Self::over(engines.into_iter().map(|e| Box::new(e) as Box<dyn SamplingEngine>).collect())
+    }
+
+    /// A client over any engines: of this process, or remote ones.
+    pub fn over(engines: Vec<Box<dyn SamplingEngine>>) -> Result<Self> {
         if engines.is_empty() {
             return Err(Error::input("an engine client needs at least one engine"));
         }
@@ -80,7 +86,7 @@ impl EngineClient {
         Ok(EngineClient { shared: Arc::new(shared) })
     }
 
-    pub fn engines(&self) -> &[Engine] {
+    pub fn engines(&self) -> &[Box<dyn SamplingEngine>] {
         &self.shared.engines
     }
 
@@ -132,45 +138,39 @@ impl EngineClient {
     pub fn pause(&self, mode: PauseMode) -> Handle<()> {
         // Set first, so that a continuation triggered by this pause already sees it.
         lock(&self.shared.pause).paused = true;
-        let engines = self.shared.engines.iter().map(Engine::actor);
-        fan_out(
-            engines,
-            move |_, s| {
-                s.pause(mode);
-                Ok(())
-            },
-            |_| Ok(()),
-        )
+        self.on_all(|e| e.pause(mode), || {})
     }
 
     /// Resumes every engine, then continues the parked samples.
     pub fn resume(&self) -> Handle<()> {
         let shared = Arc::downgrade(&self.shared);
-        let engines = self.shared.engines.iter().map(Engine::actor);
-        fan_out(
-            engines,
-            |_, s| {
-                s.resume();
-                Ok(())
-            },
-            move |_| {
+        self.on_all(
+            |e| e.resume(),
+            move || {
                 if let Some(shared) = shared.upgrade() {
                     Shared::unpause(&shared);
                 }
-                Ok(())
             },
         )
     }
 
-    /// Sends the weights to every engine (they share the snapshot; none copies it).
+    /// Sends the weights to every engine (those of this process share the snapshot; none
+    /// copies it).
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
-        let weights = weights.clone();
-        let engines = self.shared.engines.iter().map(Engine::actor);
-        fan_out(
-            engines,
-            move |i, s| s.update_weights(&weights).map_err(|e| Error::Other(format!("engine {i}: {e}"))),
-            |_| Ok(()),
-        )
+        self.on_all(|e| e.update_weights(weights), || {})
+    }
+
+    /// `call` on every engine at once; completes when all have (then runs `then`), with the
+    /// first error in engine order, naming the engine.
+    fn on_all(
+        &self,
+        call: impl Fn(&dyn SamplingEngine) -> Handle<()>,
+        then: impl FnOnce() + Send + 'static,
+    ) -> Handle<()> {
+        let handles = self.shared.engines.iter().map(|e| call(e.as_ref())).collect();
+        let names: Vec<String> =
+            self.shared.engines.iter().enumerate().map(|(i, e)| format!("engine {i} ({})", e.describe())).collect();
+        join_all(handles, move |i| names[i].clone(), then)
     }
 
     pub fn health(&self) -> Vec<EngineHealth> {

@@ -29,7 +29,7 @@ pub type Sink = Box<dyn FnOnce(Result<RequestOutput>) + Send>;
 pub type Ticket = u64;
 
 /// What an engine reports about itself.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EngineHealth {
     /// False when the engine thread is gone; the other fields are then empty.
     pub alive: bool,
@@ -147,10 +147,6 @@ impl Engine {
             })
         })?;
         Ok(Engine { actor: Arc::new(actor), next_ticket: AtomicU64::new(0) })
-    }
-
-    pub(crate) fn actor(&self) -> &Actor<EngineState> {
-        &self.actor
     }
 
     /// A fresh ticket for [`Engine::submit_with`].

@@ -98,7 +98,7 @@ pub enum PauseMode {
     Keep,
 }
 
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EngineStats {
     pub version: u64,
     pub paused: bool,

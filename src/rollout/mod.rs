@@ -7,6 +7,8 @@
 //!   pause (`abort` / `keep`), resume, versioned weight updates.
 //! - [`prefill`]: the prompts admitted in one step, prefilled in one forward per length.
 //! - [`engine`]: an engine core on its own thread, driven through channels.
+//! - [`sampling_engine`]: what the client needs of an engine, local or remote.
+//! - [`remote_engine`]: an engine in another process (`oxrl engine`), over [`engine_api`].
 //! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all.
 //! - [`chat`]: messages in, the assistant's reply out (with the tokens the trainer needs).
 //! - [`generate`]: every prompt through a private engine in one call (`oxrl generate`).
@@ -14,12 +16,15 @@
 pub mod chat;
 pub mod client;
 pub mod engine;
+pub mod engine_api;
 pub mod engine_core;
 pub mod generate;
 mod prefill;
+pub mod remote_engine;
 pub mod request;
 mod row_math;
 pub mod sampler;
+pub mod sampling_engine;
 pub mod top_logprobs;
 
 pub use crate::model::weight_update::WeightUpdate;
@@ -28,5 +33,7 @@ pub use client::EngineClient;
 pub use engine::{Engine, EngineHealth};
 pub use engine_core::{EngineConfig, EngineCore, EngineStats, PauseMode, RequestId};
 pub use generate::generate;
+pub use remote_engine::RemoteEngine;
 pub use request::{Generation, Request, RequestOutput, StopReason};
 pub use sampler::SamplingParams;
+pub use sampling_engine::SamplingEngine;

@@ -23,7 +23,7 @@ pub enum StopReason {
 }
 
 /// One completion.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Generation {
     pub tokens: Vec<u32>,
     /// log p(token) under the distribution it was drawn from (the model's own when greedy).
@@ -54,7 +54,7 @@ impl Generation {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
@@ -92,7 +92,7 @@ impl Request {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RequestOutput {
     /// One per sample, in sample order.
     pub samples: Vec<Generation>,

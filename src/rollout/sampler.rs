@@ -13,7 +13,7 @@ use super::row_math;
 
 use crate::{Error, Result};
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// Number of new tokens at most.
     pub max_tokens: usize,

@@ -485,6 +485,11 @@ pub struct LaunchSection {
     pub micro_batch_size: usize,
     /// At most this many padded tokens per micro-batch on a rank; 0 (the default): no limit.
     pub max_tokens_per_microbatch: usize,
+    /// Engines in processes of their own (`oxrl engine`), by URL (`http://host:port`): sampling
+    /// goes to them instead of `engines` engines in this process. Each must serve the model of
+    /// `model.path` in `model.dtype`. An API key, if they need one, is read from the environment
+    /// variable `OXRL_ENGINE_API_KEY`. Default: none.
+    pub remote_engines: Vec<String>,
 }
 
 impl Default for LaunchSection {
@@ -496,6 +501,7 @@ impl Default for LaunchSection {
             trainer_threads: 1,
             micro_batch_size: 0,
             max_tokens_per_microbatch: 0,
+            remote_engines: vec![],
         }
     }
 }
@@ -614,6 +620,9 @@ impl RlConfig {
             if n == 0 {
                 return Err(err(key, &"must be positive"));
             }
+        }
+        if let Some(url) = l.remote_engines.iter().find(|u| !u.starts_with("http://")) {
+            return Err(err("launch.remote_engines", &format!("`{url}` is not an http:// URL")));
         }
         if self.output.run_dir.as_os_str().is_empty() {
             return Err(err("output.run_dir", &"required"));

@@ -35,6 +35,7 @@ mod mpi_rl;
 #[cfg(feature = "mpi")]
 mod mpi_sft;
 mod prompt_budgets;
+mod remote_engine;
 mod rl_async;
 mod rl_async_staleness;
 mod rl_config;

@@ -1,0 +1,47 @@
+//! `oxrl engine`: one sampling engine as a server of its own (see `oxrl::engine_server`).
+
+use std::path::PathBuf;
+
+use crate::engine_server::{run, EngineServerConfig};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The base model directory (Hugging Face layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Where to listen, `host:port` (port 0: a free one, printed at start).
+    #[arg(long, default_value = "127.0.0.1:8100")]
+    pub listen: String,
+    /// The rank of the LoRA adapters trainers push (0: full weights only).
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: usize,
+    /// Compute dtype: f32 or bf16 (the trainer's `model.dtype`).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Rows decoded together at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_batch: usize,
+    /// A file of API keys, one per line: requests and weight pushes need `Authorization: Bearer KEY`.
+    #[arg(long)]
+    pub api_keys: Option<PathBuf>,
+    /// Largest request body, in MiB (a full weight push is one body).
+    #[arg(long, default_value_t = 8192)]
+    pub max_body_mib: usize,
+}
+
+pub fn run_cmd(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
+    run(EngineServerConfig {
+        model: a.model,
+        listen: a.listen,
+        dtype: a.dtype,
+        device: a.device,
+        threads: threads.unwrap_or(1),
+        max_batch: a.max_batch,
+        lora_rank: a.lora_rank,
+        api_keys: a.api_keys,
+        body_limit: a.max_body_mib << 20,
+    })
+}

@@ -1,0 +1,171 @@
+//! `oxrl engine`: one continuous-batching sampling engine as a server of its own, so that
+//! trainers on other processes or machines sample on it, and users evaluate a policy with their
+//! usual OpenAI clients.
+//!
+//! ```text
+//! client ──HTTP──► auth (Bearer key, if any) ──► oxrl API (MessagePack, rollout::engine_api)
+//!                                             └► OpenAI API (JSON: models, completions, chat)
+//!                                                        │
+//!                                             one Engine (its own thread and thread budget)
+//! ```
+//! The engine is the in-process [`Engine`]: a request is the same request, so for the same
+//! seeds and weights a remote engine returns the tokens and log-probs an in-process one does.
+//! Weights arrive whole (safetensors) and the engine applies them between two decode steps
+//! (`WeightUpdate::apply` checks every tensor first): no request sees half an update, and a
+//! refused push leaves the old version serving. Files: [`oxrl_routes`], [`openai`].
+
+pub mod openai;
+pub mod oxrl_routes;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use candle_core::Device;
+
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{weights, Transformer};
+use crate::rollout::engine::Ticket;
+use crate::rollout::engine_api as api;
+use crate::rollout::{Engine, EngineConfig};
+
+/// How `oxrl engine` runs.
+#[derive(Clone, Debug)]
+pub struct EngineServerConfig {
+    /// The base model (Hugging Face layout).
+    pub model: PathBuf,
+    /// `host:port`; port 0 picks a free one (printed at start).
+    pub listen: String,
+    /// Compute dtype (`f32`, `bf16`): the trainer's `model.dtype`, for its numerics.
+    pub dtype: String,
+    pub device: String,
+    /// Tensor-math threads of the engine.
+    pub threads: usize,
+    /// Rows decoded together at most.
+    pub max_batch: usize,
+    /// The rank of the LoRA adapters it takes (0: full weights only).
+    pub lora_rank: usize,
+    /// One API key per line; `None`: no authentication.
+    pub api_keys: Option<PathBuf>,
+    /// Largest request body in bytes (a full weight push is one body).
+    pub body_limit: usize,
+}
+
+/// What every handler shares.
+pub struct EngineServer {
+    pub engine: Engine,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The name clients use (the model directory's name), and the path it was given as.
+    pub name: String,
+    pub path: String,
+    pub dtype: String,
+    pub device: Device,
+    pub lora_rank: usize,
+    api_keys: Option<HashSet<String>>,
+    /// The engine's ticket of each request in flight, by the caller's ticket.
+    pub tickets: Mutex<HashMap<Ticket, Ticket>>,
+}
+
+impl EngineServer {
+    /// Loads the model and starts the engine.
+    pub fn start(config: &EngineServerConfig) -> anyhow::Result<Arc<EngineServer>> {
+        let dtype = weights::parse_dtype(&config.dtype)?;
+        let device = weights::parse_device(&config.device)?;
+        let tokenizer = Arc::new(Tokenizer::from_dir(&config.model)?);
+        let model = Transformer::load(&config.model, dtype, &device)?;
+        let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
+        if eos_token_ids.is_empty() {
+            eos_token_ids = model.config.eos_token_ids.clone();
+        }
+        let engine = Engine::start(
+            model,
+            EngineConfig {
+                max_batch: config.max_batch.max(1),
+                kv_cache_tokens: None,
+                eos_token_ids,
+                tokenizer: Some(tokenizer.clone()),
+                threads: config.threads.max(1),
+            },
+        )?;
+        let name = config.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        let api_keys = config.api_keys.as_deref().map(read_api_keys).transpose()?;
+        Ok(Arc::new(EngineServer {
+            engine,
+            tokenizer,
+            name,
+            path: config.model.display().to_string(),
+            dtype: config.dtype.clone(),
+            device,
+            lora_rank: config.lora_rank,
+            api_keys,
+            tickets: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// Whether a request names this engine's model (by name or by the path it was started with).
+    pub fn serves(&self, model: &str) -> bool {
+        model == self.name || model == self.path
+    }
+}
+
+fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let keys: HashSet<String> =
+        text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
+    anyhow::ensure!(!keys.is_empty(), "{}: no API keys in the file", path.display());
+    Ok(keys)
+}
+
+/// Every route: the oxrl API, the OpenAI API and the health check.
+pub fn router(state: Arc<EngineServer>, body_limit: usize) -> Router {
+    Router::new()
+        .route(api::HEALTH, get(oxrl_routes::health))
+        .route(api::GENERATE, post(oxrl_routes::generate))
+        .route(api::CANCEL, post(oxrl_routes::cancel))
+        .route(api::PAUSE, post(oxrl_routes::pause))
+        .route(api::RESUME, post(oxrl_routes::resume))
+        .route(api::WEIGHTS, post(oxrl_routes::weights))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "no such endpoint") })
+        .layer(middleware::from_fn_with_state(state.clone(), check_api_key))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+/// With API keys, every route but the health check needs `Authorization: Bearer KEY`.
+async fn check_api_key(State(state): State<Arc<EngineServer>>, req: Request, next: Next) -> Response {
+    if let Some(keys) = &state.api_keys {
+        if req.uri().path() != api::HEALTH {
+            let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+            let key = auth.and_then(|a| a.strip_prefix("Bearer "));
+            if !key.is_some_and(|k| keys.contains(k.trim())) {
+                return (StatusCode::UNAUTHORIZED, "missing or unknown API key (header Authorization: Bearer KEY)")
+                    .into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+/// Serves until the process is stopped (blocking; runs its own tokio runtime).
+pub fn run(config: EngineServerConfig) -> anyhow::Result<()> {
+    let state = EngineServer::start(&config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&config.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
+        let local = listener.local_addr()?;
+        eprintln!("oxrl engine: listening on http://{local} (model {}, {})", state.name, state.dtype);
+        axum::serve(listener, router(state, config.body_limit)).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,203 @@
+//! An engine in a process of its own (`oxrl engine`, spawned by this test binary) samples what
+//! an engine in this process does, bit for bit — before and after full and LoRA weight pushes —
+//! and sync RL on it trains what RL on an engine here does.
+
+use crate::common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Stdio};
+
+use candle_core::{DType, Device};
+use oxrl::model::weight_update::WeightUpdate;
+use oxrl::model::{lora, tokenizer::Tokenizer, NamedTensors, SamplerWeights, Transformer};
+use oxrl::rollout::{Engine, EngineClient, EngineConfig, RemoteEngine, Request, RequestOutput, SamplingParams};
+use oxrl::trainer::rl::run_rl;
+use oxrl::trainer::{RlConfig, RunOptions};
+
+/// `oxrl engine` on a free port, killed when dropped.
+struct EngineProcess {
+    child: Child,
+    url: String,
+}
+
+impl EngineProcess {
+    fn start(model: &Path, extra: &[&str]) -> EngineProcess {
+        let mut child = common::oxrl_command()
+            .arg("engine")
+            .arg("--model")
+            .arg(model)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let url = loop {
+            let line = lines.next().expect("oxrl engine ended before listening").unwrap();
+            if let Some(rest) = line.split("listening on ").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        // Keep draining its stderr so that it never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        EngineProcess { child, url }
+    }
+}
+
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn local_engine(model: &Path) -> EngineClient {
+    let tok = Tokenizer::from_dir(model).unwrap();
+    let config = EngineConfig {
+        eos_token_ids: tok.eos_token_ids().to_vec(),
+        tokenizer: Some(std::sync::Arc::new(tok)),
+        ..EngineConfig::default()
+    };
+    EngineClient::new(vec![Engine::start(Transformer::load(model, DType::F32, &Device::Cpu).unwrap(), config).unwrap()])
+        .unwrap()
+}
+
+fn remote(url: &str) -> EngineClient {
+    EngineClient::over(vec![Box::new(RemoteEngine::connect(url, None).unwrap().0)]).unwrap()
+}
+
+/// Seeded requests of several prompts, each with 3 samples, prompt log-probs and top-2 lists,
+/// run one after another (each alone in the engine: the same batches on both sides).
+fn sample_all(engines: &EngineClient, tok: &Tokenizer) -> Vec<RequestOutput> {
+    ["Hello", "The quick brown fox", "1 + 1 =", "def add(a, b):"]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let params = SamplingParams { max_tokens: 12, seed: Some(100 + i as u64), ..SamplingParams::default() };
+            let mut req = Request::new(tok.encode(text, false).unwrap(), params);
+            req.num_samples = 3;
+            req.prompt_logprobs = true;
+            req.sample_topk = 2;
+            engines.generate(req).unwrap()
+        })
+        .collect()
+}
+
+fn versions(outs: &[RequestOutput]) -> Vec<u64> {
+    outs.iter().flat_map(|o| &o.samples).flat_map(|g| g.versions.iter().copied()).collect()
+}
+
+#[test]
+fn a_remote_engine_samples_what_an_engine_here_does() {
+    let model = common::fixture_dir("qwen3");
+    let tok = Tokenizer::from_dir(&model).unwrap();
+    let rank =
+        lora::load_peft(&mut Transformer::load(&model, DType::F32, &Device::Cpu).unwrap(), &model.join("lora"), false)
+            .unwrap()
+            .0
+            .rank;
+    let process = EngineProcess::start(&model, &["--lora-rank", &rank.to_string()]);
+    let (here, there) = (local_engine(&model), remote(&process.url));
+
+    let base = sample_all(&here, &tok);
+    // Float fields compare exactly (==): the same tokens, log-probs and top-k lists.
+    assert_eq!(sample_all(&there, &tok), base, "the initial weights");
+
+    // Full weights, version 1: every parameter scaled.
+    let m = Transformer::load(&model, DType::F32, &Device::Cpu).unwrap();
+    let scaled: Vec<(String, candle_core::Tensor)> =
+        m.named_params().into_iter().map(|(n, t)| (n, (t * 1.05).unwrap())).collect();
+    let full = SamplerWeights::new(1, WeightUpdate::Full(NamedTensors::from_vec("test", scaled).unwrap()));
+    here.update_weights(&full).wait().unwrap();
+    there.update_weights(&full).wait().unwrap();
+    let after_full = sample_all(&here, &tok);
+    assert_ne!(after_full, base, "the update changed nothing");
+    assert_eq!(sample_all(&there, &tok), after_full, "after a full update");
+    assert!(versions(&after_full).iter().all(|&v| v == 1));
+
+    // LoRA adapters, version 2 (on the base weights: an adapter update replaces only adapters).
+    let fresh = |engines: &EngineClient| {
+        let base = Transformer::load(&model, DType::F32, &Device::Cpu).unwrap();
+        engines.update_weights(&SamplerWeights::snapshot(&base, None, 1).unwrap()).wait().unwrap();
+    };
+    fresh(&here);
+    fresh(&there);
+    let mut peft = Transformer::load(&model, DType::F32, &Device::Cpu).unwrap();
+    let (config, _) = lora::load_peft(&mut peft, &model.join("lora"), false).unwrap();
+    let adapters = SamplerWeights::snapshot(&peft, Some(&config), 2).unwrap();
+    here.update_weights(&adapters).wait().unwrap();
+    there.update_weights(&adapters).wait().unwrap();
+    let after_lora = sample_all(&here, &tok);
+    assert_ne!(after_lora, base, "the adapters changed nothing");
+    assert_eq!(sample_all(&there, &tok), after_lora, "after a LoRA update");
+    assert!(versions(&after_lora).iter().all(|&v| v == 2));
+}
+
+#[test]
+fn a_refused_push_leaves_the_old_weights_serving() {
+    let model = common::fixture_dir("qwen3");
+    let tok = Tokenizer::from_dir(&model).unwrap();
+    let process = EngineProcess::start(&model, &[]);
+    let there = remote(&process.url);
+    let before = sample_all(&there, &tok);
+    // A tensor of the wrong shape: refused whole, with the reason.
+    let m = Transformer::load(&model, DType::F32, &Device::Cpu).unwrap();
+    let mut params = m.named_params();
+    params[0].1 = candle_core::Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap();
+    let bad = SamplerWeights::new(7, WeightUpdate::Full(NamedTensors::from_vec("test", params).unwrap()));
+    let err = there.update_weights(&bad).wait().unwrap_err().to_string();
+    assert!(err.contains("shape"), "{err}");
+    // Adapters to an engine started without --lora-rank: refused.
+    let mut peft = Transformer::load(&model, DType::F32, &Device::Cpu).unwrap();
+    let (config, _) = lora::load_peft(&mut peft, &model.join("lora"), false).unwrap();
+    let err = there.update_weights(&SamplerWeights::snapshot(&peft, Some(&config), 8).unwrap()).wait().unwrap_err();
+    assert!(err.to_string().contains("--lora-rank 0"), "{err}");
+    let after = sample_all(&there, &tok);
+    assert_eq!(after, before);
+    assert!(versions(&after).iter().all(|&v| v == 0));
+}
+
+#[test]
+fn sync_rl_on_a_remote_engine_trains_what_it_does_here() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    let process = EngineProcess::start(&model, &[]);
+    let run = |name: &str, remote: Option<&str>| {
+        let mut sets: Vec<String> = vec![
+            format!("model.path={}", model.display()),
+            format!("output.run_dir={}", dir.path().join(name).display()),
+            "data.synthetic_train=16".into(),
+            "data.synthetic_eval=3".into(),
+            "rollout.n_samples=4".into(),
+            "rollout.eval_samples=2".into(),
+            "env.max_turn_tokens=6".into(),
+            "train.prompts_per_step=4".into(),
+            "train.max_steps=3".into(),
+            "train.mini_batches=2".into(),
+            "train.eval_every=1".into(),
+            "algorithm.loss_config={ ent_coef = 0.05 }".into(),
+            "optimizer.lr=5e-3".into(),
+        ];
+        if let Some(url) = remote {
+            sets.push(format!("launch.remote_engines=[\"{url}\"]"));
+        }
+        let cfg = RlConfig::load(None, &sets).unwrap();
+        let (dispatch, engines) = oxrl::launch::rl_runtime(&cfg, Some(1)).unwrap();
+        run_rl(&cfg, &dispatch, &engines, &RunOptions::default()).unwrap();
+        std::fs::read(dir.path().join(name).join("final/model.safetensors")).unwrap()
+    };
+    let here = run("here", None);
+    let there = run("there", Some(&process.url));
+    let (_, info) = RemoteEngine::connect(&process.url, None).unwrap();
+    // 3 steps of 4 groups and 3 evaluations of 3 prompts: one request each.
+    assert_eq!(info.health.completed_requests, 3 * 4 + 3 * 3, "the remote engine did not sample the run");
+    assert_eq!(info.version, 6, "3 steps × 2 mini-batches: the last version pushed");
+    assert!(here == there, "RL on the remote engine differs from RL on an engine here");
+    let initial = dir.path().join("model/model.safetensors");
+    assert!(
+        common::file_max_diff(&dir.path().join("there/final/model.safetensors"), &initial) > 1e-3,
+        "nothing trained"
+    );
+}
