@@ -1,6 +1,6 @@
 //! An engine in a process of its own (`oxrl engine`, spawned by this test binary) samples what
 //! an engine in this process does, bit for bit — before and after full and LoRA weight pushes —
-//! and sync RL on it trains what RL on an engine here does.
+//! and sync and async RL on it train what RL on an engine here does.
 
 use crate::common;
 
@@ -16,13 +16,13 @@ use oxrl::trainer::rl::run_rl;
 use oxrl::trainer::{RlConfig, RunOptions};
 
 /// `oxrl engine` on a free port, killed when dropped.
-struct EngineProcess {
+pub struct EngineProcess {
     child: Child,
-    url: String,
+    pub url: String,
 }
 
 impl EngineProcess {
-    fn start(model: &Path, extra: &[&str]) -> EngineProcess {
+    pub fn start(model: &Path, extra: &[&str]) -> EngineProcess {
         let mut child = common::oxrl_command()
             .arg("engine")
             .arg("--model")
@@ -158,13 +158,16 @@ fn a_refused_push_leaves_the_old_weights_serving() {
     assert!(versions(&after).iter().all(|&v| v == 0));
 }
 
+/// Sync RL on a remote engine, and async RL with `max_staleness = 0` on it (weights pushed in
+/// flight, `keep` mode, over HTTP), train what sync RL on an engine here does, bit for bit.
 #[test]
-fn sync_rl_on_a_remote_engine_trains_what_it_does_here() {
+fn rl_on_a_remote_engine_trains_what_it_does_here() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     common::tiny_byte_model(&model, 32, 256, 7);
     let process = EngineProcess::start(&model, &[]);
-    let run = |name: &str, remote: Option<&str>| {
+    let completed = || RemoteEngine::connect(&process.url, None).unwrap().1.health.completed_requests;
+    let run = |name: &str, extra: &[String]| {
         let mut sets: Vec<String> = vec![
             format!("model.path={}", model.display()),
             format!("output.run_dir={}", dir.path().join(name).display()),
@@ -180,21 +183,22 @@ fn sync_rl_on_a_remote_engine_trains_what_it_does_here() {
             "algorithm.loss_config={ ent_coef = 0.05 }".into(),
             "optimizer.lr=5e-3".into(),
         ];
-        if let Some(url) = remote {
-            sets.push(format!("launch.remote_engines=[\"{url}\"]"));
-        }
+        sets.extend(extra.iter().cloned());
         let cfg = RlConfig::load(None, &sets).unwrap();
         let (dispatch, engines) = oxrl::launch::rl_runtime(&cfg, Some(1)).unwrap();
         run_rl(&cfg, &dispatch, &engines, &RunOptions::default()).unwrap();
         std::fs::read(dir.path().join(name).join("final/model.safetensors")).unwrap()
     };
-    let here = run("here", None);
-    let there = run("there", Some(&process.url));
-    let (_, info) = RemoteEngine::connect(&process.url, None).unwrap();
+    let remote = format!("launch.remote_engines=[\"{}\"]", process.url);
+    let here = run("here", &[]);
+    let before = completed();
+    let there = run("there", &[remote.clone()]);
     // 3 steps of 4 groups and 3 evaluations of 3 prompts: one request each.
-    assert_eq!(info.health.completed_requests, 3 * 4 + 3 * 3, "the remote engine did not sample the run");
-    assert_eq!(info.version, 6, "3 steps × 2 mini-batches: the last version pushed");
-    assert!(here == there, "RL on the remote engine differs from RL on an engine here");
+    assert_eq!(completed() - before, 3 * 4 + 3 * 3, "the remote engine did not sample the run");
+    assert_eq!(RemoteEngine::connect(&process.url, None).unwrap().1.version, 6, "3 steps × 2 mini-batches");
+    assert!(here == there, "sync RL on the remote engine differs from RL on an engine here");
+    let asynchronous = run("async", &[remote, "mode=\"async\"".into(), "async_rl.max_staleness=0".into()]);
+    assert!(here == asynchronous, "async RL (max_staleness 0) on the remote engine differs from sync RL here");
     let initial = dir.path().join("model/model.safetensors");
     assert!(
         common::file_max_diff(&dir.path().join("there/final/model.safetensors"), &initial) > 1e-3,

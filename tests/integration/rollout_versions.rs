@@ -15,8 +15,8 @@ use oxrl::model::lora::LoraConfig;
 use oxrl::model::{NamedTensors, SamplerWeights, Transformer};
 use oxrl::rollout::client::continuation;
 use oxrl::rollout::{
-    Engine, EngineClient, EngineConfig, EngineCore, Generation, PauseMode, Request, RequestOutput, SamplingParams,
-    StopReason, WeightUpdate,
+    Engine, EngineClient, EngineConfig, EngineCore, Generation, PauseMode, RemoteEngine, Request, RequestOutput,
+    SamplingParams, StopReason, WeightUpdate,
 };
 use oxrl::worker::{AdamParams, Datum, WorkerConfig};
 use serde_json::json;
@@ -244,15 +244,29 @@ fn wait_for(deadline: Duration, mut f: impl FnMut() -> bool) -> bool {
 /// pause(mode) → trainer step → update_weights → resume.
 #[test]
 fn client_pause_update_resume_in_both_modes_gives_the_trainers_logprobs_per_version() {
+    pause_update_resume(|| EngineClient::new(vec![Engine::start(base(), EngineConfig::default()).unwrap()]).unwrap());
+}
+
+/// The same across a process boundary: the engine is `oxrl engine`, the weights travel as
+/// safetensors, pause and resume are HTTP calls.
+#[test]
+fn pause_update_resume_on_a_remote_engine_gives_the_trainers_logprobs_per_version() {
+    let process = crate::remote_engine::EngineProcess::start(&fixture_dir(ARCH), &[]);
+    pause_update_resume(|| {
+        EngineClient::over(vec![Box::new(RemoteEngine::connect(&process.url, None).unwrap().0)]).unwrap()
+    });
+}
+
+fn pause_update_resume(engine: impl Fn() -> EngineClient) {
     for mode in [PauseMode::Keep, PauseMode::Abort] {
         let t = Trainer::new(None);
-        let engine = Engine::start(base(), EngineConfig::default()).unwrap();
-        engine.update_weights(&t.weights()).wait().unwrap();
-        let client = EngineClient::new(vec![engine]).unwrap();
+        let client = engine();
+        client.update_weights(&t.weights()).wait().unwrap();
         let prompt = vec![9u32, 8, 7, 6, 5];
         // Eight rows make each step slower, so the pause surely lands mid-sample.
         let n = 8;
         let req = Request { num_samples: n, ..Request::new(prompt.clone(), params(240, 3)) };
+        let calls_before = client.health()[0].completed_requests;
         let handle = client.submit(req);
         let running = || client.health()[0].stats.as_ref().is_some_and(|s| s.running_rows > 0);
         assert!(wait_for(Duration::from_secs(30), running), "{mode:?}: the request never started");
@@ -261,7 +275,7 @@ fn client_pause_update_resume_in_both_modes_gives_the_trainers_logprobs_per_vers
         client.update_weights(&weights).wait().unwrap();
         client.resume().wait().unwrap();
         let out = handle.wait().unwrap();
-        let calls = client.health()[0].completed_requests;
+        let calls = client.health()[0].completed_requests - calls_before;
         match mode {
             PauseMode::Keep => assert_eq!(calls, 1, "keep mode must not abort"),
             PauseMode::Abort => {
