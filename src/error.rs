@@ -15,6 +15,10 @@ pub enum Error {
     Input(String),
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),
+    /// An engine that cannot be reached: it died or stopped answering (the engine client
+    /// routes around it).
+    #[error("{0}")]
+    EngineDown(String),
     #[error("{0}")]
     Other(String),
 }

@@ -18,7 +18,7 @@
 //! not detected (each call checks only its own completion).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use super::engine::{Engine, EngineHealth, Ticket};
@@ -36,6 +36,11 @@ pub struct EngineClient {
 struct Shared {
     engines: Vec<Box<dyn SamplingEngine>>,
     in_flight: Vec<AtomicUsize>,
+    /// Engines found unreachable: nothing is routed to them until one answers again.
+    down: Vec<AtomicBool>,
+    /// What happened to the engines since [`EngineClient::take_events`] (which fell, which
+    /// rejoined).
+    events: Mutex<Vec<String>>,
     groups: Mutex<HashMap<u64, usize>>,
     pause: Mutex<PauseState>,
 }
@@ -82,7 +87,15 @@ impl EngineClient {
             return Err(Error::input("an engine client needs at least one engine"));
         }
         let in_flight = engines.iter().map(|_| AtomicUsize::new(0)).collect();
-        let shared = Shared { engines, in_flight, groups: Mutex::new(HashMap::new()), pause: Mutex::default() };
+        let down = engines.iter().map(|_| AtomicBool::new(false)).collect();
+        let shared = Shared {
+            engines,
+            in_flight,
+            down,
+            events: Mutex::default(),
+            groups: Mutex::new(HashMap::new()),
+            pause: Mutex::default(),
+        };
         Ok(EngineClient { shared: Arc::new(shared) })
     }
 
@@ -141,6 +154,17 @@ impl EngineClient {
         self.on_all(|e| e.pause(mode), || {})
     }
 
+    /// What happened to the engines since the last call: which fell (their requests went to
+    /// the others) and which rejoined.
+    pub fn take_events(&self) -> Vec<String> {
+        std::mem::take(&mut lock(&self.shared.events))
+    }
+
+    /// Which engines are down now.
+    pub fn down(&self) -> Vec<bool> {
+        self.shared.down.iter().map(|d| d.load(Ordering::SeqCst)).collect()
+    }
+
     /// Resumes every engine, then continues the parked samples.
     pub fn resume(&self) -> Handle<()> {
         let shared = Arc::downgrade(&self.shared);
@@ -155,22 +179,48 @@ impl EngineClient {
     }
 
     /// Sends the weights to every engine (those of this process share the snapshot; none
-    /// copies it).
+    /// copies it). An engine that was down and answers again rejoins here, at these weights.
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
+        for (i, e) in self.shared.engines.iter().enumerate() {
+            if self.shared.down[i].load(Ordering::SeqCst) && e.health().alive {
+                self.shared.down[i].store(false, Ordering::SeqCst);
+                lock(&self.shared.events).push(format!("engine {i} ({}) rejoined", e.describe()));
+                // Groups that moved away while it was down spread over all engines again.
+                lock(&self.shared.groups).clear();
+            }
+        }
         self.on_all(|e| e.update_weights(weights), || {})
     }
 
-    /// `call` on every engine at once; completes when all have (then runs `then`), with the
-    /// first error in engine order, naming the engine.
+    /// `call` on every engine that is up, at once; completes when all have (then runs `then`),
+    /// with the first error in engine order, naming the engine. An engine found down is marked
+    /// so and left out; with none left, that is the error.
     fn on_all(
         &self,
         call: impl Fn(&dyn SamplingEngine) -> Handle<()>,
         then: impl FnOnce() + Send + 'static,
     ) -> Handle<()> {
-        let handles = self.shared.engines.iter().map(|e| call(e.as_ref())).collect();
-        let names: Vec<String> =
-            self.shared.engines.iter().enumerate().map(|(i, e)| format!("engine {i} ({})", e.describe())).collect();
-        join_all(handles, move |i| names[i].clone(), then)
+        let up: Vec<usize> = (0..self.shared.engines.len()).filter(|&i| !self.shared.is_down(i)).collect();
+        let handles = up.iter().map(|&i| call(self.shared.engines[i].as_ref())).collect();
+        let shared = self.shared.clone();
+        join_all(handles, move |results| {
+            then();
+            let mut first_error = None;
+            for (&i, r) in up.iter().zip(results) {
+                match r {
+                    Err(Error::EngineDown(why)) => shared.mark_down(i, &why),
+                    Err(e) => {
+                        first_error.get_or_insert_with(|| Error::Other(format!("{}: {e}", shared.name(i))));
+                    }
+                    Ok(()) => {}
+                }
+            }
+            match first_error {
+                Some(e) => Err(e),
+                None if (0..shared.engines.len()).all(|i| shared.is_down(i)) => Err(shared.all_down()),
+                None => Ok(()),
+            }
+        })
     }
 
     pub fn health(&self) -> Vec<EngineHealth> {
@@ -179,16 +229,45 @@ impl EngineClient {
 }
 
 impl Shared {
+    fn name(&self, i: usize) -> String {
+        format!("engine {i} ({})", self.engines[i].describe())
+    }
+
+    fn is_down(&self, i: usize) -> bool {
+        self.down[i].load(Ordering::SeqCst)
+    }
+
+    /// Marks engine `i` down (once), recording why.
+    fn mark_down(&self, i: usize, why: &str) {
+        if !self.down[i].swap(true, Ordering::SeqCst) {
+            lock(&self.events).push(format!("{} fell: {why}; its requests went to the others", self.name(i)));
+        }
+    }
+
+    fn all_down(&self) -> Error {
+        let events = lock(&self.events).join("; ");
+        Error::EngineDown(format!("every sampling engine is down ({events})"))
+    }
+
+    /// The least loaded engine that is up (engine 0 when none is: a call to it fails).
     fn least_loaded(&self) -> usize {
         (0..self.engines.len())
-            .min_by_key(|&i| (self.in_flight[i].load(Ordering::SeqCst), i))
+            .min_by_key(|&i| (self.is_down(i), self.in_flight[i].load(Ordering::SeqCst), i))
             .expect("at least one engine")
     }
 
+    /// A group stays on its engine while that engine is up.
     fn route(&self, group: Option<u64>) -> usize {
         match group {
             None => self.least_loaded(),
-            Some(g) => *lock(&self.groups).entry(g).or_insert_with(|| self.least_loaded()),
+            Some(g) => {
+                let mut groups = lock(&self.groups);
+                let engine = groups.entry(g).or_insert_with(|| self.least_loaded());
+                if self.is_down(*engine) {
+                    *engine = self.least_loaded();
+                }
+                *engine
+            }
         }
     }
 
@@ -206,6 +285,9 @@ impl Shared {
             }
         };
         let i = this.route(req.group);
+        if this.is_down(i) {
+            return Pending::fail(pending, this.all_down());
+        }
         let engine = &this.engines[i];
         this.in_flight[i].fetch_add(1, Ordering::SeqCst);
         let (weak, p) = (Arc::downgrade(this), pending.clone());
@@ -239,6 +321,12 @@ impl Shared {
         this.in_flight[engine].fetch_sub(1, Ordering::SeqCst);
         let mut out = match out {
             Ok(o) => o,
+            // The call is lost with its engine: sent again to another, from what the samples
+            // had before it (a seeded sample draws the same tokens again).
+            Err(Error::EngineDown(why)) => {
+                this.mark_down(engine, &why);
+                return Shared::send(this, pending, sample);
+            }
             Err(e) => return Pending::fail(pending, e),
         };
         let mut to_continue = vec![];

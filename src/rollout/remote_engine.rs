@@ -70,14 +70,19 @@ impl Inner {
         Error::Other(format!("engine {}: {what}: {why}", self.url))
     }
 
+    /// A call that reached no answer: the engine is down (it answered with an error: `fail`).
+    fn down(&self, what: &str, why: ureq::Error) -> Error {
+        Error::EngineDown(format!("engine {} is down ({what}: {why})", self.url))
+    }
+
     fn post(&self, path: &str, content_type: &str, body: &[u8]) -> Result<Vec<u8>> {
         let mut req = self.agent.post(format!("{}{path}", self.url)).header("content-type", content_type);
         if let Some(key) = &self.api_key {
             req = req.header("authorization", format!("Bearer {key}"));
         }
-        let mut resp = req.send(body).map_err(|e| self.fail(path, e))?;
+        let mut resp = req.send(body).map_err(|e| self.down(path, e))?;
         let status = resp.status();
-        let bytes = resp.body_mut().with_config().limit(u64::MAX).read_to_vec().map_err(|e| self.fail(path, e))?;
+        let bytes = resp.body_mut().with_config().limit(u64::MAX).read_to_vec().map_err(|e| self.down(path, e))?;
         if !status.is_success() {
             return Err(self.fail(path, format!("{status}: {}", String::from_utf8_lossy(&bytes))));
         }
@@ -92,7 +97,7 @@ impl Inner {
 
     fn info(&self) -> Result<EngineInfo> {
         let mut resp =
-            self.agent.get(format!("{}{}", self.url, api::HEALTH)).call().map_err(|e| self.fail("health", e))?;
+            self.agent.get(format!("{}{}", self.url, api::HEALTH)).call().map_err(|e| self.down("health", e))?;
         if !resp.status().is_success() {
             return Err(self.fail("health", resp.status()));
         }

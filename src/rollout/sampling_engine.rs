@@ -62,23 +62,14 @@ impl SamplingEngine for Engine {
     }
 }
 
-/// One handle for many: completes when all have, with the first error in their order (each
-/// named by `name(i)`), then runs `then`.
+/// One handle for many: once all have completed, `finish` turns their results (in order) into
+/// the joined result.
 pub fn join_all(
     handles: Vec<Handle<()>>,
-    name: impl Fn(usize) -> String + Send + 'static,
-    then: impl FnOnce() + Send + 'static,
+    finish: impl FnOnce(Vec<Result<()>>) -> Result<()> + Send + 'static,
 ) -> Handle<()> {
     let (reply, joined) = handle::channel();
-    let wait = move || {
-        let results: Vec<Result<()>> = handles.into_iter().map(Handle::wait).collect();
-        then();
-        let first_error = results.into_iter().enumerate().find_map(|(i, r)| r.err().map(|e| (i, e)));
-        reply.send(match first_error {
-            Some((i, e)) => Err(crate::Error::Other(format!("{}: {e}", name(i)))),
-            None => Ok(()),
-        });
-    };
+    let wait = move || reply.send(finish(handles.into_iter().map(Handle::wait).collect()));
     if let Err(e) = std::thread::Builder::new().name("oxrl-engines-join".into()).spawn(wait) {
         return Handle::ready(Err(crate::Error::Other(format!("cannot start a thread: {e}"))));
     }

@@ -16,6 +16,8 @@
 //!     source.trained(groups)                      # async: consumed, staleness advances
 //!     metrics line; every eval_every: pass@1 and pass@n; every checkpoint_every: checkpoint
 //! ```
+//! An engine that falls mid-run is routed around (its requests continue on the others) and
+//! named in the step's `engine_events`; the run stops only when none is left.
 //! `time_generate_s` means the same in both modes: the wall seconds the loop waited for the
 //! step's groups (sync: the whole generation; async: what generation did not overlap with
 //! training). Interruption (Ctrl-C, `stop_after`) is checked between steps and, in async mode,
@@ -100,7 +102,21 @@ fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary>
         let t0 = Instant::now();
         let mut rollouts = RolloutStats::default();
         let stop = || run.dir.should_stop(run.step);
-        let Some(groups) = source.next_groups(run.step, &mut rollouts, &stop)? else { break true };
+        let before = source.position();
+        let groups = match source.next_groups(run.step, &mut rollouts, &stop) {
+            Ok(Some(groups)) => groups,
+            Ok(None) => break true,
+            // No engine left: keep what was trained, to resume once one is up again.
+            Err(Error::EngineDown(why)) => {
+                let step = run.step;
+                drop(source);
+                run.finish(true, reward_mean, before)?;
+                return Err(Error::EngineDown(format!(
+                    "{why}; checkpoint at step {step}: start an engine and resume with --resume"
+                )));
+            }
+            Err(e) => return Err(e),
+        };
         let time_generate = t0.elapsed().as_secs_f64();
         reward_mean = rollouts.reward_mean();
 
@@ -125,6 +141,14 @@ fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary>
             line.insert("weight_version".into(), json!(v));
         }
         source.describe(&groups, this_step, &mut line);
+        // Engines that fell (their requests went to the others) or rejoined during the step.
+        let events = run.engines.take_events();
+        for e in &events {
+            run.dir.progress().println(format!("step {this_step}: {e}"));
+        }
+        if !events.is_empty() {
+            line.insert("engine_events".into(), json!(events));
+        }
         run.end_step(line, &rollouts, &trained, || source.position())?;
         if run.dir.finish_now(run.step, run.dispatch)? {
             run.dir.progress().println(format!("finished early at step {}", run.step));

@@ -23,11 +23,16 @@ pub struct EngineProcess {
 
 impl EngineProcess {
     pub fn start(model: &Path, extra: &[&str]) -> EngineProcess {
+        Self::start_at(model, "127.0.0.1:0", extra)
+    }
+
+    /// On `listen` (`host:port`).
+    pub fn start_at(model: &Path, listen: &str, extra: &[&str]) -> EngineProcess {
         let mut child = common::oxrl_command()
             .arg("engine")
             .arg("--model")
             .arg(model)
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .args(extra)
             .stderr(Stdio::piped())
             .spawn()
@@ -168,23 +173,7 @@ fn rl_on_a_remote_engine_trains_what_it_does_here() {
     let process = EngineProcess::start(&model, &[]);
     let completed = || RemoteEngine::connect(&process.url, None).unwrap().1.health.completed_requests;
     let run = |name: &str, extra: &[String]| {
-        let mut sets: Vec<String> = vec![
-            format!("model.path={}", model.display()),
-            format!("output.run_dir={}", dir.path().join(name).display()),
-            "data.synthetic_train=16".into(),
-            "data.synthetic_eval=3".into(),
-            "rollout.n_samples=4".into(),
-            "rollout.eval_samples=2".into(),
-            "env.max_turn_tokens=6".into(),
-            "train.prompts_per_step=4".into(),
-            "train.max_steps=3".into(),
-            "train.mini_batches=2".into(),
-            "train.eval_every=1".into(),
-            "algorithm.loss_config={ ent_coef = 0.05 }".into(),
-            "optimizer.lr=5e-3".into(),
-        ];
-        sets.extend(extra.iter().cloned());
-        let cfg = RlConfig::load(None, &sets).unwrap();
+        let cfg = rl_config(&model, &dir.path().join(name), 3, extra);
         let (dispatch, engines) = oxrl::launch::rl_runtime(&cfg, Some(1)).unwrap();
         run_rl(&cfg, &dispatch, &engines, &RunOptions::default()).unwrap();
         std::fs::read(dir.path().join(name).join("final/model.safetensors")).unwrap()
@@ -204,4 +193,120 @@ fn rl_on_a_remote_engine_trains_what_it_does_here() {
         common::file_max_diff(&dir.path().join("there/final/model.safetensors"), &initial) > 1e-3,
         "nothing trained"
     );
+}
+
+/// GRPO with an entropy bonus on the tiny byte model, `steps` steps of 4 groups of 4, evaluated
+/// every step on 3 prompts.
+fn rl_config(model: &Path, run_dir: &Path, steps: usize, extra: &[String]) -> RlConfig {
+    let mut sets: Vec<String> = vec![
+        format!("model.path={}", model.display()),
+        format!("output.run_dir={}", run_dir.display()),
+        "data.synthetic_train=16".into(),
+        "data.synthetic_eval=3".into(),
+        "rollout.n_samples=4".into(),
+        "rollout.eval_samples=2".into(),
+        "env.max_turn_tokens=6".into(),
+        "train.prompts_per_step=4".into(),
+        format!("train.max_steps={steps}"),
+        "train.mini_batches=2".into(),
+        "train.eval_every=1".into(),
+        "algorithm.loss_config={ ent_coef = 0.05 }".into(),
+        "optimizer.lr=5e-3".into(),
+    ];
+    sets.extend(extra.iter().cloned());
+    RlConfig::load(None, &sets).unwrap()
+}
+
+fn metric_lines(run: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+/// Waits until `run` has `n` metrics lines.
+fn wait_for_steps(run: &Path, n: usize) {
+    let t = std::time::Instant::now();
+    while metric_lines(run).len() < n {
+        assert!(t.elapsed() < std::time::Duration::from_secs(120), "the run never reached step {n}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// One of two engines is killed mid-run and later started again at its address: the run
+/// finishes, trains exactly what a run on one engine here trains (no group lost or trained
+/// twice: the lost calls were sent again from where their samples were), names the engine that
+/// fell in its step's `engine_events`, and the restarted engine rejoins at the current weights.
+#[test]
+fn a_run_goes_on_when_an_engine_dies_and_takes_it_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    let steps = 40;
+    let here = rl_config(&model, &dir.path().join("here"), steps, &[]);
+    let (d, e) = oxrl::launch::rl_runtime(&here, Some(1)).unwrap();
+    run_rl(&here, &d, &e, &RunOptions::default()).unwrap();
+
+    let (a, mut b) = (EngineProcess::start(&model, &[]), Some(EngineProcess::start(&model, &[])));
+    let b_url = b.as_ref().unwrap().url.clone();
+    let urls = format!("launch.remote_engines=[\"{}\", \"{b_url}\"]", a.url);
+    let there = rl_config(&model, &dir.path().join("there"), steps, &[urls]);
+    let (d, e) = oxrl::launch::rl_runtime(&there, Some(1)).unwrap();
+    let run_dir = dir.path().join("there");
+    let restarted = std::thread::scope(|s| {
+        let chaos = s.spawn(|| {
+            wait_for_steps(&run_dir, 2);
+            drop(b.take()); // SIGKILL
+            wait_for_steps(&run_dir, 6);
+            EngineProcess::start_at(&model, b_url.trim_start_matches("http://"), &[])
+        });
+        run_rl(&there, &d, &e, &RunOptions::default()).unwrap();
+        chaos.join().unwrap()
+    });
+    let final_of = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
+    assert!(final_of("here") == final_of("there"), "the run that lost an engine trained something else");
+    let lines = metric_lines(&run_dir);
+    assert_eq!(lines.len(), steps);
+    assert!(lines.iter().all(|l| l["episodes_trained"] == 16), "a step trained other than its 4 groups of 4");
+    let events: Vec<String> = lines
+        .iter()
+        .flat_map(|l| l["engine_events"].as_array().cloned().unwrap_or_default())
+        .map(|v| v.to_string())
+        .collect();
+    assert!(events.iter().any(|e| e.contains(&b_url) && e.contains("fell")), "{events:?}");
+    assert!(events.iter().any(|e| e.contains(&b_url) && e.contains("rejoined")), "{events:?}");
+    let (_, info) = RemoteEngine::connect(&restarted.url, None).unwrap();
+    assert!(info.health.completed_requests > 0, "the restarted engine got no request");
+    assert_eq!(info.version, 2 * steps as u64, "the restarted engine is not at the run's last version");
+}
+
+/// With its only engine dead, a run stops with an error saying so, and a checkpoint of the
+/// steps it finished from which it resumes on a new engine, ending where an unbroken run ends.
+#[test]
+fn a_run_with_no_engine_left_stops_with_a_checkpoint_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    let steps = 30;
+    let here = rl_config(&model, &dir.path().join("here"), steps, &[]);
+    let (d, e) = oxrl::launch::rl_runtime(&here, Some(1)).unwrap();
+    run_rl(&here, &d, &e, &RunOptions::default()).unwrap();
+
+    let mut engine = Some(EngineProcess::start(&model, &[]));
+    let url = engine.as_ref().unwrap().url.clone();
+    let run_dir = dir.path().join("there");
+    let cfg = rl_config(&model, &run_dir, steps, &[format!("launch.remote_engines=[\"{url}\"]")]);
+    let (d, e) = oxrl::launch::rl_runtime(&cfg, Some(1)).unwrap();
+    let err = std::thread::scope(|s| {
+        s.spawn(|| {
+            wait_for_steps(&run_dir, 2);
+            drop(engine.take());
+        });
+        run_rl(&cfg, &d, &e, &RunOptions::default()).unwrap_err().to_string()
+    });
+    assert!(err.contains("every sampling engine is down") && err.contains("--resume"), "{err}");
+    assert!(std::fs::read_dir(run_dir.join("checkpoints")).unwrap().count() > 0, "no checkpoint");
+    let _engine = EngineProcess::start_at(&model, url.trim_start_matches("http://"), &[]);
+    let (d, e) = oxrl::launch::rl_runtime(&cfg, Some(1)).unwrap();
+    run_rl(&cfg, &d, &e, &RunOptions { resume: true, ..Default::default() }).unwrap();
+    let final_of = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
+    assert!(final_of("here") == final_of("there"), "the resumed run differs from the unbroken one");
 }
