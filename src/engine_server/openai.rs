@@ -211,9 +211,7 @@ pub async fn chat_completions(State(s): State<Arc<EngineServer>>, body: axum::bo
     check_model(&s, &o)?;
     let messages = o.get("messages").and_then(Value::as_array).filter(|a| !a.is_empty());
     let messages = messages.ok_or_else(|| invalid("messages", "`messages` must be a non-empty list"))?;
-    let rendered =
-        s.tokenizer.apply_chat_template(messages, true, None).map_err(|e| invalid("messages", e.to_string()))?;
-    let prompt = s.tokenizer.encode(&rendered, false).map_err(|e| invalid("messages", e.to_string()))?;
+    let prompt = s.tokenizer.encode_chat(messages, true, None).map_err(|e| invalid("messages", e.to_string()))?;
     let max_tokens = match uint(&o, "max_completion_tokens")? {
         Some(m) => Some(m),
         None => uint(&o, "max_tokens")?,

@@ -22,6 +22,7 @@ mod core_api;
 mod cuda_kernels_emulated;
 mod dispatch_group;
 mod dispatch_units;
+mod engine_openai;
 mod env_checkers;
 mod env_episodes;
 mod env_prompts;
