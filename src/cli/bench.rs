@@ -34,6 +34,8 @@ enum What {
     Decode(DecodeArgs),
     /// The gradient sum over data-parallel ranks (threads here, processes under mpirun).
     AllReduce(AllReduceArgs),
+    /// A weight push to an engine: in this process, or to `oxrl engine` at --engine.
+    WeightPush(WeightPushArgs),
     /// Write the benchmark model (HF layout) and its workloads' tokens (bench_workloads.json).
     SaveModel {
         #[arg(long)]
@@ -102,6 +104,19 @@ struct AllReduceArgs {
     ranks: usize,
 }
 
+#[derive(clap::Args)]
+struct WeightPushArgs {
+    #[command(flatten)]
+    common: Common,
+    /// An `oxrl engine` URL (started on the same model, with the same --lora-rank); default: an
+    /// engine in this process.
+    #[arg(long)]
+    engine: Option<String>,
+    /// Push LoRA adapters of this rank (all linear layers) instead of every weight.
+    #[arg(long, default_value_t = 0)]
+    lora_rank: usize,
+}
+
 impl Common {
     fn dtype(&self) -> anyhow::Result<DType> {
         match weights::parse_dtype(&self.dtype) {
@@ -143,6 +158,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         What::Train(t) => train(t),
         What::Decode(d) => decode(d),
         What::AllReduce(a) => all_reduce(a),
+        What::WeightPush(a) => weight_push(a),
         What::SaveModel { out } => {
             bench_model::write(&out).with_context(|| format!("writing the benchmark model to {}", out.display()))?;
             eprintln!("wrote the benchmark model and {} to {}", bench_model::WORKLOADS_FILE, out.display());
@@ -231,5 +247,43 @@ fn all_reduce(a: AllReduceArgs) -> anyhow::Result<()> {
         r["gb_per_s"] = json!(bytes as f64 / (med / 1e3) / 1e9);
         println!("{r}");
     }
+    Ok(())
+}
+
+fn weight_push(a: WeightPushArgs) -> anyhow::Result<()> {
+    use crate::model::{lora, SamplerWeights};
+    use crate::rollout::{Engine, EngineConfig, RemoteEngine, SamplingEngine};
+    let c = &a.common;
+    let (mut model, name) = c.load()?;
+    let config =
+        (a.lora_rank > 0).then(|| lora::LoraConfig::new(a.lora_rank, 2.0 * a.lora_rank as f64, &["all-linear"]));
+    if let Some(config) = &config {
+        lora::attach_new(&mut model, config, 0)?;
+    }
+    let engine: Box<dyn SamplingEngine> = match &a.engine {
+        Some(url) => Box::new(RemoteEngine::connect(url, std::env::var("OXRL_ENGINE_API_KEY").ok())?.0),
+        None => {
+            let (base, _) = c.load()?;
+            Box::new(Engine::start(base, EngineConfig::default())?)
+        }
+    };
+    let mut version = 0;
+    let mut bytes = 0;
+    let ms = measure_ms(c.warmup, c.reps, || {
+        version += 1;
+        let weights = SamplerWeights::snapshot(&model, config.as_ref(), version)?;
+        bytes = weights.num_bytes();
+        engine.update_weights(&weights).wait()?;
+        Ok(())
+    })?;
+    let med = median(ms.clone());
+    let mut r = c.record("weight_push", &name);
+    r["engine"] = json!(a.engine.as_deref().unwrap_or("in-process"));
+    r["lora_rank"] = json!(a.lora_rank);
+    r["bytes"] = json!(bytes);
+    r["median_ms"] = json!(med);
+    r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
+    r["gb_per_s"] = json!(bytes as f64 / (med / 1e3) / 1e9);
+    println!("{r}");
     Ok(())
 }
