@@ -15,11 +15,15 @@
 # Knobs (environment): REPS (3), STEPS (60), PROMPTS (8 per step), N (4 samples per prompt),
 # SHORT / MID / LONG (16 / 64 / 256 tokens), ENGINES (2), ENGINE_THREADS (1), TRAINER_THREADS (1),
 # MICRO (8: micro-batch size; micro-batches are packed by length), OXRL (target/release/oxrl).
+# REMOTE=1: the ENGINES engines are `oxrl engine` processes pinned to the cores ENGINE_CPUS (1)
+# and the trainer is pinned to TRAINER_CPUS (0) (`taskset`), reached through
+# `launch.remote_engines`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/async-longtail}
 OXRL=${OXRL:-target/release/oxrl}
 REPS=${REPS:-3} STEPS=${STEPS:-60} PROMPTS=${PROMPTS:-8} N=${N:-4}
+REMOTE=${REMOTE:-0} ENGINE_CPUS=${ENGINE_CPUS:-1} TRAINER_CPUS=${TRAINER_CPUS:-0}
 SHORT=${SHORT:-16} MID=${MID:-64} LONG=${LONG:-256} MICRO=${MICRO:-8}
 ENGINES=${ENGINES:-2} ENGINE_THREADS=${ENGINE_THREADS:-1} TRAINER_THREADS=${TRAINER_THREADS:-1}
 mkdir -p "$OUT"
@@ -62,6 +66,21 @@ trainer_threads = $TRAINER_THREADS
 micro_batch_size = $MICRO
 TOML
 
+PIN=() REMOTE_SET=()
+if [ "$REMOTE" = 1 ]; then
+    urls=()
+    for e in $(seq 1 "$ENGINES"); do
+        port=$((8200 + e))
+        taskset -c "$ENGINE_CPUS" "$OXRL" --threads "$ENGINE_THREADS" engine --model "$OUT/model" \
+            --listen "127.0.0.1:$port" >"$OUT/engine-$e.log" 2>&1 &
+        urls+=("\"http://127.0.0.1:$port\"")
+    done
+    trap 'kill $(jobs -p) 2>/dev/null' EXIT
+    sleep 2
+    PIN=(taskset -c "$TRAINER_CPUS")
+    REMOTE_SET=(--set "launch.remote_engines=[$(IFS=,; echo "${urls[*]}")]")
+fi
+
 declare -A MODE=(
     [sync]='--set mode=sync'
     [async1]='--set mode=async --set async_rl.max_staleness=1'
@@ -75,7 +94,8 @@ for rep in $(seq 1 "$REPS"); do
         rm -rf "$dir"
         t0=$(date +%s.%N)
         # shellcheck disable=SC2086
-        "$OXRL" rl --config "$OUT/rl.toml" ${MODE[$run]} --set output.run_dir="$dir" >"$OUT/$run-$rep.log" 2>&1
+        "${PIN[@]}" "$OXRL" rl --config "$OUT/rl.toml" ${MODE[$run]} "${REMOTE_SET[@]}" --set output.run_dir="$dir" \
+            >"$OUT/$run-$rep.log" 2>&1
         wall=$(echo "$(date +%s.%N) - $t0" | bc -l)
         jq -rs --arg run "$run" --arg rep "$rep" --argjson wall "$wall" --argjson samples $((STEPS * PROMPTS * N)) '
             def m(k): (map(.[k] // 0) | add / length);
