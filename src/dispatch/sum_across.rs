@@ -45,7 +45,7 @@ fn sum_in_buckets(world: &dyn World, local: &[Vec<Tensor>], bucket: usize) -> Re
 }
 
 /// Sums the tensors `which` of every rank as elements of type `T`, into `out[i]`.
-fn sum_class<T: WithDType + bytemuck::Pod>(
+fn sum_class<T: WithDType + bytemuck::Pod + std::ops::AddAssign>(
     world: &dyn World,
     local: &[Vec<Tensor>],
     which: &[usize],
@@ -91,7 +91,7 @@ fn sum_class<T: WithDType + bytemuck::Pod>(
                 let x: Vec<T> = bytemuck::pod_collect_to_vec(slice);
                 match &mut acc {
                     None => acc = Some(x),
-                    Some(a) => a.iter_mut().zip(x).for_each(|(a, b)| *a = *a + b),
+                    Some(a) => a.iter_mut().zip(x).for_each(|(a, b)| *a += b),
                 }
             }
         }

@@ -318,12 +318,16 @@ mod mpi_impl {
     }
 }
 
+/// Each process's deposit (one message for all_gather, one per process for all_to_all), and the
+/// barrier that makes them all visible.
+#[cfg(test)]
+type Slots = std::sync::Arc<(std::sync::Mutex<Vec<Vec<Vec<u8>>>>, std::sync::Barrier)>;
+
 /// Processes played by threads, for tests: `all_gather` through shared slots and a barrier.
 #[cfg(test)]
 pub(crate) struct ThreadWorld {
     pub rank: usize,
-    /// Each process's deposit: one message (all_gather) or one per process (all_to_all).
-    pub slots: std::sync::Arc<(std::sync::Mutex<Vec<Vec<Vec<u8>>>>, std::sync::Barrier)>,
+    pub slots: Slots,
 }
 
 #[cfg(test)]
@@ -375,7 +379,8 @@ mod tests {
         let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-45, f32::MAX, 0.1, -7.5];
         let value = |i: usize| (i, vec![specials[i]; i % 3]);
         let worlds = ThreadWorld::world(3);
-        let got: Vec<(Vec<usize>, Vec<(usize, Vec<f32>)>)> = std::thread::scope(|s| {
+        type Item = (usize, Vec<f32>);
+        let got: Vec<(Vec<usize>, Vec<Item>)> = std::thread::scope(|s| {
             let hs: Vec<_> = (worlds.iter())
                 .map(|w| {
                     s.spawn(move || {
@@ -391,10 +396,10 @@ mod tests {
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let bits = |v: &[(usize, Vec<f32>)]| -> Vec<(usize, Vec<u32>)> {
+        let bits = |v: &[Item]| -> Vec<(usize, Vec<u32>)> {
             v.iter().map(|(i, x)| (*i, x.iter().map(|f| f.to_bits()).collect())).collect()
         };
-        let expected: Vec<(usize, Vec<f32>)> = (0..8).map(value).collect();
+        let expected: Vec<Item> = (0..8).map(value).collect();
         for (p, (asked, all)) in got.iter().enumerate() {
             assert_eq!(*asked, (p..8).step_by(3).collect::<Vec<_>>(), "process {p} computed others' items");
             assert_eq!(bits(all), bits(&expected), "process {p}");

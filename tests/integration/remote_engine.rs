@@ -181,7 +181,7 @@ fn rl_on_a_remote_engine_trains_what_it_does_here() {
     let remote = format!("launch.remote_engines=[\"{}\"]", process.url);
     let here = run("here", &[]);
     let before = completed();
-    let there = run("there", &[remote.clone()]);
+    let there = run("there", std::slice::from_ref(&remote));
     // 3 steps of 4 groups and 3 evaluations of 3 prompts: one request each.
     assert_eq!(completed() - before, 3 * 4 + 3 * 3, "the remote engine did not sample the run");
     assert_eq!(RemoteEngine::connect(&process.url, None).unwrap().1.version, 6, "3 steps × 2 mini-batches");
