@@ -236,16 +236,12 @@ fn all_reduce(a: AllReduceArgs) -> anyhow::Result<()> {
         Ok(())
     })?;
     if crate::dispatch::world::is_writer() {
-        let med = median(ms.clone());
         let mut r = c.record("all_reduce", &name);
         r["processes"] = json!(world.size());
         r["ranks"] = json!(collective.world_size());
         r["elements"] = json!(elements);
         r["bytes_per_rank"] = json!(bytes);
-        r["median_ms"] = json!(med);
-        r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
-        r["gb_per_s"] = json!(bytes as f64 / (med / 1e3) / 1e9);
-        println!("{r}");
+        println!("{}", with_bandwidth(r, &ms, bytes));
     }
     Ok(())
 }
@@ -276,14 +272,19 @@ fn weight_push(a: WeightPushArgs) -> anyhow::Result<()> {
         engine.update_weights(&weights).wait()?;
         Ok(())
     })?;
-    let med = median(ms.clone());
     let mut r = c.record("weight_push", &name);
     r["engine"] = json!(a.engine.as_deref().unwrap_or("in-process"));
     r["lora_rank"] = json!(a.lora_rank);
     r["bytes"] = json!(bytes);
+    println!("{}", with_bandwidth(r, &ms, bytes));
+    Ok(())
+}
+
+/// `r` with the median and minimum of `ms` and the bandwidth of `bytes` at the median.
+fn with_bandwidth(mut r: serde_json::Value, ms: &[f64], bytes: usize) -> serde_json::Value {
+    let med = median(ms.to_vec());
     r["median_ms"] = json!(med);
     r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
     r["gb_per_s"] = json!(bytes as f64 / (med / 1e3) / 1e9);
-    println!("{r}");
-    Ok(())
+    r
 }

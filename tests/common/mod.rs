@@ -121,6 +121,26 @@ pub fn tiny_byte_model(dir: &std::path::Path, hidden: usize, max_position: usize
     oxrl::model::init::write_random_model(dir, oxrl::model::config::Arch::Qwen3, &shape, seed, DType::F32).unwrap();
 }
 
+/// `--set`s of a small GRPO run on a tiny byte model at `model`: `steps` steps of 4 groups of 4
+/// (6-token replies to synthetic sums), 2 mini-batches, evaluated every step on 3 prompts, with
+/// an entropy bonus (so every step changes the policy even without reward) and learning rate `lr`.
+pub fn tiny_grpo_sets(model: &std::path::Path, steps: usize, lr: f64) -> Vec<String> {
+    vec![
+        format!("model.path={}", model.display()),
+        "data.synthetic_train=16".into(),
+        "data.synthetic_eval=3".into(),
+        "rollout.n_samples=4".into(),
+        "rollout.eval_samples=2".into(),
+        "env.max_turn_tokens=6".into(),
+        "train.prompts_per_step=4".into(),
+        format!("train.max_steps={steps}"),
+        "train.mini_batches=2".into(),
+        "train.eval_every=1".into(),
+        "algorithm.loss_config={ ent_coef = 0.05 }".into(),
+        format!("optimizer.lr={lr}"),
+    ]
+}
+
 /// `oxrl --threads 1`, the binary under test.
 pub fn oxrl_command() -> std::process::Command {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_oxrl"));

@@ -15,23 +15,8 @@ use oxrl::trainer::RlConfig;
 fn write_config(dir: &Path, steps: usize) -> PathBuf {
     let model = dir.join("model");
     common::tiny_byte_model(&model, 32, 256, 7);
-    let sets: Vec<String> = [
-        format!("model.path={}", model.display()),
-        "data.synthetic_train=16".into(),
-        "data.synthetic_eval=3".into(),
-        "rollout.n_samples=4".into(),
-        "rollout.eval_samples=2".into(),
-        "env.max_turn_tokens=6".into(),
-        "train.prompts_per_step=4".into(),
-        format!("train.max_steps={steps}"),
-        "train.mini_batches=2".into(),
-        "train.eval_every=1".into(),
-        // An entropy bonus: every step changes the policy even without reward.
-        "algorithm.loss_config={ ent_coef = 0.05 }".into(),
-        "optimizer.lr=1e-3".into(),
-        "algorithm.kl.coef=0.05".into(),
-    ]
-    .into();
+    let mut sets = common::tiny_grpo_sets(&model, steps, 1e-3);
+    sets.push("algorithm.kl.coef=0.05".into());
     let path = dir.join("rl.toml");
     std::fs::write(&path, RlConfig::load(None, &sets).unwrap().to_toml().unwrap()).unwrap();
     path

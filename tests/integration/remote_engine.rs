@@ -195,24 +195,10 @@ fn rl_on_a_remote_engine_trains_what_it_does_here() {
     );
 }
 
-/// GRPO with an entropy bonus on the tiny byte model, `steps` steps of 4 groups of 4, evaluated
-/// every step on 3 prompts.
+/// [`common::tiny_grpo_sets`] into `run_dir`, at learning rate 5e-3, with `extra` sets.
 fn rl_config(model: &Path, run_dir: &Path, steps: usize, extra: &[String]) -> RlConfig {
-    let mut sets: Vec<String> = vec![
-        format!("model.path={}", model.display()),
-        format!("output.run_dir={}", run_dir.display()),
-        "data.synthetic_train=16".into(),
-        "data.synthetic_eval=3".into(),
-        "rollout.n_samples=4".into(),
-        "rollout.eval_samples=2".into(),
-        "env.max_turn_tokens=6".into(),
-        "train.prompts_per_step=4".into(),
-        format!("train.max_steps={steps}"),
-        "train.mini_batches=2".into(),
-        "train.eval_every=1".into(),
-        "algorithm.loss_config={ ent_coef = 0.05 }".into(),
-        "optimizer.lr=5e-3".into(),
-    ];
+    let mut sets = common::tiny_grpo_sets(model, steps, 5e-3);
+    sets.push(format!("output.run_dir={}", run_dir.display()));
     sets.extend(extra.iter().cloned());
     RlConfig::load(None, &sets).unwrap()
 }
