@@ -41,7 +41,8 @@ fn remote_engines(cfg: &RlConfig) -> Result<EngineClient> {
     let expected_name = cfg.model.path.file_name().map(|n| n.to_string_lossy().into_owned());
     let mut engines: Vec<Box<dyn SamplingEngine>> = vec![];
     for url in &cfg.launch.remote_engines {
-        let (engine, info) = RemoteEngine::connect(url, key.clone())?;
+        let timeout = std::time::Duration::from_secs_f64(cfg.launch.remote_timeout_s);
+        let (engine, info) = RemoteEngine::connect_with(url, key.clone(), timeout)?;
         if expected_name.as_deref() != Some(info.model.as_str()) || info.dtype != cfg.model.dtype {
             return Err(Error::input(format!(
                 "launch.remote_engines: {url} serves `{}` in {}, this run trains `{}` in {}",

@@ -38,6 +38,9 @@ struct Shared {
     in_flight: Vec<AtomicUsize>,
     /// Engines found unreachable: nothing is routed to them until one answers again.
     down: Vec<AtomicBool>,
+    /// A health probe of a down engine is running / has found it answering again.
+    probing: Vec<AtomicBool>,
+    answering: Vec<AtomicBool>,
     /// What happened to the engines since [`EngineClient::take_events`] (which fell, which
     /// rejoined).
     events: Mutex<Vec<String>>,
@@ -87,11 +90,14 @@ impl EngineClient {
             return Err(Error::input("an engine client needs at least one engine"));
         }
         let in_flight = engines.iter().map(|_| AtomicUsize::new(0)).collect();
-        let down = engines.iter().map(|_| AtomicBool::new(false)).collect();
+        let flags = || engines.iter().map(|_| AtomicBool::new(false)).collect();
+        let (down, probing, answering) = (flags(), flags(), flags());
         let shared = Shared {
             engines,
             in_flight,
             down,
+            probing,
+            answering,
             events: Mutex::default(),
             groups: Mutex::new(HashMap::new()),
             pause: Mutex::default(),
@@ -179,14 +185,23 @@ impl EngineClient {
     }
 
     /// Sends the weights to every engine (those of this process share the snapshot; none
-    /// copies it). An engine that was down and answers again rejoins here, at these weights.
+    /// copies it). A down engine is probed in the background; once a probe found it answering,
+    /// it rejoins at the next update, at those weights.
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
-        for (i, e) in self.shared.engines.iter().enumerate() {
-            if self.shared.down[i].load(Ordering::SeqCst) && e.health().alive {
-                self.shared.down[i].store(false, Ordering::SeqCst);
-                lock(&self.shared.events).push(format!("engine {i} ({}) rejoined", e.describe()));
+        let shared = &self.shared;
+        for i in (0..shared.engines.len()).filter(|&i| shared.is_down(i)) {
+            if shared.answering[i].swap(false, Ordering::SeqCst) {
+                shared.down[i].store(false, Ordering::SeqCst);
+                lock(&shared.events).push(format!("{} rejoined", shared.name(i)));
                 // Groups that moved away while it was down spread over all engines again.
-                lock(&self.shared.groups).clear();
+                lock(&shared.groups).clear();
+            } else if !shared.probing[i].swap(true, Ordering::SeqCst) {
+                let shared = self.shared.clone();
+                std::thread::spawn(move || {
+                    let answering = shared.engines[i].health().alive;
+                    shared.answering[i].store(answering, Ordering::SeqCst);
+                    shared.probing[i].store(false, Ordering::SeqCst);
+                });
             }
         }
         self.on_all(|e| e.update_weights(weights), || {})

@@ -490,6 +490,9 @@ pub struct LaunchSection {
     /// `model.path` in `model.dtype`. An API key, if they need one, is read from the environment
     /// variable `OXRL_ENGINE_API_KEY`. Default: none.
     pub remote_engines: Vec<String>,
+    /// Seconds a remote engine may leave a health probe unanswered before it is taken for down
+    /// (its requests go to the others). Default 60.
+    pub remote_timeout_s: f64,
 }
 
 impl Default for LaunchSection {
@@ -502,6 +505,7 @@ impl Default for LaunchSection {
             micro_batch_size: 0,
             max_tokens_per_microbatch: 0,
             remote_engines: vec![],
+            remote_timeout_s: 60.0,
         }
     }
 }
@@ -620,6 +624,9 @@ impl RlConfig {
             if n == 0 {
                 return Err(err(key, &"must be positive"));
             }
+        }
+        if !(l.remote_timeout_s > 0.0 && l.remote_timeout_s.is_finite()) {
+            return Err(err("launch.remote_timeout_s", &"must be a positive number of seconds"));
         }
         if let Some(url) = l.remote_engines.iter().find(|u| !u.starts_with("http://")) {
             return Err(err("launch.remote_engines", &format!("`{url}` is not an http:// URL")));

@@ -296,3 +296,44 @@ fn a_run_with_no_engine_left_stops_with_a_checkpoint_and_resumes() {
     let final_of = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
     assert!(final_of("here") == final_of("there"), "the resumed run differs from the unbroken one");
 }
+
+/// One of two engines stops answering without closing its connections (SIGSTOP) mid-run: the
+/// watchdog takes it for down after `remote_timeout_s`, its requests go to the other engine, and
+/// the run trains what a run on one engine here trains; the step names the engine.
+#[test]
+fn a_run_goes_on_when_an_engine_stops_answering() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    let steps = 20;
+    let here = rl_config(&model, &dir.path().join("here"), steps, &[]);
+    let (d, e) = oxrl::launch::rl_runtime(&here, Some(1)).unwrap();
+    run_rl(&here, &d, &e, &RunOptions::default()).unwrap();
+
+    let (a, b) = (EngineProcess::start(&model, &[]), EngineProcess::start(&model, &[]));
+    let sets =
+        [format!("launch.remote_engines=[\"{}\", \"{}\"]", a.url, b.url), "launch.remote_timeout_s=3".to_string()];
+    let run_dir = dir.path().join("there");
+    let cfg = rl_config(&model, &run_dir, steps, &sets);
+    let (d, e) = oxrl::launch::rl_runtime(&cfg, Some(1)).unwrap();
+    let pid = b.child.id().to_string();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            wait_for_steps(&run_dir, 2);
+            assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+        });
+        run_rl(&cfg, &d, &e, &RunOptions::default()).unwrap();
+    });
+    let _ = std::process::Command::new("kill").args(["-CONT", &pid]).status();
+    let final_of = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
+    assert!(final_of("here") == final_of("there"), "the run whose engine stopped trained something else");
+    let events: Vec<String> = metric_lines(&run_dir)
+        .iter()
+        .flat_map(|l| l["engine_events"].as_array().cloned().unwrap_or_default())
+        .map(|v| v.to_string())
+        .collect();
+    // Stopped while it decoded: the watchdog's "stopped answering"; while idle: the next
+    // weight push timed out ("is down").
+    let fell = |e: &String| e.contains(&b.url) && e.contains("fell");
+    assert!(events.iter().any(|e| fell(e) && (e.contains("stopped answering") || e.contains("is down"))), "{events:?}");
+}
