@@ -64,12 +64,18 @@ impl SamplingParams {
     }
 }
 
+/// Whether `temperature` samples greedily: 0, or so small that 1/T overflows f32 (the limit of
+/// sampling as T → 0 is the greedy choice; 1e-40 is not a reason to return NaN).
+fn is_greedy(temperature: f64) -> bool {
+    temperature == 0.0 || !((1.0 / temperature) as f32).is_finite()
+}
+
 /// Returns (token, log-prob under the distribution drawn from).
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u32, f32)> {
     let Some(max) = row_math::max_checked(logits) else {
         return Err(Error::Other("the model produced NaN logits (or none)".into()));
     };
-    if p.temperature == 0.0 {
+    if is_greedy(p.temperature) {
         let best = row_math::first_index_of(logits, max);
         let lp = logits[best] as f64 - max as f64 - row_math::sum_exp(logits, max, 1.0).ln();
         return Ok((best as u32, lp as f32));
@@ -126,4 +132,28 @@ fn draw(probs: impl Iterator<Item = (u32, f64)>, total: f64, rng: &mut StdRng) -
 pub fn log_softmax_at(logits: &[f32], i: usize, t: f64) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     (logits[i] as f64 - max as f64) / t - row_math::sum_exp(logits, max, (1.0 / t) as f32).ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    /// Temperatures too small for 1/T (1e-40: subnormal) sample as greedy does, with the model's
+    /// finite log-prob; small ones that still divide give the top token with log-prob 0.
+    #[test]
+    fn tiny_temperatures_are_the_greedy_limit() {
+        let logits = [0.5f32, 2.0, -1.0, 1.5];
+        let greedy =
+            sample(&logits, &SamplingParams { temperature: 0.0, ..Default::default() }, &mut StdRng::seed_from_u64(1));
+        let (token, lp) = greedy.unwrap();
+        assert_eq!(token, 1);
+        for t in [1e-40, 1e-39, f64::MIN_POSITIVE] {
+            let p = SamplingParams { temperature: t, ..Default::default() };
+            assert_eq!(sample(&logits, &p, &mut StdRng::seed_from_u64(1)).unwrap(), (token, lp), "T = {t}");
+        }
+        let p = SamplingParams { temperature: 1e-30, ..Default::default() };
+        assert_eq!(sample(&logits, &p, &mut StdRng::seed_from_u64(1)).unwrap(), (1, 0.0));
+    }
 }
