@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::server::limits::Limits;
 use crate::server::{run, ServerConfig};
 
 #[derive(clap::Args)]
@@ -26,6 +27,24 @@ pub struct Args {
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 256)]
     pub max_body_mib: usize,
+    /// Largest LoRA rank of a training model.
+    #[arg(long, default_value_t = Limits::default().max_lora_rank)]
+    pub max_lora_rank: usize,
+    /// Tokens (all datums together) in one forward or forward_backward.
+    #[arg(long, default_value_t = Limits::default().max_train_tokens)]
+    pub max_train_tokens: usize,
+    /// Samples in one sampling request.
+    #[arg(long, default_value_t = Limits::default().max_samples)]
+    pub max_samples: usize,
+    /// Values one sampling result may hold (samples × max_tokens × (1 + top-k) + prompt × (1 + top-k)).
+    #[arg(long, default_value_t = Limits::default().max_sample_values)]
+    pub max_sample_values: usize,
+    /// Bytes of a session's or model's user_metadata.
+    #[arg(long, default_value_t = Limits::default().max_metadata_bytes)]
+    pub max_metadata_bytes: usize,
+    /// Training models alive per API key.
+    #[arg(long, default_value_t = Limits::default().max_models_per_key)]
+    pub max_models_per_key: usize,
 }
 
 pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
@@ -39,5 +58,13 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
         body_limit: args.max_body_mib << 20,
         long_poll: Duration::from_secs(30),
         session_timeout: Duration::from_secs(args.session_timeout_s),
+        limits: Limits {
+            max_lora_rank: args.max_lora_rank,
+            max_train_tokens: args.max_train_tokens,
+            max_samples: args.max_samples,
+            max_sample_values: args.max_sample_values,
+            max_metadata_bytes: args.max_metadata_bytes,
+            max_models_per_key: args.max_models_per_key,
+        },
     })
 }

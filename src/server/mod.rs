@@ -24,6 +24,7 @@
 pub mod checkpoints;
 pub mod errors;
 pub mod futures;
+pub mod limits;
 pub mod models;
 pub mod proto;
 pub mod routes;
@@ -59,6 +60,8 @@ pub struct ServerConfig {
     /// A session without a heartbeat for this long is finished: its models and samplers are
     /// freed (the SDK sends one every 10 s). Checked every `session_timeout / 4`.
     pub session_timeout: Duration,
+    /// What one request or API key may ask for.
+    pub limits: limits::Limits,
 }
 
 /// What every handler shares.
@@ -72,6 +75,7 @@ pub struct AppState {
     pub body_limit: usize,
     pub data_dir: PathBuf,
     pub session_timeout: Duration,
+    pub limits: limits::Limits,
 }
 
 fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
@@ -103,6 +107,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
         body_limit: config.body_limit,
         data_dir: config.data_dir.clone(),
         session_timeout: config.session_timeout,
+        limits: config.limits.clone(),
     }))
 }
 

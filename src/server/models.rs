@@ -175,6 +175,11 @@ impl Models {
         })
     }
 
+    /// The session of every model alive (one entry per model).
+    pub fn sessions(&self) -> Vec<String> {
+        self.models.lock().unwrap_or_else(|e| e.into_inner()).values().map(|m| m.session_id.clone()).collect()
+    }
+
     /// Drops every model of session `session_id` (they answer 404 afterwards).
     pub fn drop_session(&self, session_id: &str) {
         let dropped: Vec<String> = {

@@ -67,7 +67,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// With an API-key file, every request but `healthz` needs a listed `X-API-Key`.
 async fn check_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(keys) = &state.api_keys {
-        if !req.uri().path().ends_with("/healthz") {
+        if req.uri().path() != "/api/v1/healthz" {
             let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
             if !key.is_some_and(|k| keys.contains(k)) {
                 return ApiError::unauthorized("missing or unknown API key (header X-API-Key)").into_response();
@@ -154,6 +154,7 @@ async fn create_session(State(state): State<Arc<AppState>>, headers: HeaderMap, 
     let id = new_id();
     let tags = serde_json::to_string(&req.tags).unwrap_or_default();
     let meta = req.user_metadata.map(|m| m.to_string()).unwrap_or_default();
+    state.limits.metadata(&meta)?;
     state.store.add_session(&id, api_key(&headers).as_deref(), &tags, &meta, req.sdk_version.as_deref())?;
     Ok(Json(json!({"type": "create_session", "session_id": id})))
 }
@@ -211,13 +212,20 @@ async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     }
     let model_id = format!("{}:train:{}", req.session_id, req.model_seq_id);
     let lora = req.lora_config.clone().unwrap_or_default();
+    state.limits.lora_rank(lora.rank)?;
+    let metadata = req.user_metadata.as_ref().map(|m| m.to_string()).unwrap_or_default();
+    state.limits.metadata(&metadata)?;
+    let key = api_key(&headers);
+    let mine = |session: &String| state.store.session_key(session).ok().flatten() == Some(key.clone());
+    let alive = state.models.sessions().iter().filter(|s| mine(s)).count();
+    state.limits.models_per_key(alive)?;
     let build = state.models.register(&model_id, &req.session_id, base.clone(), lora.clone(), None)?;
     state.store.add_model(
         &model_id,
         &req.session_id,
         &base.name,
         &serde_json::to_string(&lora).unwrap_or_default(),
-        &req.user_metadata.map(|m| m.to_string()).unwrap_or_default(),
+        &metadata,
     )?;
     let request_id = state.futures.create(Some(&model_id), "create_model")?;
     let (st, rid) = (state.clone(), request_id.clone());
@@ -269,6 +277,7 @@ async fn run_fwdbwd(
         headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with(PROTOBUF));
     let req = if is_proto { FwdBwd::from_proto(&body)? } else { FwdBwd::from_json(&body, forward_path)? };
     let model = training_model(&state, &headers, &req.model_id)?;
+    state.limits.train_tokens(req.data.iter().map(|d| d.input_tokens.len()).sum())?;
     let forward_only = req.forward_only || forward_path;
     let kind = if forward_only { "forward" } else { "forward_backward" };
     let st = state.clone();
@@ -607,8 +616,6 @@ async fn get_sampler(State(state): State<Arc<AppState>>, Path(id): Path<String>)
     Ok(Json(json!({"sampler_id": s.id, "base_model": s.base.name, "model_path": s.model_path})))
 }
 
-/// Samples per request at most.
-const MAX_SAMPLES: usize = 256;
 /// Top-k log-probs per position at most.
 const MAX_TOPK: i64 = 1024;
 
@@ -620,9 +627,6 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
         (None, None, Some(base)) => sampler_for_base(&state, base).await?,
         _ => return Err(ApiError::user("asample: give `sampling_session_id`, `model_path` or `base_model`")),
     };
-    if req.num_samples == 0 || req.num_samples > MAX_SAMPLES {
-        return Err(ApiError::user(format!("num_samples must be in 1..={MAX_SAMPLES}, got {}", req.num_samples)));
-    }
     if req.target_prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(ApiError::user("target_prompt_logprobs is not supported by this server"));
     }
@@ -658,6 +662,7 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
         Some(n) => Some(n as usize),
     };
     let params = req.sampling_params.to_params()?;
+    state.limits.sample(req.num_samples, params.max_tokens, prompt.len(), topk)?;
     let request = crate::rollout::Request {
         num_samples: req.num_samples,
         prompt_logprobs,

@@ -60,6 +60,15 @@ fn serve(dir: &std::path::Path, long_poll: Duration) -> u16 {
 
 /// A server over a tiny model with `max_position` positions.
 fn serve_context(dir: &std::path::Path, long_poll: Duration, max_position: usize) -> u16 {
+    serve_limited(dir, long_poll, max_position, Default::default())
+}
+
+fn serve_limited(
+    dir: &std::path::Path,
+    long_poll: Duration,
+    max_position: usize,
+    limits: oxrl::server::limits::Limits,
+) -> u16 {
     let model = dir.join("tiny");
     common::tiny_byte_model(&model, 32, max_position, 3);
     std::fs::write(dir.join("keys"), "# test keys\nk1\nk2\n").unwrap();
@@ -73,6 +82,7 @@ fn serve_context(dir: &std::path::Path, long_poll: Duration, max_position: usize
         body_limit: 1 << 20,
         long_poll,
         session_timeout: Duration::from_millis(1500),
+        limits,
     };
     let state = state(&config).unwrap();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -360,4 +370,112 @@ fn pending_futures_fail_after_a_restart() {
     }
     assert!(matches!(store.future("done").unwrap(), Some(StoredOutcome::Json(j)) if j.contains("metrics")));
     assert!(store.future("unknown").is_err());
+}
+
+/// Requests past a limit (issue 25: a rank of 10⁶ or 4.6·10¹⁸, a million-token
+/// forward_backward, megabytes of metadata, 65+ samples, a result of millions of top-k values)
+/// are 400s naming the limit and its flag; a path merely ending in `/healthz` needs a key; the
+/// server then still trains and samples, with the loss of a fresh server.
+#[test]
+fn requests_past_a_limit_are_refused_by_name_and_the_server_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let refused = |r: Reply, flag: &str| {
+        assert_eq!((r.status, r.body["category"].as_str()), (400, Some("user")), "{}", r.body);
+        assert!(r.body["error"].as_str().unwrap().contains(flag), "{}", r.body);
+    };
+    assert_eq!(request(port, "GET", "/api/v1/anything/healthz", None, "").status, 401);
+
+    let meta = json!({"blob": "x".repeat(70_000)});
+    refused(post(port, "create_session", json!({"tags": [], "user_metadata": meta})), "--max-metadata-bytes");
+    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let model = |seq: u64, rank: u64| {
+        let lora = json!({"rank": rank, "train_attn": true, "train_mlp": false, "train_unembed": false});
+        post(
+            port,
+            "create_model",
+            json!({"session_id": session, "model_seq_id": seq, "base_model": "tiny", "lora_config": lora}),
+        )
+    };
+    refused(model(0, 1_000_000), "--max-lora-rank");
+    refused(model(0, 4_600_000_000_000_000_000), "--max-lora-rank");
+    let r = model(0, 4);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let model_id = format!("{session}:train:0");
+    result(port, r.body["request_id"].as_str().unwrap());
+
+    let mut huge = fwdbwd_body(&model_id, 1, "cross_entropy");
+    let n = 70_000;
+    let datum = &mut huge["forward_backward_input"]["data"][0];
+    datum["model_input"]["chunks"][0]["tokens"] = json!(vec![104; n]);
+    datum["loss_fn_inputs"]["target_tokens"]["data"] = json!(vec![105; n]);
+    datum["loss_fn_inputs"]["weights"]["data"] = json!(vec![1.0; n]);
+    refused(post(port, "forward_backward", huge), "--max-train-tokens");
+
+    let s = post(
+        port,
+        "create_sampling_session",
+        json!({"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"}),
+    );
+    let sampler = s.body["sampling_session_id"].as_str().unwrap().to_string();
+    let sample = |n: usize, max_tokens: usize, topk: usize| {
+        post(
+            port,
+            "asample",
+            json!({
+                "sampling_session_id": sampler, "seq_id": 0, "num_samples": n,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [104, 105]}]},
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "stop": []},
+                "topk_sample_logprobs": topk
+            }),
+        )
+    };
+    refused(sample(65, 4, 0), "--max-samples");
+    refused(sample(64, 254, 1024), "--max-sample-values");
+
+    // Still serving: a sample, and a training step with the loss of a fresh server's.
+    let r = sample(2, 4, 0);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(result(port, r.body["request_id"].as_str().unwrap())["sequences"].as_array().unwrap().len(), 2);
+    let loss_of = |port: u16, model_id: &str| {
+        let f = post(port, "forward_backward", fwdbwd_body(model_id, 1, "cross_entropy"));
+        assert_eq!(f.status, 200, "{}", f.body);
+        result(port, f.body["request_id"].as_str().unwrap())["metrics"]["loss:sum"].clone()
+    };
+    let after = loss_of(port, &model_id);
+    let fresh_dir = tempfile::tempdir().unwrap();
+    let fresh = serve(fresh_dir.path(), Duration::from_millis(300));
+    let fresh_session =
+        post(fresh, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let lora = json!({"rank": 4, "train_attn": true, "train_mlp": false, "train_unembed": false});
+    let r = post(
+        fresh,
+        "create_model",
+        json!({"session_id": fresh_session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
+    );
+    result(fresh, r.body["request_id"].as_str().unwrap());
+    assert_eq!(after, loss_of(fresh, &format!("{fresh_session}:train:0")));
+    assert!(after.as_f64().is_some_and(f64::is_finite), "{after}");
+}
+
+/// Training models alive per API key are bounded (`--max-models-per-key`); other keys are not
+/// affected.
+#[test]
+fn models_per_key_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = oxrl::server::limits::Limits { max_models_per_key: 2, ..Default::default() };
+    let port = serve_limited(dir.path(), Duration::from_millis(300), 64, limits);
+    let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
+    let create = |key: &str, seq: u64| {
+        let session = request(port, "POST", "/api/v1/create_session", Some(key), &json!({"tags": []}).to_string());
+        let session = session.body["session_id"].as_str().unwrap().to_string();
+        let body = json!({"session_id": session, "model_seq_id": seq, "base_model": "tiny", "lora_config": lora});
+        request(port, "POST", "/api/v1/create_model", Some(key), &body.to_string())
+    };
+    assert_eq!(create("k1", 0).status, 200);
+    assert_eq!(create("k1", 0).status, 200);
+    let r = create("k1", 0);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body["error"].as_str().unwrap().contains("--max-models-per-key 2"), "{}", r.body);
+    assert_eq!(create("k2", 0).status, 200, "another key is not limited by k1's models");
 }

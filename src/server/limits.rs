@@ -1,0 +1,100 @@
+//! What one request or one API key may ask of `oxrl serve`: every size that multiplies into
+//! memory is bounded here, in one place, and a request past a limit is refused with a 400 that
+//! names the limit and its `oxrl serve` flag — never by the process dying or starving.
+
+use super::errors::{ApiError, ApiResult};
+
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Largest LoRA rank of a training model (`--max-lora-rank`). Default 128.
+    pub max_lora_rank: usize,
+    /// Tokens (all datums together) in one forward / forward_backward (`--max-train-tokens`).
+    /// Default 65,536.
+    pub max_train_tokens: usize,
+    /// Samples in one sampling request (`--max-samples`). Default 64 (a sampler's batch).
+    pub max_samples: usize,
+    /// Values one sampling result may hold: samples × (max_tokens) × (1 + sample top-k) +
+    /// prompt × (1 + prompt top-k) (`--max-sample-values`). Default 4,194,304 (~50 MB stored).
+    pub max_sample_values: usize,
+    /// Bytes of `user_metadata` (as JSON) of a session or model (`--max-metadata-bytes`).
+    /// Default 65,536.
+    pub max_metadata_bytes: usize,
+    /// Training models alive per API key (`--max-models-per-key`). Default 32.
+    pub max_models_per_key: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_lora_rank: 128,
+            max_train_tokens: 65_536,
+            max_samples: 64,
+            max_sample_values: 1 << 22,
+            max_metadata_bytes: 65_536,
+            max_models_per_key: 32,
+        }
+    }
+}
+
+/// The error for `what` = `value` past the limit `max` set by `flag`.
+fn over(what: &str, value: impl std::fmt::Display, max: usize, flag: &str) -> ApiError {
+    ApiError::user(format!("{what} is {value}, over this server's limit of {max} (oxrl serve {flag})"))
+}
+
+impl Limits {
+    pub fn lora_rank(&self, rank: usize) -> ApiResult<()> {
+        if rank > self.max_lora_rank {
+            return Err(over("lora_config.rank", rank, self.max_lora_rank, "--max-lora-rank"));
+        }
+        Ok(())
+    }
+
+    /// `tokens`: the request's datums' lengths added up.
+    pub fn train_tokens(&self, tokens: usize) -> ApiResult<()> {
+        if tokens > self.max_train_tokens {
+            return Err(over("the tokens of this request", tokens, self.max_train_tokens, "--max-train-tokens"));
+        }
+        Ok(())
+    }
+
+    /// A sampling request: `samples` of at most `max_tokens` each after a prompt of `prompt`
+    /// tokens, with top-k lists of `topk` = (prompt, sample) entries.
+    pub fn sample(&self, samples: usize, max_tokens: usize, prompt: usize, topk: (usize, usize)) -> ApiResult<()> {
+        if samples == 0 || samples > self.max_samples {
+            return Err(over("num_samples", samples, self.max_samples, "--max-samples"));
+        }
+        let values = samples
+            .saturating_mul(max_tokens)
+            .saturating_mul(1 + topk.1)
+            .saturating_add(prompt.saturating_mul(1 + topk.0));
+        if values > self.max_sample_values {
+            return Err(over(
+                "num_samples × max_tokens × (1 + topk_sample_logprobs) + prompt × (1 + topk_prompt_logprobs)",
+                values,
+                self.max_sample_values,
+                "--max-sample-values",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `json`: the metadata as the client sent it.
+    pub fn metadata(&self, json: &str) -> ApiResult<()> {
+        if json.len() > self.max_metadata_bytes {
+            return Err(over("user_metadata (bytes)", json.len(), self.max_metadata_bytes, "--max-metadata-bytes"));
+        }
+        Ok(())
+    }
+
+    /// `alive`: the caller's training models alive now.
+    pub fn models_per_key(&self, alive: usize) -> ApiResult<()> {
+        if alive >= self.max_models_per_key {
+            return Err(ApiError::user(format!(
+                "this API key has {alive} training models alive, this server's limit (oxrl serve \
+                 --max-models-per-key {}): end a session to free its models",
+                self.max_models_per_key
+            )));
+        }
+        Ok(())
+    }
+}
