@@ -730,7 +730,7 @@ fn checkpoint_json(c: &CheckpointRef, row: &CheckpointRow) -> Value {
 fn visible_runs(state: &AppState, headers: &HeaderMap) -> ApiResult<Vec<Value>> {
     let checkpoints = state.store.checkpoints(None)?;
     let mut runs = vec![];
-    for ModelRow { id, session_id, base_model, lora_config: lora, created } in state.store.models()? {
+    for ModelRow { id, session_id, base_model, lora_config: lora, user_metadata, created } in state.store.models()? {
         if check_session(state, headers, &session_id).is_err() {
             continue;
         }
@@ -747,6 +747,8 @@ fn visible_runs(state: &AppState, headers: &HeaderMap) -> ApiResult<Vec<Value>> 
             "last_request_time": created,
             "last_checkpoint": last(Kind::Weights),
             "last_sampler_checkpoint": last(Kind::SamplerWeights),
+            // The cookbook takes its renderer name back from here when it resumes.
+            "user_metadata": serde_json::from_str::<Value>(&user_metadata).ok().filter(Value::is_object),
         }));
     }
     Ok(runs)

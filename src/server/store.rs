@@ -51,6 +51,8 @@ pub struct ModelRow {
     pub base_model: String,
     /// The LoRA config as JSON (`LoraConfigWire`).
     pub lora_config: String,
+    /// What the client gave `create_model` as `user_metadata` (JSON; empty if none).
+    pub user_metadata: String,
     pub created: f64,
 }
 
@@ -287,8 +289,9 @@ impl Store {
     /// Every training model, oldest first.
     pub fn models(&self) -> ApiResult<Vec<ModelRow>> {
         let conn = self.conn();
-        let mut stmt =
-            conn.prepare("SELECT id, session_id, base_model, lora_config, created FROM models ORDER BY created, id")?;
+        let mut stmt = conn.prepare(
+            "SELECT id, session_id, base_model, lora_config, created, user_metadata FROM models ORDER BY created, id",
+        )?;
         let rows = stmt.query_map([], |r| {
             Ok(ModelRow {
                 id: r.get(0)?,
@@ -296,6 +299,7 @@ impl Store {
                 base_model: r.get(2)?,
                 lora_config: r.get(3)?,
                 created: r.get(4)?,
+                user_metadata: r.get::<_, Option<String>>(5)?.unwrap_or_default(),
             })
         })?;
         Ok(rows.collect::<Result<Vec<_>, _>>()?)

@@ -479,3 +479,22 @@ fn models_per_key_are_bounded() {
     assert!(r.body["error"].as_str().unwrap().contains("--max-models-per-key 2"), "{}", r.body);
     assert_eq!(create("k2", 0).status, 200, "another key is not limited by k1's models");
 }
+
+/// A run lists the `user_metadata` given to `create_model` (the cookbook takes its renderer name
+/// back from it when it resumes: issue 25, item 2).
+#[test]
+fn a_training_run_lists_its_user_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
+    let body = json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora,
+                      "user_metadata": {"renderer_name": "qwen3", "step": 7}});
+    let r = post(port, "create_model", body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let run = request(port, "GET", &format!("/api/v1/training_runs/{session}:train:0"), Some("k1"), "");
+    assert_eq!(run.status, 200, "{}", run.body);
+    assert_eq!(run.body["user_metadata"], json!({"renderer_name": "qwen3", "step": 7}));
+    let all = request(port, "GET", "/api/v1/training_runs", Some("k1"), "");
+    assert_eq!(all.body["training_runs"][0]["user_metadata"]["renderer_name"], "qwen3");
+}
