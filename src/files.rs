@@ -53,6 +53,43 @@ pub fn write_dir_atomically(dir: &Path, write: impl FnOnce(&Path) -> Result<()>)
     Ok(())
 }
 
+/// Finishes what interrupted [`write_dir_atomically`] calls left anywhere under `root` (a
+/// process killed mid-save), for a writer that owns `root` alone and has just started: a
+/// half-written `.NAME.tmp-PID` is removed; an old directory moved aside (`.NAME.old-PID`) is
+/// removed when `NAME` is in place, and put back when the kill came between the two renames.
+/// Returns what it removed or restored.
+pub fn sweep_interrupted_writes(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut done = vec![];
+    let Ok(entries) = std::fs::read_dir(root) else { return Ok(done) };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !path.is_dir() {
+            continue;
+        }
+        let name = entry.file_name().to_string_lossy().to_string();
+        let left = |tag: &str| {
+            let rest = name.strip_prefix('.')?;
+            let (target, pid) = rest.rsplit_once(tag)?;
+            pid.chars().all(|c| c.is_ascii_digit()).then(|| target.to_string())
+        };
+        if left(".tmp-").is_some() {
+            std::fs::remove_dir_all(&path).map_err(|e| Error::file(&path, format!("cannot remove: {e}")))?;
+            done.push(path);
+        } else if let Some(target) = left(".old-") {
+            let target = root.join(target);
+            if target.exists() {
+                std::fs::remove_dir_all(&path).map_err(|e| Error::file(&path, format!("cannot remove: {e}")))?;
+            } else {
+                std::fs::rename(&path, &target).map_err(|e| Error::file(&path, format!("cannot restore: {e}")))?;
+            }
+            done.push(path);
+        } else {
+            done.extend(sweep_interrupted_writes(&path)?);
+        }
+    }
+    Ok(done)
+}
+
 /// Typed, checked reads of the fields of one JSON object from the file `path` (used only in
 /// errors, which name the file and the field). A field set to `null` counts as absent, as
 /// Hugging Face files write `null` for "unset". Reads of an `opt_` kind give `None` when the
@@ -159,5 +196,32 @@ impl<'a> JsonFields<'a> {
             Some(Value::Array(list)) => list.iter().map(one).collect(),
             Some(x) => Ok(vec![one(x)?]),
         }
+    }
+}
+
+#[cfg(test)]
+mod sweep_tests {
+    use super::*;
+
+    /// A killed save's leftovers are removed or put back; everything else stays as it was.
+    #[test]
+    fn interrupted_writes_are_finished_and_nothing_else_is_touched() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = |p: &str| {
+            let path = root.path().join(p);
+            std::fs::create_dir_all(&path).unwrap();
+            std::fs::write(path.join("f"), p).unwrap();
+            path
+        };
+        let half = dir("a/.ck.tmp-123");
+        let (new, aside) = (dir("b/ck2"), dir("b/.ck2.old-9"));
+        let lone_aside = dir("c/.ck3.old-9");
+        let kept = [dir("d/keep"), dir("d/.hidden-normal"), dir("d/.x.tmp-12a")];
+        let done = sweep_interrupted_writes(root.path()).unwrap();
+        assert_eq!(done.len(), 3, "{done:?}");
+        assert!(!half.exists() && !aside.exists() && !lone_aside.exists());
+        assert_eq!(std::fs::read_to_string(new.join("f")).unwrap(), "b/ck2");
+        assert_eq!(std::fs::read_to_string(root.path().join("c/ck3/f")).unwrap(), "c/.ck3.old-9", "not put back");
+        assert!(kept.iter().all(|k| k.join("f").exists()));
     }
 }

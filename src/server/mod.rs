@@ -95,6 +95,10 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
     }
     let served = config.models.iter().map(|p| ServedModel::from_dir(p)).collect::<crate::Result<Vec<_>>>()?;
     std::fs::create_dir_all(&config.data_dir).map_err(|e| anyhow::anyhow!("{}: {e}", config.data_dir.display()))?;
+    // Saves killed midway left hidden temporary directories: the old checkpoints are intact.
+    for path in crate::files::sweep_interrupted_writes(&config.data_dir)? {
+        eprintln!("oxrl serve: finished an interrupted save: {}", path.display());
+    }
     let store = Arc::new(Store::open(&config.data_dir.join("server.sqlite")).map_err(|e| anyhow::anyhow!(e.message))?);
     let api_keys = config.api_keys.as_deref().map(read_api_keys).transpose()?;
     Ok(Arc::new(AppState {
