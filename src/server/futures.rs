@@ -48,10 +48,10 @@ impl Futures {
         Futures { store, pending: Mutex::new(HashMap::new()), cancels: Mutex::new(HashMap::new()), long_poll }
     }
 
-    /// Registers a new pending future; returns its request id.
-    pub fn create(&self, model_id: Option<&str>, kind: &str) -> ApiResult<String> {
+    /// Registers a new pending future of the caller with `api_key`; returns its request id.
+    pub fn create(&self, model_id: Option<&str>, kind: &str, api_key: Option<&str>) -> ApiResult<String> {
         let id = new_id();
-        self.store.add_future(&id, model_id, kind)?;
+        self.store.add_future(&id, model_id, kind, api_key)?;
         lock(&self.pending).insert(id.clone(), Arc::new(Notify::new()));
         Ok(id)
     }

@@ -77,6 +77,29 @@ async fn check_api_key(State(state): State<Arc<AppState>>, req: Request, next: N
     next.run(req).await
 }
 
+/// With API keys, a future is the caller's if its key created it; another key's is a 404, as
+/// for sessions and models.
+fn check_future(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<()> {
+    if state.api_keys.is_some() && state.store.future_key(id)? != Some(api_key(headers)) {
+        return Err(ApiError::not_found(format!("no future `{id}`")));
+    }
+    Ok(())
+}
+
+/// Sampler `id`, if the caller may use it: a base model's (anyone), a checkpoint path's
+/// (whoever may read the checkpoint), a session's (`{session}:sample:{n}`: that session's key
+/// only, else a 404 as for models).
+fn usable_sampler(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<Arc<super::samplers::Sampler>> {
+    if let Some(path) = id.strip_prefix("path:") {
+        readable_checkpoint(state, headers, &CheckpointRef::parse(path)?)?;
+    } else if !id.starts_with("base:") {
+        let session = id.split(':').next().unwrap_or_default();
+        check_session(state, headers, session)
+            .map_err(|_| ApiError::not_found(format!("no sampling session `{id}`")))?;
+    }
+    state.samplers.get(id)
+}
+
 fn api_key(headers: &HeaderMap) -> Option<String> {
     headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(String::from)
 }
@@ -127,8 +150,9 @@ async fn dynamic_config() -> Json<Value> {
     Json(json!({"sample_cancel_enabled": true}))
 }
 
-async fn cancel_future(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Json<Value>> {
+async fn cancel_future(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::RetrieveFutureRequest = types::parse_json(&body, "cancel_future")?;
+    check_future(&state, &headers, &req.request_id)?;
     state.futures.cancel(&req.request_id)?;
     Ok(Json(json!({})))
 }
@@ -227,7 +251,7 @@ async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
         &serde_json::to_string(&lora).unwrap_or_default(),
         &metadata,
     )?;
-    let request_id = state.futures.create(Some(&model_id), "create_model")?;
+    let request_id = state.futures.create(Some(&model_id), "create_model", key.as_deref())?;
     let (st, rid) = (state.clone(), request_id.clone());
     tokio::spawn(async move {
         let result = tokio::task::spawn_blocking(build)
@@ -280,10 +304,10 @@ async fn run_fwdbwd(
     state.limits.train_tokens(req.data.iter().map(|d| d.input_tokens.len()).sum())?;
     let forward_only = req.forward_only || forward_path;
     let kind = if forward_only { "forward" } else { "forward_backward" };
-    let st = state.clone();
+    let (st, key) = (state.clone(), api_key(&headers));
     let model_id = model.id.clone();
     let request_id = state.models.submit(&model, req.seq_id, move || {
-        let request_id = st.futures.create(Some(&model_id), kind)?;
+        let request_id = st.futures.create(Some(&model_id), kind, key.as_deref())?;
         let rid = request_id.clone();
         let job: Job = Box::new(move |dispatch| {
             // A bad loss name or config fails this future, in its turn.
@@ -316,10 +340,10 @@ async fn optim_step(State(state): State<Arc<AppState>>, headers: HeaderMap, body
     let req: types::OptimStepRequest = types::parse_json(&body, "optim_step")?;
     let model = training_model(&state, &headers, &req.model_id)?;
     let params = req.adam_params.unwrap_or_default().to_params();
-    let st = state.clone();
+    let (st, key) = (state.clone(), api_key(&headers));
     let model_id = model.id.clone();
     let request_id = state.models.submit(&model, req.seq_id, move || {
-        let request_id = st.futures.create(Some(&model_id), "optim_step")?;
+        let request_id = st.futures.create(Some(&model_id), "optim_step", key.as_deref())?;
         let rid = request_id.clone();
         let job: Job = Box::new(move |dispatch| {
             if let Err(e) = params.validate() {
@@ -343,6 +367,7 @@ async fn optim_step(State(state): State<Arc<AppState>>, headers: HeaderMap, body
 async fn retrieve_future(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Response> {
     let req: types::RetrieveFutureRequest = types::parse_json(&body, "retrieve_future")?;
     let accept_proto = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains(PROTOBUF));
+    check_future(&state, &headers, &req.request_id)?;
     state.futures.retrieve(&req.request_id, accept_proto).await
 }
 
@@ -357,8 +382,10 @@ fn queue(
 ) -> ApiResult<Json<Value>> {
     let st = state.clone();
     let model_id = model.id.clone();
+    // The model's session's key: the caller's (training_model checked it).
+    let key = state.store.session_key(&model.session_id)?.flatten();
     let request_id = state.models.submit(model, seq_id, move || {
-        let request_id = st.futures.create(Some(&model_id), kind)?;
+        let request_id = st.futures.create(Some(&model_id), kind, key.as_deref())?;
         let rid = request_id.clone();
         let job: Job = Box::new(move |dispatch| work(st, dispatch, rid));
         Ok((request_id, job))
@@ -473,7 +500,7 @@ async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
             let after: super::models::AfterBuild = Box::new(move |d, id| load(d, id).wait());
             let build = state.models.register(&model_id, session_id, base.clone(), lora.clone(), Some(after))?;
             state.store.add_model(&model_id, session_id, &base.name, &row.lora_config, "")?;
-            let request_id = state.futures.create(Some(&model_id), "load_weights")?;
+            let request_id = state.futures.create(Some(&model_id), "load_weights", api_key(&headers).as_deref())?;
             let (st, rid, uri) = (state.clone(), request_id.clone(), c.uri());
             tokio::spawn(async move {
                 let result = tokio::task::spawn_blocking(build)
@@ -611,8 +638,12 @@ async fn create_sampling_session(
     Ok(Json(json!({"sampling_session_id": sampler.id, "type": "create_sampling_session"})))
 }
 
-async fn get_sampler(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    let s = state.samplers.get(&id)?;
+async fn get_sampler(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let s = usable_sampler(&state, &headers, &id)?;
     Ok(Json(json!({"sampler_id": s.id, "base_model": s.base.name, "model_path": s.model_path})))
 }
 
@@ -622,7 +653,7 @@ const MAX_TOPK: i64 = 1024;
 async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::SampleRequest = types::parse_json(&body, "asample")?;
     let sampler = match (&req.sampling_session_id, &req.model_path, &req.base_model) {
-        (Some(id), _, _) => state.samplers.get(id)?,
+        (Some(id), _, _) => usable_sampler(&state, &headers, id)?,
         (None, Some(path), _) => sampler_for_path(&state, &headers, &format!("path:{path}"), path).await?,
         (None, None, Some(base)) => sampler_for_base(&state, base).await?,
         _ => return Err(ApiError::user("asample: give `sampling_session_id`, `model_path` or `base_model`")),
@@ -670,7 +701,7 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
         sample_topk: topk.1,
         ..crate::rollout::Request::new(prompt, params)
     };
-    let request_id = state.futures.create(None, "sample")?;
+    let request_id = state.futures.create(None, "sample", api_key(&headers).as_deref())?;
     let handle = sampler.submit(request);
     state.futures.set_canceller(&request_id, handle.canceller());
     let (st, rid) = (state.clone(), request_id.clone());

@@ -57,7 +57,7 @@ pub struct ModelRow {
 }
 
 /// The layout of the tables below (`PRAGMA user_version`).
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 pub const RESTART_ERROR: &str =
     "the server restarted while this request was pending; its result is lost (submit it again)";
@@ -90,6 +90,10 @@ impl Store {
                 "ALTER TABLE checkpoints ADD COLUMN public INTEGER DEFAULT 0;
                  ALTER TABLE checkpoints ADD COLUMN expires_at REAL;",
             )?;
+        }
+        if version == 1 || version == 2 {
+            // Version 3 records the API key that created each future (only it may read or cancel it).
+            conn.execute_batch("ALTER TABLE futures ADD COLUMN api_key TEXT;")?;
         } else if version != 0 && version != SCHEMA_VERSION {
             return Err(ApiError::server(format!(
                 "{}: database schema version {version}, this server knows {SCHEMA_VERSION}",
@@ -107,7 +111,7 @@ impl Store {
                  user_metadata TEXT, created REAL);
              CREATE TABLE IF NOT EXISTS futures (
                  id TEXT PRIMARY KEY, model_id TEXT, kind TEXT, status TEXT, json TEXT, proto BLOB,
-                 error TEXT, category TEXT, created REAL, finished REAL);
+                 error TEXT, category TEXT, created REAL, finished REAL, api_key TEXT);
              CREATE TABLE IF NOT EXISTS checkpoints (
                  run_id TEXT, kind TEXT, name TEXT, path TEXT, created REAL, session_id TEXT,
                  base_model TEXT, lora_config TEXT, public INTEGER DEFAULT 0, expires_at REAL,
@@ -196,12 +200,22 @@ impl Store {
         Ok(())
     }
 
-    pub fn add_future(&self, id: &str, model_id: Option<&str>, kind: &str) -> ApiResult<()> {
+    pub fn add_future(&self, id: &str, model_id: Option<&str>, kind: &str, api_key: Option<&str>) -> ApiResult<()> {
         self.conn().execute(
-            "INSERT INTO futures (id, model_id, kind, status, created) VALUES (?1, ?2, ?3, 'pending', ?4)",
-            params![id, model_id, kind, now()],
+            "INSERT INTO futures (id, model_id, kind, status, created, api_key) VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
+            params![id, model_id, kind, now(), api_key],
         )?;
         Ok(())
+    }
+
+    /// The API key that created future `id` (`None`: no such future; `Some(None)`: no key).
+    pub fn future_key(&self, id: &str) -> ApiResult<Option<Option<String>>> {
+        let key = self.conn().query_row("SELECT api_key FROM futures WHERE id = ?1", params![id], |r| r.get(0));
+        match key {
+            Ok(k) => Ok(Some(k)),
+            Err(rusqlite::Error::QueryReturnedNoRows) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 
     pub fn finish_future(&self, id: &str, outcome: &StoredOutcome) -> ApiResult<()> {

@@ -358,9 +358,9 @@ fn pending_futures_fail_after_a_restart() {
     let path = dir.path().join("server.sqlite");
     {
         let store = Store::open(&path).unwrap();
-        store.add_future("done", None, "optim_step").unwrap();
+        store.add_future("done", None, "optim_step", Some("k1")).unwrap();
         store.finish_future("done", &StoredOutcome::Json(r#"{"metrics":{}}"#.into())).unwrap();
-        store.add_future("pending", Some("m"), "forward_backward").unwrap();
+        store.add_future("pending", Some("m"), "forward_backward", None).unwrap();
         assert!(store.future("pending").unwrap().is_none());
     } // the process "dies" here: nothing else is written
     let store = Store::open(&path).unwrap();
@@ -370,6 +370,31 @@ fn pending_futures_fail_after_a_restart() {
     }
     assert!(matches!(store.future("done").unwrap(), Some(StoredOutcome::Json(j)) if j.contains("metrics")));
     assert!(store.future("unknown").is_err());
+    assert_eq!(store.future_key("done").unwrap(), Some(Some("k1".to_string())));
+    assert_eq!(store.future_key("unknown").unwrap(), None);
+}
+
+/// A database of schema version 2 (before futures recorded their key) opens, its futures keyed
+/// by nobody (so no key reads them), new ones by their creator.
+#[test]
+fn a_version_2_database_is_migrated() {
+    use oxrl::server::store::Store;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("server.sqlite");
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE futures (id TEXT PRIMARY KEY, model_id TEXT, kind TEXT, status TEXT, json TEXT,
+                 proto BLOB, error TEXT, category TEXT, created REAL, finished REAL);
+             INSERT INTO futures (id, kind, status, json) VALUES ('old', 'sample', 'done', '{}');
+             PRAGMA user_version = 2;",
+        )
+        .unwrap();
+    }
+    let store = Store::open(&path).unwrap();
+    assert_eq!(store.future_key("old").unwrap(), Some(None));
+    store.add_future("new", None, "sample", Some("k2")).unwrap();
+    assert_eq!(store.future_key("new").unwrap(), Some(Some("k2".to_string())));
 }
 
 /// Requests past a limit (issue 25: a rank of 10⁶ or 4.6·10¹⁸, a million-token
@@ -497,4 +522,55 @@ fn a_training_run_lists_its_user_metadata() {
     assert_eq!(run.body["user_metadata"], json!({"renderer_name": "qwen3", "step": 7}));
     let all = request(port, "GET", "/api/v1/training_runs", Some("k1"), "");
     assert_eq!(all.body["training_runs"][0]["user_metadata"]["renderer_name"], "qwen3");
+}
+
+/// Samplers and futures belong to the key that made them (issue 25, item 15): another key's
+/// `asample` on them, `GET samplers/{id}`, `retrieve_future` and `cancel_future` are 404s, as
+/// for sessions and models; the owner goes on using them.
+#[test]
+fn samplers_and_futures_are_the_creating_keys_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let as_key = |key: &str, path: &str, body: Value| {
+        request(port, "POST", &format!("/api/v1/{path}"), Some(key), &body.to_string())
+    };
+    let session = as_key("k1", "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let s = as_key(
+        "k1",
+        "create_sampling_session",
+        json!({"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"}),
+    );
+    let sampler = s.body["sampling_session_id"].as_str().unwrap().to_string();
+    let sample = |key: &str| {
+        as_key(
+            key,
+            "asample",
+            json!({
+                "sampling_session_id": sampler, "seq_id": 0, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [104, 105]}]},
+                "sampling_params": {"max_tokens": 3, "temperature": 1.0, "stop": []}
+            }),
+        )
+    };
+    assert_eq!(sample("k2").status, 404, "k2 sampled with k1's sampler");
+    assert_eq!(request(port, "GET", &format!("/api/v1/samplers/{sampler}"), Some("k2"), "").status, 404);
+    assert_eq!(request(port, "GET", &format!("/api/v1/samplers/{sampler}"), Some("k1"), "").status, 200);
+    let r = sample("k1");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = r.body["request_id"].as_str().unwrap().to_string();
+    let future = json!({"request_id": id, "allow_metadata_only": false});
+    assert_eq!(as_key("k2", "retrieve_future", future.clone()).status, 404, "k2 read k1's result");
+    assert_eq!(as_key("k2", "cancel_future", json!({"request_id": id})).status, 404, "k2 cancelled k1's sample");
+    assert_eq!(result(port, &id)["sequences"].as_array().unwrap().len(), 1);
+    // The shared sampler of a base model is anyone's.
+    let base = as_key(
+        "k2",
+        "asample",
+        json!({
+            "base_model": "tiny", "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [104, 105]}]},
+            "sampling_params": {"max_tokens": 3, "temperature": 1.0, "stop": []}
+        }),
+    );
+    assert_eq!(base.status, 200, "{}", base.body);
 }
