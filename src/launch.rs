@@ -134,9 +134,10 @@ fn lora_config(model: &ModelSection) -> Option<LoraConfig> {
 /// `threads` tensor-math threads (default `launch.trainer_threads`, 0 = the cores shared among the
 /// ranks) and `launch.micro_batch_size` / `max_tokens_per_microbatch`. Engines: `launch.engines`
 /// engines on the base model, `launch.engine_threads` threads each, stopping at the tokenizer's
-/// EOS ids, batching up to `prompts_per_step × n_samples` rows (at least 64). Under `mpirun -np
-/// N` each process holds `launch.data_parallel` of the N × that many ranks and its own
-/// `launch.engines` engines (colocated), which sample its share of every step's groups.
+/// EOS ids, batching up to `prompts_per_step × n_samples` rows (at least 64) — or, with
+/// `launch.remote_engines`, the `oxrl engine` servers at those URLs. Under `mpirun -np N` each
+/// process holds `launch.data_parallel` of the N × that many ranks and its own engines
+/// (colocated), which sample its share of every step's groups.
 pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, EngineClient)> {
     let l = &cfg.launch;
     let dp = l.data_parallel.max(1);

@@ -92,8 +92,16 @@ impl Store {
             )?;
         }
         if version == 1 || version == 2 {
-            // Version 3 records the API key that created each future (only it may read or cancel it).
-            conn.execute_batch("ALTER TABLE futures ADD COLUMN api_key TEXT;")?;
+            // Version 3 records the API key that created each future (only it may read or cancel
+            // it); a database without the table gets it whole below.
+            let has_futures: i64 = conn.query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'futures'",
+                [],
+                |r| r.get(0),
+            )?;
+            if has_futures > 0 {
+                conn.execute_batch("ALTER TABLE futures ADD COLUMN api_key TEXT;")?;
+            }
         } else if version != 0 && version != SCHEMA_VERSION {
             return Err(ApiError::server(format!(
                 "{}: database schema version {version}, this server knows {SCHEMA_VERSION}",
