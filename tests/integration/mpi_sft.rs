@@ -167,3 +167,28 @@ fn a_killed_process_ends_the_run_naming_it() {
     let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("rank 1"), "the error does not name the killed process: {text}");
 }
+
+/// Processes started on different configs (here: another `train.max_steps` for process 1) are
+/// refused at start, naming the process that differs.
+#[test]
+fn processes_on_different_configs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), 3);
+    // mpirun's MPMD form: one command per process, after the first mpirun's own options.
+    let first = mpirun(1, &config, &["output.run_dir=\"run\""]);
+    let mut args: Vec<std::ffi::OsString> = first.get_args().map(|a| a.to_os_string()).collect();
+    args.extend([":", "-np", "1", env!("CARGO_BIN_EXE_oxrl"), "--threads", "1", "sft", "--config"].map(Into::into));
+    args.extend([config.as_os_str().to_os_string(), "--set".into(), "output.run_dir=\"run\"".into()]);
+    args.extend(["--set".into(), "train.max_steps=4".into()]);
+    let mut c = Command::new("mpirun");
+    c.args(&args).current_dir(dir.path());
+    for (k, v) in first.get_envs() {
+        if let Some(v) = v {
+            c.env(k, v);
+        }
+    }
+    let out = c.output().unwrap();
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("differ from process 0") && text.contains("process 1"), "{text}");
+}
