@@ -569,6 +569,11 @@ async fn save_weights_for_sampler(
                         expires_at,
                     };
                     st.store.add_checkpoint(&c, &row)?;
+                    // Samplers made from an older save under this name take the new weights.
+                    let (st2, uri) = (st.clone(), c.uri());
+                    tokio::task::spawn_blocking(move || st2.samplers.checkpoint_changed(&uri, Some(&dir)))
+                        .await
+                        .map_err(|e| ApiError::server(format!("reloading its samplers failed: {e}")))??;
                     return Ok(json!({"path": c.uri(), "type": "save_weights_for_sampler"}));
                 }
                 let id = sampler_id.unwrap_or_default();
@@ -926,6 +931,7 @@ async fn delete_checkpoint(
     let c = CheckpointRef::new(&run, Kind::parse(&segment)?, &name)?;
     let row = find_checkpoint(&state, &headers, &c)?;
     state.store.delete_checkpoint(&c)?;
+    state.samplers.checkpoint_changed(&c.uri(), None)?;
     // The registry entry goes first: a crash in between leaves an orphan directory, never a
     // listed checkpoint without files.
     let dir = c.dir(&state.data_dir);

@@ -125,6 +125,26 @@ impl Samplers {
 }
 
 impl Samplers {
+    /// Checkpoint `uri` was written anew (`Some(dir)`: its adapter is reloaded from `dir` into
+    /// every sampler made from it, blocking) or deleted (`None`: those samplers are dropped, and
+    /// later requests to them are unknown ids). Without this a sampler would go on serving the
+    /// old weights under the checkpoint's name.
+    pub fn checkpoint_changed(&self, uri: &str, dir: Option<&Path>) -> crate::Result<()> {
+        let from_it: Vec<Arc<Sampler>> =
+            lock(&self.samplers).values().filter(|s| s.model_path.as_deref() == Some(uri)).cloned().collect();
+        for s in from_it {
+            match dir {
+                Some(dir) if s.has_adapter => {
+                    let model = s.engine.inspect(|m| m.clone()).wait()?;
+                    s.engine.add_adapter(&s.id, Arc::new(Adapter::load_peft(&model, dir)?)).wait()?;
+                }
+                Some(_) => {}
+                None => drop(lock(&self.samplers).remove(&s.id)),
+            }
+        }
+        Ok(())
+    }
+
     /// The ids of session `session_id`'s sampling sessions, sorted.
     pub fn session_ids(&self, session_id: &str) -> Vec<String> {
         let prefix = format!("{session_id}:sample:");

@@ -574,3 +574,74 @@ fn samplers_and_futures_are_the_creating_keys_alone() {
     );
     assert_eq!(base.status, 200, "{}", base.body);
 }
+
+/// A sampler made from a named sampler checkpoint follows it (issue 25, item 12): saved again
+/// under the same name, the sampler serves the new weights (the prompt log-probs of a sampler
+/// made afresh from the path); deleted, the sampler is gone (404).
+#[test]
+fn a_sampler_follows_its_checkpoint_when_it_is_saved_again_or_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let lora = json!({"rank": 4, "train_attn": true, "train_mlp": true, "train_unembed": true});
+    let r = post(
+        port,
+        "create_model",
+        json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
+    );
+    result(port, r.body["request_id"].as_str().unwrap());
+    let model_id = format!("{session}:train:0");
+    let mut seq = 0;
+    let mut step = |body: Value, path: &str| {
+        seq += 1;
+        let mut body = body;
+        body["model_id"] = json!(model_id);
+        body["seq_id"] = json!(seq);
+        let r = post(port, path, body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        result(port, r.body["request_id"].as_str().unwrap())
+    };
+    let save = json!({"path": "s"});
+    let path = step(save.clone(), "save_weights_for_sampler")["path"].as_str().unwrap().to_string();
+    let sampler_from = |seq: u64| {
+        let body = json!({"session_id": session, "sampling_session_seq_id": seq, "model_path": path});
+        post(port, "create_sampling_session", body).body["sampling_session_id"].as_str().unwrap().to_string()
+    };
+    let prompt_logprobs = |sampler: &str| -> Reply {
+        post(
+            port,
+            "asample",
+            json!({
+                "sampling_session_id": sampler, "seq_id": 0, "num_samples": 1, "prompt_logprobs": true,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [104, 101, 108, 108, 111]}]},
+                "sampling_params": {"max_tokens": 1, "temperature": 1.0, "stop": []}
+            }),
+        )
+    };
+    let lps = |r: Reply| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        result(port, r.body["request_id"].as_str().unwrap())["prompt_logprobs"].clone()
+    };
+    let old = sampler_from(0);
+    let before = lps(prompt_logprobs(&old));
+    // Train a step with a large learning rate, then save again under the same name.
+    let mut fb = fwdbwd_body("", 0, "cross_entropy");
+    let fb = fb["forward_backward_input"].take();
+    step(json!({"forward_backward_input": fb}), "forward_backward");
+    step(json!({"adam_params": {"learning_rate": 0.5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}}), "optim_step");
+    step(save, "save_weights_for_sampler");
+    let after = lps(prompt_logprobs(&old));
+    assert_ne!(after, before, "the sampler still serves the overwritten checkpoint");
+    assert_eq!(after, lps(prompt_logprobs(&sampler_from(1))), "not the weights saved last");
+    // Deleted: the samplers made from it are gone.
+    let (run, name) = (model_id.clone(), "s");
+    let r = request(
+        port,
+        "DELETE",
+        &format!("/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}"),
+        Some("k1"),
+        "",
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(prompt_logprobs(&old).status, 404);
+}
