@@ -89,9 +89,49 @@ impl CheckpointRef {
     }
 }
 
+/// `text` without the server's own paths: a checkpoint's directory (or a file in it) becomes
+/// its `tinker://` path, anything else under the data dir `<data dir>/…` (error messages reach
+/// every client; the server's file system is none of their business).
+pub fn redact(text: &str, data_dir: &Path) -> String {
+    let root = data_dir.display().to_string();
+    if root.is_empty() || !text.contains(&root) {
+        return text.to_string();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(&root) {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + root.len()..];
+        // The path runs to the first character that cannot be in one of ours.
+        let end = after.find(|c: char| c.is_whitespace() || "`'\"(),;".contains(c)).unwrap_or(after.len());
+        // A colon ends the path when prose follows it ("…/f.safetensors: cannot read"); run ids
+        // hold colons too, but never end with one.
+        let end = after[..end].trim_end_matches(':').len();
+        let segments: Vec<&str> = after[..end].split('/').filter(|s| !s.is_empty()).collect();
+        match segments.as_slice() {
+            ["checkpoints", run, kind, name, ..] => out.push_str(&format!("{SCHEME}{run}/{kind}/{name}")),
+            _ => out.push_str("<data dir>"),
+        }
+        if !matches!(segments.as_slice(), ["checkpoints", _, _, _, ..]) {
+            out.push_str(&after[..end]);
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_texts_name_checkpoints_not_server_paths() {
+        let data = Path::new("/srv/oxrl/data");
+        let text = "/srv/oxrl/data/checkpoints/s:train:0/weights/step-1/adapter_model.safetensors: cannot read (`/srv/oxrl/data/ephemeral/x` too)";
+        assert_eq!(redact(text, data), "tinker://s:train:0/weights/step-1: cannot read (`<data dir>/ephemeral/x` too)");
+        assert_eq!(redact("nothing here", data), "nothing here");
+    }
 
     #[test]
     fn names_cannot_escape() {

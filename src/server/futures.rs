@@ -26,6 +26,8 @@ pub const PROTOBUF: &str = "application/x-protobuf";
 
 pub struct Futures {
     store: Arc<Store>,
+    /// Error messages are stored without paths under it ([`super::checkpoints::redact`]).
+    data_dir: std::path::PathBuf,
     pending: Mutex<HashMap<String, Arc<Notify>>>,
     /// Cancel hooks of pending cancellable futures.
     cancels: Mutex<HashMap<String, Canceller>>,
@@ -44,8 +46,8 @@ pub fn new_id() -> String {
 }
 
 impl Futures {
-    pub fn new(store: Arc<Store>, long_poll: Duration) -> Self {
-        Futures { store, pending: Mutex::new(HashMap::new()), cancels: Mutex::new(HashMap::new()), long_poll }
+    pub fn new(store: Arc<Store>, long_poll: Duration, data_dir: std::path::PathBuf) -> Self {
+        Futures { store, data_dir, pending: Mutex::new(HashMap::new()), cancels: Mutex::new(HashMap::new()), long_poll }
     }
 
     /// Registers a new pending future of the caller with `api_key`; returns its request id.
@@ -80,6 +82,12 @@ impl Futures {
 
     /// Records the outcome and wakes the pollers.
     pub fn complete(&self, id: &str, outcome: StoredOutcome) {
+        let outcome = match outcome {
+            StoredOutcome::Error { message, category } => {
+                StoredOutcome::Error { message: super::checkpoints::redact(&message, &self.data_dir), category }
+            }
+            other => other,
+        };
         if let Err(e) = self.store.finish_future(id, &outcome) {
             // The outcome cannot be stored: report that instead (best effort).
             let _ =

@@ -105,7 +105,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
         served,
         models: Arc::new(Models::new(config.threads)),
         samplers: samplers::Samplers::default(),
-        futures: futures::Futures::new(store.clone(), config.long_poll),
+        futures: futures::Futures::new(store.clone(), config.long_poll, config.data_dir.clone()),
         store,
         api_keys,
         body_limit: config.body_limit,

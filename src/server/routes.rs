@@ -59,6 +59,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .nest("/api/v1", api)
         .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(middleware::from_fn_with_state(state.clone(), redact_errors))
         .layer(middleware::from_fn_with_state(state.clone(), check_api_key))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .with_state(state)
@@ -98,6 +99,23 @@ fn usable_sampler(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<
             .map_err(|_| ApiError::not_found(format!("no sampling session `{id}`")))?;
     }
     state.samplers.get(id)
+}
+
+/// Error answers name checkpoints by their `tinker://` paths, never by the server's.
+async fn redact_errors(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let response = next.run(req).await;
+    if response.status().is_success() {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH); // the text changes length
+    match axum::body::to_bytes(body, 1 << 20).await {
+        Ok(bytes) => {
+            let text = super::checkpoints::redact(&String::from_utf8_lossy(&bytes), &state.data_dir);
+            Response::from_parts(parts, axum::body::Body::from(text))
+        }
+        Err(_) => Response::from_parts(parts, axum::body::Body::empty()),
+    }
 }
 
 fn api_key(headers: &HeaderMap) -> Option<String> {

@@ -645,3 +645,35 @@ fn a_sampler_follows_its_checkpoint_when_it_is_saved_again_or_deleted() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(prompt_logprobs(&old).status, 404);
 }
+
+/// Errors name checkpoints by their `tinker://` paths, never by the server's directories
+/// (issue 25, item 11): a checkpoint whose files were removed behind the server's back.
+#[test]
+fn errors_name_checkpoints_not_server_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
+    let r = post(
+        port,
+        "create_model",
+        json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
+    );
+    result(port, r.body["request_id"].as_str().unwrap());
+    let model_id = format!("{session}:train:0");
+    let r = post(port, "save_weights_for_sampler", json!({"model_id": model_id, "seq_id": 1, "path": "s"}));
+    let path = result(port, r.body["request_id"].as_str().unwrap())["path"].as_str().unwrap().to_string();
+    let files = dir.path().join("data/checkpoints").join(&model_id).join("sampler_weights/s");
+    for f in std::fs::read_dir(&files).unwrap() {
+        std::fs::remove_file(f.unwrap().path()).unwrap();
+    }
+    let r = post(
+        port,
+        "create_sampling_session",
+        json!({"session_id": session, "sampling_session_seq_id": 0, "model_path": path}),
+    );
+    assert!(r.status >= 400, "{}", r.body);
+    let text = r.body.to_string();
+    assert!(!text.contains(&dir.path().display().to_string()), "the error shows a server path: {text}");
+    assert!(text.contains(&path), "the error does not name the checkpoint: {text}");
+}
