@@ -262,10 +262,12 @@ async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     let alive = state.models.sessions().iter().filter(|s| mine(s)).count();
     state.limits.models_per_key(alive)?;
     let build = state.models.register(&model_id, &req.session_id, base.clone(), lora.clone(), None)?;
+    // The run reports `base_model` as the client named it (a served name or the path given to
+    // --model: cookbook code compares the two).
     state.store.add_model(
         &model_id,
         &req.session_id,
-        &base.name,
+        &req.base_model,
         &serde_json::to_string(&lora).unwrap_or_default(),
         &metadata,
     )?;

@@ -522,6 +522,13 @@ fn a_training_run_lists_its_user_metadata() {
     assert_eq!(run.body["user_metadata"], json!({"renderer_name": "qwen3", "step": 7}));
     let all = request(port, "GET", "/api/v1/training_runs", Some("k1"), "");
     assert_eq!(all.body["training_runs"][0]["user_metadata"]["renderer_name"], "qwen3");
+    assert_eq!(run.body["base_model"], "tiny");
+    // Created with the path given to --model: the run reports that path (item 4).
+    let path = dir.path().join("tiny").display().to_string();
+    let body = json!({"session_id": session, "model_seq_id": 1, "base_model": path, "lora_config": lora});
+    assert_eq!(post(port, "create_model", body).status, 200);
+    let run = request(port, "GET", &format!("/api/v1/training_runs/{session}:train:1"), Some("k1"), "");
+    assert_eq!(run.body["base_model"], path.as_str());
 }
 
 /// Samplers and futures belong to the key that made them (issue 25, item 15): another key's
