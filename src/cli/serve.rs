@@ -45,6 +45,9 @@ pub struct Args {
     /// Training models alive per API key.
     #[arg(long, default_value_t = Limits::default().max_models_per_key)]
     pub max_models_per_key: usize,
+    /// On SIGTERM or Ctrl-C, seconds to wait for the requests in flight to finish.
+    #[arg(long, default_value_t = 30)]
+    pub drain_s: u64,
 }
 
 pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
@@ -58,6 +61,7 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
         body_limit: args.max_body_mib << 20,
         long_poll: Duration::from_secs(30),
         session_timeout: Duration::from_secs(args.session_timeout_s),
+        drain: Duration::from_secs(args.drain_s),
         limits: Limits {
             max_lora_rank: args.max_lora_rank,
             max_train_tokens: args.max_train_tokens,

@@ -58,6 +58,11 @@ impl Futures {
         Ok(id)
     }
 
+    /// How many futures are still pending.
+    pub fn pending(&self) -> usize {
+        lock(&self.pending).len()
+    }
+
     /// Makes pending future `id` cancellable with `cancel` (which must make it complete soon).
     pub fn set_canceller(&self, id: &str, cancel: Option<Canceller>) {
         if let Some(c) = cancel {

@@ -62,6 +62,9 @@ pub struct ServerConfig {
     pub session_timeout: Duration,
     /// What one request or API key may ask for.
     pub limits: limits::Limits,
+    /// On SIGTERM or Ctrl-C: stop accepting, and wait this long at most for the work in flight
+    /// to finish and its results to be stored (retrievable after a restart).
+    pub drain: Duration,
 }
 
 /// What every handler shares.
@@ -127,9 +130,39 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
         eprintln!("oxrl serve: listening on http://{local} (models: {})", names.join(", "));
         spawn_session_reaper(state.clone());
-        axum::serve(listener, routes::router(state)).await?;
+        axum::serve(listener, routes::router(state.clone())).with_graceful_shutdown(stop_signal()).await?;
+        drain(&state, config.drain).await;
         Ok(())
     })
+}
+
+/// SIGTERM (what service managers and `kill` send) or Ctrl-C.
+async fn stop_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+/// After the listener closed: waits up to `limit` for the pending futures to complete (their
+/// outcomes reach the database), then returns; what is still pending then is failed as after a
+/// crash when the server next starts.
+async fn drain(state: &AppState, limit: Duration) {
+    let start = tokio::time::Instant::now();
+    let pending = state.futures.pending();
+    eprintln!("oxrl serve: stopping; {pending} requests in flight (waiting up to {} s)", limit.as_secs());
+    while state.futures.pending() > 0 && start.elapsed() < limit {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left = state.futures.pending();
+    eprintln!("oxrl serve: stopped after {:.1} s, {left} requests unfinished", start.elapsed().as_secs_f64());
 }
 
 /// Finishes sessions whose heartbeats stopped (see [`ServerConfig::session_timeout`]), freeing

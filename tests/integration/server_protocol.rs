@@ -83,6 +83,7 @@ fn serve_limited(
         long_poll,
         session_timeout: Duration::from_millis(1500),
         limits,
+        drain: Duration::from_secs(5),
     };
     let state = state(&config).unwrap();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -683,4 +684,64 @@ fn errors_name_checkpoints_not_server_paths() {
     let text = r.body.to_string();
     assert!(!text.contains(&dir.path().display().to_string()), "the error shows a server path: {text}");
     assert!(text.contains(&path), "the error does not name the checkpoint: {text}");
+}
+
+/// `oxrl serve` stopped by SIGTERM finishes the work in flight before it exits (issue 25, item
+/// 18): a long sample submitted just before is complete, and retrievable, after a restart.
+#[test]
+fn sigterm_drains_the_work_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    common::tiny_byte_model(&dir.path().join("tiny"), 32, 4096, 3);
+    let start = || {
+        let mut child = common::oxrl_command()
+            .arg("serve")
+            .arg("--model")
+            .arg(dir.path().join("tiny"))
+            .args(["--port", "0", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stderr.take().unwrap()));
+        let port: u16 = loop {
+            let line = lines.next().expect("oxrl serve ended before listening").unwrap();
+            if let Some(rest) = line.split("listening on http://127.0.0.1:").nth(1) {
+                break rest.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        };
+        (child, port, std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>()))
+    };
+    let (mut child, port, log) = start();
+    let call =
+        |port: u16, path: &str, body: Value| request(port, "POST", &format!("/api/v1/{path}"), None, &body.to_string());
+    let session = call(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let s = call(
+        port,
+        "create_sampling_session",
+        json!({"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"}),
+    );
+    let sampler = s.body["sampling_session_id"].as_str().unwrap().to_string();
+    let r = call(
+        port,
+        "asample",
+        json!({
+            "sampling_session_id": sampler, "seq_id": 0, "num_samples": 32,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [104, 105]}]},
+            "sampling_params": {"max_tokens": 1500, "temperature": 1.0, "stop": []}
+        }),
+    );
+    let id = r.body["request_id"].as_str().unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(100));
+    let sent = std::time::Instant::now();
+    assert!(std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(child.wait().unwrap().success());
+    let log = log.join().unwrap().join("\n");
+    assert!(log.contains("1 requests in flight") && log.contains("0 requests unfinished"), "{log}");
+    assert!(sent.elapsed() < Duration::from_secs(30));
+    let (mut child, port, _) = start();
+    let r = call(port, "retrieve_future", json!({"request_id": id, "allow_metadata_only": false}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body["sequences"].as_array().map(Vec::len), Some(32), "{}", r.body);
+    child.kill().unwrap();
+    child.wait().unwrap();
 }
