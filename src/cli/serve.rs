@@ -45,6 +45,12 @@ pub struct Args {
     /// Training models alive per API key.
     #[arg(long, default_value_t = Limits::default().max_models_per_key)]
     pub max_models_per_key: usize,
+    /// Connections open at once; more wait for a free one.
+    #[arg(long, default_value_t = Limits::default().max_connections)]
+    pub max_connections: usize,
+    /// Seconds a connection may send nothing while the server waits to read from it.
+    #[arg(long, default_value_t = Limits::default().idle_timeout_s)]
+    pub idle_timeout_s: u64,
     /// On SIGTERM or Ctrl-C, seconds to wait for the requests in flight to finish.
     #[arg(long, default_value_t = 30)]
     pub drain_s: u64,
@@ -69,6 +75,8 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
             max_sample_values: args.max_sample_values,
             max_metadata_bytes: args.max_metadata_bytes,
             max_models_per_key: args.max_models_per_key,
+            max_connections: args.max_connections,
+            idle_timeout_s: args.idle_timeout_s,
         },
     })
 }

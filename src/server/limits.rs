@@ -21,6 +21,11 @@ pub struct Limits {
     pub max_metadata_bytes: usize,
     /// Training models alive per API key (`--max-models-per-key`). Default 32.
     pub max_models_per_key: usize,
+    /// Connections open at once (`--max-connections`); more wait for a free one. Default 512.
+    pub max_connections: usize,
+    /// Seconds a connection may send nothing while the server waits to read from it
+    /// (`--idle-timeout-s`; more than the 30 s long poll). Default 60.
+    pub idle_timeout_s: u64,
 }
 
 impl Default for Limits {
@@ -32,6 +37,8 @@ impl Default for Limits {
             max_sample_values: 1 << 22,
             max_metadata_bytes: 65_536,
             max_models_per_key: 32,
+            max_connections: 512,
+            idle_timeout_s: 60,
         }
     }
 }

@@ -22,6 +22,7 @@
 //! paths), [`errors`].
 
 pub mod checkpoints;
+pub mod connections;
 pub mod errors;
 pub mod futures;
 pub mod limits;
@@ -130,10 +131,21 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
         eprintln!("oxrl serve: listening on http://{local} (models: {})", names.join(", "));
         spawn_session_reaper(state.clone());
-        axum::serve(listener, routes::router(state.clone())).with_graceful_shutdown(stop_signal()).await?;
+        serve(listener, state.clone()).with_graceful_shutdown(stop_signal()).await?;
         drain(&state, config.drain).await;
         Ok(())
     })
+}
+
+/// The server on `listener`, its connections bounded by the state's limits (see
+/// [`connections`]); await it (or add a graceful shutdown) on a tokio runtime.
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+) -> axum::serve::Serve<connections::BoundedListener, axum::Router, axum::Router> {
+    let l = &state.limits;
+    let bounded = connections::BoundedListener::new(listener, l.max_connections, Duration::from_secs(l.idle_timeout_s));
+    axum::serve(bounded, routes::router(state))
 }
 
 /// SIGTERM (what service managers and `kill` send) or Ctrl-C.

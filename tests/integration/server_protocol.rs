@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use oxrl::server::{routes, state, ServerConfig};
+use oxrl::server::{state, ServerConfig};
 use serde_json::{json, Value};
 
 struct Reply {
@@ -94,7 +94,7 @@ fn serve_limited(
         rt.block_on(async move {
             oxrl::server::spawn_session_reaper(state.clone());
             let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            axum::serve(listener, routes::router(state)).await.unwrap();
+            oxrl::server::serve(listener, state).await.unwrap();
         });
     });
     port
@@ -744,4 +744,30 @@ fn sigterm_drains_the_work_in_flight() {
     assert_eq!(r.body["sequences"].as_array().map(Vec::len), Some(32), "{}", r.body);
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// Connections that never finish their headers (issue 25, item 10) hold a connection slot for
+/// the idle timeout at most: with 40 of them open against a cap of 8, a health check still gets
+/// its answer, and a stalled connection is closed by the server.
+#[test]
+fn stalled_connections_cannot_starve_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = oxrl::server::limits::Limits { max_connections: 8, idle_timeout_s: 1, ..Default::default() };
+    let port = serve_limited(dir.path(), Duration::from_millis(300), 64, limits);
+    let stalled: Vec<TcpStream> = (0..40)
+        .map(|_| {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let _ = s.write_all(b"GET /api/v1/heal");
+            s
+        })
+        .collect();
+    let t = std::time::Instant::now();
+    assert_eq!(request(port, "GET", "/api/v1/healthz", None, "").status, 200);
+    assert!(t.elapsed() < Duration::from_secs(15), "the health check waited {:?}", t.elapsed());
+    let mut first = &stalled[0];
+    first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 64];
+    let closed =
+        matches!(first.read(&mut buf), Ok(0) | Err(_)) || String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 4");
+    assert!(closed, "a stalled connection was never closed");
 }
