@@ -80,6 +80,16 @@ fn checkpoint_row(r: &rusqlite::Row, first: usize) -> rusqlite::Result<Checkpoin
     })
 }
 
+/// Runs a database call: on a worker of a multi-threaded tokio runtime the worker is handed
+/// over for the call ([`tokio::task::block_in_place`]), so a slow query never stalls the HTTP
+/// loop; elsewhere (blocking threads, tests, start-up) it simply runs.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 impl Store {
     pub fn open(path: &Path) -> ApiResult<Store> {
         let conn = Connection::open(path).map_err(|e| ApiError::server(format!("{}: {e}", path.display())))?;
@@ -146,50 +156,62 @@ impl Store {
         user_metadata: &str,
         sdk_version: Option<&str>,
     ) -> ApiResult<()> {
-        let t = now();
-        self.conn().execute(
-            "INSERT INTO sessions (id, api_key, tags, user_metadata, sdk_version, created, last_heartbeat)
+        blocking(|| {
+            let t = now();
+            self.conn().execute(
+                "INSERT INTO sessions (id, api_key, tags, user_metadata, sdk_version, created, last_heartbeat)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
-            params![id, api_key, tags, user_metadata, sdk_version, t],
-        )?;
-        Ok(())
+                params![id, api_key, tags, user_metadata, sdk_version, t],
+            )?;
+            Ok(())
+        })
     }
 
     /// The API key that created session `id` (`Some(None)`: created without one); `None` if
     /// there is no such session.
     pub fn session_key(&self, id: &str) -> ApiResult<Option<Option<String>>> {
-        Ok(self
-            .conn()
-            .query_row("SELECT api_key FROM sessions WHERE id = ?1", params![id], |r| r.get::<_, Option<String>>(0))
-            .optional()?)
+        blocking(|| {
+            Ok(self
+                .conn()
+                .query_row("SELECT api_key FROM sessions WHERE id = ?1", params![id], |r| r.get::<_, Option<String>>(0))
+                .optional()?)
+        })
     }
 
     /// Every session, oldest first: (id, its API key, its user metadata as JSON).
     pub fn sessions(&self) -> ApiResult<Vec<(String, Option<String>, String)>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare("SELECT id, api_key, user_metadata FROM sessions ORDER BY created, id")?;
-        let rows =
-            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, Option<String>>(2)?.unwrap_or_default())))?;
-        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        blocking(|| {
+            let conn = self.conn();
+            let mut stmt = conn.prepare("SELECT id, api_key, user_metadata FROM sessions ORDER BY created, id")?;
+            let rows =
+                stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, Option<String>>(2)?.unwrap_or_default())))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
     }
 
     pub fn heartbeat(&self, id: &str) -> ApiResult<bool> {
-        let n = self.conn().execute("UPDATE sessions SET last_heartbeat = ?1 WHERE id = ?2", params![now(), id])?;
-        Ok(n == 1)
+        blocking(|| {
+            let n = self.conn().execute("UPDATE sessions SET last_heartbeat = ?1 WHERE id = ?2", params![now(), id])?;
+            Ok(n == 1)
+        })
     }
 
     /// Whether session `id` has finished (by request or for want of heartbeats).
     pub fn session_finished(&self, id: &str) -> ApiResult<bool> {
-        let finished = self
-            .conn()
-            .query_row("SELECT finished FROM sessions WHERE id = ?1", params![id], |r| r.get::<_, Option<bool>>(0))
-            .optional()?;
-        Ok(finished.flatten().unwrap_or(false))
+        blocking(|| {
+            let finished = self
+                .conn()
+                .query_row("SELECT finished FROM sessions WHERE id = ?1", params![id], |r| r.get::<_, Option<bool>>(0))
+                .optional()?;
+            Ok(finished.flatten().unwrap_or(false))
+        })
     }
 
     pub fn finish_session(&self, id: &str) -> ApiResult<bool> {
-        let n = self.conn().execute("UPDATE sessions SET finished = 1 WHERE id = ?1", params![id])?;
-        Ok(n == 1)
+        blocking(|| {
+            let n = self.conn().execute("UPDATE sessions SET finished = 1 WHERE id = ?1", params![id])?;
+            Ok(n == 1)
+        })
     }
 
     pub fn add_model(
@@ -200,199 +222,227 @@ impl Store {
         lora_config: &str,
         user_metadata: &str,
     ) -> ApiResult<()> {
-        self.conn().execute(
-            "INSERT OR REPLACE INTO models (id, session_id, base_model, lora_config, user_metadata, created)
+        blocking(|| {
+            self.conn().execute(
+                "INSERT OR REPLACE INTO models (id, session_id, base_model, lora_config, user_metadata, created)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![id, session_id, base_model, lora_config, user_metadata, now()],
-        )?;
-        Ok(())
+                params![id, session_id, base_model, lora_config, user_metadata, now()],
+            )?;
+            Ok(())
+        })
     }
 
     pub fn add_future(&self, id: &str, model_id: Option<&str>, kind: &str, api_key: Option<&str>) -> ApiResult<()> {
-        self.conn().execute(
+        blocking(|| {
+            self.conn().execute(
             "INSERT INTO futures (id, model_id, kind, status, created, api_key) VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
             params![id, model_id, kind, now(), api_key],
         )?;
-        Ok(())
+            Ok(())
+        })
     }
 
     /// The API key that created future `id` (`None`: no such future; `Some(None)`: no key).
     pub fn future_key(&self, id: &str) -> ApiResult<Option<Option<String>>> {
-        let key = self.conn().query_row("SELECT api_key FROM futures WHERE id = ?1", params![id], |r| r.get(0));
-        match key {
-            Ok(k) => Ok(Some(k)),
-            Err(rusqlite::Error::QueryReturnedNoRows) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        blocking(|| {
+            let key = self.conn().query_row("SELECT api_key FROM futures WHERE id = ?1", params![id], |r| r.get(0));
+            match key {
+                Ok(k) => Ok(Some(k)),
+                Err(rusqlite::Error::QueryReturnedNoRows) => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        })
     }
 
     pub fn finish_future(&self, id: &str, outcome: &StoredOutcome) -> ApiResult<()> {
-        let conn = self.conn();
-        let t = now();
-        match outcome {
-            StoredOutcome::Json(json) => conn.execute(
-                "UPDATE futures SET status = 'done', json = ?1, finished = ?2 WHERE id = ?3",
-                params![json, t, id],
-            )?,
-            StoredOutcome::Proto { proto, json } => conn.execute(
-                "UPDATE futures SET status = 'done', json = ?1, proto = ?2, finished = ?3 WHERE id = ?4",
-                params![json, proto, t, id],
-            )?,
-            StoredOutcome::Error { message, category } => conn.execute(
-                "UPDATE futures SET status = 'failed', error = ?1, category = ?2, finished = ?3 WHERE id = ?4",
-                params![message, category.as_str(), t, id],
-            )?,
-        };
-        Ok(())
+        blocking(|| {
+            let conn = self.conn();
+            let t = now();
+            match outcome {
+                StoredOutcome::Json(json) => conn.execute(
+                    "UPDATE futures SET status = 'done', json = ?1, finished = ?2 WHERE id = ?3",
+                    params![json, t, id],
+                )?,
+                StoredOutcome::Proto { proto, json } => conn.execute(
+                    "UPDATE futures SET status = 'done', json = ?1, proto = ?2, finished = ?3 WHERE id = ?4",
+                    params![json, proto, t, id],
+                )?,
+                StoredOutcome::Error { message, category } => conn.execute(
+                    "UPDATE futures SET status = 'failed', error = ?1, category = ?2, finished = ?3 WHERE id = ?4",
+                    params![message, category.as_str(), t, id],
+                )?,
+            };
+            Ok(())
+        })
     }
 
     /// A finished future's outcome; `Ok(None)` while pending; an error if unknown.
     pub fn future(&self, id: &str) -> ApiResult<Option<StoredOutcome>> {
-        let row = self
-            .conn()
-            .query_row("SELECT status, json, proto, error, category FROM futures WHERE id = ?1", params![id], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, Option<String>>(1)?,
-                    r.get::<_, Option<Vec<u8>>>(2)?,
-                    r.get::<_, Option<String>>(3)?,
-                    r.get::<_, Option<String>>(4)?,
-                ))
+        blocking(|| {
+            let row = self
+                .conn()
+                .query_row("SELECT status, json, proto, error, category FROM futures WHERE id = ?1", params![id], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, Option<String>>(1)?,
+                        r.get::<_, Option<Vec<u8>>>(2)?,
+                        r.get::<_, Option<String>>(3)?,
+                        r.get::<_, Option<String>>(4)?,
+                    ))
+                })
+                .optional()?;
+            let (status, json, proto, error, category) =
+                row.ok_or_else(|| ApiError::not_found(format!("no request `{id}`")))?;
+            Ok(match status.as_str() {
+                "pending" => None,
+                "failed" => Some(StoredOutcome::Error {
+                    message: error.unwrap_or_default(),
+                    category: Category::parse(category.as_deref().unwrap_or("server")),
+                }),
+                _ => match proto {
+                    Some(proto) => Some(StoredOutcome::Proto { proto, json: json.unwrap_or_else(|| "{}".into()) }),
+                    None => Some(StoredOutcome::Json(json.unwrap_or_else(|| "{}".into()))),
+                },
             })
-            .optional()?;
-        let (status, json, proto, error, category) =
-            row.ok_or_else(|| ApiError::not_found(format!("no request `{id}`")))?;
-        Ok(match status.as_str() {
-            "pending" => None,
-            "failed" => Some(StoredOutcome::Error {
-                message: error.unwrap_or_default(),
-                category: Category::parse(category.as_deref().unwrap_or("server")),
-            }),
-            _ => match proto {
-                Some(proto) => Some(StoredOutcome::Proto { proto, json: json.unwrap_or_else(|| "{}".into()) }),
-                None => Some(StoredOutcome::Json(json.unwrap_or_else(|| "{}".into()))),
-            },
         })
     }
 
     pub fn add_checkpoint(&self, c: &CheckpointRef, row: &CheckpointRow) -> ApiResult<()> {
-        self.conn().execute(
-            "INSERT OR REPLACE INTO checkpoints
+        blocking(|| {
+            self.conn().execute(
+                "INSERT OR REPLACE INTO checkpoints
              (run_id, kind, name, path, created, session_id, base_model, lora_config, public, expires_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-            params![
-                c.run_id,
-                c.kind.as_str(),
-                c.name,
-                row.path,
-                row.created,
-                row.session_id,
-                row.base_model,
-                row.lora_config,
-                row.public,
-                row.expires_at
-            ],
-        )?;
-        Ok(())
+                params![
+                    c.run_id,
+                    c.kind.as_str(),
+                    c.name,
+                    row.path,
+                    row.created,
+                    row.session_id,
+                    row.base_model,
+                    row.lora_config,
+                    row.public,
+                    row.expires_at
+                ],
+            )?;
+            Ok(())
+        })
     }
 
     pub fn checkpoint(&self, c: &CheckpointRef) -> ApiResult<Option<CheckpointRow>> {
-        Ok(self
-            .conn()
-            .query_row(
-                "SELECT path, created, session_id, base_model, lora_config, public, expires_at FROM checkpoints
+        blocking(|| {
+            Ok(self
+                .conn()
+                .query_row(
+                    "SELECT path, created, session_id, base_model, lora_config, public, expires_at FROM checkpoints
                  WHERE run_id = ?1 AND kind = ?2 AND name = ?3 AND (expires_at IS NULL OR expires_at > ?4)",
-                params![c.run_id, c.kind.as_str(), c.name, now()],
-                |r| checkpoint_row(r, 0),
-            )
-            .optional()?)
+                    params![c.run_id, c.kind.as_str(), c.name, now()],
+                    |r| checkpoint_row(r, 0),
+                )
+                .optional()?)
+        })
     }
 
     /// Every training model, oldest first.
     pub fn models(&self) -> ApiResult<Vec<ModelRow>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare(
+        blocking(|| {
+            let conn = self.conn();
+            let mut stmt = conn.prepare(
             "SELECT id, session_id, base_model, lora_config, created, user_metadata FROM models ORDER BY created, id",
         )?;
-        let rows = stmt.query_map([], |r| {
-            Ok(ModelRow {
-                id: r.get(0)?,
-                session_id: r.get(1)?,
-                base_model: r.get(2)?,
-                lora_config: r.get(3)?,
-                created: r.get(4)?,
-                user_metadata: r.get::<_, Option<String>>(5)?.unwrap_or_default(),
-            })
-        })?;
-        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+            let rows = stmt.query_map([], |r| {
+                Ok(ModelRow {
+                    id: r.get(0)?,
+                    session_id: r.get(1)?,
+                    base_model: r.get(2)?,
+                    lora_config: r.get(3)?,
+                    created: r.get(4)?,
+                    user_metadata: r.get::<_, Option<String>>(5)?.unwrap_or_default(),
+                })
+            })?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
     }
 
     /// Every checkpoint (of run `run_id` if given), oldest first.
     pub fn checkpoints(&self, run_id: Option<&str>) -> ApiResult<Vec<(CheckpointRef, CheckpointRow)>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare(
-            "SELECT run_id, kind, name, path, created, session_id, base_model, lora_config, public, expires_at
+        blocking(|| {
+            let conn = self.conn();
+            let mut stmt = conn.prepare(
+                "SELECT run_id, kind, name, path, created, session_id, base_model, lora_config, public, expires_at
              FROM checkpoints WHERE (?1 IS NULL OR run_id = ?1) AND (expires_at IS NULL OR expires_at > ?2)
              ORDER BY created, run_id, kind, name",
-        )?;
-        let rows = stmt.query_map(params![run_id, now()], |r| {
-            Ok(((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?), checkpoint_row(r, 3)?))
-        })?;
-        let mut out = vec![];
-        for row in rows {
-            let ((run, kind, name), row) = row?;
-            out.push((CheckpointRef { run_id: run, kind: super::checkpoints::Kind::parse(&kind)?, name }, row));
-        }
-        Ok(out)
+            )?;
+            let rows = stmt.query_map(params![run_id, now()], |r| {
+                Ok(((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?), checkpoint_row(r, 3)?))
+            })?;
+            let mut out = vec![];
+            for row in rows {
+                let ((run, kind, name), row) = row?;
+                out.push((CheckpointRef { run_id: run, kind: super::checkpoints::Kind::parse(&kind)?, name }, row));
+            }
+            Ok(out)
+        })
     }
 
     pub fn set_checkpoint_public(&self, c: &CheckpointRef, public: bool) -> ApiResult<()> {
-        self.conn().execute(
-            "UPDATE checkpoints SET public = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-            params![c.run_id, c.kind.as_str(), c.name, public],
-        )?;
-        Ok(())
+        blocking(|| {
+            self.conn().execute(
+                "UPDATE checkpoints SET public = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+                params![c.run_id, c.kind.as_str(), c.name, public],
+            )?;
+            Ok(())
+        })
     }
 
     pub fn set_checkpoint_expiry(&self, c: &CheckpointRef, expires_at: Option<f64>) -> ApiResult<()> {
-        self.conn().execute(
-            "UPDATE checkpoints SET expires_at = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-            params![c.run_id, c.kind.as_str(), c.name, expires_at],
-        )?;
-        Ok(())
+        blocking(|| {
+            self.conn().execute(
+                "UPDATE checkpoints SET expires_at = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+                params![c.run_id, c.kind.as_str(), c.name, expires_at],
+            )?;
+            Ok(())
+        })
     }
 
     /// Checkpoints past their TTL (already invisible), with their directories.
     pub fn expired_checkpoints(&self) -> ApiResult<Vec<(CheckpointRef, String)>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare(
-            "SELECT run_id, kind, name, path FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?1",
-        )?;
-        let rows = stmt.query_map(params![now()], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?))
-        })?;
-        let mut out = vec![];
-        for row in rows {
-            let (run_id, kind, name, path) = row?;
-            out.push((CheckpointRef { run_id, kind: super::checkpoints::Kind::parse(&kind)?, name }, path));
-        }
-        Ok(out)
+        blocking(|| {
+            let conn = self.conn();
+            let mut stmt = conn.prepare(
+                "SELECT run_id, kind, name, path FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?1",
+            )?;
+            let rows = stmt.query_map(params![now()], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?))
+            })?;
+            let mut out = vec![];
+            for row in rows {
+                let (run_id, kind, name, path) = row?;
+                out.push((CheckpointRef { run_id, kind: super::checkpoints::Kind::parse(&kind)?, name }, path));
+            }
+            Ok(out)
+        })
     }
 
     pub fn delete_checkpoint(&self, c: &CheckpointRef) -> ApiResult<bool> {
-        let n = self.conn().execute(
-            "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-            params![c.run_id, c.kind.as_str(), c.name],
-        )?;
-        Ok(n == 1)
+        blocking(|| {
+            let n = self.conn().execute(
+                "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+                params![c.run_id, c.kind.as_str(), c.name],
+            )?;
+            Ok(n == 1)
+        })
     }
 
     /// Unfinished sessions whose last heartbeat is older than `timeout_s` seconds.
     pub fn stale_sessions(&self, timeout_s: f64) -> ApiResult<Vec<String>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare("SELECT id FROM sessions WHERE finished = 0 AND last_heartbeat < ?1")?;
-        let rows = stmt.query_map(params![now() - timeout_s], |r| r.get(0))?;
-        Ok(rows.collect::<Result<Vec<String>, _>>()?)
+        blocking(|| {
+            let conn = self.conn();
+            let mut stmt = conn.prepare("SELECT id FROM sessions WHERE finished = 0 AND last_heartbeat < ?1")?;
+            let rows = stmt.query_map(params![now() - timeout_s], |r| r.get(0))?;
+            Ok(rows.collect::<Result<Vec<String>, _>>()?)
+        })
     }
 }
 
@@ -400,6 +450,30 @@ impl Store {
 mod tests {
     use super::*;
     use crate::server::checkpoints::Kind;
+
+    /// Database calls run wherever the server makes them: outside a runtime, on a worker of a
+    /// multi-threaded one (handed over), on its blocking threads, and on a current-thread
+    /// runtime (where `block_in_place` would panic).
+    #[test]
+    fn database_calls_run_in_every_context() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(Store::open(&dir.path().join("s.sqlite")).unwrap());
+        let call = |s: &Store, id: &str| {
+            s.add_future(id, None, "sample", Some("k")).unwrap();
+            assert_eq!(s.future_key(id).unwrap(), Some(Some("k".to_string())));
+        };
+        call(&store, "plain");
+        let multi = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
+        let st = store.clone();
+        multi.block_on(async move {
+            let s2 = st.clone();
+            tokio::spawn(async move { call(&s2, "worker") }).await.unwrap();
+            let s3 = st.clone();
+            tokio::task::spawn_blocking(move || call(&s3, "blocking")).await.unwrap();
+        });
+        let single = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        single.block_on(async { call(&store, "current") });
+    }
 
     /// A version-1 database (before publishing and TTLs) opens, gains the columns, and keeps its
     /// checkpoints.
