@@ -51,6 +51,9 @@ pub struct Args {
     /// Seconds a connection may send nothing while the server waits to read from it.
     #[arg(long, default_value_t = Limits::default().idle_timeout_s)]
     pub idle_timeout_s: u64,
+    /// Seconds a finished request's result is kept for retrieval.
+    #[arg(long, default_value_t = Limits::default().result_retention_s)]
+    pub result_retention_s: u64,
     /// On SIGTERM or Ctrl-C, seconds to wait for the requests in flight to finish.
     #[arg(long, default_value_t = 30)]
     pub drain_s: u64,
@@ -77,6 +80,7 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
             max_models_per_key: args.max_models_per_key,
             max_connections: args.max_connections,
             idle_timeout_s: args.idle_timeout_s,
+            result_retention_s: args.result_retention_s,
         },
     })
 }

@@ -26,6 +26,10 @@ pub struct Limits {
     /// Seconds a connection may send nothing while the server waits to read from it
     /// (`--idle-timeout-s`; more than the 30 s long poll). Default 60.
     pub idle_timeout_s: u64,
+    /// Seconds a finished request's result is kept for `retrieve_future`
+    /// (`--result-retention-s`); then it is deleted, so the database does not only grow.
+    /// Default 86,400 (a day).
+    pub result_retention_s: u64,
 }
 
 impl Default for Limits {
@@ -39,6 +43,7 @@ impl Default for Limits {
             max_models_per_key: 32,
             max_connections: 512,
             idle_timeout_s: 60,
+            result_retention_s: 86_400,
         }
     }
 }

@@ -178,7 +178,7 @@ async fn drain(state: &AppState, limit: Duration) {
 }
 
 /// Finishes sessions whose heartbeats stopped (see [`ServerConfig::session_timeout`]), freeing
-/// their models and samplers. Runs on the current tokio runtime until the process ends.
+/// their models and samplers; deletes expired checkpoints and results past their retention. Runs on the current tokio runtime until the process ends.
 pub fn spawn_session_reaper(state: Arc<AppState>) {
     tokio::spawn(async move {
         let period = (state.session_timeout / 4).max(Duration::from_millis(10));
@@ -197,6 +197,8 @@ pub fn spawn_session_reaper(state: Arc<AppState>) {
                     st.store.delete_checkpoint(&c)?;
                     let _ = std::fs::remove_dir_all(dir);
                 }
+                // Results past their retention.
+                st.store.delete_futures_older_than(st.limits.result_retention_s as f64)?;
                 Ok(stale.len())
             })
             .await;

@@ -242,6 +242,16 @@ impl Store {
         })
     }
 
+    /// Deletes the futures that finished more than `age_s` seconds ago; returns how many.
+    pub fn delete_futures_older_than(&self, age_s: f64) -> ApiResult<usize> {
+        blocking(|| {
+            let n = self
+                .conn()
+                .execute("DELETE FROM futures WHERE status != 'pending' AND finished < ?1", params![now() - age_s])?;
+            Ok(n)
+        })
+    }
+
     /// The API key that created future `id` (`None`: no such future; `Some(None)`: no key).
     pub fn future_key(&self, id: &str) -> ApiResult<Option<Option<String>>> {
         blocking(|| {

@@ -771,3 +771,33 @@ fn stalled_connections_cannot_starve_the_server() {
         matches!(first.read(&mut buf), Ok(0) | Err(_)) || String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 4");
     assert!(closed, "a stalled connection was never closed");
 }
+
+/// Finished results are kept `--result-retention-s`, then deleted (the database does not only
+/// grow): retrievable at once, a 404 after the retention.
+#[test]
+fn results_expire_after_their_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = oxrl::server::limits::Limits { result_retention_s: 1, ..Default::default() };
+    let port = serve_limited(dir.path(), Duration::from_millis(300), 64, limits);
+    let r = post(
+        port,
+        "asample",
+        json!({
+            "base_model": "tiny", "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [104, 105]}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 1.0, "stop": []}
+        }),
+    );
+    let id = r.body["request_id"].as_str().unwrap().to_string();
+    assert_eq!(result(port, &id)["sequences"].as_array().unwrap().len(), 1);
+    let t = std::time::Instant::now();
+    loop {
+        let r = post(port, "retrieve_future", json!({"request_id": id, "allow_metadata_only": false}));
+        if r.status == 404 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "the result was never deleted: {}", r.body);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(t.elapsed() >= Duration::from_millis(500), "deleted before its retention");
+}
