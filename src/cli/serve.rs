@@ -45,6 +45,9 @@ pub struct Args {
     /// Training models alive per API key.
     #[arg(long, default_value_t = Limits::default().max_models_per_key)]
     pub max_models_per_key: usize,
+    /// Sampling sessions alive per API key.
+    #[arg(long, default_value_t = Limits::default().max_samplers_per_key)]
+    pub max_samplers_per_key: usize,
     /// Connections open at once; more wait for a free one.
     #[arg(long, default_value_t = Limits::default().max_connections)]
     pub max_connections: usize,
@@ -78,6 +81,7 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
             max_sample_values: args.max_sample_values,
             max_metadata_bytes: args.max_metadata_bytes,
             max_models_per_key: args.max_models_per_key,
+            max_samplers_per_key: args.max_samplers_per_key,
             max_connections: args.max_connections,
             idle_timeout_s: args.idle_timeout_s,
             result_retention_s: args.result_retention_s,

@@ -21,6 +21,8 @@ pub struct Limits {
     pub max_metadata_bytes: usize,
     /// Training models alive per API key (`--max-models-per-key`). Default 32.
     pub max_models_per_key: usize,
+    /// Sampling sessions alive per API key (`--max-samplers-per-key`). Default 64.
+    pub max_samplers_per_key: usize,
     /// Connections open at once (`--max-connections`); more wait for a free one. Default 512.
     pub max_connections: usize,
     /// Seconds a connection may send nothing while the server waits to read from it
@@ -41,6 +43,7 @@ impl Default for Limits {
             max_sample_values: 1 << 22,
             max_metadata_bytes: 65_536,
             max_models_per_key: 32,
+            max_samplers_per_key: 64,
             max_connections: 512,
             idle_timeout_s: 60,
             result_retention_s: 86_400,
@@ -94,6 +97,18 @@ impl Limits {
     pub fn metadata(&self, json: &str) -> ApiResult<()> {
         if json.len() > self.max_metadata_bytes {
             return Err(over("user_metadata (bytes)", json.len(), self.max_metadata_bytes, "--max-metadata-bytes"));
+        }
+        Ok(())
+    }
+
+    /// `alive`: the caller's sampling sessions alive now.
+    pub fn samplers_per_key(&self, alive: usize) -> ApiResult<()> {
+        if alive >= self.max_samplers_per_key {
+            return Err(ApiError::user(format!(
+                "this API key has {alive} sampling sessions alive, this server's limit (oxrl serve \
+                 --max-samplers-per-key {}): end a session to free its samplers",
+                self.max_samplers_per_key
+            )));
         }
         Ok(())
     }

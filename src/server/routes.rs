@@ -648,6 +648,9 @@ async fn create_sampling_session(
 ) -> ApiResult<Json<Value>> {
     let req: types::CreateSamplingSessionRequest = types::parse_json(&body, "create_sampling_session")?;
     check_session(&state, &headers, &req.session_id)?;
+    let key = api_key(&headers);
+    let mine = |session: &String| state.store.session_key(session).ok().flatten() == Some(key.clone());
+    state.limits.samplers_per_key(state.samplers.sessions().iter().filter(|s| mine(s)).count())?;
     let id = format!("{}:sample:{}", req.session_id, req.sampling_session_seq_id);
     let sampler = match (&req.model_path, &req.base_model) {
         (Some(path), _) => sampler_for_path(&state, &headers, &id, path).await?,

@@ -145,6 +145,17 @@ impl Samplers {
         Ok(())
     }
 
+    /// The session of every session sampler alive (`{session}:sample:{n}`), one entry each.
+    pub fn sessions(&self) -> Vec<String> {
+        let samplers = lock(&self.samplers);
+        samplers
+            .keys()
+            .filter(|k| k.contains(":sample:"))
+            .filter_map(|k| k.split(':').next())
+            .map(String::from)
+            .collect()
+    }
+
     /// The ids of session `session_id`'s sampling sessions, sorted.
     pub fn session_ids(&self, session_id: &str) -> Vec<String> {
         let prefix = format!("{session_id}:sample:");

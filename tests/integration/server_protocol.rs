@@ -484,12 +484,12 @@ fn requests_past_a_limit_are_refused_by_name_and_the_server_keeps_serving() {
     assert!(after.as_f64().is_some_and(f64::is_finite), "{after}");
 }
 
-/// Training models alive per API key are bounded (`--max-models-per-key`); other keys are not
-/// affected.
+/// Training models and sampling sessions alive per API key are bounded
+/// (`--max-models-per-key`, `--max-samplers-per-key`); other keys are not affected.
 #[test]
-fn models_per_key_are_bounded() {
+fn models_and_samplers_per_key_are_bounded() {
     let dir = tempfile::tempdir().unwrap();
-    let limits = oxrl::server::limits::Limits { max_models_per_key: 2, ..Default::default() };
+    let limits = oxrl::server::limits::Limits { max_models_per_key: 2, max_samplers_per_key: 2, ..Default::default() };
     let port = serve_limited(dir.path(), Duration::from_millis(300), 64, limits);
     let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
     let create = |key: &str, seq: u64| {
@@ -504,6 +504,18 @@ fn models_per_key_are_bounded() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body["error"].as_str().unwrap().contains("--max-models-per-key 2"), "{}", r.body);
     assert_eq!(create("k2", 0).status, 200, "another key is not limited by k1's models");
+    let sampler = |key: &str, seq: u64| {
+        let session = request(port, "POST", "/api/v1/create_session", Some(key), &json!({"tags": []}).to_string());
+        let session = session.body["session_id"].as_str().unwrap().to_string();
+        let body = json!({"session_id": session, "sampling_session_seq_id": seq, "base_model": "tiny"});
+        request(port, "POST", "/api/v1/create_sampling_session", Some(key), &body.to_string())
+    };
+    assert_eq!(sampler("k1", 0).status, 200);
+    assert_eq!(sampler("k1", 0).status, 200);
+    let r = sampler("k1", 0);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body["error"].as_str().unwrap().contains("--max-samplers-per-key 2"), "{}", r.body);
+    assert_eq!(sampler("k2", 0).status, 200, "another key is not limited by k1's samplers");
 }
 
 /// A run lists the `user_metadata` given to `create_model` (the cookbook takes its renderer name
