@@ -38,6 +38,8 @@ pub mod rollout;
 pub mod rows;
 pub mod server;
 pub mod splitmix;
+#[cfg(test)]
+mod test_support;
 pub mod trainer;
 pub mod worker;
 

@@ -246,6 +246,7 @@ mod tests {
 
     use super::*;
     use crate::dispatch::world::ThreadWorld;
+    use crate::test_support::bits;
 
     /// Global rank r's gradients: values of many magnitudes (so that the order of the additions
     /// shows in the bits), in f32, f64 and bf16.
@@ -253,18 +254,6 @@ mod tests {
         let v: Vec<f32> = (0..97).map(|i| ((i * 7 + r * 13) as f32).sin() * 10f32.powi((i % 9) as i32 - 4)).collect();
         let t = Tensor::from_vec(v, (97,), &Device::Cpu).unwrap();
         vec![t.clone(), t.to_dtype(DType::F64).unwrap(), t.to_dtype(DType::BF16).unwrap().reshape((1, 97)).unwrap()]
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        t.flatten_all()
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
     }
 
     /// 3 processes × 2 ranks sum to the bits of 6 ranks in one process (97 elements cut into

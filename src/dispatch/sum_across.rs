@@ -151,6 +151,7 @@ fn scatter_into<T>(sums: &mut [Vec<T>], lens: &[usize], lo: usize, bucket: Vec<T
 mod tests {
     use super::*;
     use crate::dispatch::world::ThreadWorld;
+    use crate::test_support::bits;
 
     /// Rank r's tensors: f32 of several sizes (one of them empty), a bf16 and an f64.
     fn grads(r: usize) -> Vec<Tensor> {
@@ -175,11 +176,6 @@ mod tests {
             acc = acc.iter().zip(grads(r)).map(|(a, b)| (a + wide(b)).unwrap()).collect();
         }
         acc.into_iter().zip(grads(0)).map(|(s, t)| s.to_dtype(t.dtype()).unwrap()).collect()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        let v = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
     }
 
     /// 3 processes × 2 ranks, with buckets that cut tensors (and chunks smaller than the world):

@@ -103,25 +103,22 @@ impl Limits {
 
     /// `alive`: the caller's sampling sessions alive now.
     pub fn samplers_per_key(&self, alive: usize) -> ApiResult<()> {
-        if alive >= self.max_samplers_per_key {
-            return Err(ApiError::user(format!(
-                "this API key has {alive} sampling sessions alive, this server's limit (oxrl serve \
-                 --max-samplers-per-key {}): end a session to free its samplers",
-                self.max_samplers_per_key
-            )));
-        }
-        Ok(())
+        per_key(alive, self.max_samplers_per_key, "sampling sessions", "--max-samplers-per-key")
     }
 
     /// `alive`: the caller's training models alive now.
     pub fn models_per_key(&self, alive: usize) -> ApiResult<()> {
-        if alive >= self.max_models_per_key {
-            return Err(ApiError::user(format!(
-                "this API key has {alive} training models alive, this server's limit (oxrl serve \
-                 --max-models-per-key {}): end a session to free its models",
-                self.max_models_per_key
-            )));
-        }
-        Ok(())
+        per_key(alive, self.max_models_per_key, "training models", "--max-models-per-key")
     }
+}
+
+/// One more of `what` for a key that has `alive` of them, at most `max`.
+fn per_key(alive: usize, max: usize, what: &str, flag: &str) -> ApiResult<()> {
+    if alive >= max {
+        return Err(ApiError::user(format!(
+            "this API key has {alive} {what} alive, this server's limit (oxrl serve {flag} {max}): end a \
+             session to free them"
+        )));
+    }
+    Ok(())
 }

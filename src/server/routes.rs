@@ -118,6 +118,12 @@ async fn redact_errors(State(state): State<Arc<AppState>>, req: Request, next: N
     }
 }
 
+/// How many of `sessions` (one entry per model or sampler alive) are the caller's key's.
+fn callers(state: &AppState, headers: &HeaderMap, sessions: Vec<String>) -> usize {
+    let key = Some(api_key(headers));
+    sessions.iter().filter(|s| state.store.session_key(s).ok().flatten() == key).count()
+}
+
 fn api_key(headers: &HeaderMap) -> Option<String> {
     headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(String::from)
 }
@@ -258,9 +264,7 @@ async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     let metadata = req.user_metadata.as_ref().map(|m| m.to_string()).unwrap_or_default();
     state.limits.metadata(&metadata)?;
     let key = api_key(&headers);
-    let mine = |session: &String| state.store.session_key(session).ok().flatten() == Some(key.clone());
-    let alive = state.models.sessions().iter().filter(|s| mine(s)).count();
-    state.limits.models_per_key(alive)?;
+    state.limits.models_per_key(callers(&state, &headers, state.models.sessions()))?;
     let build = state.models.register(&model_id, &req.session_id, base.clone(), lora.clone(), None)?;
     // The run reports `base_model` as the client named it (a served name or the path given to
     // --model: cookbook code compares the two).
@@ -648,9 +652,7 @@ async fn create_sampling_session(
 ) -> ApiResult<Json<Value>> {
     let req: types::CreateSamplingSessionRequest = types::parse_json(&body, "create_sampling_session")?;
     check_session(&state, &headers, &req.session_id)?;
-    let key = api_key(&headers);
-    let mine = |session: &String| state.store.session_key(session).ok().flatten() == Some(key.clone());
-    state.limits.samplers_per_key(state.samplers.sessions().iter().filter(|s| mine(s)).count())?;
+    state.limits.samplers_per_key(callers(&state, &headers, state.samplers.sessions()))?;
     let id = format!("{}:sample:{}", req.session_id, req.sampling_session_seq_id);
     let sampler = match (&req.model_path, &req.base_model) {
         (Some(path), _) => sampler_for_path(&state, &headers, &id, path).await?,

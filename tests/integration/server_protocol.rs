@@ -100,6 +100,17 @@ fn serve_limited(
     port
 }
 
+/// A new session of key k1 with a training model of `lora`, built: (session id, model id).
+fn lora_model(port: u16, lora: Value) -> (String, String) {
+    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
+    let body = json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora});
+    let r = post(port, "create_model", body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    result(port, r.body["request_id"].as_str().unwrap());
+    let model_id = format!("{session}:train:0");
+    (session, model_id)
+}
+
 fn fwdbwd_body(model_id: &str, seq_id: i64, loss_fn: &str) -> Value {
     let tokens: Vec<u32> = b"hello there".iter().map(|&b| b as u32).collect();
     json!({
@@ -602,15 +613,8 @@ fn samplers_and_futures_are_the_creating_keys_alone() {
 fn a_sampler_follows_its_checkpoint_when_it_is_saved_again_or_deleted() {
     let dir = tempfile::tempdir().unwrap();
     let port = serve(dir.path(), Duration::from_millis(300));
-    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
     let lora = json!({"rank": 4, "train_attn": true, "train_mlp": true, "train_unembed": true});
-    let r = post(
-        port,
-        "create_model",
-        json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
-    );
-    result(port, r.body["request_id"].as_str().unwrap());
-    let model_id = format!("{session}:train:0");
+    let (session, model_id) = lora_model(port, lora);
     let mut seq = 0;
     let mut step = |body: Value, path: &str| {
         seq += 1;
@@ -672,15 +676,8 @@ fn a_sampler_follows_its_checkpoint_when_it_is_saved_again_or_deleted() {
 fn errors_name_checkpoints_not_server_paths() {
     let dir = tempfile::tempdir().unwrap();
     let port = serve(dir.path(), Duration::from_millis(300));
-    let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
     let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
-    let r = post(
-        port,
-        "create_model",
-        json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
-    );
-    result(port, r.body["request_id"].as_str().unwrap());
-    let model_id = format!("{session}:train:0");
+    let (session, model_id) = lora_model(port, lora);
     let r = post(port, "save_weights_for_sampler", json!({"model_id": model_id, "seq_id": 1, "path": "s"}));
     let path = result(port, r.body["request_id"].as_str().unwrap())["path"].as_str().unwrap().to_string();
     let files = dir.path().join("data/checkpoints").join(&model_id).join("sampler_weights/s");

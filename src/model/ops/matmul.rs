@@ -142,24 +142,13 @@ impl FusedOp<2> for PoolMatmul {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::bits;
     use candle_core::{Device, Var};
 
     fn tensor(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
         let n: usize = shape.iter().product();
         let v: Vec<f64> = (0..n).map(|i| ((i as f64 + seed as f64 * 0.37) * 0.731).sin()).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        t.flatten_all()
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
     }
 
     fn pool(n: usize) -> rayon::ThreadPool {
