@@ -16,7 +16,7 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use crate::dispatch::mesh::MeshShape;
-use crate::dispatch::world::world;
+use crate::dispatch::world::{self, world, World};
 use crate::dispatch::{Dispatch, WorkerSpec};
 use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
@@ -33,19 +33,21 @@ pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// The client over `launch.remote_engines`, each checked to serve the run's model in its dtype,
-/// and given the policy's initial weights (so that a run never depends on how an engine was
-/// started, only on what it serves).
-fn remote_engines(cfg: &RlConfig) -> Result<EngineClient> {
+/// The client over the engines of their own at `urls` (`launch.remote_engines`, or the engine
+/// processes of the MPI job), each checked to serve the run's model in its dtype, and shared by
+/// the run's processes (process 0 updates them: over the job's engine link for its own engines).
+/// The caller gives them the policy's initial weights, so that a run never depends on how an
+/// engine was started, only on what it serves.
+fn remote_engines(cfg: &RlConfig, urls: &[String], link: Option<&'static dyn World>) -> Result<EngineClient> {
     let key = std::env::var("OXRL_ENGINE_API_KEY").ok();
     let expected_name = cfg.model.path.file_name().map(|n| n.to_string_lossy().into_owned());
     let mut engines: Vec<Box<dyn SamplingEngine>> = vec![];
-    for url in &cfg.launch.remote_engines {
+    for url in urls {
         let timeout = std::time::Duration::from_secs_f64(cfg.launch.remote_timeout_s);
         let (engine, info) = RemoteEngine::connect_with(url, key.clone(), timeout)?;
         if expected_name.as_deref() != Some(info.model.as_str()) || info.dtype != cfg.model.dtype {
             return Err(Error::input(format!(
-                "launch.remote_engines: {url} serves `{}` in {}, this run trains `{}` in {}",
+                "the engine at {url} serves `{}` in {}, this run trains `{}` in {}",
                 info.model,
                 info.dtype,
                 expected_name.unwrap_or_default(),
@@ -54,13 +56,13 @@ fn remote_engines(cfg: &RlConfig) -> Result<EngineClient> {
         }
         if cfg.model.lora.rank > 0 && info.lora_rank != cfg.model.lora.rank {
             return Err(Error::input(format!(
-                "launch.remote_engines: {url} takes LoRA adapters of rank {} (--lora-rank), this run trains rank {}",
+                "the engine at {url} takes LoRA adapters of rank {} (--lora-rank), this run trains rank {}",
                 info.lora_rank, cfg.model.lora.rank
             )));
         }
         engines.push(Box::new(engine));
     }
-    EngineClient::over(engines)
+    Ok(EngineClient::over(engines)?.shared_by(world()?, link.map(|l| (l, urls.to_vec()))))
 }
 
 /// The variables in which launchers give a process its place among those of its node.
@@ -137,7 +139,9 @@ fn lora_config(model: &ModelSection) -> Option<LoraConfig> {
 /// EOS ids, batching up to `prompts_per_step × n_samples` rows (at least 64) — or, with
 /// `launch.remote_engines`, the `oxrl engine` servers at those URLs. Under `mpirun -np N` each
 /// process holds `launch.data_parallel` of the N × that many ranks and its own engines
-/// (colocated), which sample its share of every step's groups.
+/// (colocated), which sample its share of every step's groups — unless the job has engine
+/// processes of its own (`mpirun -np N oxrl rl … : -np E oxrl engine …`), which all trainers
+/// then share and process 0 updates over MPI. Remote or job engines are shared the same way.
 pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, EngineClient)> {
     let l = &cfg.launch;
     let dp = l.data_parallel.max(1);
@@ -180,8 +184,18 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         .map_err(|e| Error::input(format!("model.path: an RL run needs the model's tokenizer: {e}")))?;
     let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
     let tokenizer = Arc::new(tokenizer);
-    if !l.remote_engines.is_empty() {
-        let engines = remote_engines(cfg)?;
+    let job = world::job_engines();
+    if !job.is_empty() && !l.remote_engines.is_empty() {
+        return Err(Error::input(
+            "launch.remote_engines is set and the MPI job has engine processes of its own: use one or the other",
+        ));
+    }
+    if !l.remote_engines.is_empty() || !job.is_empty() {
+        let engines = if job.is_empty() {
+            remote_engines(cfg, &l.remote_engines, None)?
+        } else {
+            remote_engines(cfg, job, world::engine_link())?
+        };
         engines.update_weights(&dispatch.sampler_weights(POLICY)?).wait()?;
         return Ok((dispatch, engines));
     }

@@ -63,14 +63,14 @@ pub fn main() -> i32 {
         _ => None,
     });
     let pool_threads = threads.unwrap_or_else(crate::launch::cores);
-    // Under mpirun / srun, join the run's processes first (MPI starts on this thread).
-    let world = match crate::dispatch::world::world() {
-        Ok(w) => w,
-        Err(e) => {
+    // Under mpirun / srun, join the run's processes first (MPI starts on this thread); an engine
+    // joins once it knows its URL (`oxrl engine`).
+    if !matches!(cli.command, Command::Engine(_)) {
+        if let Err(e) = crate::dispatch::world::world() {
             eprintln!("error: {e:#}");
             return 1;
         }
-    };
+    }
     let result = match cli.command {
         Command::InitModel(a) => init_model::run(a),
         Command::Score(a) => on_pool(pool_threads, || score::run(a)),
@@ -84,18 +84,20 @@ pub fn main() -> i32 {
         Command::Engine(a) => engine::run_cmd(a, cli.threads),
         Command::Bench(a) => on_pool(pool_threads, || bench::run(a)),
     };
-    match result {
-        Ok(()) => {
+    // Trainer 0 lets the job's engine processes go (a no-op without them).
+    let result = result.and_then(|()| Ok(crate::rollout::weight_broadcast::release_engines()?));
+    match (result, crate::dispatch::world::joined()) {
+        (Ok(()), _) => {
             crate::dispatch::world::finalize();
             0
         }
-        Err(e) if world.size() > 1 => {
+        (Err(e), Some(world)) if world.size() > 1 || crate::dispatch::world::engine_link().is_some() => {
             // The other processes may be waiting for this one: end them all, naming this one.
             eprintln!("error in process {} of {}: {e:#}", world.rank(), world.size());
             world.abort(1);
             1
         }
-        Err(e) => {
+        (Err(e), _) => {
             eprintln!("error: {e:#}");
             1
         }

@@ -17,6 +17,12 @@
 //! MPI is initialised once per process on first use, at `MPI_THREAD_SERIALIZED` (calls come from
 //! whichever rank thread arrives last, never two at once: a mutex orders them), and finalised
 //! by [`finalize`] at the end of `main`.
+//!
+//! A job may also hold sampling engines (`mpirun -np 2 oxrl rl … : -np 2 oxrl engine …`, each
+//! engine joining with [`join_as_engine`]): the trainers' world is then theirs alone (COMM_WORLD
+//! split by role), every trainer knows the engines' URLs ([`job_engines`]), and trainer process 0
+//! and the engines share a [`engine_link`] (trainer 0 its rank 0, the engines 1, 2, … in launch
+//! order) over which weights are broadcast.
 
 use std::sync::OnceLock;
 
@@ -36,6 +42,14 @@ pub trait World: Send + Sync {
     /// Sends `parts[q]` to process `q` (one part per process, any lengths) and returns what
     /// every process sent to this one, in process order. Every process must call it.
     fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>;
+    /// Process `root`'s `bytes` on every process (the others' are replaced). Every process must
+    /// call it. Over MPI a process waiting here polls and sleeps rather than spinning: it may
+    /// wait long (for a step's groups, for the next weights) beside an engine that needs the core.
+    fn broadcast(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
+        let all = self.all_gather(if self.rank() == root { bytes } else { &[] })?;
+        *bytes = all.into_iter().nth(root).ok_or_else(|| Error::Other(format!("broadcast from {root}: no such process")))?;
+        Ok(())
+    }
     /// Ends every process of the run with `code` (after an error here: the others would wait
     /// for this one forever). Does not return in a world of many.
     fn abort(&self, code: i32);
@@ -66,6 +80,24 @@ impl World for Single {
 
 static WORLD: OnceLock<Box<dyn World>> = OnceLock::new();
 
+/// What a process of an MPI job does.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Role {
+    /// `oxrl rl`, `oxrl sft`, …: holds data-parallel ranks.
+    Trainer,
+    /// `oxrl engine`, serving at this URL.
+    Engine(String),
+}
+
+/// The engines of the job, as its trainers and engines see them.
+#[derive(Default)]
+struct Job {
+    engines: Vec<String>,
+    link: Option<Box<dyn World>>,
+}
+
+static JOB: OnceLock<Job> = OnceLock::new();
+
 /// Whether an MPI launcher started this process (OpenMPI, MPICH / Hydra, Slurm's PMI).
 pub fn launched_by_mpi() -> bool {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"].iter().any(|v| std::env::var_os(v).is_some())
@@ -74,11 +106,43 @@ pub fn launched_by_mpi() -> bool {
 /// The process's world: MPI's when a launcher started it (an error if this build has no MPI),
 /// else a world of one. Initialised on first call.
 pub fn world() -> Result<&'static dyn World> {
+    join(Role::Trainer)
+}
+
+/// The world of this process's role, initialised (with the job's engines and link) on first call.
+fn join(role: Role) -> Result<&'static dyn World> {
     if let Some(w) = WORLD.get() {
         return Ok(w.as_ref());
     }
-    let w: Box<dyn World> = if launched_by_mpi() { mpi_world()? } else { Box::new(Single) };
+    let (w, job): (Box<dyn World>, Job) = if launched_by_mpi() { mpi_world(&role)? } else { (Box::new(Single), Job::default()) };
+    let _ = JOB.set(job);
     Ok(WORLD.get_or_init(|| w).as_ref())
+}
+
+/// Joins the MPI job as a sampling engine serving at `url` (`oxrl engine` started by the
+/// launcher beside trainers; before any other MPI call) and returns its link to trainer
+/// process 0 (see [`engine_link`]).
+pub fn join_as_engine(url: &str) -> Result<&'static dyn World> {
+    join(Role::Engine(url.to_string()))?;
+    engine_link().ok_or_else(|| {
+        Error::input("oxrl engine under mpirun: the job has no trainer (start `oxrl rl` beside it: mpirun … : …)")
+    })
+}
+
+/// The world this process has joined, if any.
+pub fn joined() -> Option<&'static dyn World> {
+    WORLD.get().map(|w| w.as_ref())
+}
+
+/// The URLs of the job's engine processes, in launch order (empty in a job of trainers only).
+pub fn job_engines() -> &'static [String] {
+    JOB.get().map_or(&[], |j| &j.engines)
+}
+
+/// Trainer process 0 (rank 0) and the job's engines (1, 2, …): what rank 0 broadcasts, every
+/// engine receives. `None` on other trainers and in a job without engines.
+pub fn engine_link() -> Option<&'static dyn World> {
+    JOB.get()?.link.as_deref()
 }
 
 /// Whether this process writes the run directory (process 0).
@@ -87,15 +151,16 @@ pub fn is_writer() -> bool {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn mpi_world() -> Result<Box<dyn World>> {
+fn mpi_world(_role: &Role) -> Result<(Box<dyn World>, Job)> {
     Err(Error::Other(
         "started by an MPI launcher, but this oxrl was built without MPI: rebuild with `--features mpi`".into(),
     ))
 }
 
 #[cfg(feature = "mpi")]
-fn mpi_world() -> Result<Box<dyn World>> {
-    Ok(Box::new(mpi_impl::MpiWorld::init()?))
+fn mpi_world(role: &Role) -> Result<(Box<dyn World>, Job)> {
+    let (world, engines, link) = mpi_impl::init(role)?;
+    Ok((Box::new(world), Job { engines, link: link.map(|l| Box::new(l) as Box<dyn World>) }))
 }
 
 /// Ends MPI (a no-op in a world of one). Call once, at the end of `main`.
@@ -181,10 +246,11 @@ mod mpi_impl {
 
     use mpi::collective::SystemOperation;
     use mpi::datatype::{Partition, PartitionMut};
+    use mpi::topology::{Color, SimpleCommunicator};
     use mpi::traits::*;
     use mpi::{Count, Threading};
 
-    use super::World;
+    use super::{Role, World};
     use crate::{Error, Result};
 
     /// MPI counts are 32-bit: larger buffers go in rounds of at most this many bytes from each
@@ -208,37 +274,89 @@ mod mpi_impl {
 
     static UNIVERSE: Mutex<Option<mpi::environment::Universe>> = Mutex::new(None);
 
+    /// Serialises this process's MPI calls, on every communicator (`MPI_THREAD_SERIALIZED`).
+    static CALLS: Mutex<()> = Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        CALLS.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A communicator that threads may share: every call on it holds [`CALLS`].
+    struct Comm(SimpleCommunicator);
+
+    // SAFETY: an MPI communicator handle is a process-wide value, and at MPI_THREAD_SERIALIZED
+    // any thread may use it so long as no two calls run at once, which `CALLS` ensures.
+    unsafe impl Send for Comm {}
+    unsafe impl Sync for Comm {}
+
     pub struct MpiWorld {
         rank: usize,
         size: usize,
-        /// Serialises MPI calls (`MPI_THREAD_SERIALIZED`).
-        calls: Mutex<()>,
+        comm: Comm,
     }
 
-    impl MpiWorld {
-        /// The bytes a process sends in one round: every displacement must fit in a `Count`.
-        fn bucket(&self) -> usize {
-            BUCKET.min(Count::MAX as usize / self.size)
+    /// Initialises MPI and splits the job by role: this process's world (trainers or engines),
+    /// the engines' URLs in launch order, and (trainer 0 and engines) their link.
+    pub fn init(role: &Role) -> Result<(MpiWorld, Vec<String>, Option<MpiWorld>)> {
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| Error::Other("MPI was initialised already".into()))?;
+        if provided < Threading::Serialized {
+            return Err(Error::Other(format!(
+                "the MPI library provides thread level {provided:?}; oxrl needs Serialized"
+            )));
         }
-
-        pub fn init() -> Result<MpiWorld> {
-            let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
-                .ok_or_else(|| Error::Other("MPI was initialised already".into()))?;
-            if provided < Threading::Serialized {
-                return Err(Error::Other(format!(
-                    "the MPI library provides thread level {provided:?}; oxrl needs Serialized"
-                )));
-            }
-            let world = universe.world();
-            let (rank, size) = (world.rank() as usize, world.size() as usize);
-            *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
-            Ok(MpiWorld { rank, size, calls: Mutex::new(()) })
+        *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
+        let job = MpiWorld::over(SimpleCommunicator::world());
+        let roles: Vec<Role> =
+            job.all_gather(&super::encode(role)?)?.iter().map(|b| super::decode(b)).collect::<Result<_>>()?;
+        let engines: Vec<String> =
+            roles.iter().filter_map(|r| if let Role::Engine(url) = r { Some(url.clone()) } else { None }).collect();
+        if engines.is_empty() {
+            return Ok((job, engines, None));
         }
+        let Some(trainer0) = roles.iter().position(|r| *r == Role::Trainer) else {
+            return Ok((job, engines, None)); // engines alone: join_as_engine says why that fails
+        };
+        let me = job.rank;
+        let world = job.comm.0.split_by_color(Color::with_value((*role != Role::Trainer) as i32));
+        let in_link = me == trainer0 || *role != Role::Trainer;
+        let color = if in_link { Color::with_value(0) } else { Color::undefined() };
+        let link = job.comm.0.split_by_color_with_key(color, if me == trainer0 { 0 } else { 1 + me as i32 });
+        let world = world.ok_or_else(|| Error::Other("MPI_Comm_split gave no communicator".into()))?;
+        Ok((MpiWorld::over(world), engines, link.map(MpiWorld::over)))
     }
 
     pub fn finalize() {
         // Dropping the universe calls MPI_Finalize.
         drop(UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+
+    impl MpiWorld {
+        fn over(comm: SimpleCommunicator) -> MpiWorld {
+            let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+            MpiWorld { rank, size, comm: Comm(comm) }
+        }
+
+        /// The bytes a process sends in one round: every displacement must fit in a `Count`.
+        fn bucket(&self) -> usize {
+            BUCKET.min(Count::MAX as usize / self.size)
+        }
+
+        /// Root's `buf` on every process, polled every 200 µs until it is there (every process
+        /// uses the nonblocking broadcast: MPI matches a blocking collective only with blocking ones).
+        fn broadcast_polled<T: Equivalence>(&self, root: usize, buf: &mut [T]) {
+            let root = self.comm.0.process_at_rank(root as i32);
+            mpi::request::scope(|scope| {
+                let mut request = root.immediate_broadcast_into(scope, buf);
+                loop {
+                    match request.test() {
+                        Ok(_) => break,
+                        Err(pending) => request = pending,
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            });
+        }
     }
 
     impl World for MpiWorld {
@@ -251,8 +369,8 @@ mod mpi_impl {
         }
 
         fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-            let _serial = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-            let world = mpi::topology::SimpleCommunicator::world();
+            let _serial = serial();
+            let world = &self.comm.0;
             let mut lens = vec![0u64; self.size];
             world.all_gather_into(&(bytes.len() as u64), &mut lens[..]);
             let lens: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
@@ -278,8 +396,8 @@ mod mpi_impl {
             if parts.len() != self.size {
                 return Err(Error::Other(format!("all_to_all: {} parts for {} processes", parts.len(), self.size)));
             }
-            let _serial = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-            let world = mpi::topology::SimpleCommunicator::world();
+            let _serial = serial();
+            let world = &self.comm.0;
             let send_lens: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
             let mut recv_lens = vec![0u64; self.size];
             world.all_to_all_into(&send_lens[..], &mut recv_lens[..]);
@@ -312,8 +430,23 @@ mod mpi_impl {
             Ok(out)
         }
 
+        fn broadcast(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
+            let _serial = serial();
+            let mut len = [bytes.len() as u64];
+            self.broadcast_polled(root, &mut len);
+            if self.rank != root {
+                bytes.clear();
+                bytes.resize(len[0] as usize, 0);
+            }
+            for piece in bytes.chunks_mut(BUCKET) {
+                self.broadcast_polled(root, piece);
+            }
+            Ok(())
+        }
+
         fn abort(&self, code: i32) {
-            mpi::topology::SimpleCommunicator::world().abort(code)
+            // The whole job: its other processes would wait for this one.
+            SimpleCommunicator::world().abort(code)
         }
     }
 }

@@ -29,8 +29,10 @@ use axum::routing::{get, post};
 use axum::Router;
 use candle_core::Device;
 
+use crate::dispatch::world;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::{weights, Transformer};
+use crate::model::{weights, SamplerWeights, Transformer};
+use crate::rollout::weight_broadcast;
 use crate::rollout::engine::Ticket;
 use crate::rollout::engine_api as api;
 use crate::rollout::{Engine, EngineConfig};
@@ -108,6 +110,21 @@ impl EngineServer {
         }))
     }
 
+    /// A weight push's body (safetensors, [`SamplerWeights::to_safetensors`]), checked against
+    /// what this engine takes.
+    pub fn decode_weights(&self, body: &[u8]) -> crate::Result<SamplerWeights> {
+        let weights = SamplerWeights::from_safetensors(body, &self.device)?;
+        if let crate::model::weight_update::WeightUpdate::Lora { config, .. } = weights.update() {
+            if config.rank != self.lora_rank {
+                return Err(crate::Error::input(format!(
+                    "LoRA adapters of rank {} for an engine started with --lora-rank {}",
+                    config.rank, self.lora_rank
+                )));
+            }
+        }
+        Ok(weights)
+    }
+
     /// Whether a request names this engine's model (by name or by the path it was started with).
     pub fn serves(&self, model: &str) -> bool {
         model == self.name || model == self.path
@@ -155,17 +172,54 @@ async fn check_api_key(State(state): State<Arc<EngineServer>>, req: Request, nex
     next.run(req).await
 }
 
-/// Serves until the process is stopped (blocking; runs its own tokio runtime).
+/// Serves until the process is stopped (blocking; runs its own tokio runtime). Started by an
+/// MPI launcher beside a trainer, the engine joins the trainer's job: it takes weights from
+/// trainer 0's broadcasts ([`weight_broadcast`]) as well as over HTTP, and stops when the
+/// trainer ends the job.
 pub fn run(config: EngineServerConfig) -> anyhow::Result<()> {
     let state = EngineServer::start(&config)?;
+    let listener = std::net::TcpListener::bind(&config.listen)
+        .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
+    listener.set_nonblocking(true)?;
+    let local = listener.local_addr()?;
+    let url = public_url(local);
+    eprintln!("oxrl engine: listening on {url} (model {}, {})", state.name, state.dtype);
+    let (end_of_job, ended) = tokio::sync::oneshot::channel::<()>();
+    let receiver = if world::launched_by_mpi() {
+        let link = world::join_as_engine(&url)?;
+        let server = state.clone();
+        Some(std::thread::spawn(move || {
+            let served = weight_broadcast::serve_weights(link, |body| {
+                let weights = server.decode_weights(body).map_err(|e| e.to_string())?;
+                server.engine.update_weights(&weights).wait().map_err(|e| e.to_string())
+            });
+            let _ = end_of_job.send(());
+            served
+        }))
+    } else {
+        std::mem::forget(end_of_job); // serve until stopped
+        None
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(&config.listen)
-            .await
-            .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
-        let local = listener.local_addr()?;
-        eprintln!("oxrl engine: listening on http://{local} (model {}, {})", state.name, state.dtype);
-        axum::serve(listener, router(state, config.body_limit)).await?;
-        Ok(())
-    })
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let shutdown = async move {
+            let _ = ended.await;
+        };
+        axum::serve(listener, router(state, config.body_limit)).with_graceful_shutdown(shutdown).await?;
+        anyhow::Ok(())
+    })?;
+    if let Some(receiver) = receiver {
+        receiver.join().map_err(|_| anyhow::anyhow!("the weight receiver panicked"))??;
+    }
+    Ok(())
+}
+
+/// The URL trainers reach `local` at: the machine's name when it listens on every interface.
+fn public_url(local: std::net::SocketAddr) -> String {
+    if !local.ip().is_unspecified() {
+        return format!("http://{local}");
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string());
+    format!("http://{}:{}", host.ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "localhost".into()), local.port())
 }

@@ -13,7 +13,6 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::EngineServer;
-use crate::model::SamplerWeights;
 use crate::rollout::engine::Ticket;
 use crate::rollout::engine_api::{self as api, EngineInfo, Submit};
 use crate::rollout::{PauseMode, RequestOutput};
@@ -99,18 +98,10 @@ pub async fn resume(State(s): State<Arc<EngineServer>>) -> Reply {
 /// New weights, whole: a full snapshot, or adapters of the rank the engine was started with.
 pub async fn weights(State(s): State<Arc<EngineServer>>, body: Bytes) -> Reply {
     let server = s.clone();
-    let weights = tokio::task::spawn_blocking(move || SamplerWeights::from_safetensors(&body, &server.device))
+    let weights = tokio::task::spawn_blocking(move || server.decode_weights(&body))
         .await
         .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map_err(bad_request)?;
-    if let crate::model::weight_update::WeightUpdate::Lora { config, .. } = weights.update() {
-        if config.rank != s.lora_rank {
-            return Err(bad_request(format!(
-                "LoRA adapters of rank {} for an engine started with --lora-rank {}",
-                config.rank, s.lora_rank
-            )));
-        }
-    }
     s.engine.update_weights(&weights).await.map_err(bad_request)?;
     pack(&())
 }

@@ -25,12 +25,33 @@ use super::engine::{Engine, EngineHealth, Ticket};
 use super::engine_core::PauseMode;
 use super::request::{Generation, Request, RequestOutput, StopReason, TopLogprobs};
 use super::sampling_engine::{join_all, SamplingEngine};
+use super::weight_broadcast;
+use crate::dispatch::world::{decode, encode, World};
 use crate::handle::{self, Handle, Reply};
 use crate::model::SamplerWeights;
 use crate::{Error, Result};
 
 pub struct EngineClient {
     shared: Arc<Shared>,
+    sharing: Option<Sharing>,
+}
+
+/// Engines of their own that the trainer's processes share (remote, or processes of its MPI
+/// job): process 0 alone pauses, resumes and updates them — over the job's engine link when
+/// they are its processes, else over their APIs — and every process waits at the update until
+/// it is done, so that none samples the next step on the old weights.
+struct Sharing {
+    world: &'static dyn World,
+    /// The job's engine link and the engines' URLs (its ranks 1, 2, …).
+    link: Option<(&'static dyn World, Vec<String>)>,
+}
+
+/// How an update went, as process 0 tells the others.
+#[derive(serde::Serialize, serde::Deserialize)]
+enum Verdict {
+    Applied,
+    Down(String),
+    Failed(String),
 }
 
 struct Shared {
@@ -102,7 +123,18 @@ impl EngineClient {
             groups: Mutex::new(HashMap::new()),
             pause: Mutex::default(),
         };
-        Ok(EngineClient { shared: Arc::new(shared) })
+        Ok(EngineClient { shared: Arc::new(shared), sharing: None })
+    }
+
+    /// These engines, shared by the processes of `world` (see [`Sharing`]); `link`: they are
+    /// the processes of the MPI job's engine link, at `urls`.
+    pub fn shared_by(self, world: &'static dyn World, link: Option<(&'static dyn World, Vec<String>)>) -> Self {
+        EngineClient { sharing: (world.size() > 1 || link.is_some()).then_some(Sharing { world, link }), ..self }
+    }
+
+    /// Whether this process leaves pause, resume and updates to process 0.
+    fn follower(&self) -> bool {
+        self.sharing.as_ref().is_some_and(|s| s.world.rank() != 0)
     }
 
     pub fn engines(&self) -> &[Box<dyn SamplingEngine>] {
@@ -155,6 +187,9 @@ impl EngineClient {
 
     /// Pauses every engine; samples aborted by the pause wait for `resume`.
     pub fn pause(&self, mode: PauseMode) -> Handle<()> {
+        if self.follower() {
+            return Handle::ready(Ok(()));
+        }
         // Set first, so that a continuation triggered by this pause already sees it.
         lock(&self.shared.pause).paused = true;
         self.on_all(|e| e.pause(mode), || {})
@@ -173,6 +208,9 @@ impl EngineClient {
 
     /// Resumes every engine, then continues the parked samples.
     pub fn resume(&self) -> Handle<()> {
+        if self.follower() {
+            return Handle::ready(Ok(()));
+        }
         let shared = Arc::downgrade(&self.shared);
         self.on_all(
             |e| e.resume(),
@@ -186,8 +224,35 @@ impl EngineClient {
 
     /// Sends the weights to every engine (those of this process share the snapshot; none
     /// copies it). A down engine is probed in the background; once a probe found it answering,
-    /// it rejoins at the next update, at those weights.
+    /// it rejoins at the next update, at those weights. Shared engines: see [`Sharing`] (the
+    /// call then returns once every process knows the update done).
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
+        let Some(sharing) = &self.sharing else { return self.update_own(weights) };
+        let mine = match (sharing.world.rank(), &sharing.link) {
+            (0, Some((link, urls))) => weight_broadcast::send_weights(*link, urls, weights),
+            (0, None) => self.update_own(weights).wait(),
+            _ => Ok(()),
+        };
+        let verdict = match mine {
+            Ok(()) => Verdict::Applied,
+            Err(Error::EngineDown(why)) => Verdict::Down(why),
+            Err(e) => Verdict::Failed(e.to_string()),
+        };
+        let agreed = encode(&verdict).and_then(|v| {
+            let mut v = v;
+            sharing.world.broadcast(0, &mut v)?;
+            decode(&v)
+        });
+        Handle::ready(match agreed {
+            Ok(Verdict::Applied) => Ok(()),
+            Ok(Verdict::Down(why)) => Err(Error::EngineDown(why)),
+            Ok(Verdict::Failed(why)) => Err(Error::Other(why)),
+            Err(e) => Err(e),
+        })
+    }
+
+    /// [`EngineClient::update_weights`] by this process.
+    fn update_own(&self, weights: &SamplerWeights) -> Handle<()> {
         let shared = &self.shared;
         for i in (0..shared.engines.len()).filter(|&i| shared.is_down(i)) {
             if shared.answering[i].swap(false, Ordering::SeqCst) {

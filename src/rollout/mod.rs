@@ -9,6 +9,7 @@
 //! - [`engine`]: an engine core on its own thread, driven through channels.
 //! - [`sampling_engine`]: what the client needs of an engine, local or remote.
 //! - [`remote_engine`]: an engine in another process (`oxrl engine`), over [`engine_api`].
+//! - [`weight_broadcast`]: weights to the engines of the trainer's MPI job, over MPI.
 //! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all.
 //! - [`chat`]: messages in, the assistant's reply out (with the tokens the trainer needs).
 //! - [`generate`]: every prompt through a private engine in one call (`oxrl generate`).
@@ -26,6 +27,7 @@ mod row_math;
 pub mod sampler;
 pub mod sampling_engine;
 pub mod top_logprobs;
+pub mod weight_broadcast;
 
 pub use crate::model::weight_update::WeightUpdate;
 pub use chat::{chat, ChatReply};

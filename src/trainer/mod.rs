@@ -3,6 +3,7 @@
 //! [`async_groups`], generated in the background under staleness control), and what they stand
 //! on:
 //!
+//! - [`broadcast_groups`]: async RL across processes (process 0's source, every process's groups).
 //! - [`run_dir`]: the run directory both trainers write — new vs resume, `config.toml`,
 //!   `metrics.jsonl`, plots, checkpoints in one layout, the final export, Ctrl-C, `finish_when`.
 //! - [`rl_run`]: an RL run in progress (the training half of a step, weight pushes, the metrics
@@ -27,6 +28,7 @@
 //! Like every trainer, nothing here knows the data-parallel size or the device.
 
 pub mod async_groups;
+pub mod broadcast_groups;
 pub mod chat_mask;
 pub mod choice;
 pub mod config;

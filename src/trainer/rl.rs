@@ -30,6 +30,7 @@ use std::time::Instant;
 use serde_json::{json, Map};
 
 use super::async_groups::AsyncGroups;
+use super::broadcast_groups::BroadcastGroups;
 use super::group::step_episodes;
 use super::group::GroupSampler;
 use super::group_source::GroupSource;
@@ -38,7 +39,7 @@ use super::rl_run::RlRun;
 use super::rollout_stats::RolloutStats;
 use super::run_dir::{check_resumable, RunOptions};
 use super::sync_groups::SyncGroups;
-use crate::dispatch::world::world;
+use crate::dispatch::world::{world, Single};
 use crate::dispatch::Dispatch;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
@@ -61,13 +62,6 @@ pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts:
     }
     eprintln!("rl ({}): {} training prompts, {} eval prompts", cfg.mode, train.len(), eval.len());
     let world = world()?;
-    if world.size() > 1 && cfg.mode == Mode::Async {
-        return Err(Error::input(format!(
-            "mode = \"async\" runs in one process ({} were started): async RL across processes needs engines \
-             of their own, not yet; run mode = \"sync\" under mpirun, or async as one process",
-            world.size()
-        )));
-    }
     let (run, resumed) = RlRun::open(cfg, dispatch, world, engines, &tok, &eval, opts)?;
     let sampler = GroupSampler {
         world,
@@ -78,11 +72,21 @@ pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts:
         n: cfg.rollout.n_samples,
         train_seed: cfg.train.seed,
     };
+    // Async over several processes: process 0 generates (sharing no groups out), the others
+    // train on what it hands them.
+    let alone = GroupSampler { world: &Single, params: sampler.params.clone(), env_config: sampler.env_config.clone(), ..sampler };
     match cfg.mode {
         Mode::Sync => train_loop(run, SyncGroups::new(cfg, &sampler, &train, resumed.as_ref())?),
-        Mode::Async => std::thread::scope(|scope| {
+        Mode::Async if world.size() == 1 => std::thread::scope(|scope| {
             let source = AsyncGroups::start(scope, cfg, &sampler, &train, resumed.as_ref())?;
             train_loop(run, source)
+        }),
+        Mode::Async => std::thread::scope(|scope| {
+            let source = match world.rank() {
+                0 => Some(AsyncGroups::start(scope, cfg, &alone, &train, resumed.as_ref())?),
+                _ => None,
+            };
+            train_loop(run, BroadcastGroups::new(world, source, Some(cfg.async_rl.pause_mode())))
         }),
     }
 }
@@ -95,7 +99,7 @@ fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary>
         if run.step >= total {
             break false;
         }
-        if run.dir.should_stop(run.step) {
+        if run.should_stop()? {
             break true;
         }
         // The step's groups.

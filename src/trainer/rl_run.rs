@@ -131,6 +131,16 @@ impl<'a> RlRun<'a> {
         Ok((run, resumed))
     }
 
+    /// Whether to stop before the next step (Ctrl-C, `stop_after`), agreed by every process: one
+    /// that stopped alone would leave the others waiting for it.
+    pub fn should_stop(&self) -> Result<bool> {
+        let mine = self.dir.should_stop(self.step);
+        if self.world.size() == 1 {
+            return Ok(mine);
+        }
+        Ok(self.world.all_gather(&[mine as u8])?.iter().any(|b| b[..] == [1]))
+    }
+
     /// The checkpoint's trainer state after `self.step`, at data position `data`.
     pub fn state(&self, data: DataPosition) -> TrainerState {
         TrainerState {

@@ -5,7 +5,7 @@ use serde_json::{json, Map, Value};
 use super::rollouts::Episode;
 
 /// Everything generated in a step (trained or filtered): rewards, lengths, entropy.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RolloutStats {
     pub generated: usize,
     rewards: Vec<f64>,
