@@ -34,7 +34,8 @@ enum What {
     Decode(DecodeArgs),
     /// The gradient sum over data-parallel ranks (threads here, processes under mpirun).
     AllReduce(AllReduceArgs),
-    /// A weight push to an engine: in this process, or to `oxrl engine` at --engine.
+    /// A weight push to an engine: in this process, to `oxrl engine` at --engine, or over MPI to
+    /// the engine processes of the job (`mpirun -np 1 oxrl bench weight-push … : -np 1 oxrl engine …`).
     WeightPush(WeightPushArgs),
     /// Write the benchmark model (HF layout) and its workloads' tokens (bench_workloads.json).
     SaveModel {
@@ -256,11 +257,22 @@ fn weight_push(a: WeightPushArgs) -> anyhow::Result<()> {
     if let Some(config) = &config {
         lora::attach_new(&mut model, config, 0)?;
     }
-    let engine: Box<dyn SamplingEngine> = match &a.engine {
-        Some(url) => Box::new(RemoteEngine::connect(url, std::env::var("OXRL_ENGINE_API_KEY").ok())?.0),
-        None => {
+    let link = crate::dispatch::world::engine_link();
+    type Push = Box<dyn Fn(&SamplerWeights) -> crate::Result<()>>;
+    let (push, target): (Push, &str) = match (&a.engine, link) {
+        (Some(_), Some(_)) => anyhow::bail!("--engine and engine processes in the MPI job: use one or the other"),
+        (Some(url), None) => {
+            let engine = RemoteEngine::connect(url, std::env::var("OXRL_ENGINE_API_KEY").ok())?.0;
+            (Box::new(move |w| engine.update_weights(w).wait()), url)
+        }
+        (None, Some(link)) => {
+            let urls = crate::dispatch::world::job_engines();
+            (Box::new(move |w| crate::rollout::weight_broadcast::send_weights(link, urls, w)), "mpi")
+        }
+        (None, None) => {
             let (base, _) = c.load()?;
-            Box::new(Engine::start(base, EngineConfig::default())?)
+            let engine = Engine::start(base, EngineConfig::default())?;
+            (Box::new(move |w| engine.update_weights(w).wait()), "in-process")
         }
     };
     let mut version = 0;
@@ -269,11 +281,11 @@ fn weight_push(a: WeightPushArgs) -> anyhow::Result<()> {
         version += 1;
         let weights = SamplerWeights::snapshot(&model, config.as_ref(), version)?;
         bytes = weights.num_bytes();
-        engine.update_weights(&weights).wait()?;
+        push(&weights)?;
         Ok(())
     })?;
     let mut r = c.record("weight_push", &name);
-    r["engine"] = json!(a.engine.as_deref().unwrap_or("in-process"));
+    r["engine"] = json!(target);
     r["lora_rank"] = json!(a.lora_rank);
     r["bytes"] = json!(bytes);
     println!("{}", with_bandwidth(r, &ms, bytes));

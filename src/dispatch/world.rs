@@ -43,11 +43,13 @@ pub trait World: Send + Sync {
     /// every process sent to this one, in process order. Every process must call it.
     fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>;
     /// Process `root`'s `bytes` on every process (the others' are replaced). Every process must
-    /// call it. Over MPI a process waiting here polls and sleeps rather than spinning: it may
-    /// wait long (for a step's groups, for the next weights) beside an engine that needs the core.
+    /// call it. Over MPI a process waiting here for the bytes to start polls and sleeps rather
+    /// than spinning: it may wait long (for a step's groups, for the next weights) beside an
+    /// engine that needs the core.
     fn broadcast(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
         let all = self.all_gather(if self.rank() == root { bytes } else { &[] })?;
-        *bytes = all.into_iter().nth(root).ok_or_else(|| Error::Other(format!("broadcast from {root}: no such process")))?;
+        *bytes =
+            all.into_iter().nth(root).ok_or_else(|| Error::Other(format!("broadcast from {root}: no such process")))?;
         Ok(())
     }
     /// Ends every process of the run with `code` (after an error here: the others would wait
@@ -114,7 +116,8 @@ fn join(role: Role) -> Result<&'static dyn World> {
     if let Some(w) = WORLD.get() {
         return Ok(w.as_ref());
     }
-    let (w, job): (Box<dyn World>, Job) = if launched_by_mpi() { mpi_world(&role)? } else { (Box::new(Single), Job::default()) };
+    let (w, job): (Box<dyn World>, Job) =
+        if launched_by_mpi() { mpi_world(&role)? } else { (Box::new(Single), Job::default()) };
     let _ = JOB.set(job);
     Ok(WORLD.get_or_init(|| w).as_ref())
 }
@@ -342,12 +345,19 @@ mod mpi_impl {
             BUCKET.min(Count::MAX as usize / self.size)
         }
 
-        /// Root's `buf` on every process, polled every 200 µs until it is there (every process
-        /// uses the nonblocking broadcast: MPI matches a blocking collective only with blocking ones).
-        fn broadcast_polled<T: Equivalence>(&self, root: usize, buf: &mut [T]) {
+        /// Root's `buf` on every process. Every process uses the nonblocking broadcast (MPI
+        /// matches a blocking collective only with blocking ones); with `poll`, one that is not
+        /// the root tests for it every 200 µs, sleeping between (for a wait of unknown length),
+        /// else it waits in MPI (which drives the transfer: a large body goes at full speed).
+        fn broadcast_in<T: Equivalence>(&self, root: usize, buf: &mut [T], poll: bool) {
             let root = self.comm.0.process_at_rank(root as i32);
+            let poll = poll && self.rank != root.rank() as usize;
             mpi::request::scope(|scope| {
                 let mut request = root.immediate_broadcast_into(scope, buf);
+                if !poll {
+                    request.wait();
+                    return;
+                }
                 loop {
                     match request.test() {
                         Ok(_) => break,
@@ -432,14 +442,15 @@ mod mpi_impl {
 
         fn broadcast(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
             let _serial = serial();
+            // The length may be long in coming (the next step's groups, the next weights): polled.
             let mut len = [bytes.len() as u64];
-            self.broadcast_polled(root, &mut len);
+            self.broadcast_in(root, &mut len, true);
             if self.rank != root {
                 bytes.clear();
                 bytes.resize(len[0] as usize, 0);
             }
             for piece in bytes.chunks_mut(BUCKET) {
-                self.broadcast_polled(root, piece);
+                self.broadcast_in(root, piece, false);
             }
             Ok(())
         }

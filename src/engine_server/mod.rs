@@ -32,9 +32,9 @@ use candle_core::Device;
 use crate::dispatch::world;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{weights, SamplerWeights, Transformer};
-use crate::rollout::weight_broadcast;
 use crate::rollout::engine::Ticket;
 use crate::rollout::engine_api as api;
+use crate::rollout::weight_broadcast;
 use crate::rollout::{Engine, EngineConfig};
 
 /// How `oxrl engine` runs.
@@ -178,8 +178,8 @@ async fn check_api_key(State(state): State<Arc<EngineServer>>, req: Request, nex
 /// trainer ends the job.
 pub fn run(config: EngineServerConfig) -> anyhow::Result<()> {
     let state = EngineServer::start(&config)?;
-    let listener = std::net::TcpListener::bind(&config.listen)
-        .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
+    let listener =
+        std::net::TcpListener::bind(&config.listen).map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
     let url = public_url(local);

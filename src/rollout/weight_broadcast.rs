@@ -103,7 +103,8 @@ mod tests {
     /// names its engine; the end stops both.
     #[test]
     fn pushes_arrive_whole_and_refusals_are_named() {
-        let bodies: Vec<Vec<u8>> = [0usize, 1, 7, 8, 9, 23].iter().map(|&n| (0..n).map(|i| (i * 37 + n) as u8).collect()).collect();
+        let bodies: Vec<Vec<u8>> =
+            [0usize, 1, 7, 8, 9, 23].iter().map(|&n| (0..n).map(|i| (i * 37 + n) as u8).collect()).collect();
         let urls = vec!["http://e1".to_string(), "http://e2".to_string()];
         let link = ThreadWorld::world(3);
         let got = std::thread::scope(|s| {
@@ -113,7 +114,11 @@ mod tests {
                         let mut seen = vec![];
                         serve_weights(l, |body| {
                             seen.push(body.to_vec());
-                            if l.rank() == 2 && body.len() == 9 { Err("no room".into()) } else { Ok(()) }
+                            if l.rank() == 2 && body.len() == 9 {
+                                Err("no room".into())
+                            } else {
+                                Ok(())
+                            }
                         })
                         .unwrap();
                         seen

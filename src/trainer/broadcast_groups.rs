@@ -34,7 +34,7 @@ pub struct BroadcastGroups<'w, S> {
 /// What process 0's source gave for a step.
 #[derive(Serialize, Deserialize)]
 enum Outcome {
-    Groups { groups: Vec<Group>, rollouts: RolloutStats, position: DataPosition },
+    Groups { groups: Vec<Group>, rollouts: RolloutStats, position: Box<DataPosition> },
     Stopped,
     EngineDown(String),
     Failed(String),
@@ -58,7 +58,9 @@ impl<S: GroupSource> GroupSource for BroadcastGroups<'_, S> {
             Some(source) => {
                 let mut stats = RolloutStats::default();
                 let outcome = match source.next_groups(steps_done, &mut stats, stop) {
-                    Ok(Some(groups)) => Outcome::Groups { groups, rollouts: stats, position: source.position() },
+                    Ok(Some(groups)) => {
+                        Outcome::Groups { groups, rollouts: stats, position: Box::new(source.position()) }
+                    }
                     Ok(None) => Outcome::Stopped,
                     Err(Error::EngineDown(why)) => Outcome::EngineDown(why),
                     Err(e) => Outcome::Failed(e.to_string()),
@@ -71,7 +73,7 @@ impl<S: GroupSource> GroupSource for BroadcastGroups<'_, S> {
         match decode(&bytes)? {
             Outcome::Groups { groups, rollouts: stats, position } => {
                 *rollouts = stats;
-                self.last_position = Some(position);
+                self.last_position = Some(*position);
                 Ok(Some(groups))
             }
             Outcome::Stopped => Ok(None),

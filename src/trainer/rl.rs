@@ -74,7 +74,12 @@ pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts:
     };
     // Async over several processes: process 0 generates (sharing no groups out), the others
     // train on what it hands them.
-    let alone = GroupSampler { world: &Single, params: sampler.params.clone(), env_config: sampler.env_config.clone(), ..sampler };
+    let alone = GroupSampler {
+        world: &Single,
+        params: sampler.params.clone(),
+        env_config: sampler.env_config.clone(),
+        ..sampler
+    };
     match cfg.mode {
         Mode::Sync => train_loop(run, SyncGroups::new(cfg, &sampler, &train, resumed.as_ref())?),
         Mode::Async if world.size() == 1 => std::thread::scope(|scope| {

@@ -99,7 +99,10 @@ fn an_engine_in_the_mpi_job_takes_weights_over_mpi() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert_eq!(text.matches("oxrl engine: listening on http://127.0.0.1:").count(), 1, "{text}");
     let job = std::fs::read(dir.path().join("job/final/model.safetensors")).unwrap();
-    assert!(job == in_process_dp2(&config, "dp2", &[], "model.safetensors"), "the MPI job with an engine process differs from dp = 2");
+    assert!(
+        job == in_process_dp2(&config, "dp2", &[], "model.safetensors"),
+        "the MPI job with an engine process differs from dp = 2"
+    );
     let initial = dir.path().join("model/model.safetensors");
     assert!(common::file_max_diff(&dir.path().join("job/final/model.safetensors"), &initial) > 1e-3, "nothing trained");
     let (a, b) = (metrics(&dir.path().join("job")), metrics(&dir.path().join("dp2")));
