@@ -69,6 +69,9 @@ impl Loss {
                 json!({"clip_low_threshold": band.low, "clip_high_threshold": band.high})
             }
             Loss::Tinker(TinkerLoss::Dro { beta }) => json!({"beta": beta}),
+            Loss::Tinker(TinkerLoss::StableReinforce { ratio_cap, kl_coeff }) => {
+                json!({"ratio_cap": ratio_cap, "kl_coeff": kl_coeff})
+            }
             Loss::Policy(p) => policy_config(p),
             Loss::Value(v) => json!({"value_clip": v.value_clip}),
         }

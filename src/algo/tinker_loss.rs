@@ -10,6 +10,13 @@
 //! | `ppo` | `−min(r·A, clamp(r, lo, hi)·A)` | `clip_low_threshold` = 0.8, `clip_high_threshold` = 1.2 |
 //! | `cispo` | `−sg(clamp(r, lo, hi))·lp·A` | same thresholds |
 //! | `dro` | `−(lp·A − ½·β·(lp − q)²)` | `beta` (required) |
+//! | `stable_reinforce` | `−sg(min(r, c))·A·lp + ½·k·(lp − q)²` | `ratio_cap` c = 2, `kl_coeff` k = 0 |
+//!
+//! `stable_reinforce` is Tinker's name; its exact objective is not public. oxrl's is REINFORCE
+//! with truncated importance sampling (TIS, Yao et al. 2025: the gradient `−min(r, c)·A·∇lp`,
+//! bounded however far the sampler drifted) plus an optional quadratic pull towards the sampler.
+//! The server fills `q` with the log-probs it recorded when it sampled the tokens
+//! (`record_stability_info`), never the client's, and `w` with the datum's sampled positions.
 //!
 //! The worker multiplies by the weights (default 1 on RL datums) and sums. Metrics:
 //! `importance_ratio:mean` (the ratio losses), `clip_fraction:mean` (`ppo`, `cispo`).
@@ -29,12 +36,14 @@ pub enum TinkerLoss {
     Ppo { band: RatioBand },
     Cispo { band: RatioBand },
     Dro { beta: f64 },
+    StableReinforce { ratio_cap: f64, kl_coeff: f64 },
 }
 
 const THRESHOLD_KEYS: [&str; 2] = ["clip_low_threshold", "clip_high_threshold"];
 
 impl TinkerLoss {
-    pub const NAMES: [&'static str; 5] = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"];
+    pub const NAMES: [&'static str; 6] =
+        ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce"];
 
     /// The loss `name` with its `loss_fn_config` (a JSON object or null), validated.
     pub fn from_config(name: &str, config: &Value) -> Result<Self> {
@@ -51,6 +60,17 @@ impl TinkerLoss {
             "ppo" => Ok(Self::Ppo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
             "cispo" => Ok(Self::Cispo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
             "dro" => Ok(Self::Dro { beta: ConfigObject::new(owner, config, &["beta"])?.required_f64("beta")? }),
+            "stable_reinforce" => {
+                let c = ConfigObject::new(owner, config, &["ratio_cap", "kl_coeff"])?;
+                let (ratio_cap, kl_coeff) = (c.f64_or("ratio_cap", 2.0)?, c.f64_or("kl_coeff", 0.0)?);
+                if ratio_cap <= 0.0 || kl_coeff < 0.0 {
+                    return Err(crate::Error::input(format!(
+                        "loss `stable_reinforce`: ratio_cap must be positive and kl_coeff non-negative \
+                         (got {ratio_cap}, {kl_coeff})"
+                    )));
+                }
+                Ok(Self::StableReinforce { ratio_cap, kl_coeff })
+            }
             _ => Err(unknown_name("loss", name, &Self::NAMES)),
         }
     }
@@ -62,6 +82,7 @@ impl TinkerLoss {
             Self::Ppo { .. } => "ppo",
             Self::Cispo { .. } => "cispo",
             Self::Dro { .. } => "dro",
+            Self::StableReinforce { .. } => "stable_reinforce",
         }
     }
 
@@ -94,6 +115,16 @@ impl TinkerLoss {
                 let adv = x.required("advantages", &inputs.advantages)?;
                 let penalty = ((&lp - q)?.sqr()? * (0.5 * beta))?;
                 ((&lp * adv)? - penalty)?.neg()?
+            }
+            Self::StableReinforce { ratio_cap, kl_coeff } => {
+                let (ratio, adv) = ratio_and_advantages(&x, inputs, &lp)?;
+                let q = x.required("logprobs", &inputs.logprobs)?;
+                let capped = ratio.clamp(0.0, *ratio_cap)?.detach();
+                let capped_at = ratio.ge(*ratio_cap)?.to_dtype(ratio.dtype())?;
+                x.mean_metric("importance_ratio", &ratio)?;
+                x.mean_metric("ratio_capped_fraction", &capped_at)?;
+                let pull = ((&lp - q)?.sqr()? * (0.5 * kl_coeff))?;
+                ((capped * adv)? * &lp)?.neg()?.add(&pull)?
             }
         };
         x.finish(&loss)

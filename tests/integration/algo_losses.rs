@@ -110,6 +110,18 @@ fn tinker_dro() {
 }
 
 #[test]
+fn tinker_stable_reinforce() {
+    let out = run(Loss::tinker("stable_reinforce", &json!({"ratio_cap": 1.2, "kl_coeff": 0.5})).unwrap());
+    // −min(r, 1.2)·A·lp + ¼(lp − q)² = [1.105170918 + 0.0025, 1.2·2·0.5 + 0.04, −0.606530660 + 0.0625]
+    check(&out, [1.107670918, 1.24, -0.54403066], 0.639609598);
+    assert_close(mean_metric(&out, "ratio_capped_fraction:mean"), 1.0 / 3.0, 1e-12, "capped fraction");
+    assert_close(mean_metric(&out, "importance_ratio:mean"), (R[0] + R[1] + R[2]) / 3.0, 1e-12, "ratio");
+    // Defaults: cap 2 (nothing capped here), no pull: −r·A·lp.
+    let out = run(Loss::tinker("stable_reinforce", &json!({})).unwrap());
+    check(&out, [1.105170918, 1.491824698, -0.60653066], 0.638021947);
+}
+
+#[test]
 fn policy_regular_and_kl_entropy_terms() {
     let out = run(Loss::policy("regular", &json!({})).unwrap());
     check(&out, [-1.105170918, -2.4, 0.4], -1.505170918);
@@ -364,7 +376,7 @@ fn parse_reads_each_family_by_name() {
     assert_eq!(parse("value", json!({"value_clip": 0.5})), Loss::value(&json!({"value_clip": 0.5})).unwrap());
     let e = error_of(Loss::parse("dual_clipp", &json!({})));
     assert!(e.contains("unknown loss `dual_clipp`; did you mean `dual_clip`?"), "{e}");
-    assert!(e.contains("(valid: cross_entropy, importance_sampling, ppo, cispo, dro, regular, dual_clip, gspo, sapo, rollout_is, policy/regular,"), "{e}");
+    assert!(e.contains("(valid: cross_entropy, importance_sampling, ppo, cispo, dro, stable_reinforce, regular, dual_clip, gspo, sapo, rollout_is, policy/regular,"), "{e}");
     assert!(e.ends_with("policy/importance_sampling, value)"), "{e}");
     let e = error_of(Loss::parse("policy/ppo", &json!({})));
     assert!(e.contains("unknown policy loss `ppo`"), "{e}");

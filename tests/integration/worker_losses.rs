@@ -139,6 +139,11 @@ fn hand_loss(name: &str, cfg: &Value, t: &Tok) -> (f64, f64) {
             let c = clamp(r, lo, hi);
             (-c * t.lp * t.adv, -c * t.adv)
         }
+        "stable_reinforce" => {
+            let (c, k) = (cfg_f64(cfg, "ratio_cap", 2.0), cfg_f64(cfg, "kl_coeff", 0.0));
+            let w = r.min(c);
+            (-w * t.adv * t.lp + 0.5 * k * (t.lp - t.q).powi(2), -w * t.adv + k * (t.lp - t.q))
+        }
         "dro" => {
             let beta = cfg_f64(cfg, "beta", 0.0);
             (-(t.lp * t.adv - 0.5 * beta * (t.lp - t.q).powi(2)), -(t.adv - beta * (t.lp - t.q)))
@@ -316,7 +321,7 @@ fn check(name: &str, cfg: Value, critic: bool) {
     }
 
     // The gradient, by finite differences.
-    let frozen = ["cispo", "policy/cispo", "policy/cispo@rollout", "gspo", "rollout_is"].contains(&name);
+    let frozen = ["cispo", "stable_reinforce", "policy/cispo", "policy/cispo@rollout", "gspo", "rollout_is"].contains(&name);
     // Σ_t c_t · lp_t(θ) is the `cross_entropy` loss with weights −c_t (computed in f64).
     let surrogate_batch: Vec<Datum> = batch
         .iter()
@@ -381,6 +386,7 @@ fn tinker_losses() {
     check("ppo", json!({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), false);
     check("cispo", json!({}), false);
     check("dro", json!({"beta": 0.7}), false);
+    check("stable_reinforce", json!({"ratio_cap": 1.1, "kl_coeff": 0.3}), false);
 }
 
 #[test]
