@@ -57,6 +57,9 @@ pub struct Args {
     /// Seconds a finished request's result is kept for retrieval.
     #[arg(long, default_value_t = Limits::default().result_retention_s)]
     pub result_retention_s: u64,
+    /// Tokens of the samples recorded for `stable_reinforce` kept per API key (oldest forgotten first).
+    #[arg(long, default_value_t = Limits::default().max_recorded_tokens_per_key)]
+    pub max_recorded_tokens_per_key: usize,
     /// On SIGTERM or Ctrl-C, seconds to wait for the requests in flight to finish.
     #[arg(long, default_value_t = 30)]
     pub drain_s: u64,
@@ -85,6 +88,7 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
             max_connections: args.max_connections,
             idle_timeout_s: args.idle_timeout_s,
             result_retention_s: args.result_retention_s,
+            max_recorded_tokens_per_key: args.max_recorded_tokens_per_key,
         },
     })
 }

@@ -32,6 +32,10 @@ pub struct Limits {
     /// (`--result-retention-s`); then it is deleted, so the database does not only grow.
     /// Default 86,400 (a day).
     pub result_retention_s: u64,
+    /// Tokens (prompt + sampled) of the samples recorded for `stable_reinforce` per API key
+    /// (`--max-recorded-tokens-per-key`); past it the key's oldest records are forgotten.
+    /// Default 16,777,216 (~200 MB with their log-probs).
+    pub max_recorded_tokens_per_key: usize,
 }
 
 impl Default for Limits {
@@ -47,6 +51,7 @@ impl Default for Limits {
             max_connections: 512,
             idle_timeout_s: 60,
             result_retention_s: 86_400,
+            max_recorded_tokens_per_key: 1 << 24,
         }
     }
 }

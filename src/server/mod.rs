@@ -28,8 +28,10 @@ pub mod futures;
 pub mod limits;
 pub mod models;
 pub mod proto;
+pub mod provenance;
 pub mod routes;
 pub mod samplers;
+pub mod stability_records;
 pub mod store;
 pub mod types;
 
@@ -80,6 +82,8 @@ pub struct AppState {
     pub data_dir: PathBuf,
     pub session_timeout: Duration,
     pub limits: limits::Limits,
+    /// Samples recorded for `stable_reinforce` (`record_stability_info`).
+    pub stability: stability_records::StabilityRecords,
 }
 
 fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
@@ -116,6 +120,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
         data_dir: config.data_dir.clone(),
         session_timeout: config.session_timeout,
         limits: config.limits.clone(),
+        stability: stability_records::StabilityRecords::new(config.limits.max_recorded_tokens_per_key),
     }))
 }
 
@@ -199,6 +204,7 @@ pub fn spawn_session_reaper(state: Arc<AppState>) {
                 }
                 // Results past their retention.
                 st.store.delete_futures_older_than(st.limits.result_retention_s as f64)?;
+                st.stability.sweep();
                 Ok(stale.len())
             })
             .await;

@@ -323,9 +323,18 @@ async fn run_fwdbwd(
     }
     let is_proto =
         headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with(PROTOBUF));
-    let req = if is_proto { FwdBwd::from_proto(&body)? } else { FwdBwd::from_json(&body, forward_path)? };
+    let mut req = if is_proto { FwdBwd::from_proto(&body)? } else { FwdBwd::from_json(&body, forward_path)? };
     let model = training_model(&state, &headers, &req.model_id)?;
-    state.limits.train_tokens(req.data.iter().map(|d| d.input_tokens.len()).sum())?;
+    // A request refused from here on fails its future in its turn, so that its seq_id is used
+    // and the model's later requests do not wait for it forever.
+    let mut refused = state.limits.train_tokens(req.data.iter().map(|d| d.input_tokens.len()).sum()).err();
+    if refused.is_none() && req.loss_fn == "stable_reinforce" {
+        // Its `q` and weights come from what this server recorded when it sampled.
+        let session = model.id.split(':').next().unwrap_or_default();
+        let key = api_key(&headers);
+        refused =
+            super::provenance::resolve(&state.stability, key.as_deref(), session, &mut req.data, &req.provenance).err();
+    }
     let forward_only = req.forward_only || forward_path;
     let kind = if forward_only { "forward" } else { "forward_backward" };
     let (st, key) = (state.clone(), api_key(&headers));
@@ -334,6 +343,9 @@ async fn run_fwdbwd(
         let request_id = st.futures.create(Some(&model_id), kind, key.as_deref())?;
         let rid = request_id.clone();
         let job: Job = Box::new(move |dispatch| {
+            if let Some(e) = refused {
+                return st.futures.complete(&rid, to_outcome(Err(e)));
+            }
             // A bad loss name or config fails this future, in its turn.
             let loss = match Loss::parse(&req.loss_fn, &req.loss_fn_config) {
                 Ok(l) => l,
@@ -731,7 +743,14 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
         sample_topk: topk.1,
         ..crate::rollout::Request::new(prompt, params)
     };
-    let request_id = state.futures.create(None, "sample", api_key(&headers).as_deref())?;
+    let key = api_key(&headers);
+    let request_id = state.futures.create(None, "sample", key.as_deref())?;
+    // `record_stability_info`: the sequences are kept for `stable_reinforce`, owned by this key
+    // (and the sampling session's session).
+    let record = req.record_stability_info.unwrap_or(false).then(|| {
+        let session = req.sampling_session_id.as_deref().filter(|id| !id.starts_with("path:"));
+        (key, session.and_then(|id| id.split(':').next()).map(String::from), Arc::new(request.prompt.clone()))
+    });
     let handle = sampler.submit(request);
     state.futures.set_canceller(&request_id, handle.canceller());
     let (st, rid) = (state.clone(), request_id.clone());
@@ -741,6 +760,13 @@ async fn asample(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
                 to_outcome(Err(ApiError::user("the sampling request was cancelled (cancel_future)")))
             }
             Ok(out) => {
+                if let Some((key, session, prompt)) = record {
+                    for (j, g) in out.samples.iter().enumerate() {
+                        let id = format!("{rid}:{j}");
+                        let (tokens, logprobs) = (g.tokens.clone(), g.logprobs.clone());
+                        st.stability.record(key.as_deref(), session.as_deref(), id, prompt.clone(), tokens, logprobs);
+                    }
+                }
                 let (proto, json) = types::sample_to_proto_and_json(&out, topk, last_n);
                 StoredOutcome::Proto { proto, json: json.to_string() }
             }

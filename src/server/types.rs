@@ -10,6 +10,7 @@ use serde_json::{json, Map, Value};
 
 use super::errors::{ApiError, ApiResult};
 use super::proto;
+use super::provenance::Provenance;
 use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, LossFnInputs, LossFnOutput};
 
 #[derive(Deserialize)]
@@ -204,6 +205,9 @@ pub struct SampleRequest {
     /// Not supported: refused when present.
     #[serde(default)]
     pub target_prompt_logprobs: Option<Value>,
+    /// Keep each sequence's tokens and log-probs for `stable_reinforce`.
+    #[serde(default)]
+    pub record_stability_info: Option<bool>,
     #[serde(default)]
     pub prompt_alt_tokens_k: Option<i64>,
 }
@@ -300,6 +304,8 @@ pub struct FwdBwd {
     pub loss_fn: String,
     pub loss_fn_config: Value,
     pub forward_only: bool,
+    /// Each datum's provenance, if it has any (protobuf bodies only).
+    pub provenance: Vec<Option<Provenance>>,
 }
 
 /// Parses a JSON body; a malformed one is a user error with serde's message (and path).
@@ -323,8 +329,12 @@ impl FwdBwd {
         let req = proto::ForwardBackwardRequest::decode(body)
             .map_err(|e| ApiError::user(format!("forward_backward: malformed protobuf body: {e}")))?;
         let mut data = Vec::with_capacity(req.data.len());
+        let mut provenance = Vec::with_capacity(req.data.len());
         for (i, d) in req.data.iter().enumerate() {
-            data.push(datum_from_proto(i, d)?);
+            let datum = datum_from_proto(i, d)?;
+            let targets = datum.loss_fn_inputs.target_tokens.as_ref().map_or(0, Vec::len);
+            provenance.push(super::provenance::from_proto(i, d, datum.input_tokens.len(), targets)?);
+            data.push(datum);
         }
         // v2 (numbers and strings) wins over the legacy numbers-only map.
         let mut config = Map::new();
@@ -345,6 +355,7 @@ impl FwdBwd {
             loss_fn: req.loss_fn,
             loss_fn_config: Value::Object(config),
             forward_only: req.forward_only,
+            provenance,
         })
     }
 
@@ -376,6 +387,7 @@ impl FwdBwd {
             .ok_or_else(|| ApiError::user(format!("{what}: missing `forward_backward_input`")))?;
         let data = input.data.iter().enumerate().map(|(i, d)| d.to_datum(i)).collect::<ApiResult<Vec<_>>>()?;
         Ok(FwdBwd {
+            provenance: vec![None; data.len()],
             model_id: req.model_id,
             seq_id: req.seq_id.unwrap_or(0),
             data,

@@ -447,7 +447,13 @@ fn requests_past_a_limit_are_refused_by_name_and_the_server_keeps_serving() {
     datum["model_input"]["chunks"][0]["tokens"] = json!(vec![104; n]);
     datum["loss_fn_inputs"]["target_tokens"]["data"] = json!(vec![105; n]);
     datum["loss_fn_inputs"]["weights"]["data"] = json!(vec![1.0; n]);
-    refused(post(port, "forward_backward", huge), "--max-train-tokens");
+    // A training request past a limit fails in its turn (its seq_id is used, so the model's next
+    // requests do not wait for it), with the limit named in the future's error.
+    let r = post(port, "forward_backward", huge);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let failed = result(port, r.body["request_id"].as_str().unwrap());
+    assert_eq!(failed["category"], "user", "{failed}");
+    assert!(failed["error"].as_str().unwrap().contains("--max-train-tokens"), "{failed}");
 
     let s = post(
         port,
@@ -474,12 +480,12 @@ fn requests_past_a_limit_are_refused_by_name_and_the_server_keeps_serving() {
     let r = sample(2, 4, 0);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(result(port, r.body["request_id"].as_str().unwrap())["sequences"].as_array().unwrap().len(), 2);
-    let loss_of = |port: u16, model_id: &str| {
-        let f = post(port, "forward_backward", fwdbwd_body(model_id, 1, "cross_entropy"));
+    let loss_of = |port: u16, model_id: &str, seq_id: i64| {
+        let f = post(port, "forward_backward", fwdbwd_body(model_id, seq_id, "cross_entropy"));
         assert_eq!(f.status, 200, "{}", f.body);
         result(port, f.body["request_id"].as_str().unwrap())["metrics"]["loss:sum"].clone()
     };
-    let after = loss_of(port, &model_id);
+    let after = loss_of(port, &model_id, 2);
     let fresh_dir = tempfile::tempdir().unwrap();
     let fresh = serve(fresh_dir.path(), Duration::from_millis(300));
     let fresh_session =
@@ -491,7 +497,7 @@ fn requests_past_a_limit_are_refused_by_name_and_the_server_keeps_serving() {
         json!({"session_id": fresh_session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora}),
     );
     result(fresh, r.body["request_id"].as_str().unwrap());
-    assert_eq!(after, loss_of(fresh, &format!("{fresh_session}:train:0")));
+    assert_eq!(after, loss_of(fresh, &format!("{fresh_session}:train:0"), 1));
     assert!(after.as_f64().is_some_and(f64::is_finite), "{after}");
 }
 

@@ -187,6 +187,24 @@ fn sdk_rl_loop_reward_rises() {
     assert_eq!(kept, oxrl::server::samplers::MAX_EPHEMERAL);
 }
 
+/// The cookbook's default RL loss, built as its `rl_loop.py` builds it (record_stability_info,
+/// provenance spans, `stable_reinforce` with a `kl_coeff`): the reward rises and every step's
+/// `loss:sum` equals the client-side recomputation from the trainer's and sampler's log-probs.
+#[test]
+fn sdk_stable_reinforce_with_provenance() {
+    let Some(python) = sdk_python() else {
+        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    common::tiny_byte_model(&model, 64, 128, 13);
+    let port = free_port();
+    let _server = start_server(&model, &dir.path().join("data"), port);
+    let stdout = run_script(&python, "stable_reinforce.py", port, dir.path());
+    assert!(stdout.contains("reward ") && stdout.contains("worst relative"), "{stdout}");
+}
+
 /// save_state, create-from-state with and without optimizer, load_state; then `kill -9` of the
 /// server and a restart on the same data dir: the checkpoint is loadable and reproduces the
 /// saved log-probs.

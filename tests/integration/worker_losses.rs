@@ -321,7 +321,8 @@ fn check(name: &str, cfg: Value, critic: bool) {
     }
 
     // The gradient, by finite differences.
-    let frozen = ["cispo", "stable_reinforce", "policy/cispo", "policy/cispo@rollout", "gspo", "rollout_is"].contains(&name);
+    let frozen =
+        ["cispo", "stable_reinforce", "policy/cispo", "policy/cispo@rollout", "gspo", "rollout_is"].contains(&name);
     // Σ_t c_t · lp_t(θ) is the `cross_entropy` loss with weights −c_t (computed in f64).
     let surrogate_batch: Vec<Datum> = batch
         .iter()
