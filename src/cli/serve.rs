@@ -60,6 +60,10 @@ pub struct Args {
     /// Tokens of the samples recorded for `stable_reinforce` kept per API key (oldest forgotten first).
     #[arg(long, default_value_t = Limits::default().max_recorded_tokens_per_key)]
     pub max_recorded_tokens_per_key: usize,
+    /// Tokens of training requests in flight per model (0: half the machine's available memory
+    /// over the base model's bytes per token).
+    #[arg(long, default_value_t = Limits::default().max_tokens_in_flight)]
+    pub max_tokens_in_flight: usize,
     /// On SIGTERM or Ctrl-C, seconds to wait for the requests in flight to finish.
     #[arg(long, default_value_t = 30)]
     pub drain_s: u64,
@@ -89,6 +93,7 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
             idle_timeout_s: args.idle_timeout_s,
             result_retention_s: args.result_retention_s,
             max_recorded_tokens_per_key: args.max_recorded_tokens_per_key,
+            max_tokens_in_flight: args.max_tokens_in_flight,
         },
     })
 }

@@ -36,6 +36,11 @@ pub struct Limits {
     /// (`--max-recorded-tokens-per-key`); past it the key's oldest records are forgotten.
     /// Default 16,777,216 (~200 MB with their log-probs).
     pub max_recorded_tokens_per_key: usize,
+    /// Tokens of forward / forward_backward requests accepted and not yet done, per training
+    /// model (`--max-tokens-in-flight`); 0: derived per base model from the machine — half the
+    /// memory available at start over the model's bytes per token (`ServedModel::bytes_per_token`),
+    /// at least `max_train_tokens`.
+    pub max_tokens_in_flight: usize,
 }
 
 impl Default for Limits {
@@ -52,6 +57,7 @@ impl Default for Limits {
             idle_timeout_s: 60,
             result_retention_s: 86_400,
             max_recorded_tokens_per_key: 1 << 24,
+            max_tokens_in_flight: 0,
         }
     }
 }
@@ -61,7 +67,25 @@ fn over(what: &str, value: impl std::fmt::Display, max: usize, flag: &str) -> Ap
     ApiError::user(format!("{what} is {value}, over this server's limit of {max} (oxrl serve {flag})"))
 }
 
+/// Bytes of memory available to new work on this machine (`MemAvailable`), if known.
+pub fn memory_available() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 impl Limits {
+    /// The tokens in flight a model over a base of `bytes_per_token` may hold, with
+    /// `available` bytes of memory on the machine (see [`Limits::max_tokens_in_flight`]).
+    pub fn tokens_in_flight_budget(&self, bytes_per_token: usize, available: Option<usize>) -> usize {
+        if self.max_tokens_in_flight > 0 {
+            return self.max_tokens_in_flight;
+        }
+        let derived = available.map_or(usize::MAX, |a| a / 2 / bytes_per_token.max(1));
+        derived.max(self.max_train_tokens)
+    }
+
     pub fn lora_rank(&self, rank: usize) -> ApiResult<()> {
         if rank > self.max_lora_rank {
             return Err(over("lora_config.rank", rank, self.max_lora_rank, "--max-lora-rank"));

@@ -84,6 +84,8 @@ pub struct AppState {
     pub limits: limits::Limits,
     /// Samples recorded for `stable_reinforce` (`record_stability_info`).
     pub stability: stability_records::StabilityRecords,
+    /// Memory available on the machine at start (admission budgets derive from it).
+    pub memory_available: Option<usize>,
 }
 
 fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
@@ -121,6 +123,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
         session_timeout: config.session_timeout,
         limits: config.limits.clone(),
         stability: stability_records::StabilityRecords::new(config.limits.max_recorded_tokens_per_key),
+        memory_available: limits::memory_available(),
     }))
 }
 

@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
@@ -28,6 +29,11 @@ pub struct ServedModel {
     pub path: PathBuf,
     pub arch: Option<String>,
     pub max_context_length: Option<u64>,
+    /// What a token of a forward_backward keeps in memory until its backward is done (f32
+    /// activations): 4 bytes × (layers × (8·hidden + 3·intermediate) + 2·vocab) — the inputs of
+    /// every projection, the norms and residuals, the MLP's three intermediate rows, the logits and
+    /// their gradient. An estimate for admission, not a measurement.
+    pub bytes_per_token: usize,
 }
 
 impl ServedModel {
@@ -45,6 +51,11 @@ impl ServedModel {
             path: path.to_path_buf(),
             arch: config.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).map(String::from),
             max_context_length: config.get("max_position_embeddings").and_then(Value::as_u64),
+            bytes_per_token: {
+                let n = |k: &str| config.get(k).and_then(Value::as_u64).unwrap_or(0) as usize;
+                let (hidden, intermediate) = (n("hidden_size"), n("intermediate_size"));
+                4 * (n("num_hidden_layers") * (8 * hidden + 3 * intermediate) + 2 * n("vocab_size")).max(1)
+            },
         })
     }
 
@@ -102,6 +113,40 @@ pub struct TrainingModel {
     pub base: ServedModel,
     pub lora: LoraConfigWire,
     queue: Mutex<Queue>,
+    /// Tokens of this model's forward / forward_backward requests accepted and not yet done.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Tokens admitted for one request: given back when it is dropped (the request done or failed).
+pub struct Admitted {
+    in_flight: Arc<AtomicUsize>,
+    tokens: usize,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.in_flight.fetch_sub(self.tokens, Ordering::SeqCst);
+    }
+}
+
+impl TrainingModel {
+    /// Admits a request of `tokens` if the model's tokens in flight stay within `budget`.
+    pub fn admit(&self, tokens: usize, budget: usize) -> ApiResult<Admitted> {
+        let mut now = self.in_flight.load(Ordering::SeqCst);
+        loop {
+            if now + tokens > budget {
+                return Err(ApiError::user(format!(
+                    "model `{}` has {now} tokens in flight; {tokens} more would pass its memory budget of {budget} \
+                     tokens (oxrl serve --max-tokens-in-flight): wait for its requests to finish",
+                    self.id
+                )));
+            }
+            match self.in_flight.compare_exchange(now, now + tokens, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return Ok(Admitted { in_flight: self.in_flight.clone(), tokens }),
+                Err(actual) => now = actual,
+            }
+        }
+    }
 }
 
 pub struct Models {
@@ -142,6 +187,7 @@ impl Models {
             base: base.clone(),
             lora: lora.clone(),
             queue: Mutex::new(Queue { open: false, next: 1, ..Default::default() }),
+            in_flight: Arc::default(),
         });
         {
             let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());

@@ -327,7 +327,15 @@ async fn run_fwdbwd(
     let model = training_model(&state, &headers, &req.model_id)?;
     // A request refused from here on fails its future in its turn, so that its seq_id is used
     // and the model's later requests do not wait for it forever.
-    let mut refused = state.limits.train_tokens(req.data.iter().map(|d| d.input_tokens.len()).sum()).err();
+    let tokens: usize = req.data.iter().map(|d| d.input_tokens.len()).sum();
+    let budget = state.limits.tokens_in_flight_budget(model.base.bytes_per_token, state.memory_available);
+    let (mut refused, mut admitted) = (state.limits.train_tokens(tokens).err(), None);
+    if refused.is_none() {
+        match model.admit(tokens, budget) {
+            Ok(a) => admitted = Some(a),
+            Err(e) => refused = Some(e),
+        }
+    }
     if refused.is_none() && req.loss_fn == "stable_reinforce" {
         // Its `q` and weights come from what this server recorded when it sampled.
         let session = model.id.split(':').next().unwrap_or_default();
@@ -357,7 +365,9 @@ async fn run_fwdbwd(
                 dispatch.submit_forward_backward(&model_id, &req.data, Some(&loss), true)
             };
             tokio::spawn(async move {
-                let outcome = match handle.await {
+                let done = handle.await;
+                drop(admitted); // its tokens are no longer in flight
+                let outcome = match done {
                     Ok(out) => StoredOutcome::Proto {
                         proto: types::output_to_proto(&out),
                         json: types::output_to_json(&out).to_string(),

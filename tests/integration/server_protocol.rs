@@ -816,3 +816,38 @@ fn results_expire_after_their_retention() {
     }
     assert!(t.elapsed() >= Duration::from_millis(500), "deleted before its retention");
 }
+
+/// A model's tokens in flight (accepted, not yet done) are bounded by a memory budget
+/// (`--max-tokens-in-flight`; by default derived from the machine and the model): past it a
+/// request fails in its turn naming the limit, and tokens are given back when requests finish.
+#[test]
+fn tokens_in_flight_are_admitted_within_a_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = oxrl::server::limits::Limits { max_tokens_in_flight: 25, ..Default::default() };
+    let port = serve_limited(dir.path(), Duration::from_millis(300), 64, limits);
+    let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
+    let (_, model_id) = lora_model(port, lora);
+    // 10 tokens each. Seqs 2 and 3 wait for seq 1 and hold 20 tokens; seq 4 would make 30.
+    let submit = |seq: i64| {
+        let r = post(port, "forward_backward", fwdbwd_body(&model_id, seq, "cross_entropy"));
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.body["request_id"].as_str().unwrap().to_string()
+    };
+    let ids: Vec<String> = [2, 3, 4, 1].into_iter().map(submit).collect();
+    let outcome: Vec<Value> = ids.iter().map(|id| result(port, id)).collect();
+    for (seq, o) in [2, 3].iter().zip(&outcome) {
+        assert!(o["metrics"]["loss:sum"].as_f64().is_some(), "seq {seq}: {o}");
+    }
+    for (seq, o) in [4, 1].iter().zip(&outcome[2..]) {
+        assert_eq!(o["category"], "user", "seq {seq}: {o}");
+        assert!(o["error"].as_str().unwrap().contains("--max-tokens-in-flight"), "seq {seq}: {o}");
+    }
+    // Everything finished: the tokens are back.
+    assert!(result(port, &submit(5))["metrics"]["loss:sum"].as_f64().is_some());
+    // The derived budget: half the available memory over the model's bytes per token, at least
+    // the per-request limit.
+    let l = oxrl::server::limits::Limits::default();
+    assert_eq!(l.tokens_in_flight_budget(1000, Some(1 << 30)), (1 << 29) / 1000);
+    assert_eq!(l.tokens_in_flight_budget(1 << 20, Some(1 << 30)), l.max_train_tokens);
+    assert_eq!(l.tokens_in_flight_budget(1000, None), usize::MAX);
+}
