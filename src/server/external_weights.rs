@@ -235,7 +235,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || !s.is_ascii() {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
         return None;
     }
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
@@ -274,12 +274,22 @@ mod tests {
     }
 
     #[test]
+    fn url_bases_come_from_the_flag_or_a_plain_host() {
+        assert_eq!(base_url(Some("https://t.example.com/"), Some("evil")).unwrap(), "https://t.example.com");
+        assert_eq!(base_url(None, Some("127.0.0.1:8000")).unwrap(), "http://127.0.0.1:8000");
+        assert_eq!(base_url(None, Some("[::1]:8000")).unwrap(), "http://[::1]:8000");
+        for bad in [None, Some(""), Some("a/b"), Some("h@x"), Some("h x")] {
+            assert!(base_url(None, bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn recipients_are_checked() {
         assert!(parse_recipients(None).unwrap().is_none());
         assert!(parse_recipients(Some(&[])).is_err());
         assert!(parse_recipients(Some(&["ssh-ed25519 AAAA".to_string()])).is_err());
         let key = age::x25519::Identity::generate().to_public().to_string();
-        assert_eq!(parse_recipients(Some(&[key.clone()])).unwrap().unwrap().len(), 1);
+        assert_eq!(parse_recipients(Some(std::slice::from_ref(&key))).unwrap().unwrap().len(), 1);
         assert!(parse_recipients(Some(&vec![key; 11])).is_err());
     }
 

@@ -942,6 +942,11 @@ fn external_weights_download_through_signed_urls() {
     assert_eq!(download(port, head).0, 403);
     let other_file = good.replace("adapter_model.safetensors", "adapter_config.json");
     assert_eq!(download(port, &other_file).0, 403, "a signature is for one file");
+    // Only the file route goes without an API key, and only in its exact shape.
+    let files = "/api/v1/external_weights_files";
+    for path in [format!("{files}/a/b"), format!("{files}/a/b/c/d"), format!("{files}x/a/b/c")] {
+        assert_eq!(request(port, "GET", &path, None, "").status, 401, "{path}");
+    }
     let signer = oxrl::server::external_weights::UrlSigner::open(&dir.path().join("data")).unwrap();
     let past = oxrl::server::store::now() as u64 - 10;
     let expired = signer.url("http://x", &model_id, "final", "adapter_model.safetensors", past);
