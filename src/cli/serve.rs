@@ -67,6 +67,11 @@ pub struct Args {
     /// On SIGTERM or Ctrl-C, seconds to wait for the requests in flight to finish.
     #[arg(long, default_value_t = 30)]
     pub drain_s: u64,
+    /// Scheme and authority of the external-weights download URLs (e.g.
+    /// `https://tinker.example.com`), for a server behind a proxy; default: `http://` + the
+    /// Host the client used.
+    #[arg(long)]
+    pub public_url: Option<String>,
 }
 
 pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
@@ -81,6 +86,7 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
         long_poll: Duration::from_secs(30),
         session_timeout: Duration::from_secs(args.session_timeout_s),
         drain: Duration::from_secs(args.drain_s),
+        public_url: args.public_url,
         limits: Limits {
             max_lora_rank: args.max_lora_rank,
             max_train_tokens: args.max_train_tokens,

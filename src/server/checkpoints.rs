@@ -1,4 +1,5 @@
-//! Checkpoint names and paths: `tinker://{training_run_id}/{weights|sampler_weights}/{name}`
+//! Checkpoint names and paths:
+//! `tinker://{training_run_id}/{weights|sampler_weights|external_weights}/{name}`
 //! (the training run id is the model id), stored under
 //! `<data-dir>/checkpoints/{run}/{kind}/{name}/`. A name is one plain path segment: empty
 //! names, `.`/`..`, separators, NUL and absolute paths are rejected, so nothing escapes the data
@@ -16,6 +17,8 @@ pub enum Kind {
     Weights,
     /// `save_weights_for_sampler`: what a sampler needs.
     SamplerWeights,
+    /// `save_weights_external`: an export to download (possibly age-encrypted).
+    ExternalWeights,
 }
 
 impl Kind {
@@ -23,6 +26,7 @@ impl Kind {
         match self {
             Kind::Weights => "weights",
             Kind::SamplerWeights => "sampler_weights",
+            Kind::ExternalWeights => "external_weights",
         }
     }
 
@@ -30,7 +34,10 @@ impl Kind {
         match s {
             "weights" => Ok(Kind::Weights),
             "sampler_weights" => Ok(Kind::SamplerWeights),
-            _ => Err(ApiError::user(format!("unknown checkpoint kind `{s}` (weights or sampler_weights)"))),
+            "external_weights" => Ok(Kind::ExternalWeights),
+            _ => Err(ApiError::user(format!(
+                "unknown checkpoint kind `{s}` (weights, sampler_weights or external_weights)"
+            ))),
         }
     }
 }
@@ -75,7 +82,7 @@ impl CheckpointRef {
         match parts.as_slice() {
             [run, kind, name] => CheckpointRef::new(run, Kind::parse(kind)?, name),
             _ => Err(ApiError::user(format!(
-                "`{path}` is not of the form tinker://RUN/weights/NAME or tinker://RUN/sampler_weights/NAME"
+                "`{path}` is not of the form tinker://RUN/KIND/NAME (KIND: weights, sampler_weights or external_weights)"
             ))),
         }
     }

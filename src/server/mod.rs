@@ -19,11 +19,12 @@
 //!
 //! Files: [`routes`] (endpoints), [`types`] (JSON wire types, datum and output conversions),
 //! [`proto`] (protobuf messages), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
-//! paths), [`errors`].
+//! paths), [`external_weights`] (exports to download: age encryption, signed URLs), [`errors`].
 
 pub mod checkpoints;
 pub mod connections;
 pub mod errors;
+pub mod external_weights;
 pub mod futures;
 pub mod limits;
 pub mod models;
@@ -68,6 +69,9 @@ pub struct ServerConfig {
     /// On SIGTERM or Ctrl-C: stop accepting, and wait this long at most for the work in flight
     /// to finish and its results to be stored (retrievable after a restart).
     pub drain: Duration,
+    /// Scheme and authority of the download URLs (`save_weights_external`), for a server behind
+    /// a proxy or NAT; `None`: `http://` + the request's Host header.
+    pub public_url: Option<String>,
 }
 
 /// What every handler shares.
@@ -86,6 +90,9 @@ pub struct AppState {
     pub stability: stability_records::StabilityRecords,
     /// Memory available on the machine at start (admission budgets derive from it).
     pub memory_available: Option<usize>,
+    pub public_url: Option<String>,
+    /// Signs the download URLs of external weights.
+    pub url_signer: external_weights::UrlSigner,
 }
 
 fn read_api_keys(path: &std::path::Path) -> anyhow::Result<HashSet<String>> {
@@ -109,8 +116,15 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
     for path in crate::files::sweep_interrupted_writes(&config.data_dir)? {
         eprintln!("oxrl serve: finished an interrupted save: {}", path.display());
     }
+    // Exports a crash interrupted (save_weights_external stages them here): never registered.
+    let _ = std::fs::remove_dir_all(config.data_dir.join("staging"));
     let store = Arc::new(Store::open(&config.data_dir.join("server.sqlite")).map_err(|e| anyhow::anyhow!(e.message))?);
     let api_keys = config.api_keys.as_deref().map(read_api_keys).transpose()?;
+    if let Some(url) = &config.public_url {
+        if !(url.starts_with("http://") || url.starts_with("https://")) || url.contains(['?', '#']) {
+            anyhow::bail!("--public-url `{url}`: give a scheme and authority, e.g. https://tinker.example.com");
+        }
+    }
     Ok(Arc::new(AppState {
         served,
         models: Arc::new(Models::new(config.threads)),
@@ -124,6 +138,8 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
         limits: config.limits.clone(),
         stability: stability_records::StabilityRecords::new(config.limits.max_recorded_tokens_per_key),
         memory_available: limits::memory_available(),
+        public_url: config.public_url.clone(),
+        url_signer: external_weights::UrlSigner::open(&config.data_dir)?,
     }))
 }
 

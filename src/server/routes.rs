@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use super::checkpoints::{CheckpointRef, Kind};
 use super::errors::{ApiError, ApiResult};
+use super::external_weights as ext;
 use super::futures::{new_id, to_outcome, PROTOBUF};
 use super::models::Job;
 use super::models::TrainingModel;
@@ -54,6 +55,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/training_runs/{run}/checkpoints/{segment}/{name}", axum::routing::delete(delete_checkpoint))
         .route("/training_runs/{run}/checkpoints/{segment}/{name}/publish", post(publish).delete(unpublish))
         .route("/training_runs/{run}/checkpoints/{segment}/{name}/ttl", axum::routing::put(set_ttl))
+        .route("/save_weights_external", post(save_weights_external))
+        .route("/training_runs/{run}/checkpoints/{segment}/{name}/external_weights_urls", get(external_weights_urls))
+        .route("/external_weights_files/{run}/{name}/{file}", get(external_weights_file))
         .route("/checkpoints", get(all_checkpoints))
         .route("/retrieve_future", post(retrieve_future));
     Router::new()
@@ -65,10 +69,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// With an API-key file, every request but `healthz` needs a listed `X-API-Key`.
+/// With an API-key file, every request but `healthz` and the signed external-weights downloads
+/// (whose signature is their credential: clients fetch them with plain urllib) needs a listed
+/// `X-API-Key`.
 async fn check_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(keys) = &state.api_keys {
-        if req.uri().path() != "/api/v1/healthz" {
+        let path = req.uri().path();
+        let signed = path.strip_prefix(ext::FILES_PREFIX).is_some_and(|rest| rest.split('/').count() == 3);
+        if path != "/api/v1/healthz" && !signed {
             let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
             if !key.is_some_and(|k| keys.contains(k)) {
                 return ApiError::unauthorized("missing or unknown API key (header X-API-Key)").into_response();
@@ -497,13 +505,137 @@ async fn save_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     })
 }
 
+/// Exports the model's weights (LoRA: the PEFT adapter) into an `external_weights` checkpoint,
+/// age-encrypted to the request's recipients if any; a repeated name replaces the old export
+/// (the cookbook always exports as `download`).
+async fn save_weights_external(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    let req: types::SaveWeightsExternalRequest = types::parse_json(&body, "save_weights_external")?;
+    let model = training_model(&state, &headers, &req.model_id)?;
+    let recipients = ext::parse_recipients(req.age_encryption_recipients.as_deref())?;
+    let name = req.path.clone().unwrap_or_else(|| format!("seq-{}", req.seq_id));
+    let c = CheckpointRef::new(&model.id, Kind::ExternalWeights, &name)?;
+    let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
+    let model_id = model.id.clone();
+    let expires_at = types::expiry(req.ttl_seconds)?;
+    queue(&state, &model, req.seq_id, "save_weights_external", move |st, dispatch, rid| {
+        // Exported beside the data, then moved (or encrypted) into place: the checkpoint
+        // directory never holds a half-written or, for an encrypted export, a plaintext file.
+        let staging = st.data_dir.join("staging").join(rid.replace(':', "_"));
+        let handle = dispatch.submit_export(&model_id, &staging, false);
+        tokio::spawn(async move {
+            let result = async {
+                handle.await?;
+                let (dir, stage) = (c.dir(&st.data_dir), staging.clone());
+                let stored =
+                    tokio::task::spawn_blocking(move || ext::store_export(&stage, &dir, recipients.as_deref()))
+                        .await
+                        .map_err(|e| ApiError::server(format!("storing the export failed: {e}")))?;
+                let _ = std::fs::remove_dir_all(&staging);
+                let size = stored?;
+                let row = CheckpointRow {
+                    path: c.dir(&st.data_dir).display().to_string(),
+                    created: now(),
+                    session_id,
+                    base_model: base,
+                    lora_config: serde_json::to_string(&lora).unwrap_or_default(),
+                    public: false,
+                    expires_at,
+                };
+                st.store.add_checkpoint(&c, &row)?;
+                Ok(json!({"path": c.uri(), "size_bytes": size, "type": "save_weights_external"}))
+            }
+            .await;
+            st.futures.complete_json(&rid, result);
+        });
+    })
+}
+
+/// Signed download URLs, one per file of an `external_weights` checkpoint, valid for
+/// [`ext::URL_LIFETIME_S`].
+async fn external_weights_urls(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((run, segment, name)): Path<(String, String, String)>,
+) -> ApiResult<Json<Value>> {
+    let c = CheckpointRef::new(&run, Kind::parse(&segment)?, &name)?;
+    if c.kind != Kind::ExternalWeights {
+        return Err(ApiError::user(format!(
+            "`{}` is not an export: download URLs are for tinker://RUN/external_weights/NAME (save_weights_external)",
+            c.uri()
+        )));
+    }
+    let row = readable_checkpoint(&state, &headers, &c)?;
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+    let base = ext::base_url(state.public_url.as_deref(), host)?;
+    let expires = now() as u64 + ext::URL_LIFETIME_S;
+    let mut files: Vec<String> = std::fs::read_dir(&row.path)
+        .map_err(|e| ApiError::server(format!("listing {}: {e}", row.path)))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    files.sort();
+    let urls: serde_json::Map<String, Value> = files
+        .into_iter()
+        .map(|f| {
+            let url = state.url_signer.url(&base, &c.run_id, &c.name, &f, expires);
+            (f, Value::String(url))
+        })
+        .collect();
+    Ok(Json(json!({"urls": urls, "expires": ext::rfc3339(expires)})))
+}
+
+/// One file of an export, for a URL [`external_weights_urls`] signed: 403 for a bad or expired
+/// signature, 404 once the checkpoint is gone. No API key (see [`check_api_key`]).
+async fn external_weights_file(
+    State(state): State<Arc<AppState>>,
+    Path((run, name, file)): Path<(String, String, String)>,
+    uri: axum::http::Uri,
+) -> ApiResult<Response> {
+    let forbidden = |why: &str| ApiError {
+        status: axum::http::StatusCode::FORBIDDEN,
+        category: super::errors::Category::User,
+        message: format!("{why}: ask for new download URLs (external_weights_urls)"),
+    };
+    let (expires, sig) = ext::parse_query(uri.query()).ok_or_else(|| forbidden("the URL is not signed"))?;
+    if !state.url_signer.verify(&run, &name, &file, expires, &sig) {
+        return Err(forbidden("bad signature"));
+    }
+    if (expires as f64) < now() {
+        return Err(forbidden("the URL expired"));
+    }
+    let c = CheckpointRef::new(&run, Kind::ExternalWeights, &name)?;
+    super::checkpoints::check_segment("file name", &file)?;
+    let gone = || ApiError::not_found(format!("no file `{file}` in `{}` (deleted or expired)", c.uri()));
+    let row = state.store.checkpoint(&c)?.ok_or_else(gone)?;
+    let path = std::path::PathBuf::from(&row.path).join(&file);
+    // Read whole: exports are adapters (tens of MB); a file vanishing meanwhile is a 404.
+    let bytes = tokio::task::spawn_blocking(move || std::fs::read(path))
+        .await
+        .map_err(|e| ApiError::server(format!("reading the file failed: {e}")))?
+        .map_err(|_| gone())?;
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (header::CONTENT_LENGTH, bytes.len().to_string()),
+        ],
+        bytes,
+    )
+        .into_response())
+}
+
 async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::LoadWeightsRequest = types::parse_json(&body, "load_weights")?;
     let c = CheckpointRef::parse(&req.path)?;
     if c.kind != Kind::Weights {
         return Err(ApiError::user(format!(
-            "`{}` holds sampler weights; load_weights needs a save_state checkpoint (tinker://RUN/weights/NAME)",
-            req.path
+            "`{}` holds {}; load_weights needs a save_state checkpoint (tinker://RUN/weights/NAME)",
+            req.path,
+            if c.kind == Kind::SamplerWeights { "sampler weights" } else { "an export to download" }
         )));
     }
     let row = readable_checkpoint(&state, &headers, &c)?;
@@ -644,6 +776,9 @@ async fn sampler_for_path(
     path: &str,
 ) -> ApiResult<Arc<super::samplers::Sampler>> {
     let c = CheckpointRef::parse(path)?;
+    if c.kind == Kind::ExternalWeights {
+        return Err(ApiError::user(format!("`{path}` is an export to download, not weights to sample from")));
+    }
     let row = readable_checkpoint(state, headers, &c)?;
     let base = state.served.iter().find(|m| m.matches(&row.base_model)).cloned().ok_or_else(|| {
         ApiError::user(format!("the checkpoint's base model `{}` is not served here", row.base_model))
@@ -814,7 +949,11 @@ fn checkpoint_json(c: &CheckpointRef, row: &CheckpointRow) -> Value {
         .unwrap_or(0);
     json!({
         "checkpoint_id": format!("{}/{}", c.kind.as_str(), c.name),
-        "checkpoint_type": if c.kind == Kind::Weights { "training" } else { "sampler" },
+        "checkpoint_type": match c.kind {
+            Kind::Weights => "training",
+            Kind::SamplerWeights => "sampler",
+            Kind::ExternalWeights => "external",
+        },
         "time": row.created,
         "tinker_path": c.uri(),
         "size_bytes": size,

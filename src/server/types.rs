@@ -120,6 +120,20 @@ pub struct SaveWeightsRequest {
     pub ttl_seconds: Option<i64>,
 }
 
+/// `save_weights_external`: `path` is the checkpoint name; with recipients every file is
+/// age-encrypted to them.
+#[derive(Deserialize)]
+pub struct SaveWeightsExternalRequest {
+    pub model_id: String,
+    #[serde(default)]
+    pub path: Option<String>,
+    pub seq_id: i64,
+    #[serde(default)]
+    pub ttl_seconds: Option<i64>,
+    #[serde(default)]
+    pub age_encryption_recipients: Option<Vec<String>>,
+}
+
 /// Unix time `ttl_seconds` from now (None: no expiry); a TTL below one second is a user error.
 pub fn expiry(ttl_seconds: Option<i64>) -> ApiResult<Option<f64>> {
     match ttl_seconds {

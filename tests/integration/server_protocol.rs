@@ -84,6 +84,7 @@ fn serve_limited(
         session_timeout: Duration::from_millis(1500),
         limits,
         drain: Duration::from_secs(5),
+        public_url: None,
     };
     let state = state(&config).unwrap();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -850,4 +851,168 @@ fn tokens_in_flight_are_admitted_within_a_budget() {
     assert_eq!(l.tokens_in_flight_budget(1000, Some(1 << 30)), (1 << 29) / 1000);
     assert_eq!(l.tokens_in_flight_budget(1 << 20, Some(1 << 30)), l.max_train_tokens);
     assert_eq!(l.tokens_in_flight_budget(1000, None), usize::MAX);
+}
+
+/// A GET without an API key, as urllib sends it: (status, Content-Length header, body bytes).
+fn download(port: u16, url: &str) -> (u16, Option<usize>, Vec<u8>) {
+    let path = url.split_once("://").map(|(_, rest)| &rest[rest.find('/').unwrap()..]).unwrap_or(url);
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut raw = vec![];
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).to_lowercase();
+    let status = head[9..12].parse().unwrap();
+    let length = head.lines().find_map(|l| l.strip_prefix("content-length:")).map(|v| v.trim().parse().unwrap());
+    (status, length, raw[split + 4..].to_vec())
+}
+
+/// The tensors of a safetensors file as (name, f32 values).
+fn tensors(bytes: &[u8]) -> Vec<(String, Vec<f32>)> {
+    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = match view.dtype() {
+                safetensors::Dtype::F32 => {
+                    view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+                }
+                safetensors::Dtype::BF16 => view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32())
+                    .collect(),
+                other => panic!("{name}: dtype {other:?}"),
+            };
+            (name, values)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// `save_weights_external` (issue 25, item 3) at the HTTP level: an unencrypted export's
+/// signed URLs download, without an API key, the adapter the model has (the save_state
+/// checkpoint's tensors, the sampler export's bytes); a tampered or expired URL is a 403, a
+/// deleted checkpoint's a 404, another key's checkpoint a 404; bad recipient lists are 400s.
+#[test]
+fn external_weights_download_through_signed_urls() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let lora = json!({"rank": 4, "train_attn": true, "train_mlp": true, "train_unembed": false});
+    let (_session, model_id) = lora_model(port, lora);
+    let mut seq = 0;
+    let mut step = |body: Value, path: &str| {
+        seq += 1;
+        let mut body = body;
+        body["model_id"] = json!(model_id);
+        body["seq_id"] = json!(seq);
+        let r = post(port, path, body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        result(port, r.body["request_id"].as_str().unwrap())
+    };
+    // Train a step so that lora_B is not zero, then save it three ways.
+    let mut fb = fwdbwd_body("", 0, "cross_entropy");
+    step(json!({"forward_backward_input": fb["forward_backward_input"].take()}), "forward_backward");
+    step(json!({"adam_params": {"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}}), "optim_step");
+    step(json!({"path": "state"}), "save_weights");
+    step(json!({"path": "sampler"}), "save_weights_for_sampler");
+    let saved =
+        step(json!({"path": "final", "ttl_seconds": 3600, "type": "save_weights_external"}), "save_weights_external");
+    let uri = format!("tinker://{model_id}/external_weights/final");
+    assert_eq!(saved["path"], uri.as_str(), "{saved}");
+    assert_eq!(saved["type"], "save_weights_external");
+
+    let base = format!("/api/v1/training_runs/{model_id}/checkpoints/external_weights/final");
+    let signed = request(port, "GET", &format!("{base}/external_weights_urls"), Some("k1"), "");
+    assert_eq!(signed.status, 200, "{}", signed.body);
+    let expires = signed.body["expires"].as_str().unwrap();
+    assert!(expires.ends_with('Z') && expires.len() == 20, "{expires}");
+    let urls = signed.body["urls"].as_object().unwrap();
+    let names: Vec<&str> = urls.keys().map(String::as_str).collect();
+    assert_eq!(names, ["adapter_config.json", "adapter_model.safetensors"]);
+    let url = |f: &str| urls[f].as_str().unwrap().to_string();
+    assert!(
+        url("adapter_model.safetensors").starts_with("http://x/api/v1/external_weights_files/"),
+        "{}",
+        url("adapter_model.safetensors")
+    );
+
+    let ckpt = dir.path().join("data/checkpoints").join(&model_id);
+    let mut size = 0;
+    for f in names.iter().copied() {
+        let (status, length, bytes) = download(port, &url(f));
+        assert_eq!(status, 200, "{f}: {}", String::from_utf8_lossy(&bytes));
+        assert_eq!(length, Some(bytes.len()), "{f}: Content-Length");
+        assert_eq!(bytes, std::fs::read(ckpt.join("sampler_weights/sampler").join(f)).unwrap(), "{f}: not the export");
+        size += bytes.len();
+    }
+    assert_eq!(saved["size_bytes"], size, "{saved}");
+    // An independent read: the adapter tensors of the save_state checkpoint.
+    let got = tensors(&download(port, &url("adapter_model.safetensors")).2);
+    let want = tensors(&std::fs::read(ckpt.join("weights/state/adapter_model.safetensors")).unwrap());
+    assert_eq!(got, want);
+    assert!(got.iter().any(|(n, v)| n.contains("lora_B") && v.iter().any(|x| *x != 0.0)), "untrained adapter");
+    let config: Value = serde_json::from_slice(&download(port, &url("adapter_config.json")).2).unwrap();
+    assert_eq!(config["r"], 4, "{config}");
+
+    // Listed with the run's checkpoints; TTL settable; another key sees nothing.
+    let listed = request(port, "GET", &format!("/api/v1/training_runs/{model_id}/checkpoints"), Some("k1"), "");
+    let external: Vec<&Value> =
+        listed.body["checkpoints"].as_array().unwrap().iter().filter(|c| c["checkpoint_type"] == "external").collect();
+    assert_eq!(external.len(), 1, "{}", listed.body);
+    assert_eq!(external[0]["tinker_path"], uri.as_str());
+    assert!(external[0]["expires_at"].is_number(), "{}", listed.body);
+    let ttl = |key: &str| request(port, "PUT", &format!("{base}/ttl"), Some(key), r#"{"ttl_seconds": 7200}"#).status;
+    assert_eq!(ttl("k1"), 200);
+    assert_eq!(ttl("k2"), 404);
+    assert_eq!(request(port, "GET", &format!("{base}/external_weights_urls"), Some("k2"), "").status, 404);
+    assert_eq!(request(port, "GET", &format!("{base}/external_weights_urls"), None, "").status, 401);
+    assert_eq!(request(port, "DELETE", &base, Some("k2"), "").status, 404);
+    let other_kind = format!("/api/v1/training_runs/{model_id}/checkpoints/weights/state/external_weights_urls");
+    assert_eq!(request(port, "GET", &other_kind, Some("k1"), "").status, 400);
+
+    // Tampered, re-dated and expired URLs: 403 (the last signed with the server's own secret).
+    let good = url("adapter_model.safetensors");
+    let (head, sig) = good.rsplit_once("&sig=").unwrap();
+    let flipped = format!("{head}&sig={}{}", if sig.starts_with('0') { "1" } else { "0" }, &sig[1..]);
+    assert_eq!(download(port, &flipped).0, 403);
+    assert_eq!(download(port, &good.replacen("expires=", "expires=1", 1)).0, 403);
+    assert_eq!(download(port, head).0, 403);
+    let other_file = good.replace("adapter_model.safetensors", "adapter_config.json");
+    assert_eq!(download(port, &other_file).0, 403, "a signature is for one file");
+    // Only the file route goes without an API key, and only in its exact shape.
+    let files = "/api/v1/external_weights_files";
+    for path in [format!("{files}/a/b"), format!("{files}/a/b/c/d"), format!("{files}x/a/b/c")] {
+        assert_eq!(request(port, "GET", &path, None, "").status, 401, "{path}");
+    }
+    let signer = oxrl::server::external_weights::UrlSigner::open(&dir.path().join("data")).unwrap();
+    let past = oxrl::server::store::now() as u64 - 10;
+    let expired = signer.url("http://x", &model_id, "final", "adapter_model.safetensors", past);
+    let (status, _, body) = download(port, &expired);
+    assert_eq!(status, 403, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("expired"));
+
+    // Deleted: the still-valid URLs are 404s.
+    assert_eq!(request(port, "DELETE", &base, Some("k1"), "").status, 200);
+    let (status, _, body) = download(port, &good);
+    assert_eq!(status, 404);
+    assert!(!String::from_utf8_lossy(&body).contains(&dir.path().display().to_string()), "a server path");
+    assert_eq!(request(port, "GET", &format!("{base}/external_weights_urls"), Some("k1"), "").status, 404);
+
+    // Recipient lists: empty, too many, not age keys → 400 naming the problem.
+    let key = "age1ql3z7hjy54pw3hyww5ayyfg7zqgvc7w3j2elw8zmrj2kg5sfn9aqmcac8p"; // the age spec's example
+    let bad: [(Value, &str); 3] = [
+        (json!([]), "empty"),
+        (json!(vec![key; 11]), "at most 10"),
+        (json!([key, "ssh-ed25519 AAAAC3Nza"]), "not an age x25519 public key"),
+    ];
+    for (recipients, why) in bad {
+        let body = json!({"model_id": model_id, "seq_id": 99, "path": "enc", "age_encryption_recipients": recipients});
+        let r = post(port, "save_weights_external", body);
+        assert_eq!(r.status, 400, "{why}: {}", r.body);
+        assert!(r.body["error"].as_str().unwrap().contains(why), "{why}: {}", r.body);
+    }
 }

@@ -228,3 +228,23 @@ fn sdk_checkpoints_survive_kill_9() {
     let _server = start_server(&model, &data, port);
     run_script(&python, "restart.py", port, dir.path());
 }
+
+/// save_weights_external encrypted to an age x25519 key (issue 25, item 3), as the cookbook's
+/// `weights.download` does it: signed URLs downloaded with urllib, decrypted with pyrage to the
+/// files of an unencrypted export; TTL renewal and deletion.
+#[test]
+fn sdk_external_weights_encrypted_download() {
+    let Some(python) = sdk_python() else {
+        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
+        return;
+    };
+    let has_pyrage = Command::new(&python).args(["-c", "import pyrage"]).status().is_ok_and(|s| s.success());
+    assert!(has_pyrage, "pyrage is not installed in .venv-tinker: run `.ci/run` once, or `.venv-tinker/bin/python -m pip install pyrage==1.4.0`");
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    common::tiny_byte_model(&model, 64, 128, 17);
+    let port = free_port();
+    let _server = start_server(&model, &dir.path().join("data"), port);
+    let stdout = run_script(&python, "external_weights.py", port, dir.path());
+    assert!(stdout.contains("decrypted == plain export") && stdout.contains("URLs 404"), "{stdout}");
+}
