@@ -7,7 +7,7 @@
 //! must still work at the end.
 //!
 //! The requests come from a small PRNG: `OXRL_FUZZ_SEED=N` (decimal or 0x hex) replays a run,
-//! `OXRL_FUZZ_COUNT=N` changes its length. A failure prints the seed, the request's index and the
+//! `OXRL_FUZZ_COUNT=N` changes its length, `OXRL_FUZZ_LOG=1` prints every request and its status. A failure prints the seed, the request's index and the
 //! request itself.
 
 use crate::common;
@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 /// A request that takes longer than this is a hang.
 const TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_SEED: u64 = 0x0c5e_ed25;
-const DEFAULT_COUNT: usize = 2400;
+const DEFAULT_COUNT: usize = 4000;
 
 /// splitmix64: tiny, seedable, good enough to pick mutations.
 struct Rng(u64);
@@ -111,10 +111,15 @@ impl Req {
 
 /// Sends `r`; the status and the body, or why there was none (a hang or a dropped connection).
 fn send(port: u16, r: &Req) -> Result<(u16, String), String> {
+    send_within(port, r, TIMEOUT)
+}
+
+/// [`send`] with another time limit.
+fn send_within(port: u16, r: &Req, timeout: Duration) -> Result<(u16, String), String> {
     let start = Instant::now();
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("cannot connect: {e}"))?;
-    s.set_read_timeout(Some(TIMEOUT)).unwrap();
-    s.set_write_timeout(Some(TIMEOUT)).unwrap();
+    s.set_read_timeout(Some(timeout)).unwrap();
+    s.set_write_timeout(Some(timeout)).unwrap();
     let mut head = format!("{} {} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n", r.method, r.path);
     if let Some(k) = &r.key {
         head += &format!("X-API-Key: {k}\r\n");
@@ -132,23 +137,20 @@ fn send(port: u16, r: &Req) -> Result<(u16, String), String> {
     let mut raw = vec![];
     let read = s.read_to_end(&mut raw);
     let elapsed = start.elapsed();
-    if elapsed > TIMEOUT {
-        return Err(format!("no complete answer within {TIMEOUT:?} (hang): {elapsed:?}"));
+    if elapsed > timeout {
+        return Err(format!("no complete answer within {timeout:?} (hang): {elapsed:?}"));
     }
     if let Err(e) = read {
         if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-            return Err(format!("no complete answer within {TIMEOUT:?} (hang)"));
+            return Err(format!("no complete answer within {timeout:?} (hang)"));
         }
         if raw.len() < 12 {
             return Err(format!("the connection failed before an answer: {e}"));
         }
     }
     let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text
-        .strip_prefix("HTTP/1.1 ")
-        .and_then(|t| t.get(..3))
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| {
+    let status =
+        text.strip_prefix("HTTP/1.1 ").and_then(|t| t.get(..3)).and_then(|s| s.parse().ok()).ok_or_else(|| {
             let start: String = text.chars().take(300).collect();
             format!("not an HTTP answer ({} bytes): {start:?}", raw.len())
         })?;
@@ -308,7 +310,8 @@ fn template(f: &Fixture, rng: &mut Rng, which: usize, seq: i64) -> Req {
         12 => Req::json("POST", "get_info", json!({"model_id": m})),
         13 => Req::json("POST", "forward_backward", fwdbwd_body(m, seq, "cross_entropy")),
         14 => {
-            let mut b = fwdbwd_body(m, seq, *rng.pick(&["cross_entropy", "importance_sampling", "ppo"]));
+            let loss = *rng.pick(&["cross_entropy", "importance_sampling", "ppo"]);
+            let mut b = fwdbwd_body(m, seq, loss);
             if let Some(d) = b["forward_backward_input"]["data"][0]["loss_fn_inputs"].as_object_mut() {
                 d.insert("logprobs".into(), json!({"data": vec![-1.0; tokens.len() - 1], "dtype": "float32"}));
                 d.insert("advantages".into(), json!({"data": vec![0.5; tokens.len() - 1], "dtype": "float32"}));
@@ -380,7 +383,10 @@ fn template(f: &Fixture, rng: &mut Rng, which: usize, seq: i64) -> Req {
         27 => Req::json("GET", &format!("training_runs/{m}"), Value::Null),
         28 => Req::json("GET", &format!("training_runs/{m}/checkpoints"), Value::Null),
         29 => Req::json("DELETE", &ckpt("weights", &format!("gone{}", rng.below(3))), Value::Null),
-        30 => Req::json(*rng.pick(&["POST", "DELETE"]), &format!("{}/publish", ckpt("sampler_weights", "fzs")), json!({})),
+        30 => {
+            let method = *rng.pick(&["POST", "DELETE"]);
+            Req::json(method, &format!("{}/publish", ckpt("sampler_weights", "fzs")), json!({}))
+        }
         31 => Req::json("PUT", &format!("{}/ttl", ckpt("weights", "fz")), json!({"ttl_seconds": 3600})),
         32 => Req::json("GET", "checkpoints?limit=10", Value::Null),
         _ => Req::json("POST", "retrieve_future", json!({"request_id": f.done_future, "allow_metadata_only": false})),
@@ -582,7 +588,11 @@ fn random_value(rng: &mut Rng) -> Value {
         1 => json!(rng.chance(50)),
         2 => json!(rng.next() as i64),
         3 => json!((rng.next() as i64) >> rng.below(64)),
-        4 => json!(f64::from_bits(rng.next()).max(-1e300).min(1e300)),
+        4 => {
+            // Any finite double (JSON has no NaN or infinities).
+            let x = f64::from_bits(rng.next());
+            json!(if x.is_finite() { x } else { -0.0 })
+        }
         5 => json!(*rng.pick(STRINGS)),
         6 => json!([rng.below(300), -1, "x"]),
         7 => json!({"type": "encoded_text", "tokens": [1, 2]}),
@@ -661,7 +671,8 @@ fn mutate_json(rng: &mut Rng, f: &Fixture, body: &mut Value, raw: &mut Option<St
         }
         8 => {
             // An id (or path) field gets someone else's or a made-up one.
-            let ids = ["session_id", "model_id", "request_id", "path", "tinker_path", "sampling_session_id", "model_path"];
+            let ids =
+                ["session_id", "model_id", "request_id", "path", "tinker_path", "sampling_session_id", "model_path"];
             let p = random_node(rng, body, |v, p| {
                 v.is_string() && matches!(p.last(), Some(Ok(k)) if ids.contains(&k.as_str()))
             });
@@ -784,7 +795,9 @@ fn mutate_proto(rng: &mut Rng, f: &Fixture, msg: &mut proto::ForwardBackwardRequ
                 0 => vec![1, 2, 3],
                 1 => (-5i32).to_le_bytes().to_vec(),
                 2 => i32::MAX.to_le_bytes().to_vec(),
-                _ => (0..*rng.pick(&[64usize, 65, 300, 2_000])).flat_map(|i| ((i % 200) as i32).to_le_bytes()).collect(),
+                _ => {
+                    (0..*rng.pick(&[64usize, 65, 300, 2_000])).flat_map(|i| ((i % 200) as i32).to_le_bytes()).collect()
+                }
             };
             d.model_input = vec![proto::Chunk {
                 chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk { tokens: bytes })),
@@ -893,7 +906,9 @@ const METHODS: &[&str] = &["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPT
 fn encode_segment(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b':' | b'/' => (b as char).to_string(),
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b':' | b'/' => {
+                (b as char).to_string()
+            }
             _ => format!("%{b:02X}"),
         })
         .collect()
@@ -907,8 +922,8 @@ fn mutate_envelope(rng: &mut Rng, f: &Fixture, r: &mut Req) -> &'static str {
             "wrong method"
         }
         1 => {
-            r.content_type = match rng.pick(CONTENT_TYPES) {
-                t if t.is_empty() => None,
+            r.content_type = match *rng.pick(CONTENT_TYPES) {
+                "" => None,
                 t => Some(t.to_string()),
             };
             r.accept_proto = rng.chance(50);
@@ -921,11 +936,16 @@ fn mutate_envelope(rng: &mut Rng, f: &Fixture, r: &mut Req) -> &'static str {
         3 => {
             // A path segment (after /api/v1/) swapped for an id or garbage.
             let rest = r.path.trim_start_matches("/api/v1/").to_string();
-            let (route, query) = rest.split_once('?').map(|(a, b)| (a.to_string(), Some(b))).unwrap_or((rest.clone(), None));
+            let (route, query) =
+                rest.split_once('?').map(|(a, b)| (a.to_string(), Some(b))).unwrap_or((rest.clone(), None));
             let mut segs: Vec<String> = route.split('/').map(String::from).collect();
             let i = rng.below(segs.len());
-            let id = rng.pick(&f.bad_ids()).clone();
-            segs[i] = if rng.chance(70) { encode_segment(&id) } else { id.replace(|c: char| !c.is_ascii_graphic(), "") };
+            // The fuzzed session is not finished midway (that frees the model the run trains).
+            let ids: Vec<String> =
+                f.bad_ids().into_iter().filter(|id| !route.contains("finish") || *id != f.session).collect();
+            let id = rng.pick(&ids).clone();
+            segs[i] =
+                if rng.chance(70) { encode_segment(&id) } else { id.replace(|c: char| !c.is_ascii_graphic(), "") };
             r.path = format!("/api/v1/{}{}", segs.join("/"), query.map(|q| format!("?{q}")).unwrap_or_default());
             "path segment"
         }
@@ -959,7 +979,12 @@ fn mutate_envelope(rng: &mut Rng, f: &Fixture, r: &mut Req) -> &'static str {
     }
 }
 
-/// The `index`-th request of the run: a template, mutated (or, one time in twenty, not).
+/// Whether the endpoint of template `which` reads the request body.
+fn reads_body(which: usize) -> bool {
+    !matches!(which, 0..=3 | 5 | 8..=10 | 24 | 26..=30 | 32)
+}
+
+/// The next request of the run: a template, mutated (or, one time in twenty, not).
 fn fuzz_request(rng: &mut Rng, f: &Fixture, seq: i64) -> (Req, String) {
     let which = rng.below(ENDPOINTS);
     let mut r = template(f, rng, which, seq);
@@ -970,7 +995,8 @@ fn fuzz_request(rng: &mut Rng, f: &Fixture, seq: i64) -> (Req, String) {
     let rounds = 1 + rng.below(3).saturating_sub(1);
     for _ in 0..rounds {
         let is_proto = r.content_type.as_deref() == Some("application/x-protobuf") && which == 15;
-        let kind = rng.below(10);
+        // Endpoints that read no body get mostly method, path and header mutations.
+        let kind = if reads_body(which) || rng.chance(20) { rng.below(10) } else { 7 };
         let label = if kind < 5 && is_proto {
             if rng.chance(70) {
                 let mut msg = proto::ForwardBackwardRequest::decode(r.body.as_slice())
@@ -1019,7 +1045,9 @@ fn fuzz_request(rng: &mut Rng, f: &Fixture, seq: i64) -> (Req, String) {
 
 /// The `(model_id, seq_id)` a request would take a slot of, if it names one.
 fn seq_slot(r: &Req) -> Option<(String, i64)> {
-    if r.content_type.as_deref() == Some("application/x-protobuf") {
+    // As the server reads it: protobuf only on the two forward routes.
+    let proto_route = ["/api/v1/forward_backward", "/api/v1/forward"].contains(&r.path.as_str());
+    if proto_route && r.content_type.as_deref().is_some_and(|t| t.starts_with("application/x-protobuf")) {
         let m = proto::ForwardBackwardRequest::decode(r.body.as_slice()).ok()?;
         return Some((m.model_id, m.seq_id as i64));
     }
@@ -1092,24 +1120,41 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
         done_future,
     };
 
+    let verbose = std::env::var_os("OXRL_FUZZ_LOG").is_some();
     let mut rng = Rng(seed);
     // The model's next free seq_id: valid templates take it, so that some fuzzed requests run.
     let mut next_seq = 3;
     let start = Instant::now();
     let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    // Accepted requests whose futures must end (not queued behind a seq_id gap): what they were
+    // and their request ids, checked after the fuzzing.
+    let mut accepted = vec![];
     for index in 0..count {
         let (req, what) = fuzz_request(&mut rng, &f, next_seq);
         let context = || format!("seed {seed:#x}, request {index} ({what}):\n{}", req.describe());
-        let status = match send(port, &req) {
-            Ok((status, body)) => {
-                assert!(status < 500, "{status} for {}\nanswer: {body}", context());
-                status
+        let (status, answer) = match send(port, &req) {
+            Ok((status, answer)) => {
+                assert!(status < 500, "{status} for {}\nanswer: {answer}", context());
+                (status, answer)
             }
             Err(e) => panic!("{e} for {}\nserver log:\n{}", context(), server.log_text()),
         };
         *statuses.entry(status).or_default() += 1;
-        if status == 200 && seq_slot(&req) == Some((f.model.clone(), next_seq)) {
+        if verbose {
+            let body: String = String::from_utf8_lossy(&req.body).chars().take(160).collect();
+            let path: String = req.path.chars().take(120).collect();
+            println!("{index} {status} [{what}] {} {path} {body:?}", req.method);
+        }
+        let slot = seq_slot(&req);
+        let runs = status == 200 && slot == Some((f.model.clone(), next_seq));
+        if runs {
             next_seq += 1;
+        }
+        if status == 200 && (runs || slot.is_none()) {
+            let answer: Value = serde_json::from_str(&answer).unwrap_or_default();
+            if let Some(id) = answer.get("request_id").and_then(Value::as_str) {
+                accepted.push((id.to_string(), req.key.clone(), context()));
+            }
         }
         if index % 100 == 99 {
             server.check_alive(&format!("seed {seed:#x}, after request {index}"));
@@ -1117,13 +1162,43 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
     }
     let fuzz_time = start.elapsed();
     server.check_alive(&format!("seed {seed:#x}, after the fuzzing"));
-    println!("server fuzz: {count} requests in {fuzz_time:.1?}, statuses {statuses:?}, {} slots run", next_seq - 3);
+
+    // Every accepted request's future ends, in a result or a user error: a server error there is
+    // a fault the HTTP status did not show (a worker's panic, say). The model's queue may still
+    // be working through the fuzzed steps: a future may take a long poll (30 s) or two.
+    let check = Instant::now();
+    for (id, key, context) in &accepted {
+        let r = Req { key: key.clone(), ..Req::json("POST", "retrieve_future", json!({"request_id": id})) };
+        let out = loop {
+            let out = match send_within(port, &r, Duration::from_secs(40)) {
+                Ok((200, answer)) => serde_json::from_str::<Value>(&answer).unwrap_or_default(),
+                other => panic!("retrieve_future {id}: {other:?}, for {context}"),
+            };
+            if out["type"] != "try_again" {
+                break out;
+            }
+            let log = server.log_text();
+            assert!(
+                check.elapsed() < Duration::from_secs(90),
+                "the future {id} did not end, for {context}\nlog:\n{log}"
+            );
+        };
+        assert_ne!(out["category"], "server", "a server error {out} for {context}");
+    }
+    let check_time = check.elapsed();
+    println!(
+        "server fuzz: {count} requests in {fuzz_time:.1?}, statuses {statuses:?}, {} slots run, {} futures \
+         ended ({check_time:.1?})",
+        next_seq - 3,
+        accepted.len()
+    );
 
     // A normal training step still works, on a new model (the fuzzed session is finished first,
     // so that its models do not count against this key's limit).
     let r = post(port, &format!("sessions/{}/finish", f.session), json!({}));
     assert_eq!(r.status, 200, "seed {seed:#x}: {}", r.body);
-    let (_, model) = lora_model(port, json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false}));
+    let (_, model) =
+        lora_model(port, json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false}));
     let out = done(port, &post(port, "forward_backward", fwdbwd_body(&model, 1, "cross_entropy"))).1;
     let loss = out["metrics"]["loss:sum"].as_f64().unwrap();
     assert!(loss.is_finite() && loss > 0.0, "seed {seed:#x}: {out}");
