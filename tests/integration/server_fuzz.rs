@@ -979,17 +979,20 @@ fn mutate_envelope(rng: &mut Rng, f: &Fixture, r: &mut Req) -> &'static str {
     }
 }
 
+/// The templates that take a seq_id slot of the model.
+const TAKES_SEQ: [usize; 8] = [13, 14, 15, 16, 17, 18, 19, 22];
+
 /// Whether the endpoint of template `which` reads the request body.
 fn reads_body(which: usize) -> bool {
     !matches!(which, 0..=3 | 5 | 8..=10 | 24 | 26..=30 | 32)
 }
 
 /// The next request of the run: a template, mutated (or, one time in twenty, not).
-fn fuzz_request(rng: &mut Rng, f: &Fixture, seq: i64) -> (Req, String) {
+fn fuzz_request(rng: &mut Rng, f: &Fixture, seq: i64) -> (Req, String, usize) {
     let which = rng.below(ENDPOINTS);
     let mut r = template(f, rng, which, seq);
     if rng.below(20) == 0 {
-        return (r, format!("endpoint {which}, unmutated"));
+        return (r, format!("endpoint {which}, unmutated"), which);
     }
     let mut done = vec![];
     let rounds = 1 + rng.below(3).saturating_sub(1);
@@ -1040,13 +1043,14 @@ fn fuzz_request(rng: &mut Rng, f: &Fixture, seq: i64) -> (Req, String) {
         };
         done.push(label);
     }
-    (r, format!("endpoint {which}, {}", done.join(" + ")))
+    (r, format!("endpoint {which}, {}", done.join(" + ")), which)
 }
 
 /// The `(model_id, seq_id)` a request would take a slot of, if it names one.
 fn seq_slot(r: &Req) -> Option<(String, i64)> {
     // As the server reads it: protobuf only on the two forward routes.
-    let proto_route = ["/api/v1/forward_backward", "/api/v1/forward"].contains(&r.path.as_str());
+    let route = r.path.split(['?', '#']).next().unwrap_or_default();
+    let proto_route = ["/api/v1/forward_backward", "/api/v1/forward"].contains(&route);
     if proto_route && r.content_type.as_deref().is_some_and(|t| t.starts_with("application/x-protobuf")) {
         let m = proto::ForwardBackwardRequest::decode(r.body.as_slice()).ok()?;
         return Some((m.model_id, m.seq_id as i64));
@@ -1130,7 +1134,7 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
     // and their request ids, checked after the fuzzing.
     let mut accepted = vec![];
     for index in 0..count {
-        let (req, what) = fuzz_request(&mut rng, &f, next_seq);
+        let (req, what, which) = fuzz_request(&mut rng, &f, next_seq);
         let context = || format!("seed {seed:#x}, request {index} ({what}):\n{}", req.describe());
         let (status, answer) = match send(port, &req) {
             Ok((status, answer)) => {
@@ -1150,7 +1154,8 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
         if runs {
             next_seq += 1;
         }
-        if status == 200 && (runs || slot.is_none()) {
+        // (A request of a seq_id template whose slot cannot be told may wait behind a gap.)
+        if status == 200 && (runs || (slot.is_none() && !TAKES_SEQ.contains(&which))) {
             let answer: Value = serde_json::from_str(&answer).unwrap_or_default();
             if let Some(id) = answer.get("request_id").and_then(Value::as_str) {
                 accepted.push((id.to_string(), req.key.clone(), context()));
