@@ -318,6 +318,19 @@ fn protocol_ordering_errors_and_keys() {
     let r = post(port, &format!("sessions/{session_id}/finish"), json!({"reason": {"type": "user"}, "detail": ""}));
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(post(port, "get_info", json!({"model_id": model_id})).status, 404);
+
+    // A finished session (by the client or for want of heartbeats) takes no new model or sampler:
+    // nothing would free them (found by server_fuzz: `{session}:train:0` created again, never freed).
+    for session in [&session_id, &quiet] {
+        let body = json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora});
+        let r = post(port, "create_model", body);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body["error"].as_str().unwrap().contains("is finished"), "{}", r.body);
+        let body = json!({"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"});
+        let r = post(port, "create_sampling_session", body);
+        assert_eq!(r.status, 400, "{}", r.body);
+    }
+    assert_eq!(post(port, "get_info", json!({"model_id": model_id})).status, 404);
 }
 
 /// A future pending when the server died reports an error after the restart instead of hanging.
