@@ -146,6 +146,18 @@ fn check_session(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<(
     Ok(())
 }
 
+/// [`check_session`], for what adds to a session (models, samplers): a finished session (by
+/// its client, or for want of heartbeats) takes nothing new, since nothing would free it.
+fn check_open_session(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<()> {
+    check_session(state, headers, id)?;
+    if state.store.session_finished(id)? {
+        return Err(ApiError::user(format!(
+            "session `{id}` is finished (ended, or no heartbeat in time): create a new session"
+        )));
+    }
+    Ok(())
+}
+
 /// Training model `id` of the caller's. A model the store knows but memory does not was freed
 /// with its finished session, or lost in a restart (models live in memory, checkpoints on disk):
 /// the error says which, and how to go on.
@@ -255,7 +267,7 @@ fn future_response(request_id: String, model_id: Option<&str>) -> Json<Value> {
 
 async fn create_model(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> ApiResult<Json<Value>> {
     let req: types::CreateModelRequest = types::parse_json(&body, "create_model")?;
-    check_session(&state, &headers, &req.session_id)?;
+    check_open_session(&state, &headers, &req.session_id)?;
     let base = state.served.iter().find(|m| m.matches(&req.base_model)).cloned().ok_or_else(|| {
         let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
         ApiError::user(format!("unknown base_model `{}` (served: {})", req.base_model, names.join(", ")))
@@ -664,7 +676,7 @@ async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
             })
         }
         (None, Some(session_id)) => {
-            check_session(&state, &headers, session_id)?;
+            check_open_session(&state, &headers, session_id)?;
             let model_seq_id = req
                 .model_seq_id
                 .ok_or_else(|| ApiError::user("load_weights: `model_seq_id` is required with `session_id`"))?;
@@ -808,7 +820,7 @@ async fn create_sampling_session(
     body: Bytes,
 ) -> ApiResult<Json<Value>> {
     let req: types::CreateSamplingSessionRequest = types::parse_json(&body, "create_sampling_session")?;
-    check_session(&state, &headers, &req.session_id)?;
+    check_open_session(&state, &headers, &req.session_id)?;
     state.limits.samplers_per_key(callers(&state, &headers, state.samplers.sessions()))?;
     let id = format!("{}:sample:{}", req.session_id, req.sampling_session_seq_id);
     let sampler = match (&req.model_path, &req.base_model) {

@@ -11,12 +11,12 @@ use std::time::Duration;
 use oxrl::server::{state, ServerConfig};
 use serde_json::{json, Value};
 
-struct Reply {
-    status: u16,
-    body: Value,
+pub(crate) struct Reply {
+    pub(crate) status: u16,
+    pub(crate) body: Value,
 }
 
-fn request(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) -> Reply {
+pub(crate) fn request(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) -> Reply {
     request_typed(port, method, path, key, "application/json", body.as_bytes())
 }
 
@@ -39,12 +39,12 @@ fn request_typed(port: u16, method: &str, path: &str, key: Option<&str>, content
     Reply { status, body: serde_json::from_str(body).unwrap_or(Value::String(body.to_string())) }
 }
 
-fn post(port: u16, path: &str, body: Value) -> Reply {
+pub(crate) fn post(port: u16, path: &str, body: Value) -> Reply {
     request(port, "POST", &format!("/api/v1/{path}"), Some("k1"), &body.to_string())
 }
 
 /// Polls a future until it is not `try_again`.
-fn result(port: u16, request_id: &str) -> Value {
+pub(crate) fn result(port: u16, request_id: &str) -> Value {
     loop {
         let r = post(port, "retrieve_future", json!({"request_id": request_id, "allow_metadata_only": false}));
         assert_eq!(r.status, 200, "{}", r.body);
@@ -102,7 +102,7 @@ fn serve_limited(
 }
 
 /// A new session of key k1 with a training model of `lora`, built: (session id, model id).
-fn lora_model(port: u16, lora: Value) -> (String, String) {
+pub(crate) fn lora_model(port: u16, lora: Value) -> (String, String) {
     let session = post(port, "create_session", json!({"tags": []})).body["session_id"].as_str().unwrap().to_string();
     let body = json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora});
     let r = post(port, "create_model", body);
@@ -112,7 +112,7 @@ fn lora_model(port: u16, lora: Value) -> (String, String) {
     (session, model_id)
 }
 
-fn fwdbwd_body(model_id: &str, seq_id: i64, loss_fn: &str) -> Value {
+pub(crate) fn fwdbwd_body(model_id: &str, seq_id: i64, loss_fn: &str) -> Value {
     let tokens: Vec<u32> = b"hello there".iter().map(|&b| b as u32).collect();
     json!({
         "model_id": model_id,
@@ -318,6 +318,19 @@ fn protocol_ordering_errors_and_keys() {
     // Finishing the session frees its models: they are unknown afterwards.
     let r = post(port, &format!("sessions/{session_id}/finish"), json!({"reason": {"type": "user"}, "detail": ""}));
     assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(post(port, "get_info", json!({"model_id": model_id})).status, 404);
+
+    // A finished session (by the client or for want of heartbeats) takes no new model or sampler:
+    // nothing would free them (found by server_fuzz: `{session}:train:0` created again, never freed).
+    for session in [&session_id, &quiet] {
+        let body = json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora});
+        let r = post(port, "create_model", body);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body["error"].as_str().unwrap().contains("is finished"), "{}", r.body);
+        let body = json!({"session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"});
+        let r = post(port, "create_sampling_session", body);
+        assert_eq!(r.status, 400, "{}", r.body);
+    }
     assert_eq!(post(port, "get_info", json!({"model_id": model_id})).status, 404);
 }
 
