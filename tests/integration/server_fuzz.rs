@@ -415,10 +415,19 @@ fn proto_message(model: &str, seq: i64, tokens: &[u32]) -> proto::ForwardBackwar
                 ("weights".to_string(), dense(weights, proto::DType::Float32, n)),
             ]
             .into(),
+            // Provenance (tiling checked for every loss), so that mutations reach its parsing.
+            model_input_spans: vec![prompt_span(0, n)],
+            loss_fn_input_spans: vec![prompt_span(1, n)],
         }],
         loss_fn: "cross_entropy".into(),
         ..Default::default()
     }
+}
+
+/// A run of `length` prompt tokens from `offset` of a (never recorded) sequence.
+fn prompt_span(offset: i64, length: usize) -> proto::ProvenanceSpan {
+    let run = proto::SpanRun { sequence_id: "fuzz-sequence".into(), offset, length: length as i64 };
+    proto::ProvenanceSpan { span: Some(proto::provenance_span::Span::PromptTokens(run)) }
 }
 
 fn proto_req(model: &str, seq: i64, tokens: &[u32]) -> Req {
