@@ -439,12 +439,16 @@ async fn retrieve_future(State(state): State<Arc<AppState>>, headers: HeaderMap,
 
 /// Queues `work` on `model` at `seq_id` with a new future of `kind`; `work` runs in the model's
 /// turn with the state, the dispatch and the request id, and must complete the future.
-fn queue(
+/// Queues `work` on `model` in `seq_id`'s turn with what the request's checks gave (`checked`);
+/// a request that failed them still takes its turn, failing its future then, so that its
+/// `seq_id` is used and the model's later requests do not wait for it forever.
+fn queue<T: Send + 'static>(
     state: &Arc<AppState>,
     model: &TrainingModel,
     seq_id: i64,
     kind: &'static str,
-    work: impl FnOnce(Arc<AppState>, &Arc<crate::dispatch::Dispatch>, String) + Send + 'static,
+    checked: ApiResult<T>,
+    work: impl FnOnce(T, Arc<AppState>, &Arc<crate::dispatch::Dispatch>, String) + Send + 'static,
 ) -> ApiResult<Json<Value>> {
     let st = state.clone();
     let model_id = model.id.clone();
@@ -453,7 +457,10 @@ fn queue(
     let request_id = state.models.submit(model, seq_id, move || {
         let request_id = st.futures.create(Some(&model_id), kind, key.as_deref())?;
         let rid = request_id.clone();
-        let job: Job = Box::new(move |dispatch| work(st, dispatch, rid));
+        let job: Job = Box::new(move |dispatch| match checked {
+            Ok(checked) => work(checked, st, dispatch, rid),
+            Err(e) => st.futures.complete_json(&rid, Err(e)),
+        });
         Ok((request_id, job))
     })?;
     Ok(future_response(request_id, Some(&model.id)))
@@ -482,8 +489,8 @@ async fn save_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
     let name = req.path.clone().unwrap_or_else(|| format!("seq-{}", req.seq_id));
     let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
     let model_id = model.id.clone();
-    let expires_at = types::expiry(req.ttl_seconds)?;
-    queue(&state, &model, req.seq_id, "save_weights", move |st, dispatch, rid| {
+    let checked = types::expiry(req.ttl_seconds);
+    queue(&state, &model, req.seq_id, "save_weights", checked, move |expires_at, st, dispatch, rid| {
         let prepared = CheckpointRef::new(&model_id, Kind::Weights, &name).and_then(|c| {
             if !req.overwrite && st.store.checkpoint(&c)?.is_some() {
                 return Err(ApiError::user(format!("checkpoint `{}` exists (pass overwrite=True)", c.uri())));
@@ -527,13 +534,15 @@ async fn save_weights_external(
 ) -> ApiResult<Json<Value>> {
     let req: types::SaveWeightsExternalRequest = types::parse_json(&body, "save_weights_external")?;
     let model = training_model(&state, &headers, &req.model_id)?;
-    let recipients = ext::parse_recipients(req.age_encryption_recipients.as_deref())?;
     let name = req.path.clone().unwrap_or_else(|| format!("seq-{}", req.seq_id));
-    let c = CheckpointRef::new(&model.id, Kind::ExternalWeights, &name)?;
+    let checked = ext::parse_recipients(req.age_encryption_recipients.as_deref()).and_then(|recipients| {
+        let c = CheckpointRef::new(&model.id, Kind::ExternalWeights, &name)?;
+        Ok((recipients, c, types::expiry(req.ttl_seconds)?))
+    });
     let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
     let model_id = model.id.clone();
-    let expires_at = types::expiry(req.ttl_seconds)?;
-    queue(&state, &model, req.seq_id, "save_weights_external", move |st, dispatch, rid| {
+    queue(&state, &model, req.seq_id, "save_weights_external", checked, move |checked, st, dispatch, rid| {
+        let (recipients, c, expires_at) = checked;
         // Exported beside the data, then moved (or encrypted) into place: the checkpoint
         // directory never holds a half-written or, for an encrypted export, a plaintext file.
         let staging = st.data_dir.join("staging").join(rid.replace(':', "_"));
@@ -666,7 +675,7 @@ async fn load_weights(State(state): State<Arc<AppState>>, headers: HeaderMap, bo
             let seq_id =
                 req.seq_id.ok_or_else(|| ApiError::user("load_weights: `seq_id` is required with `model_id`"))?;
             let (id, uri) = (model.id.clone(), c.uri());
-            queue(&state, &model, seq_id, "load_weights", move |st, dispatch, rid| {
+            queue(&state, &model, seq_id, "load_weights", Ok(()), move |(), st, dispatch, rid| {
                 let handle = load(dispatch, &id);
                 tokio::spawn(async move {
                     let result = handle.await.map_err(ApiError::from);
@@ -727,8 +736,8 @@ async fn save_weights_for_sampler(
     let model = training_model(&state, &headers, &req.model_id)?;
     let (session_id, base, lora) = (model.session_id.clone(), model.base.clone(), model.lora.clone());
     let model_id = model.id.clone();
-    let expires_at = types::expiry(req.ttl_seconds)?;
-    queue(&state, &model, req.seq_id, "save_weights_for_sampler", move |st, dispatch, rid| {
+    let checked = types::expiry(req.ttl_seconds);
+    queue(&state, &model, req.seq_id, "save_weights_for_sampler", checked, move |expires_at, st, dispatch, rid| {
         // Named: a registered checkpoint. Ephemeral: a sampling session over the weights now.
         let target = match (&req.path, req.sampling_session_seq_id) {
             (Some(name), _) => CheckpointRef::new(&model_id, Kind::SamplerWeights, name).map(|c| (Some(c), None)),

@@ -1022,10 +1022,12 @@ fn external_weights_download_through_signed_urls() {
         (json!(vec![key; 11]), "at most 10"),
         (json!([key, "ssh-ed25519 AAAAC3Nza"]), "not an age x25519 public key"),
     ];
+    // Refused in their turn (each takes its seq_id: the next requests do not wait for them).
     for (recipients, why) in bad {
-        let body = json!({"model_id": model_id, "seq_id": 99, "path": "enc", "age_encryption_recipients": recipients});
-        let r = post(port, "save_weights_external", body);
-        assert_eq!(r.status, 400, "{why}: {}", r.body);
-        assert!(r.body["error"].as_str().unwrap().contains(why), "{why}: {}", r.body);
+        let failed = step(json!({"path": "enc", "age_encryption_recipients": recipients}), "save_weights_external");
+        assert_eq!(failed["category"], "user", "{why}: {failed}");
+        assert!(failed["error"].as_str().unwrap().contains(why), "{why}: {failed}");
     }
+    let saved = step(json!({"path": "after"}), "save_weights");
+    assert_eq!(saved["path"], format!("tinker://{model_id}/weights/after"), "{saved}");
 }
