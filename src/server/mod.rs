@@ -35,6 +35,7 @@ pub mod samplers;
 pub mod stability_records;
 pub mod store;
 pub mod types;
+pub mod wire;
 
 use std::collections::HashSet;
 use std::path::PathBuf;

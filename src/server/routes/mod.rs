@@ -32,7 +32,8 @@ use super::futures::{new_id, to_outcome, PROTOBUF};
 use super::models::Job;
 use super::models::TrainingModel;
 use super::store::{now, CheckpointRow, ModelRow, StoredOutcome};
-use super::types::{self, FwdBwd};
+use super::types;
+use super::wire::{self, FwdBwd};
 use super::AppState;
 use crate::algo::Loss;
 

@@ -154,7 +154,7 @@ pub(super) async fn asample(
                         st.stability.record(key.as_deref(), session.as_deref(), id, prompt.clone(), tokens, logprobs);
                     }
                 }
-                let (proto, json) = types::sample_to_proto_and_json(&out, topk, last_n);
+                let (proto, json) = wire::sample_to_proto_and_json(&out, topk, last_n);
                 StoredOutcome::Proto { proto, json: json.to_string() }
             }
             Err(e) => to_outcome(Err(e.into())),

@@ -146,8 +146,8 @@ pub(super) async fn run_fwdbwd(
                 drop(admitted); // its tokens are no longer in flight
                 let outcome = match done {
                     Ok(out) => StoredOutcome::Proto {
-                        proto: types::output_to_proto(&out),
-                        json: types::output_to_json(&out).to_string(),
+                        proto: wire::output_to_proto(&out),
+                        json: wire::output_to_json(&out).to_string(),
                     },
                     Err(e) => to_outcome(Err(e.into())),
                 };
