@@ -17,8 +17,10 @@
 //! [`crate::handle::Handle`]); a tokio task awaits the handle and completes the future.
 //! Gradients accumulate in the worker across forward_backward calls until optim_step.
 //!
-//! Files: [`routes`] (endpoints), [`types`] (JSON wire types, datum and output conversions),
-//! [`proto`] (protobuf messages), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
+//! Files: [`routes`] (endpoints, one file per resource), [`types`] (JSON request types and their
+//! validation), [`wire`] (datum and output conversions), [`proto`] (protobuf messages),
+//! [`limits`] (every limit, admission), [`provenance`] and [`stability_records`]
+//! (`stable_reinforce`), [`connections`] (connection cap, idle timeout), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
 //! paths), [`external_weights`] (exports to download: age encryption, signed URLs), [`errors`].
 
 pub mod checkpoints;

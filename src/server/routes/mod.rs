@@ -1,7 +1,7 @@
 //! The HTTP endpoints (`/api/v1/...`), each a thin handler: parse the body, check the caller,
 //! hand the work to [`Models`](super::models::Models) / [`Futures`](super::futures::Futures),
-//! answer in the shape the SDK validates. One file per resource: [`sessions`], [`training`],
-//! [`checkpoints`], [`sampling`], [`listings`], [`futures`]; here the router, the key check and
+//! answer in the shape the SDK validates. One file per resource: `sessions`, `training`,
+//! `checkpoints`, `sampling`, `listings`, `futures`; here the router, the key check and
 //! redaction middleware, the caller checks every handler shares, and the service endpoints.
 //! Request types and their validation are in [`types`](super::types), limits in
 //! [`limits`](super::limits).
