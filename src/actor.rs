@@ -126,7 +126,10 @@ fn run<S: ActorState>(
         };
         // A panicking job drops its reply (its handle reports an error); the actor carries on.
         let outcome = match job {
-            Some(job) => catch_unwind(AssertUnwindSafe(|| job(&mut state))),
+            Some(job) => catch_unwind(AssertUnwindSafe(|| {
+                crate::failpoint::actor_job();
+                job(&mut state)
+            })),
             None => catch_unwind(AssertUnwindSafe(|| state.work())),
         };
         if let Err(panic) = outcome {

@@ -30,6 +30,7 @@ pub mod dispatch;
 pub mod engine_server;
 pub mod env;
 pub mod error;
+pub mod failpoint;
 pub mod files;
 pub mod handle;
 pub mod launch;

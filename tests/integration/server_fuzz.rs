@@ -173,6 +173,11 @@ impl Drop for Server {
 
 impl Server {
     fn start(dir: &Path) -> Server {
+        Server::start_with(dir, &[])
+    }
+
+    /// [`Server::start`] with these environment variables.
+    fn start_with(dir: &Path, env: &[(&str, &str)]) -> Server {
         let model = dir.join("tiny");
         common::tiny_byte_model(&model, 32, 64, 3);
         std::fs::write(dir.join("keys"), "k1\nk2\n").unwrap();
@@ -188,6 +193,7 @@ impl Server {
             .arg(dir.join("keys"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
+            .envs(env.iter().copied())
             .spawn()
             .unwrap();
         let mut server = Server { child, port, log };
@@ -1220,4 +1226,54 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
     let out = done(port, &post(port, "optim_step", json!({"model_id": model, "seq_id": 2, "adam_params": adam}))).1;
     assert!(out["metrics"]["grad_norm:mean"].as_f64().unwrap() > 0.0, "seed {seed:#x}: {out}");
     server.check_alive(&format!("seed {seed:#x}, at the end"));
+}
+
+/// A panic in one training model's worker thread (injected: `OXRL_FAILPOINT_PANIC`, cargo
+/// feature `failpoints`) fails that model's requests with a server error, and the process and
+/// another tenant's model serve on: the other key trains a step with the loss of a fresh server.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_panicking_worker_fails_only_its_model() {
+    fn call(port: u16, key: &str, path: &str, body: Value) -> Value {
+        let r = request(port, "POST", &format!("/api/v1/{path}"), Some(key), &body.to_string());
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        r.body
+    }
+    /// create_model `n` in a new session of `key`, forward_backward, optim_step: their outcomes.
+    fn train_step(port: u16, key: &str, n: u64) -> Vec<Value> {
+        let session =
+            call(port, key, "create_session", json!({"tags": []}))["session_id"].as_str().unwrap().to_string();
+        let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
+        let body = json!({"session_id": session, "model_seq_id": n, "base_model": "tiny", "lora_config": lora});
+        let created = call(port, key, "create_model", body);
+        let model = format!("{session}:train:{n}");
+        let fb = call(port, key, "forward_backward", fwdbwd_body(&model, 1, "cross_entropy"));
+        let adam = json!({"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8});
+        let step = call(port, key, "optim_step", json!({"model_id": model, "seq_id": 2, "adam_params": adam}));
+        let outcome = |id: &Value| loop {
+            let r = call(port, key, "retrieve_future", json!({"request_id": id}));
+            if r["type"] != "try_again" {
+                break r;
+            }
+        };
+        [created, fb, step].iter().map(|r| outcome(&r["request_id"])).collect()
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Worker threads are `oxrl-{session}:train:{n}-{rank}`: model 7 of any session panics.
+    let mut server = Server::start_with(dir.path(), &[("OXRL_FAILPOINT_PANIC", ":train:7-")]);
+    let failed = train_step(server.port, "k1", 7);
+    let server_errors = failed.iter().filter(|o| o["category"] == "server").count();
+    assert!(server_errors >= 2, "model 7's requests did not fail with server errors: {failed:?}");
+    assert!(failed.iter().all(|o| o["metrics"].is_null()), "model 7 trained: {failed:?}");
+    assert!(server.log_text().contains("injected panic"), "{}", server.log_text());
+    // Another key's model beside it trains as on a fresh server.
+    let ok = train_step(server.port, "k2", 0);
+    let fresh_dir = tempfile::tempdir().unwrap();
+    let fresh = Server::start(fresh_dir.path());
+    let expected = train_step(fresh.port, "k2", 0);
+    assert!(ok[1]["metrics"]["loss:sum"].as_f64().is_some_and(f64::is_finite), "{ok:?}");
+    assert_eq!(ok[1]["metrics"]["loss:sum"], expected[1]["metrics"]["loss:sum"]);
+    assert_eq!(ok[2]["metrics"], expected[2]["metrics"]);
+    let status = server.child.try_wait().unwrap();
+    assert!(status.is_none(), "the server exited ({status:?}); its log:\n{}", server.log_text());
 }
