@@ -44,11 +44,13 @@ pub struct Samplers {
     samplers: Mutex<HashMap<String, Arc<Sampler>>>,
     /// Ephemeral samplers (from `save_weights_and_get_sampling_client`), oldest first, with the
     /// directory of their adapter.
-    ephemeral: Mutex<VecDeque<(String, PathBuf)>>,
+    /// Ephemeral samplers in creation order: (owner's API key, id, directory).
+    ephemeral: Mutex<VecDeque<(Option<String>, String, PathBuf)>>,
 }
 
-/// Ephemeral samplers kept at most (an RL loop makes one per iteration); the oldest is dropped
-/// (its adapter unregistered, its files removed) and later requests to it are unknown ids.
+/// Ephemeral samplers kept at most per API key (an RL loop makes one per iteration); the key's
+/// oldest is dropped (its adapter unregistered, its files removed) and later requests to it are
+/// unknown ids. Per key, so that one tenant's loop never evicts another's samplers.
 pub const MAX_EPHEMERAL: usize = 32;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -106,14 +108,30 @@ impl Samplers {
 
 impl Samplers {
     /// [`Samplers::create`] for an ephemeral sampler over the adapter in `dir` (blocking), then
-    /// drops the oldest ephemeral samplers beyond [`MAX_EPHEMERAL`].
-    pub fn create_ephemeral(&self, id: &str, base: &ServedModel, dir: &Path) -> crate::Result<Arc<Sampler>> {
+    /// drops `owner`'s oldest ephemeral samplers beyond [`MAX_EPHEMERAL`].
+    pub fn create_ephemeral(
+        &self,
+        owner: Option<&str>,
+        id: &str,
+        base: &ServedModel,
+        dir: &Path,
+    ) -> crate::Result<Arc<Sampler>> {
         let sampler = self.create(id, base, Some(dir), None)?;
         let evicted: Vec<(String, PathBuf)> = {
             let mut q = lock(&self.ephemeral);
-            q.push_back((id.to_string(), dir.to_path_buf()));
-            let n = q.len().saturating_sub(MAX_EPHEMERAL);
-            q.drain(..n).collect()
+            q.push_back((owner.map(String::from), id.to_string(), dir.to_path_buf()));
+            let mine = q.iter().filter(|(o, _, _)| o.as_deref() == owner).count();
+            let mut over = mine.saturating_sub(MAX_EPHEMERAL);
+            let mut evicted = vec![];
+            q.retain(|(o, old, old_dir)| {
+                let evict = over > 0 && o.as_deref() == owner;
+                if evict {
+                    over -= 1;
+                    evicted.push((old.clone(), old_dir.clone()));
+                }
+                !evict
+            });
+            evicted
         };
         for (old, old_dir) in evicted {
             let dropped = lock(&self.samplers).remove(&old);
@@ -172,7 +190,7 @@ impl Samplers {
             let ids: Vec<String> = samplers.keys().filter(|k| k.starts_with(&prefix)).cloned().collect();
             ids.iter().filter_map(|id| samplers.remove(id)).collect()
         };
-        lock(&self.ephemeral).retain(|(id, _)| !id.starts_with(&prefix));
+        lock(&self.ephemeral).retain(|(_, id, _)| !id.starts_with(&prefix));
         drop(dropped);
     }
 }

@@ -1031,3 +1031,43 @@ fn external_weights_download_through_signed_urls() {
     let saved = step(json!({"path": "after"}), "save_weights");
     assert_eq!(saved["path"], format!("tinker://{model_id}/weights/after"), "{saved}");
 }
+
+/// Ephemeral samplers are capped per API key: one key's RL loop (a sampler per iteration)
+/// evicts its own oldest, never another key's.
+#[test]
+fn ephemeral_samplers_are_capped_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
+    let as_key = |key: &str, path: &str, body: Value| {
+        let r = request(port, "POST", &format!("/api/v1/{path}"), Some(key), &body.to_string());
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        r.body
+    };
+    let done = |key: &str, r: Value| loop {
+        let out = as_key(key, "retrieve_future", json!({"request_id": r["request_id"]}));
+        if out["type"] != "try_again" {
+            break out;
+        }
+    };
+    let model_of = |key: &str| {
+        let session = as_key(key, "create_session", json!({"tags": []}))["session_id"].as_str().unwrap().to_string();
+        let body = json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora});
+        done(key, as_key(key, "create_model", body));
+        format!("{session}:train:0")
+    };
+    let ephemeral = |key: &str, model: &str, n: i64| {
+        let body = json!({"model_id": model, "seq_id": n + 1, "sampling_session_seq_id": n});
+        let out = done(key, as_key(key, "save_weights_for_sampler", body));
+        out["sampling_session_id"].as_str().unwrap_or_else(|| panic!("{out}")).to_string()
+    };
+    let (a, b) = (model_of("k1"), model_of("k2"));
+    let kept = ephemeral("k2", &b, 0);
+    let first = ephemeral("k1", &a, 0);
+    for n in 1..=oxrl::server::samplers::MAX_EPHEMERAL as i64 {
+        ephemeral("k1", &a, n);
+    }
+    let sampler = |key: &str, id: &str| request(port, "GET", &format!("/api/v1/samplers/{id}"), Some(key), "").status;
+    assert_eq!(sampler("k1", &first), 404, "k1's oldest was not evicted");
+    assert_eq!(sampler("k2", &kept), 200, "k1's loop evicted k2's sampler");
+}

@@ -183,6 +183,7 @@ pub(super) async fn save_weights_for_sampler(
     let (session_id, base, lora) = (model.session_id.clone(), model.base.clone(), model.lora.clone());
     let model_id = model.id.clone();
     let checked = types::expiry(req.ttl_seconds);
+    let owner = api_key(&headers);
     queue(&state, &model, req.seq_id, "save_weights_for_sampler", checked, move |expires_at, st, dispatch, rid| {
         // Named: a registered checkpoint. Ephemeral: a sampling session over the weights now.
         let target = match (&req.path, req.sampling_session_seq_id) {
@@ -224,7 +225,7 @@ pub(super) async fn save_weights_for_sampler(
                 let id = sampler_id.unwrap_or_default();
                 let st2 = st.clone();
                 let sid = id.clone();
-                tokio::task::spawn_blocking(move || st2.samplers.create_ephemeral(&sid, &base, &dir))
+                tokio::task::spawn_blocking(move || st2.samplers.create_ephemeral(owner.as_deref(), &sid, &base, &dir))
                     .await
                     .map_err(|e| ApiError::server(format!("starting the sampler failed: {e}")))??;
                 Ok(json!({"sampling_session_id": id, "type": "save_weights_for_sampler"}))
