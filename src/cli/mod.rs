@@ -85,7 +85,7 @@ pub fn main() -> i32 {
         Command::Bench(a) => on_pool(pool_threads, || bench::run(a)),
     };
     // Trainer 0 lets the job's engine processes go (a no-op without them).
-    let result = result.and_then(|()| Ok(crate::rollout::weight_broadcast::release_engines()?));
+    let result = result.and_then(|()| crate::rollout::weight_broadcast::release_engines().map_err(Into::into));
     match (result, crate::dispatch::world::joined()) {
         (Ok(()), _) => {
             crate::dispatch::world::finalize();

@@ -6,6 +6,7 @@
 //!     groups   = source.next_groups()            # whole groups with signal, in identity order
 //!                  sync  (sync_groups.rs):  generate this step's prompts × n on the engines
 //!                  async (async_groups.rs): take groups generated in the background, staleness-bounded
+//!                        (under mpirun: process 0's, handed to the others — broadcast_groups.rs)
 //!     episodes = the groups' episodes, numbered by group                        (group.rs)
 //!     old      = policy.forward(episodes); ref, values if needed  # the step's anchor (rl_run.rs)
 //!     advantages, corrections, KL in reward                                     (rl_step.rs)
