@@ -57,6 +57,10 @@ pub struct Trained {
     pub episodes: usize,
     pub time_reference: f64,
     pub time_train: f64,
+    /// max |sampler log-prob − trainer log-prob| over the step's sampled tokens, the trainer's
+    /// taken before the step's update (NaN without episodes). Sync RL samples and trains on the
+    /// same weights, so any difference is numerics (issue 26: batch invariance makes it 0).
+    pub logprob_mismatch_max: f64,
 }
 
 fn plot_rl(run_dir: &std::path::Path) -> Result<()> {
@@ -164,6 +168,7 @@ impl<'a> RlRun<'a> {
             episodes: 0,
             time_reference: 0.0,
             time_train: 0.0,
+            logprob_mismatch_max: f64::NAN,
         };
         if episodes.is_empty() {
             return Ok(out);
@@ -182,6 +187,7 @@ impl<'a> RlRun<'a> {
             })
             .collect();
         let old = forward_rows(dispatch, POLICY, &plain, false)?;
+        out.logprob_mismatch_max = logprob_mismatch_max(episodes, &old);
         let reference =
             if cfg.needs_reference() { Some(forward_rows(dispatch, REFERENCE, &plain, false)?) } else { None };
         let values = if cfg.needs_critic() { Some(forward_rows(dispatch, CRITIC, &plain, true)?) } else { None };
@@ -260,6 +266,7 @@ impl<'a> RlRun<'a> {
         line.insert("episodes_trained".into(), json!(trained.episodes));
         line.insert("time_reference_s".into(), json!(trained.time_reference));
         line.insert("time_train_s".into(), json!(trained.time_train));
+        line.insert("logprob_mismatch_max".into(), json!(trained.logprob_mismatch_max));
         let eval_now =
             !self.eval.is_empty() && ((t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == t.max_steps);
         if eval_now {
@@ -309,8 +316,56 @@ fn value(values: &[f64], i: usize) -> f64 {
     values.get(i).copied().unwrap_or(f64::NAN)
 }
 
+/// max |sampler − trainer| log-prob over the sampled (mask ≠ 0) tokens of `episodes`, whose
+/// trainer log-probs are `trainer` (one row per episode, per target position).
+fn logprob_mismatch_max(episodes: &[Episode], trainer: &[Vec<f32>]) -> f64 {
+    let mut max = 0f64;
+    for (e, row) in episodes.iter().zip(trainer) {
+        let s = &e.sequence;
+        for ((&m, &q), &lp) in s.mask.iter().zip(&s.logprobs).zip(row) {
+            if m != 0.0 {
+                max = max.max((q as f64 - lp as f64).abs());
+            }
+        }
+    }
+    max
+}
+
 /// Per-position rows of a forward pass (log-probs, or values for a critic).
 fn forward_rows(dispatch: &Dispatch, id: &str, datums: &[Datum], critic: bool) -> Result<Vec<Vec<f32>>> {
     let out = dispatch.forward(id, datums, None, true)?;
     Ok(out.loss_fn_outputs.into_iter().map(|o| if critic { o.values } else { o.logprobs }).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env::TrainingSequence;
+
+    /// Only sampled tokens (mask ≠ 0) count, and the largest absolute difference wins.
+    #[test]
+    fn the_mismatch_is_the_largest_over_sampled_tokens() {
+        let episode = |logprobs: Vec<f32>, mask: Vec<f32>| Episode {
+            group: 0,
+            uid: String::new(),
+            sequence: TrainingSequence {
+                input_tokens: vec![0; mask.len()],
+                target_tokens: vec![0; mask.len()],
+                mask,
+                logprobs,
+                turn: vec![],
+            },
+            reward: 0.0,
+            correct: false,
+            truncated: false,
+            turns: 1,
+            response_tokens: 0,
+            min_version: 0,
+            versions: vec![],
+        };
+        let episodes = [episode(vec![0.0, -1.0, -2.0], vec![0.0, 1.0, 1.0]), episode(vec![-0.5], vec![1.0])];
+        let trainer = [vec![-9.0, -1.25, -2.0], vec![-0.375]];
+        assert_eq!(logprob_mismatch_max(&episodes, &trainer), 0.25);
+        assert_eq!(logprob_mismatch_max(&episodes[..1], &[vec![-9.0, -1.0, -2.0]]), 0.0);
+    }
 }
