@@ -77,8 +77,8 @@ fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
             })
             .collect()
     };
-    // Sampler log-probs (hence `entropy_mean`) may differ in the last bits with the engine's
-    // batch composition; everything the training computes is exact.
+    // Sampler log-probs (hence `entropy_mean` and `logprob_mismatch_max`) may differ in the last
+    // bits with the engine's batch composition (issue 26); everything the training computes is exact.
     let (whole, resumed) = (read("whole"), read("cut"));
     assert_eq!(whole.len(), resumed.len());
     for (a, b) in whole.iter().zip(&resumed) {
@@ -87,6 +87,9 @@ fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
             match (x.as_f64(), y.as_f64()) {
                 (Some(x), Some(y)) if k == "entropy_mean" => {
                     assert!((x - y).abs() < 1e-6 * x.abs().max(1.0), "killed after step {kill_after}: {k} {x} vs {y}")
+                }
+                (Some(x), Some(y)) if k == "logprob_mismatch_max" => {
+                    assert!((x - y).abs() < 1e-5, "killed after step {kill_after}: {k} {x} vs {y}")
                 }
                 _ => assert_eq!(x, y, "killed after step {kill_after}: `{k}` differs at {}", a["step"]),
             }

@@ -5,7 +5,9 @@ datums with provenance (the prompt and sampled spans of each sequence), `stable_
 reward must rise, and every step's `loss:sum` must equal a client-side recomputation of oxrl's
 documented objective from the trainer's log-probs and the sampler's:
     Σ_sampled −min(exp(lp − q), 2)·A·lp + ½·kl_coeff·(lp − q)²
-Also: a datum naming an unknown sequence, and one without provenance, are refused.
+Also: a datum naming an unknown sequence, and one without provenance, are refused. As in
+rl_loop.py, groups without signal are skipped (no optim_step on a zero gradient: Adam's momentum
+alone would move the weights).
 """
 
 import os
@@ -66,7 +68,7 @@ def refused(trainer, data, want):
 def main() -> None:
     service = tinker.ServiceClient()
     trainer = service.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
-    history, worst = [], 0.0
+    history, worst, refusals_checked = [], 0.0, False
     for it in range(ITERATIONS):
         sampler = trainer.save_weights_and_get_sampling_client(record_stability_info=True).result()
         futures = [
@@ -79,10 +81,18 @@ def main() -> None:
             seqs = fut.result().sequences
             rs = np.array([reward(s.tokens) for s in seqs])
             rewards.extend(rs)
-            for s, a in zip(seqs, rs - rs.mean()):
+            for s in seqs:
                 assert s.sequence_id, "no sequence_id with record_stability_info=True"
+            if rs.std() == 0:
+                continue  # as rl_loop.py: a group without signal is not trained on
+            for s, a in zip(seqs, rs - rs.mean()):
                 batch.append((prompt, s, float(a)))
-        if it == 0:
+        history.append(float(np.mean(rewards)))
+        if not batch:
+            print(f"iteration {it}: mean reward {history[-1]:.3f} (no group with signal)")
+            continue
+        if not refusals_checked:
+            refusals_checked = True
             prompt, seq, a = batch[0]
             refused(trainer, [datum(prompt, seq, a, sequence_id="no-such-sequence")], "unknown")
             plain = datum(prompt, seq, a)
@@ -94,8 +104,8 @@ def main() -> None:
         got, want = out.metrics["loss:sum"], expected_loss(out, batch)
         worst = max(worst, abs(got - want) / (1.0 + abs(want)))
         assert abs(got - want) <= 1e-4 * (1.0 + abs(want)), f"iteration {it}: loss:sum {got} vs recomputed {want}"
-        history.append(float(np.mean(rewards)))
         print(f"iteration {it}: mean reward {history[-1]:.3f} loss:sum {got:.5f} (recomputed {want:.5f})")
+    assert refusals_checked, "no iteration had a group with signal"
     first, last = np.mean(history[:3]), np.mean(history[-3:])
     assert last > first + 0.2, f"reward did not rise: {history}"
     print(f"reward {first:.3f} -> {last:.3f}; loss:sum vs recomputation: worst relative {worst:.2e}")
