@@ -37,6 +37,8 @@ def main() -> None:
             seqs = fut.result().sequences
             rs = np.array([reward(s.tokens) for s in seqs])
             rewards.extend(rs)
+            if rs.std() == 0:
+                continue  # no signal: as the cookbook, not trained on (Adam would drift on zeros)
             adv = rs - rs.mean()
             for s, a in zip(seqs, adv):
                 toks = prompt + list(s.tokens)
@@ -55,9 +57,12 @@ def main() -> None:
                         },
                     )
                 )
+        history.append(float(np.mean(rewards)))
+        if not data:
+            print(f"iteration {it}: mean reward {history[-1]:.3f} (no group with signal)")
+            continue
         out = trainer.forward_backward(data, "importance_sampling").result()
         trainer.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-        history.append(float(np.mean(rewards)))
         ratio = out.metrics.get("importance_ratio:mean")
         print(f"iteration {it}: mean reward {history[-1]:.3f} importance_ratio:mean {ratio}")
     first, last = np.mean(history[:3]), np.mean(history[-3:])
