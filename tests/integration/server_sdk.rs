@@ -110,6 +110,22 @@ fn run_script(python: &Path, script: &str, port: u16, out_dir: &Path) -> String 
     stdout
 }
 
+/// Runs `tests/tinker/SCRIPT` against a fresh server on a tiny model of `seed`: the run's
+/// directory (model, `data/`) and the script's output; `None` (skipped, said) without python3.
+fn run_on_fresh_server(script: &str, seed: u64) -> Option<(tempfile::TempDir, String)> {
+    let Some(python) = sdk_python() else {
+        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
+        return None;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    common::tiny_byte_model(&model, 64, 128, seed);
+    let port = free_port();
+    let _server = start_server(&model, &dir.path().join("data"), port);
+    let stdout = run_script(&python, script, port, dir.path());
+    Some((dir, stdout))
+}
+
 #[test]
 fn sdk_sft_loop_and_losses() {
     let Some(python) = sdk_python() else {
@@ -135,16 +151,7 @@ fn sdk_sft_loop_and_losses() {
 /// trainer's, compute_logprobs, seeds, stop token ids.
 #[test]
 fn sdk_sampling() {
-    let Some(python) = sdk_python() else {
-        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny");
-    common::tiny_byte_model(&model, 64, 128, 5);
-    let port = free_port();
-    let _server = start_server(&model, &dir.path().join("data"), port);
-    let stdout = run_script(&python, "sampling.py", port, dir.path());
+    let Some((_dir, stdout)) = run_on_fresh_server("sampling.py", 5) else { return };
     assert!(stdout.contains("log-probs equal the trainer's") && stdout.contains("named sampler weights"), "{stdout}");
 }
 
@@ -152,16 +159,7 @@ fn sdk_sampling() {
 /// four SDK clients training concurrently.
 #[test]
 fn sdk_listings_rl_losses_and_concurrent_clients() {
-    let Some(python) = sdk_python() else {
-        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny");
-    common::tiny_byte_model(&model, 64, 128, 9);
-    let port = free_port();
-    let _server = start_server(&model, &dir.path().join("data"), port);
-    let stdout = run_script(&python, "rest_and_losses.py", port, dir.path());
+    let Some((_dir, stdout)) = run_on_fresh_server("rest_and_losses.py", 9) else { return };
     for want in ["listings:", "ppo: loss:sum", "cispo: loss:sum", "dro: loss:sum", "four concurrent clients"] {
         assert!(stdout.contains(want), "{want}: {stdout}");
     }
@@ -171,16 +169,7 @@ fn sdk_listings_rl_losses_and_concurrent_clients() {
 /// weights every iteration): the reward rises on a toy task.
 #[test]
 fn sdk_rl_loop_reward_rises() {
-    let Some(python) = sdk_python() else {
-        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny");
-    common::tiny_byte_model(&model, 64, 128, 13);
-    let port = free_port();
-    let _server = start_server(&model, &dir.path().join("data"), port);
-    let stdout = run_script(&python, "rl_loop.py", port, dir.path());
+    let Some((dir, stdout)) = run_on_fresh_server("rl_loop.py", 13) else { return };
     assert!(stdout.contains("reward "), "{stdout}");
     // 40 iterations, 40 ephemeral samplers: only the newest MAX_EPHEMERAL (32) are kept.
     let kept = std::fs::read_dir(dir.path().join("data/ephemeral")).unwrap().count();
@@ -192,16 +181,7 @@ fn sdk_rl_loop_reward_rises() {
 /// `loss:sum` equals the client-side recomputation from the trainer's and sampler's log-probs.
 #[test]
 fn sdk_stable_reinforce_with_provenance() {
-    let Some(python) = sdk_python() else {
-        eprintln!("SKIPPED: no python3 on this machine (the tinker SDK test needs Python 3.11+)");
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny");
-    common::tiny_byte_model(&model, 64, 128, 13);
-    let port = free_port();
-    let _server = start_server(&model, &dir.path().join("data"), port);
-    let stdout = run_script(&python, "stable_reinforce.py", port, dir.path());
+    let Some((_dir, stdout)) = run_on_fresh_server("stable_reinforce.py", 13) else { return };
     assert!(stdout.contains("reward ") && stdout.contains("worst relative"), "{stdout}");
 }
 
