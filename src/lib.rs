@@ -26,6 +26,7 @@ pub mod actor;
 pub mod algo;
 pub mod bench;
 pub mod cli;
+pub mod dates;
 pub mod dispatch;
 pub mod engine_server;
 pub mod env;

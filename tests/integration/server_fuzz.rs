@@ -11,7 +11,7 @@
 //! request itself.
 
 use crate::common;
-use crate::server_protocol::{fwdbwd_body, lora_model, post, request, result};
+use crate::server_protocol::{fwdbwd_body, lora_model, post, post_as, request, result, result_as};
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -1235,11 +1235,12 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
 #[test]
 fn a_panicking_worker_fails_only_its_model() {
     fn call(port: u16, key: &str, path: &str, body: Value) -> Value {
-        let r = request(port, "POST", &format!("/api/v1/{path}"), Some(key), &body.to_string());
+        let r = post_as(port, key, path, body);
         assert_eq!(r.status, 200, "{path}: {}", r.body);
         r.body
     }
-    /// create_model `n` in a new session of `key`, forward_backward, optim_step: their outcomes.
+    /// create_model `n` in a new session of `key`, forward_backward, optim_step (all submitted
+    /// before any is awaited, as the SDK pipelines them): their outcomes.
     fn train_step(port: u16, key: &str, n: u64) -> Vec<Value> {
         let session =
             call(port, key, "create_session", json!({"tags": []}))["session_id"].as_str().unwrap().to_string();
@@ -1250,13 +1251,7 @@ fn a_panicking_worker_fails_only_its_model() {
         let fb = call(port, key, "forward_backward", fwdbwd_body(&model, 1, "cross_entropy"));
         let adam = json!({"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8});
         let step = call(port, key, "optim_step", json!({"model_id": model, "seq_id": 2, "adam_params": adam}));
-        let outcome = |id: &Value| loop {
-            let r = call(port, key, "retrieve_future", json!({"request_id": id}));
-            if r["type"] != "try_again" {
-                break r;
-            }
-        };
-        [created, fb, step].iter().map(|r| outcome(&r["request_id"])).collect()
+        [created, fb, step].iter().map(|r| result_as(port, key, r["request_id"].as_str().unwrap())).collect()
     }
     let dir = tempfile::tempdir().unwrap();
     // Worker threads are `oxrl-{session}:train:{n}-{rank}`: model 7 of any session panics.

@@ -40,17 +40,53 @@ fn request_typed(port: u16, method: &str, path: &str, key: Option<&str>, content
 }
 
 pub(crate) fn post(port: u16, path: &str, body: Value) -> Reply {
-    request(port, "POST", &format!("/api/v1/{path}"), Some("k1"), &body.to_string())
+    post_as(port, "k1", path, body)
+}
+
+/// [`post`] with API key `key`.
+pub(crate) fn post_as(port: u16, key: &str, path: &str, body: Value) -> Reply {
+    request(port, "POST", &format!("/api/v1/{path}"), Some(key), &body.to_string())
 }
 
 /// Polls a future until it is not `try_again`.
 pub(crate) fn result(port: u16, request_id: &str) -> Value {
+    result_as(port, "k1", request_id)
+}
+
+/// [`result`] with API key `key`.
+pub(crate) fn result_as(port: u16, key: &str, request_id: &str) -> Value {
     loop {
-        let r = post(port, "retrieve_future", json!({"request_id": request_id, "allow_metadata_only": false}));
+        let body = json!({"request_id": request_id, "allow_metadata_only": false});
+        let r = post_as(port, key, "retrieve_future", body);
         assert_eq!(r.status, 200, "{}", r.body);
         if r.body["type"] != "try_again" {
             return r.body;
         }
+    }
+}
+
+/// A model's calls in seq_id order from 1, as one SDK client makes them: each posted with the
+/// model's id and the next seq_id (accepted, 200), its outcome awaited.
+pub(crate) struct ModelCalls {
+    port: u16,
+    key: String,
+    model_id: String,
+    seq: i64,
+}
+
+impl ModelCalls {
+    pub(crate) fn new(port: u16, key: &str, model_id: &str) -> Self {
+        ModelCalls { port, key: key.into(), model_id: model_id.into(), seq: 0 }
+    }
+
+    /// POSTs `body` (with `model_id` and the next `seq_id`) to `path`; the future's outcome.
+    pub(crate) fn call(&mut self, path: &str, mut body: Value) -> Value {
+        self.seq += 1;
+        body["model_id"] = json!(self.model_id);
+        body["seq_id"] = json!(self.seq);
+        let r = post_as(self.port, &self.key, path, body);
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        result_as(self.port, &self.key, r.body["request_id"].as_str().unwrap())
     }
 }
 
@@ -635,16 +671,8 @@ fn a_sampler_follows_its_checkpoint_when_it_is_saved_again_or_deleted() {
     let port = serve(dir.path(), Duration::from_millis(300));
     let lora = json!({"rank": 4, "train_attn": true, "train_mlp": true, "train_unembed": true});
     let (session, model_id) = lora_model(port, lora);
-    let mut seq = 0;
-    let mut step = |body: Value, path: &str| {
-        seq += 1;
-        let mut body = body;
-        body["model_id"] = json!(model_id);
-        body["seq_id"] = json!(seq);
-        let r = post(port, path, body);
-        assert_eq!(r.status, 200, "{}", r.body);
-        result(port, r.body["request_id"].as_str().unwrap())
-    };
+    let mut steps = ModelCalls::new(port, "k1", &model_id);
+    let mut step = |body: Value, path: &str| steps.call(path, body);
     let save = json!({"path": "s"});
     let path = step(save.clone(), "save_weights_for_sampler")["path"].as_str().unwrap().to_string();
     let sampler_from = |seq: u64| {
@@ -916,16 +944,8 @@ fn external_weights_download_through_signed_urls() {
     let port = serve(dir.path(), Duration::from_millis(300));
     let lora = json!({"rank": 4, "train_attn": true, "train_mlp": true, "train_unembed": false});
     let (_session, model_id) = lora_model(port, lora);
-    let mut seq = 0;
-    let mut step = |body: Value, path: &str| {
-        seq += 1;
-        let mut body = body;
-        body["model_id"] = json!(model_id);
-        body["seq_id"] = json!(seq);
-        let r = post(port, path, body);
-        assert_eq!(r.status, 200, "{}", r.body);
-        result(port, r.body["request_id"].as_str().unwrap())
-    };
+    let mut steps = ModelCalls::new(port, "k1", &model_id);
+    let mut step = |body: Value, path: &str| steps.call(path, body);
     // Train a step so that lora_B is not zero, then save it three ways.
     let mut fb = fwdbwd_body("", 0, "cross_entropy");
     step(json!({"forward_backward_input": fb["forward_backward_input"].take()}), "forward_backward");
@@ -1040,16 +1060,11 @@ fn ephemeral_samplers_are_capped_per_key() {
     let port = serve(dir.path(), Duration::from_millis(300));
     let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});
     let as_key = |key: &str, path: &str, body: Value| {
-        let r = request(port, "POST", &format!("/api/v1/{path}"), Some(key), &body.to_string());
+        let r = post_as(port, key, path, body);
         assert_eq!(r.status, 200, "{path}: {}", r.body);
         r.body
     };
-    let done = |key: &str, r: Value| loop {
-        let out = as_key(key, "retrieve_future", json!({"request_id": r["request_id"]}));
-        if out["type"] != "try_again" {
-            break out;
-        }
-    };
+    let done = |key: &str, r: Value| result_as(port, key, r["request_id"].as_str().unwrap());
     let model_of = |key: &str| {
         let session = as_key(key, "create_session", json!({"tags": []}))["session_id"].as_str().unwrap().to_string();
         let body = json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": lora});

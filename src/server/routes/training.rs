@@ -100,26 +100,21 @@ pub(super) async fn run_fwdbwd(
     // and the model's later requests do not wait for it forever.
     let tokens: usize = req.data.iter().map(|d| d.input_tokens.len()).sum();
     let budget = state.limits.tokens_in_flight_budget(model.base.bytes_per_token, state.memory_available);
-    let (mut refused, mut admitted) = (state.limits.train_tokens(tokens).err(), None);
-    if refused.is_none() {
-        match model.admit(tokens, budget) {
-            Ok(a) => admitted = Some(a),
-            Err(e) => refused = Some(e),
+    let checked = state.limits.train_tokens(tokens).and_then(|()| model.admit(tokens, budget)).and_then(|admitted| {
+        if req.loss_fn == "stable_reinforce" {
+            // Its `q` and weights come from what this server recorded when it sampled.
+            let session = model.id.split(':').next().unwrap_or_default();
+            let key = api_key(&headers);
+            crate::server::provenance::resolve(
+                &state.stability,
+                key.as_deref(),
+                session,
+                &mut req.data,
+                &req.provenance,
+            )?;
         }
-    }
-    if refused.is_none() && req.loss_fn == "stable_reinforce" {
-        // Its `q` and weights come from what this server recorded when it sampled.
-        let session = model.id.split(':').next().unwrap_or_default();
-        let key = api_key(&headers);
-        refused = crate::server::provenance::resolve(
-            &state.stability,
-            key.as_deref(),
-            session,
-            &mut req.data,
-            &req.provenance,
-        )
-        .err();
-    }
+        Ok(admitted)
+    });
     let forward_only = req.forward_only || forward_path;
     let kind = if forward_only { "forward" } else { "forward_backward" };
     let (st, key) = (state.clone(), api_key(&headers));
@@ -128,9 +123,10 @@ pub(super) async fn run_fwdbwd(
         let request_id = st.futures.create(Some(&model_id), kind, key.as_deref())?;
         let rid = request_id.clone();
         let job: Job = Box::new(move |dispatch| {
-            if let Some(e) = refused {
-                return st.futures.complete(&rid, to_outcome(Err(e)));
-            }
+            let admitted = match checked {
+                Ok(admitted) => admitted,
+                Err(e) => return st.futures.complete(&rid, to_outcome(Err(e))),
+            };
             // A bad loss name or config fails this future, in its turn.
             let loss = match Loss::parse(&req.loss_fn, &req.loss_fn_config) {
                 Ok(l) => l,
