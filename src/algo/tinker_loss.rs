@@ -9,7 +9,7 @@
 //! | `importance_sampling` | `−r·A` | — |
 //! | `ppo` | `−min(r·A, clamp(r, lo, hi)·A)` | `clip_low_threshold` = 0.8, `clip_high_threshold` = 1.2 |
 //! | `cispo` | `−sg(clamp(r, lo, hi))·lp·A` | same thresholds |
-//! | `dro` | `−(lp·A − ½·β·(lp − q)²)` | `beta` (required) |
+//! | `dro` | `−(lp·A − ½·β·(lp − q)²)` | `beta` = 0.05 |
 //! | `stable_reinforce` | `−sg(min(r, c))·A·lp + ½·k·(lp − q)²` | `ratio_cap` c = 2, `kl_coeff` k = 0 |
 //!
 //! `stable_reinforce` is Tinker's name; its exact objective is not public. oxrl's is REINFORCE
@@ -59,7 +59,15 @@ impl TinkerLoss {
             }
             "ppo" => Ok(Self::Ppo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
             "cispo" => Ok(Self::Cispo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
-            "dro" => Ok(Self::Dro { beta: ConfigObject::new(owner, config, &["beta"])?.required_f64("beta")? }),
+            "dro" => {
+                // Tinker documents `beta` as settable but not its default; 0.05 is the value its
+                // documentation's example uses, and the cookbook sends none.
+                let beta = ConfigObject::new(owner, config, &["beta"])?.f64_or("beta", 0.05)?;
+                if beta < 0.0 {
+                    return Err(crate::Error::input(format!("loss `dro`: beta must be non-negative (got {beta})")));
+                }
+                Ok(Self::Dro { beta })
+            }
             "stable_reinforce" => {
                 let c = ConfigObject::new(owner, config, &["ratio_cap", "kl_coeff"])?;
                 let (ratio_cap, kl_coeff) = (c.f64_or("ratio_cap", 2.0)?, c.f64_or("kl_coeff", 0.0)?);

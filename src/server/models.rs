@@ -111,6 +111,9 @@ pub struct TrainingModel {
     pub id: String,
     pub session_id: String,
     pub base: ServedModel,
+    /// The base model as the client named it (a served name or the path given to `--model`):
+    /// `get_info` echoes it as the model name and tokenizer id, never the server's own path.
+    pub named: String,
     pub lora: LoraConfigWire,
     queue: Mutex<Queue>,
     /// Tokens of this model's forward / forward_backward requests accepted and not yet done.
@@ -176,7 +179,7 @@ impl Models {
         self: &Arc<Self>,
         id: &str,
         session_id: &str,
-        base: ServedModel,
+        (base, named): (ServedModel, &str),
         lora: LoraConfigWire,
         after_build: Option<AfterBuild>,
     ) -> ApiResult<impl FnOnce() -> ApiResult<Value> + Send + 'static> {
@@ -185,6 +188,7 @@ impl Models {
             id: id.to_string(),
             session_id: session_id.to_string(),
             base: base.clone(),
+            named: named.to_string(),
             lora: lora.clone(),
             queue: Mutex::new(Queue { open: false, next: 1, ..Default::default() }),
             in_flight: Arc::default(),

@@ -333,7 +333,10 @@ fn unknown_names_and_keys_are_errors_that_name_them() {
 
 #[test]
 fn invalid_config_values_are_errors() {
-    assert!(error_of(Loss::tinker("dro", &json!({}))).contains("`beta` is required"));
+    // Without `beta`, dro takes 0.05 (Tinker's documented example; the cookbook sends none).
+    assert_eq!(Loss::tinker("dro", &json!({})).unwrap(), Loss::tinker("dro", &json!({"beta": 0.05})).unwrap());
+    assert_ne!(Loss::tinker("dro", &json!({})).unwrap(), Loss::tinker("dro", &json!({"beta": 0.5})).unwrap());
+    assert!(error_of(Loss::tinker("dro", &json!({"beta": -0.1}))).contains("non-negative"));
     assert!(error_of(Loss::tinker("dro", &json!({"beta": "big"}))).contains("finite number"));
     assert!(error_of(Loss::tinker("ppo", &json!([1, 2]))).contains("JSON object"));
     assert!(error_of(Loss::tinker("ppo", &json!({"clip_low_threshold": 1.5, "clip_high_threshold": 1.2})))

@@ -609,6 +609,13 @@ fn a_training_run_lists_its_user_metadata() {
     assert_eq!(post(port, "create_model", body).status, 200);
     let run = request(port, "GET", &format!("/api/v1/training_runs/{session}:train:1"), Some("k1"), "");
     assert_eq!(run.body["base_model"], path.as_str());
+    // get_info names each model's base and tokenizer as its client did: a served name, or the
+    // path that client gave, never a path the server chose (item 4).
+    for (seq, named) in [(0, "tiny"), (1, path.as_str())] {
+        let info = post(port, "get_info", json!({"model_id": format!("{session}:train:{seq}")}));
+        let data = &info.body["model_data"];
+        assert_eq!((data["model_name"].as_str(), data["tokenizer_id"].as_str()), (Some(named), Some(named)));
+    }
 }
 
 /// Samplers and futures belong to the key that made them (issue 25, item 15): another key's

@@ -310,8 +310,8 @@ fn bad_input_errors_name_the_datum_and_the_field() {
     assert!(err.contains("unknown loss") && err.contains("ppo"), "{err}");
     let err = oxrl::algo::Loss::parse("ppo", &json!({"clip_low": 0.5})).unwrap_err().to_string();
     assert!(err.contains("unknown config key `clip_low`"), "{err}");
-    let err = oxrl::algo::Loss::parse("dro", &json!({})).unwrap_err().to_string();
-    assert!(err.contains("beta"), "{err}");
+    let err = oxrl::algo::Loss::parse("dro", &json!({"beta": -1.0})).unwrap_err().to_string();
+    assert!(err.contains("beta must be non-negative"), "{err}");
     let err = w
         .forward_backward(&good, Some(&common::loss("policy/cross_entropy", &json!({"kl_coef": 0.1}))), true)
         .unwrap_err()

@@ -3,7 +3,7 @@ official SDK (run by tests/server_sdk.rs).
 
 - list_training_runs / get_training_run / list_checkpoints / list_user_checkpoints (with cursor) /
   get_weights_info_by_tinker_path / delete_checkpoint / list_sessions / get_session;
-- ppo, cispo, dro: `loss:sum` equal to the client-side recomputation (specs/algorithms.md);
+- ppo, cispo, dro (with and without `beta`): `loss:sum` equal to the client-side recomputation (specs/algorithms.md);
 - four SDK training clients training concurrently, each loss falling.
 """
 
@@ -38,9 +38,11 @@ def check_rl_losses(client) -> None:
         "cispo": ({"clip_low_threshold": lo, "clip_high_threshold": hi},
                   lambda lp, q, a: -np.clip(np.exp(lp - q), lo, hi) * lp * a),
         "dro": ({"beta": beta}, lambda lp, q, a: -(lp * a - 0.5 * beta * (lp - q) ** 2)),
+        # No config, as the cookbook calls it: beta 0.05 (the value of Tinker's documentation).
+        "dro_default": (None, lambda lp, q, a: -(lp * a - 0.5 * 0.05 * (lp - q) ** 2)),
     }
     for name, (config, formula) in cases.items():
-        out = client.forward_backward(data, name, loss_fn_config=config).result()
+        out = client.forward_backward(data, name.removesuffix("_default"), loss_fn_config=config).result()
         recomputed = 0.0
         for o, (q, adv) in zip(out.loss_fn_outputs, inputs):
             lp = np.asarray(o["logprobs"].to_numpy(), dtype=np.float64)

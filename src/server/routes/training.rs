@@ -28,7 +28,8 @@ pub(super) async fn create_model(
     state.limits.metadata(&metadata)?;
     let key = api_key(&headers);
     state.limits.models_per_key(callers(&state, &headers, state.models.sessions()))?;
-    let build = state.models.register(&model_id, &req.session_id, base.clone(), lora.clone(), None)?;
+    let build =
+        state.models.register(&model_id, &req.session_id, (base.clone(), &req.base_model), lora.clone(), None)?;
     // The run reports `base_model` as the client named it (a served name or the path given to
     // --model: cookbook code compares the two).
     state.store.add_model(
@@ -59,11 +60,10 @@ pub(super) async fn get_info(
     Ok(Json(json!({
         "type": "get_info",
         "model_id": model.id,
-        "model_data": {"arch": model.base.arch, "model_name": model.base.name,
-                       "tokenizer_id": model.base.path.display().to_string()},
+        "model_data": {"arch": model.base.arch, "model_name": model.named, "tokenizer_id": model.named},
         "is_lora": true,
         "lora_rank": model.lora.rank,
-        "model_name": model.base.name,
+        "model_name": model.named,
     })))
 }
 
@@ -239,8 +239,9 @@ pub(super) async fn load_weights(
                 .map_err(|e| ApiError::server(format!("checkpoint `{}`: bad LoRA record: {e}", c.uri())))?;
             let model_id = format!("{session_id}:train:{model_seq_id}");
             let after: crate::server::models::AfterBuild = Box::new(move |d, id| load(d, id).wait());
-            let build = state.models.register(&model_id, session_id, base.clone(), lora.clone(), Some(after))?;
-            state.store.add_model(&model_id, session_id, &base.name, &row.lora_config, "")?;
+            let build =
+                state.models.register(&model_id, session_id, (base.clone(), &base_name), lora.clone(), Some(after))?;
+            state.store.add_model(&model_id, session_id, &base_name, &row.lora_config, "")?;
             let request_id = state.futures.create(Some(&model_id), "load_weights", api_key(&headers).as_deref())?;
             let (st, rid, uri) = (state.clone(), request_id.clone(), c.uri());
             tokio::spawn(async move {
