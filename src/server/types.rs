@@ -163,6 +163,9 @@ pub struct LoadWeightsRequest {
     pub path: String,
     #[serde(default)]
     pub optimizer: bool,
+    /// Kept with the run a load creates (as `create_model`'s), so the cookbook finds its renderer.
+    #[serde(default)]
+    pub user_metadata: Option<Value>,
 }
 
 #[derive(Deserialize)]

@@ -616,6 +616,19 @@ fn a_training_run_lists_its_user_metadata() {
         let data = &info.body["model_data"];
         assert_eq!((data["model_name"].as_str(), data["tokenizer_id"].as_str()), (Some(named), Some(named)));
     }
+    // A run made by loading a checkpoint keeps the metadata sent with the load, and its base as
+    // the checkpoint's client named it (the SDK's create_training_client_from_state).
+    let r = post(port, "save_weights", json!({"model_id": format!("{session}:train:1"), "seq_id": 1, "path": "ck"}));
+    let saved = result(port, r.body["request_id"].as_str().unwrap());
+    let ck = saved["path"].as_str().unwrap_or_else(|| panic!("{saved}"));
+    let body = json!({"session_id": session, "model_seq_id": 2, "path": ck, "optimizer": true,
+                      "user_metadata": {"renderer_name": "qwen3"}});
+    let r = post(port, "load_weights", body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let loaded = result(port, r.body["request_id"].as_str().unwrap());
+    assert!(loaded.get("error").is_none(), "{loaded}");
+    let run = request(port, "GET", &format!("/api/v1/training_runs/{session}:train:2"), Some("k1"), "");
+    assert_eq!((&run.body["user_metadata"], &run.body["base_model"]), (&json!({"renderer_name": "qwen3"}), &json!(path)));
 }
 
 /// Samplers and futures belong to the key that made them (issue 25, item 15): another key's

@@ -11,7 +11,7 @@ pub(super) async fn save_weights(
     let req: types::SaveWeightsRequest = types::parse_json(&body, "save_weights")?;
     let model = training_model(&state, &headers, &req.model_id)?;
     let name = req.path.clone().unwrap_or_else(|| format!("seq-{}", req.seq_id));
-    let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
+    let (session_id, base, lora) = (model.session_id.clone(), model.named.clone(), model.lora.clone());
     let model_id = model.id.clone();
     let checked = types::expiry(req.ttl_seconds);
     queue(&state, &model, req.seq_id, "save_weights", checked, move |expires_at, st, dispatch, rid| {
@@ -63,7 +63,7 @@ pub(super) async fn save_weights_external(
         let c = CheckpointRef::new(&model.id, Kind::ExternalWeights, &name)?;
         Ok((recipients, c, types::expiry(req.ttl_seconds)?))
     });
-    let (session_id, base, lora) = (model.session_id.clone(), model.base.name.clone(), model.lora.clone());
+    let (session_id, base, lora) = (model.session_id.clone(), model.named.clone(), model.lora.clone());
     let model_id = model.id.clone();
     queue(&state, &model, req.seq_id, "save_weights_external", checked, move |checked, st, dispatch, rid| {
         let (recipients, c, expires_at) = checked;
@@ -181,6 +181,8 @@ pub(super) async fn save_weights_for_sampler(
     let req: types::SaveWeightsForSamplerRequest = types::parse_json(&body, "save_weights_for_sampler")?;
     let model = training_model(&state, &headers, &req.model_id)?;
     let (session_id, base, lora) = (model.session_id.clone(), model.base.clone(), model.lora.clone());
+    // Checkpoints record the base as the client named it: a load reports it back the same way.
+    let base_named = model.named.clone();
     let model_id = model.id.clone();
     let checked = types::expiry(req.ttl_seconds);
     let owner = api_key(&headers);
@@ -209,7 +211,7 @@ pub(super) async fn save_weights_for_sampler(
                         path: dir.display().to_string(),
                         created: now(),
                         session_id,
-                        base_model: base.name.clone(),
+                        base_model: base_named,
                         lora_config: serde_json::to_string(&lora).unwrap_or_default(),
                         public: false,
                         expires_at,

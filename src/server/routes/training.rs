@@ -241,7 +241,10 @@ pub(super) async fn load_weights(
             let after: crate::server::models::AfterBuild = Box::new(move |d, id| load(d, id).wait());
             let build =
                 state.models.register(&model_id, session_id, (base.clone(), &base_name), lora.clone(), Some(after))?;
-            state.store.add_model(&model_id, session_id, &base_name, &row.lora_config, "")?;
+            let metadata = req.user_metadata.as_ref().map(|m| m.to_string()).unwrap_or_default();
+            state.limits.metadata(&metadata)?;
+            state.limits.models_per_key(callers(&state, &headers, state.models.sessions()))?;
+            state.store.add_model(&model_id, session_id, &base_name, &row.lora_config, &metadata)?;
             let request_id = state.futures.create(Some(&model_id), "load_weights", api_key(&headers).as_deref())?;
             let (st, rid, uri) = (state.clone(), request_id.clone(), c.uri());
             tokio::spawn(async move {
