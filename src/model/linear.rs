@@ -30,12 +30,13 @@ impl LoraPair {
         Ok(LoraPair { a: owned(&self.a)?, b: owned(&self.b)?, scale: self.scale })
     }
 
-    /// s·(x·Aᵀ)·Bᵀ for x [..., in]: [..., out].
+    /// (s·(x·Aᵀ))·Bᵀ for x [..., in]: [..., out]. The scale goes on the rank-r product, before
+    /// Bᵀ, as in the trainer's forward (`model::tape::linear`), so that both give the same bits.
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
         let mut dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
-        let xa = super::ops::matmul::matmul(&x.reshape(((), in_dim))?, &self.a.t()?)?;
-        let d = (super::ops::matmul::matmul(&xa, &self.b.t()?)? * self.scale)?;
+        let su = (super::ops::matmul_wt::matmul_wt(&x.reshape(((), in_dim))?, &self.a)? * self.scale)?;
+        let d = super::ops::matmul_wt::matmul_wt(&su, &self.b)?;
         *dims.last_mut().unwrap() = self.b.dim(0)?;
         Ok(d.reshape(dims)?)
     }

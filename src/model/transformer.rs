@@ -150,7 +150,6 @@ impl Attention {
         cache: Option<(&mut KvCache, usize)>,
         adapters: Option<(&RowAdapters, usize)>,
     ) -> Result<Tensor> {
-        let t = x.dim(1)?;
         let (q, k, v) = self.project(x, cfg, cos_sin, adapters, true)?;
         let q = q.expect("queries were asked for");
         let cached = cache.is_some();
@@ -159,11 +158,12 @@ impl Attention {
             None => (k, v),
         };
         let scale = 1.0 / (cfg.head_dim as f64).sqrt();
-        // [B, T, h·d]. A few new tokens over the cache (decode steps, short prefills) take the
-        // fused op, which reads the cache's views in place; everything else (training, long
-        // prompts, bf16, CUDA) the candle path: the `rep` query heads sharing a kv head folded
-        // into the rows of one batched matmul, softmax in f32.
-        let out = if cached && t <= ops::cached_attention::MAX_QUERIES && ops::fused(&q) {
+        // [B, T, h·d]. A cached forward (decode steps and prefills of any length) takes the
+        // fused op, which reads the cache's views in place and sums in the order the trainer's
+        // forward does (issue 26); everything else (uncached forwards off the tape, bf16, CUDA)
+        // the candle path: the `rep` query heads sharing a kv head folded into the rows of one
+        // batched matmul, softmax in f32.
+        let out = if cached && ops::fused(&q) {
             ops::cached_attention::cached_attention(&q, &k, &v, bias, scale)?
         } else {
             ops::cached_attention::reference(&q, &k, &v, bias, scale)?

@@ -2,14 +2,16 @@
 //!
 //! The distribution drawn from is p ∝ exp(z / T) restricted to the k most likely tokens and then
 //! to the smallest prefix (by decreasing probability) whose mass reaches top_p, renormalised.
-//! The returned log-prob is log p(token) under exactly that distribution, so with T = 1 and no
-//! truncation it equals the trainer's log-prob of the same token (the weights exp((z − max) / T)
-//! are f32, the logits' precision, from the vectorised exp; sums and the log in f64). T = 0 is
-//! greedy (argmax, ties to the lowest id), and reports the model's untempered log-prob.
+//! The returned log-prob is log p(token) under exactly that distribution. With T = 1 and no
+//! truncation, and when greedy (T = 0, argmax, ties to the lowest id), that is the model's own
+//! log-prob, computed by the trainer's function of the logits: the same bits as the trainer's
+//! forward gives for the token (issue 26). Otherwise the weights exp((z − max) / T) are f32,
+//! the logits' precision, from the vectorised exp; sums and the log in f64.
 
 use rand::{rngs::StdRng, Rng};
 
 use super::row_math;
+use crate::model::ops::logprob_lse;
 
 use crate::{Error, Result};
 
@@ -76,9 +78,8 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
         return Err(Error::Other("the model produced NaN logits (or none)".into()));
     };
     if is_greedy(p.temperature) {
-        let best = row_math::first_index_of(logits, max);
-        let lp = logits[best] as f64 - max as f64 - row_math::sum_exp(logits, max, 1.0).ln();
-        return Ok((best as u32, lp as f32));
+        let best = row_math::first_index_of(logits, max) as u32;
+        return Ok((best, model_logprob(logits, best)));
     }
     // Unnormalised probabilities exp((z − max) / T), in f32 with the vectorised exp (f64's libm
     // exp over the vocabulary was a sixth of a temperature-1 decode step at 64 rows), and their sum.
@@ -86,7 +87,9 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
     let total = row_math::exp_scaled(&mut weights, logits, max, (1.0 / p.temperature) as f32);
     let truncate = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0;
     if !truncate {
-        return Ok(draw(weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)), total, rng));
+        let (token, lp) = draw(weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)), total, rng);
+        // At T = 1 the distribution is the model's: report its log-prob as the trainer computes it.
+        return Ok((token, if p.temperature == 1.0 { model_logprob(logits, token) } else { lp }));
     }
     // (id, unnormalised probability) sorted by decreasing probability.
     let mut probs: Vec<(u32, f64)> = weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)).collect();
@@ -125,6 +128,12 @@ fn draw(probs: impl Iterator<Item = (u32, f64)>, total: f64, rng: &mut StdRng) -
         u -= x.1;
     }
     (chosen.0, (chosen.1 / total).ln() as f32)
+}
+
+/// The model's log-prob of `token`: the trainer's function of the logits
+/// ([`logprob_lse::row_forward`]), so that a sampled token's log-prob is the trainer's bits.
+fn model_logprob(logits: &[f32], token: u32) -> f32 {
+    logprob_lse::row_forward(logits, token).0
 }
 
 /// log softmax(z / t)[i]: exponentials in f32 (the precision of the logits; f64's `exp` was a

@@ -26,6 +26,7 @@ mod engine_openai;
 mod env_checkers;
 mod env_episodes;
 mod env_prompts;
+mod exact_on_policy;
 mod model_errors;
 mod model_features;
 mod model_golden;

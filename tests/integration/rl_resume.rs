@@ -77,23 +77,12 @@ fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
             })
             .collect()
     };
-    // Sampler log-probs (hence `entropy_mean` and `logprob_mismatch_max`) may differ in the last
-    // bits with the engine's batch composition (issue 26); everything the training computes is exact.
+    // Everything but timing is exact: sampler numerics do not depend on the engine's batch
+    // (issue 26), so the resumed run's metrics are the whole run's bits.
     let (whole, resumed) = (read("whole"), read("cut"));
     assert_eq!(whole.len(), resumed.len());
     for (a, b) in whole.iter().zip(&resumed) {
-        for (k, x) in a.as_object().unwrap() {
-            let y = &b[k];
-            match (x.as_f64(), y.as_f64()) {
-                (Some(x), Some(y)) if k == "entropy_mean" => {
-                    assert!((x - y).abs() < 1e-6 * x.abs().max(1.0), "killed after step {kill_after}: {k} {x} vs {y}")
-                }
-                (Some(x), Some(y)) if k == "logprob_mismatch_max" => {
-                    assert!((x - y).abs() < 1e-5, "killed after step {kill_after}: {k} {x} vs {y}")
-                }
-                _ => assert_eq!(x, y, "killed after step {kill_after}: `{k}` differs at {}", a["step"]),
-            }
-        }
+        assert_eq!(a, b, "killed after step {kill_after}: step {} differs", a["step"]);
     }
     // The run really trained: the final parameters are not the initial ones.
     let first = tmp.path().join("whole/checkpoints");

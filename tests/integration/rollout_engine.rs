@@ -340,7 +340,7 @@ fn sixty_four_mixed_requests_each_equal_their_solo_run() {
             assert_eq!(a.tokens, b.tokens, "{what}");
             assert_eq!(a.stop_reason, b.stop_reason, "{what}");
             for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
-                assert!((x - y).abs() < 1e-5, "{what}: {x} vs {y}");
+                assert_eq!(x.to_bits(), y.to_bits(), "{what}: {x} vs {y}");
             }
         }
         assert_eq!(got.prompt_logprobs.is_some(), want.prompt_logprobs.is_some());

@@ -628,7 +628,10 @@ fn a_training_run_lists_its_user_metadata() {
     let loaded = result(port, r.body["request_id"].as_str().unwrap());
     assert!(loaded.get("error").is_none(), "{loaded}");
     let run = request(port, "GET", &format!("/api/v1/training_runs/{session}:train:2"), Some("k1"), "");
-    assert_eq!((&run.body["user_metadata"], &run.body["base_model"]), (&json!({"renderer_name": "qwen3"}), &json!(path)));
+    assert_eq!(
+        (&run.body["user_metadata"], &run.body["base_model"]),
+        (&json!({"renderer_name": "qwen3"}), &json!(path))
+    );
 }
 
 /// Samplers and futures belong to the key that made them (issue 25, item 15): another key's

@@ -27,10 +27,14 @@
 //! Measured (one thread, benchmark model's attention, `timing::fused_vs_candle`): a decode step
 //! (T = 1) is 1.1–1.3× faster than the candle path at 64 rows (where both mostly wait on the
 //! cache's reads), 1.2–2.5× at 1 to 16 rows; a prefill of 16 tokens 1.2–1.6×. The candle path
-//! stays the better one for longer query blocks after a long cache (gemm's blocking pays):
-//! [`MAX_QUERIES`].
+//! was the better one for query blocks of 32 and more after a long cache (gemm's blocking
+//! pays), but it sums in gemm's order: every cached forward takes this op now, and the trainer's
+//! forward runs the same rows ([`forward_slices`]), so a token's log-prob is one set of bits
+//! however it was computed (issue 26). The normaliser of each softmax is summed key by key
+//! ([`softmax::normalise_rows`]), the weighted sums add key by key: padding and masked keys,
+//! exactly zero, change nothing wherever they sit.
 //!
-//! No backward: nothing trains through a cached forward (the callers with a cache are the
+//! No backward through the op: nothing trains through a cached forward (the callers with a cache are the
 //! rollout engine's decode steps and its prompt prefill, `rollout::engine_core` and
 //! `rollout::prefill`, whose outputs are sampled or scored, never differentiated; training runs
 //! the tape or the uncached candle graph). The op is applied with `apply_op3` all the same, so
@@ -49,16 +53,6 @@ use super::custom_op::Cuda;
 use super::custom_op::{Cpu, FusedOp, Op};
 use super::{data, dot, fused, norm_dtype, softmax, Real};
 use crate::{Error, Result};
-
-/// New tokens per row (T) up to which the transformer takes this op for a cached forward:
-/// every decode step (T = 1) and the prefill of prompts up to 17 tokens. Measured with
-/// `timing::fused_vs_candle` (4 query heads, 2 kv heads, D = 64, one thread, 1 to 64 rows): T ≤ 4
-/// wins everywhere (1.05–2.5×); at T = 16 the op is 1.2–1.6× faster than the candle path on a
-/// prefill (empty cache) but 0.8–1.3× after a cache of 16 to 1000 positions; at T = 32 it loses
-/// after any cache (0.7–1.0×). A prefill from an empty cache alone would stay with the op up to
-/// T = 64 (0.9–1.7×); 16 keeps long blocks after a long cache, which the engine does not run
-/// today, on gemm.
-pub const MAX_QUERIES: usize = 16;
 
 /// Multiply-adds of one product (B·H·T·S·D) from which the tasks are split over the rayon
 /// pool: about 30 µs on one core. Measured on a pool of 2 inside the pool: 70 K (B 16, S 17)
@@ -124,7 +118,17 @@ struct Inputs<'a, T> {
     scale: f64,
     /// T is f32 and the CPU has AVX-512F: the dot products take [`dots_f32_avx512`].
     avx512_f32: bool,
+    /// Where the probabilities go when the caller keeps them ([B, H, T, S]: the tape's
+    /// backward), or None.
+    probs_out: Option<OutPtr<T>>,
 }
+
+/// A buffer the tasks fill in disjoint parts.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+// Safety: the tasks write disjoint rows (see `rows`), and the buffer outlives them.
+unsafe impl<T> Sync for OutPtr<T> {}
+unsafe impl<T> Send for OutPtr<T> {}
 
 /// Query rows processed together: each key row read serves all of them.
 const GROUP: usize = 4;
@@ -269,8 +273,13 @@ unsafe fn rows<T: Real, const N: usize>(
         *o = out.add(((b * t + i) * h + hi) * d);
     }
     T::exp_in_place(probs);
-    for p in probs.chunks_exact_mut(s) {
-        softmax::normalise_row(p);
+    softmax::normalise_rows::<T, N>(probs, s);
+    if let Some(p) = x.probs_out {
+        for r in 0..N {
+            let (hi, i) = (g * rep + (r0 + r) / t, (r0 + r) % t);
+            // In bounds: probs_out is [B, H, T, S]; row (b, hi, i) is this task's alone.
+            std::ptr::copy_nonoverlapping(probs[r * s..].as_ptr(), p.0.add(((b * h + hi) * t + i) * s), s);
+        }
     }
     let mut c = 0;
     while c + 2 * LANES <= d {
@@ -421,6 +430,38 @@ fn run<T: Real>(x: &Inputs<T>, b: usize, out: &mut [T]) {
     }
 }
 
+/// The same attention on the trainer's slices, keeping the probabilities for the backward:
+/// q [B, H, T, D], k [B, KV, T, D] (rotated), v in the projection layout [B·T, KV·D], bias
+/// [B, T, T]. Returns (p [B, H, T, T], out [B·T, H·D]). The trainer's forward runs exactly the
+/// decode kernel's arithmetic, so a token's log-prob is the same bits sampled or trained on.
+pub(crate) fn forward_slices<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    bias: &[T],
+    (b, h, kvh, t, d): (usize, usize, usize, usize, usize),
+    scale: f64,
+) -> (Vec<T>, Vec<T>) {
+    assert!(q.len() == b * h * t * d && k.len() == b * kvh * t * d && v.len() == b * t * kvh * d);
+    assert!(bias.len() == b * t * t && kvh > 0 && h % kvh == 0);
+    let mut p = vec![T::of(0.0); b * h * t * t];
+    let x = Inputs {
+        q,
+        k: Heads { data: k, start: 0, strides: [kvh * t * d, t * d, d], d },
+        v: Heads { data: v, start: 0, strides: [t * kvh * d, d, kvh * d], d },
+        bias,
+        dims: (h, kvh, t, t, d),
+        scale,
+        avx512_f32: T::DTYPE == DType::F32 && avx512(),
+        probs_out: Some(OutPtr(p.as_mut_ptr())),
+    };
+    let mut out = vec![T::of(0.0); b * t * h * d];
+    if t > 0 {
+        run(&x, b, &mut out);
+    }
+    (p, out)
+}
+
 /// (B, H, KV, T, S, D) from the layouts of q [B, H, T, D], k and v [B, KV, S, D] (KV dividing
 /// H, S > 0) and the bias [B, T, S], or an error naming them.
 fn op_dims(
@@ -464,6 +505,7 @@ impl FusedOp<3> for CachedAttention {
             dims: (h, kvh, t, s, d),
             scale: self.scale,
             avx512_f32: self.simd && T::DTYPE == DType::F32 && avx512(),
+            probs_out: None,
         };
         let mut out = vec![T::of(0.0); b * t * h * d];
         run(&x, b, &mut out);
@@ -764,7 +806,7 @@ mod timing {
     /// one thread, for query blocks of T after `past` cached positions (past 0: a prefill), k
     /// and v views of [B, KV, capacity, D] buffers as the cache hands out. "hot": one cache,
     /// read again and again (in L2 when it fits); "cold": 32 MiB of caches in turn, as a decode
-    /// step reads every layer's cache from L3 or memory. The crossover in T sets [`MAX_QUERIES`].
+    /// step reads every layer's cache from L3 or memory.
     #[test]
     #[ignore]
     fn fused_vs_candle() {

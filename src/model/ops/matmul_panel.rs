@@ -1,5 +1,6 @@
 //! y = x · Wᵀ for tens of rows of x (batched decoding), W in PyTorch's [out, in] layout, f32,
 //! AVX-512, without packing W: the kernel [`super::matmul_wt`] uses from [`MIN_ROWS`] rows on.
+//! Each output is one lane of an accumulator carried over all of k: [`super::matmul_wt`]'s order.
 //!
 //! ```text
 //! xt = each panel of up to 64 rows of x transposed, [K, 16·V] (V = vectors of 16 rows)
@@ -20,7 +21,7 @@
 //! read once per call, not twice; with the panel 64-byte aligned that took the 64-row kernel from
 //! 140–146 to 150–165 GFLOP/s with W in L2, 110–123 to 125–135 from L3 (`matmul_wt::timing`).
 
-/// Rows from which this kernel beats the dot-product one (measured on the benchmark model).
+/// Rows from which this kernel takes over from the small-rows one.
 pub const MIN_ROWS: usize = 16;
 
 /// Rows of x per panel: 4 vectors of 16 (24 accumulators for 6 weight rows).
@@ -130,7 +131,7 @@ unsafe fn panel<const V: usize, const R: usize>(
 /// lanes twice): 64 shuffles where element-wise copies would take 256 loads and stores.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64::__m512; 16] {
+pub(super) unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64::__m512; 16] {
     use std::arch::x86_64::*;
     let t: [__m512; 16] = std::array::from_fn(|i| {
         let (a, b) = (r[i & !1], r[i | 1]);

@@ -1,15 +1,25 @@
-//! y = x · Wᵀ for up to 128 rows of x (decoding), W in PyTorch's [out, in] layout, f32, AVX-512.
+//! y = x · Wᵀ, W in PyTorch's [out, in] layout, f32: the projection of every forward that a
+//! sampler or a trainer runs, in one summation order whatever the batch.
 //!
-//! candle's matmul hands `W.t()` to the `gemm` crate, which packs the whole weight into its
-//! blocked layout on every call: with a handful of rows (one decode step) the packing costs
-//! more than the arithmetic (47 % of a batch-1 decode run, 25 % at 64 rows). Here each output
-//! is a dot product of two contiguous rows, so nothing is packed: blocks of 4 weight rows
-//! (kept in L1) meet the x rows four at a time, 16 AVX-512 accumulators of 16 lanes, reduced at
-//! the end of the row. From [`matmul_panel::MIN_ROWS`] rows on, those per-output reductions cost
-//! as much as the products and [`matmul_panel`]'s outer-product kernel takes over (see
-//! [`kernel_for`]). Column blocks are split over the rayon pool. Used for at most [`MAX_ROWS`]
-//! rows of f32 on CPUs with AVX-512F; everything else (prefill and training batches, other dtypes
-//! and devices) takes gemm as candle's matmul does ([`super::matmul`]), which is also the backward.
+//! **The order.** Every output is one chain of fused multiply-adds over k, from zero, in order:
+//! ```text
+//! y[i, j] = fma(x[i, K−1], W[j, K−1], … fma(x[i, 1], W[j, 1], fma(x[i, 0], W[j, 0], 0)) …)
+//! ```
+//! (`(0..K).fold(0.0, |a, k| x[i,k].mul_add(W[j,k], a))`, [`reference_order`]). It does not
+//! depend on how many rows share the call, where the row sits among them, how the columns are
+//! split over threads or which kernel runs: a token's logits are the same bits alone, in a batch
+//! of 64, in a prefill or in the trainer's forward (issue 26). Every kernel keeps an output in
+//! one vector lane and carries its partial sum over k blocks, so each computes exactly this:
+//! - from [`matmul_panel::MIN_ROWS`] rows, [`matmul_panel`]'s outer products (lanes = x rows);
+//! - below it, [`small_rows`]: blocks of 16 weight rows transposed in registers (lanes = outputs),
+//!   each weight read once per call as a vector (decoding at batch 1 reads W at memory speed);
+//! - without AVX-512F, a portable kernel with lanes over x rows (compiled for AVX2 + FMA where
+//!   the CPU has them).
+//!
+//! Simplification: one chain per output is 4-cycle-latency bound only per output; the kernels
+//! keep 16 to 24 independent chains in flight, which is what a blocked GEMM does too. gemm's own
+//! order (partial sums per k block, added) depends on its blocking, so gemm is not used for the
+//! forward any more; it still runs the backward ([`super::matmul`]).
 
 use candle_core::{Shape, Tensor};
 
@@ -17,13 +27,10 @@ use super::custom_op::{grad_for, Cpu, FusedOp, Op};
 use super::{matmul_panel, Real};
 use crate::Result;
 
-/// Rows of x up to which the kernels beat gemm (measured on the benchmark model's shapes).
-pub const MAX_ROWS: usize = 128;
-
 /// The op (see [`matmul_wt`]).
 struct MatmulWt;
 
-fn supported() -> bool {
+fn avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
@@ -34,95 +41,146 @@ fn supported() -> bool {
     }
 }
 
-/// y[i..i+min(Q, m-i), j..j+nj] for 4 weight rows `wr` (repeats past nj) and Q x rows from i
-/// (rows past m repeat the last; only real ones are stored). Inlined into [`kernel`], so it is
-/// compiled with AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn rows_block<const Q: usize>(
-    x: &[f32],
-    wr: [*const f32; 4],
-    y: *mut f32,
-    i: usize,
-    j: usize,
-    nj: usize,
-    n: usize,
-    k: usize,
-    full: usize,
-    tail: std::arch::x86_64::__mmask16,
-) {
-    use std::arch::x86_64::*;
-    let m = x.len() / k;
-    let mi = (m - i).min(Q);
-    let xr: [*const f32; Q] = std::array::from_fn(|q| x.as_ptr().add((i + q.min(mi - 1)) * k));
-    let mut acc = [[_mm512_setzero_ps(); 4]; Q];
-    let mut kk = 0;
-    while kk < full {
-        let vx: [__m512; Q] = std::array::from_fn(|q| _mm512_loadu_ps(xr[q].add(kk)));
-        for r in 0..4 {
-            let vw = _mm512_loadu_ps(wr[r].add(kk));
-            for q in 0..Q {
-                acc[q][r] = _mm512_fmadd_ps(vx[q], vw, acc[q][r]);
-            }
-        }
-        kk += 16;
-    }
-    if tail != 0 {
-        let vx: [__m512; Q] = std::array::from_fn(|q| _mm512_maskz_loadu_ps(tail, xr[q].add(full)));
-        for r in 0..4 {
-            let vw = _mm512_maskz_loadu_ps(tail, wr[r].add(full));
-            for q in 0..Q {
-                acc[q][r] = _mm512_fmadd_ps(vx[q], vw, acc[q][r]);
-            }
+/// The defining order, one output at a time (tests compare every kernel with it bit for bit).
+pub fn reference_order(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut y = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            y[i * n + j] = (0..k).fold(0f32, |a, kk| x[i * k + kk].mul_add(w[j * k + kk], a));
         }
     }
-    for q in 0..mi {
-        for r in 0..nj {
-            *y.add((i + q) * n + j + r) = _mm512_reduce_add_ps(acc[q][r]);
-        }
-    }
+    y
 }
 
+/// y[.., cols] for fewer than 16 rows of x (R rows, R ≤ 15): per block of 16 weight rows and 16
+/// columns of k, the 16 × 16 block is transposed in registers (lanes = the 16 outputs) and meets
+/// each x row's 16 values as broadcasts; R accumulators + 16 weight vectors fit the 32 registers.
+///
+/// # Safety
+/// AVX-512F; x [m, k], w [n, k], y [m, n]; m < 32 − 16; nobody else writes y's `cols`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-/// y[i, j] for j in `cols`, all i; y is [m, n] row-major, written through a raw pointer so that
-/// threads can fill disjoint column ranges.
-unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: usize, cols: std::ops::Range<usize>) {
-    use std::arch::x86_64::__mmask16;
-    let full = k / 16 * 16;
-    let tail: __mmask16 = ((1u32 << (k - full)) - 1) as __mmask16;
-    let mut j = cols.start;
-    while j < cols.end {
-        let nj = (cols.end - j).min(4);
-        let wr: [*const f32; 4] = std::array::from_fn(|r| w.as_ptr().add((j + r.min(nj - 1)) * k));
-        let mut i = 0;
-        while i < m {
-            // Up to 4 x rows per pass; fewer at the end (one row alone: decoding at batch 1).
-            let mi = (m - i).min(4);
-            match mi {
-                1 => rows_block::<1>(x, wr, y, i, j, nj, n, k, full, tail),
-                2 => rows_block::<2>(x, wr, y, i, j, nj, n, k, full, tail),
-                _ => rows_block::<4>(x, wr, y, i, j, nj, n, k, full, tail),
-            }
-            i += mi;
-        }
-        j += 4;
+pub unsafe fn small_rows(
+    x: &[f32],
+    w: &[f32],
+    y: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+) {
+    match m {
+        1 => small::<1>(x, w, y, n, k, cols),
+        2 => small::<2>(x, w, y, n, k, cols),
+        3 => small::<3>(x, w, y, n, k, cols),
+        4 => small::<4>(x, w, y, n, k, cols),
+        5..=8 => small_any::<8>(x, w, y, m, n, k, cols),
+        _ => small_any::<15>(x, w, y, m, n, k, cols),
     }
 }
 
-/// A kernel filling y[.., cols] (see [`kernel`]).
+/// [`small_rows`] for exactly R rows.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn small<const R: usize>(x: &[f32], w: &[f32], y: *mut f32, n: usize, k: usize, cols: std::ops::Range<usize>) {
+    small_any::<R>(x, w, y, R, n, k, cols)
+}
+
+/// [`small_rows`] for m ≤ R rows (rows past m read row m − 1 again and are not stored).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn small_any<const R: usize>(
+    x: &[f32],
+    w: &[f32],
+    y: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+) {
+    use std::arch::x86_64::*;
+    let xr: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add(r.min(m - 1) * k));
+    let tail_k = (1u32 << (k % 16)) as u16 - 1;
+    let mut j = cols.start;
+    while j < cols.end {
+        let nj = (cols.end - j).min(16);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut k0 = 0;
+        while k0 < k {
+            let kmask = if k0 + 16 <= k { u16::MAX } else { tail_k };
+            let rows: [__m512; 16] = std::array::from_fn(|c| match c < nj {
+                true => _mm512_maskz_loadu_ps(kmask, w.as_ptr().add((j + c) * k + k0)),
+                false => _mm512_setzero_ps(),
+            });
+            let wt = matmul_panel::transpose16(rows);
+            for (kk, col) in wt.iter().enumerate().take(k - k0) {
+                for r in 0..R {
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(k0 + kk)), *col, acc[r]);
+                }
+            }
+            k0 += 16;
+        }
+        let mask = if nj == 16 { u16::MAX } else { (1u32 << nj) as u16 - 1 };
+        for (r, a) in acc.iter().enumerate().take(m) {
+            _mm512_mask_storeu_ps(y.add(r * n + j), mask, *a);
+        }
+        j += 16;
+    }
+}
+
+/// The portable kernel: x transposed to [k, m], then per output column one chain per row, the m
+/// rows side by side (LLVM vectorises the inner loop over rows; `mul_add` is a fused multiply-add
+/// with FMA, and correctly rounded in software without).
+#[inline(always)]
+fn portable_body(x: &[f32], w: &[f32], y: &mut [f32], m: usize, n: usize, k: usize) {
+    let mut xt = vec![0f32; k * m];
+    for i in 0..m {
+        for kk in 0..k {
+            xt[kk * m + i] = x[i * k + kk];
+        }
+    }
+    let mut acc = vec![0f32; m];
+    for j in 0..n {
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        let wj = &w[j * k..(j + 1) * k];
+        for (kk, &wv) in wj.iter().enumerate() {
+            for (a, &xv) in acc.iter_mut().zip(&xt[kk * m..(kk + 1) * m]) {
+                *a = xv.mul_add(wv, *a);
+            }
+        }
+        for (i, &a) in acc.iter().enumerate() {
+            y[i * n + j] = a;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn portable_fma(x: &[f32], w: &[f32], y: &mut [f32], m: usize, n: usize, k: usize) {
+    portable_body(x, w, y, m, n, k)
+}
+
+fn portable(x: &[f32], w: &[f32], y: &mut [f32], m: usize, n: usize, k: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // Safety: the features were detected.
+        return unsafe { portable_fma(x, w, y, m, n, k) };
+    }
+    portable_body(x, w, y, m, n, k)
+}
+
+/// A kernel filling y[.., cols] (see [`small_rows`]).
 #[cfg(target_arch = "x86_64")]
 pub type Kernel = unsafe fn(&[f32], &[f32], *mut f32, usize, usize, usize, std::ops::Range<usize>);
 
-/// The faster kernel for m rows: dot products for a few, outer products over x panels from
-/// [`matmul_panel::MIN_ROWS`] on.
+/// The kernel for m rows (AVX-512F): transposed weight blocks below
+/// [`matmul_panel::MIN_ROWS`], x panels from there on. Both compute [`reference_order`].
 #[cfg(target_arch = "x86_64")]
 pub fn kernel_for(m: usize) -> Kernel {
     if m >= matmul_panel::MIN_ROWS {
         matmul_panel::kernel
     } else {
-        kernel
+        small_rows
     }
 }
 
@@ -131,7 +189,7 @@ pub fn kernel_for(m: usize) -> Kernel {
 #[cfg(target_arch = "x86_64")]
 pub fn run(kernel: Kernel, x: &[f32], w: &[f32], y: &mut [std::mem::MaybeUninit<f32>], m: usize, n: usize, k: usize) {
     use rayon::prelude::*;
-    assert!(supported() && x.len() == m * k && w.len() == n * k && y.len() == m * n);
+    assert!(avx512() && x.len() == m * k && w.len() == n * k && y.len() == m * n);
     struct Out(*mut f32);
     // Safety: each task writes only its own columns of y, which outlives the tasks.
     unsafe impl Sync for Out {}
@@ -156,6 +214,44 @@ pub fn run(kernel: Kernel, x: &[f32], w: &[f32], y: &mut [std::mem::MaybeUninit<
     }
 }
 
+/// y [m, n] = x [m, k] · w [n, k]ᵀ in [`reference_order`], on the current rayon pool.
+pub fn xwt(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    assert!(x.len() == m * k && w.len() == n * k, "xwt: x {} and w {} for [{m}, {k}] · [{n}, {k}]ᵀ", x.len(), w.len());
+    if m == 0 || n == 0 {
+        return vec![0f32; m * n];
+    }
+    if k == 0 {
+        return vec![0f32; m * n];
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        // Not zero-filled: the kernels write every element.
+        let mut y: Vec<f32> = Vec::with_capacity(m * n);
+        run(kernel_for(m), x, w, y.spare_capacity_mut(), m, n, k);
+        // Safety: `run` wrote all m · n elements.
+        unsafe { y.set_len(m * n) };
+        return y;
+    }
+    let mut y = vec![0f32; m * n];
+    portable(x, w, &mut y, m, n, k);
+    y
+}
+
+/// [`xwt`] for the tape's element type: f32 takes the fixed order; f64 (tests, HF parity) gemm.
+pub fn xwt_real<T: Real>(x: &[T], w: &[T], m: usize, n: usize, k: usize) -> Option<Vec<T>> {
+    let (x, w) = (same::<T, f32>(x)?, same::<T, f32>(w)?);
+    let y = xwt(x, w, m, n, k);
+    // T is f32: the vector moves out as it is.
+    (Box::new(y) as Box<dyn std::any::Any>).downcast::<Vec<T>>().ok().map(|b| *b)
+}
+
+/// `x` as a slice of U when T is U.
+fn same<T: 'static, U: 'static>(x: &[T]) -> Option<&[U]> {
+    // Safety: T and U are one type.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>())
+        .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<U>(), x.len()) })
+}
+
 impl FusedOp<2> for MatmulWt {
     fn name(&self) -> &'static str {
         "matmul-wt"
@@ -165,23 +261,12 @@ impl FusedOp<2> for MatmulWt {
     fn cpu<T: Real>(&self, [xs, ws]: [Cpu<'_>; 2]) -> candle_core::Result<(Vec<T>, Shape)> {
         let (m, k) = xs.shape().dims2()?;
         let (n, k2) = ws.shape().dims2()?;
-        if k != k2 || !supported() {
+        if k != k2 {
             return Err(candle_core::Error::Msg(format!("matmul-wt: x {:?}, w {:?}", xs.dims(), ws.dims())));
         }
-        let (x, w) = (xs.data::<f32>()?, ws.data::<f32>()?);
-        // Not zero-filled: the kernels write every element.
-        let mut y: Vec<f32> = Vec::with_capacity(m * n);
-        #[cfg(target_arch = "x86_64")]
-        {
-            run(kernel_for(m), x, w, y.spare_capacity_mut(), m, n, k);
-            // Safety: `run` wrote all m · n elements.
-            unsafe { y.set_len(m * n) };
-        }
-        // T is f32 (x was read as f32): the vector moves out as it is.
-        let y = (Box::new(y) as Box<dyn std::any::Any>)
-            .downcast::<Vec<T>>()
-            .map_err(|_| candle_core::Error::Msg("matmul-wt: f32 only".into()))?;
-        Ok((*y, Shape::from((m, n))))
+        let y = xwt_real::<T>(xs.data::<T>()?, ws.data::<T>()?, m, n, k)
+            .ok_or_else(|| candle_core::Error::Msg("matmul-wt: f32 only".into()))?;
+        Ok((y, Shape::from((m, n))))
     }
 
     fn bwd(&self, [x, w]: [&Tensor; 2], _res: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
@@ -198,9 +283,7 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         && w.dtype() == candle_core::DType::F32
         && x.rank() == 2
         && w.rank() == 2
-        && x.dim(0)? <= MAX_ROWS
-        && x.dim(1)? == w.dim(1)?
-        && supported();
+        && x.dim(1)? == w.dim(1)?;
     if !fast {
         return reference(x, w);
     }
@@ -218,10 +301,38 @@ mod tests {
     use super::*;
     use candle_core::DType;
 
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        super::super::testing::values(n, seed, 1.0).into_iter().map(|v| v as f32).collect()
+    }
+
+    /// Every kernel, every row count (both sides of the small-rows / panel switch and of a
+    /// panel), k with a tail and without, column splits over threads: the defining order's
+    /// bits, and each row equal to itself computed alone.
+    #[test]
+    fn every_row_count_gives_the_reference_orders_bits() {
+        for (k, n) in [(37, 29), (64, 130), (256, 1100), (5, 3)] {
+            let w = values(n * k, 2);
+            let x = values(70 * k, 1);
+            let alone: Vec<Vec<f32>> = (0..70).map(|i| xwt(&x[i * k..(i + 1) * k], &w, 1, n, k)).collect();
+            for m in [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 33, 64, 65, 70] {
+                let want = reference_order(&x[..m * k], &w, m, n, k);
+                let mut y = vec![0f32; m * n];
+                portable(&x[..m * k], &w, &mut y, m, n, k);
+                assert_eq!(y, want, "portable {m}x{k}x{n}");
+                for threads in [1, 2, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let got = pool.install(|| xwt(&x[..m * k], &w, m, n, k));
+                    assert_eq!(got, want, "{m}x{k}x{n} at {threads} threads");
+                }
+                for i in 0..m {
+                    assert_eq!(&want[i * n..(i + 1) * n], &alone[i][..], "row {i} of {m} differs from alone");
+                }
+            }
+        }
+    }
+
     #[test]
     fn fused_equals_reference_in_value_and_gradient() {
-        // Odd sizes: a row without a partner, a partial column block, a k tail; both kernels
-        // (the panel one from 16 rows), and column ranges split over threads (m·n·k ≥ 2²³).
         for (m, k, n) in [(1, 256, 1024), (3, 37, 7), (32, 64, 130), (5, 16, 3), (40, 300, 1100), (17, 256, 2048)] {
             let x = var(&[m, k], 1, 1.0, DType::F32);
             let w = var(&[n, k], 2, 1.0, DType::F32);
@@ -243,12 +354,12 @@ mod timing {
     use candle_core::Device;
 
     /// `cargo test --release --lib matmul_wt::timing -- --ignored --nocapture`: GFLOP/s of
-    /// candle's matmul, the dot-product kernel and the panel kernel on the benchmark model's
+    /// candle's matmul, the small-rows kernel and the panel kernel on the benchmark model's
     /// shapes, one thread.
     #[test]
     #[ignore]
     fn kernels_gflops() {
-        if !supported() {
+        if !avx512() {
             return;
         }
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
@@ -274,7 +385,7 @@ mod timing {
                         reference(&x, &w).unwrap();
                     });
                     let mut y: Vec<f32> = Vec::with_capacity(m * n);
-                    let d = time(&mut || run(kernel, &xv, &wv, y.spare_capacity_mut(), m, n, k));
+                    let d = time(&mut || run(small_rows, &xv, &wv, y.spare_capacity_mut(), m, n, k));
                     let p = time(&mut || run(matmul_panel::kernel, &xv, &wv, y.spare_capacity_mut(), m, n, k));
                     // As in a decode step: W comes from L3 or memory (32 MiB of weights in turn).
                     let cold: Vec<Vec<f32>> = (0..(8 << 20) / (n * k) + 1).map(|_| wv.clone()).collect();
@@ -285,9 +396,9 @@ mod timing {
                     });
                     let dc = time(&mut || {
                         c = (c + 1) % cold.len();
-                        run(kernel, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
+                        run(small_rows, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
                     });
-                    println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  dot {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1}) GFLOP/s");
+                    println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  small {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1}) GFLOP/s");
                 }
             }
         });

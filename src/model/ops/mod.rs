@@ -24,7 +24,7 @@ pub mod rope;
 pub mod softmax;
 pub mod swiglu;
 
-pub(crate) use reduce::{dot, dot3, max, sum};
+pub(crate) use reduce::{dot, dot3, max};
 
 use candle_core::{CpuStorage, DType, Device, Layout, Tensor, WithDType};
 use rayon::prelude::*;

@@ -35,12 +35,6 @@ fn lanes<T: Real, const K: usize>(xs: [&[T]; K], f: impl Fn([T; K]) -> T) -> T {
     s
 }
 
-/// Σ x.
-#[inline(always)]
-pub(crate) fn sum<T: Real>(x: &[T]) -> T {
-    lanes([x], |[a]| a)
-}
-
 /// Σ a·b over the shorter length.
 #[inline(always)]
 pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
@@ -92,7 +86,6 @@ mod tests {
             let b: Vec<f64> = (0..n).map(|i| (i as f64 * 0.11).cos() + 0.5).collect();
             let c: Vec<f64> = (0..n).map(|i| 1.0 + i as f64 / 7.0).collect();
             let plain = |f: &dyn Fn(usize) -> f64| (0..n).map(f).sum::<f64>();
-            assert!((sum(&a) - plain(&|i| a[i])).abs() < 1e-12, "sum of {n}");
             assert!((dot(&a, &b) - plain(&|i| a[i] * b[i])).abs() < 1e-12, "dot of {n}");
             assert!((dot3(&a, &b, &c) - plain(&|i| a[i] * b[i] * c[i])).abs() < 1e-12, "dot3 of {n}");
         }

@@ -15,7 +15,7 @@ use super::cuda::{self, launch};
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{Cpu, FusedOp, Op};
-use super::{dot, fused, max, par_rows, sum, Real};
+use super::{dot, fused, max, par_rows, Real};
 use crate::{Error, Result};
 
 struct MaskedSoftmax {
@@ -46,12 +46,33 @@ pub(crate) fn shifted_row<T: Real>(out: &mut [T], x: &[T], bias: &[T], scale: f6
     }
 }
 
-/// out /= Σ out: the last step of [`forward_row`].
+/// out /= Σ out: the last step of [`forward_row`]. The sum runs left to right, one add per key:
+/// masked keys (exactly 0) change nothing wherever they sit, so a query's probabilities do not
+/// depend on how much padding or how many future keys its row carries (a decode step over the
+/// cache and the trainer's whole causal row give the same bits).
 #[inline(always)]
 pub(crate) fn normalise_row<T: Real>(out: &mut [T]) {
-    let inv = T::of(1.0) / sum(out);
-    for o in out.iter_mut() {
-        *o *= inv;
+    normalise_rows::<T, 1>(out, out.len());
+}
+
+/// [`normalise_row`] for the N rows of `out` (each `s` long), their sums side by side (N
+/// independent chains of adds instead of one).
+#[inline(always)]
+pub(crate) fn normalise_rows<T: Real, const N: usize>(out: &mut [T], s: usize) {
+    if s == 0 {
+        return;
+    }
+    let mut total = [T::of(0.0); N];
+    for j in 0..s {
+        for (r, t) in total.iter_mut().enumerate() {
+            *t += out[r * s + j];
+        }
+    }
+    for (row, t) in out.chunks_exact_mut(s).zip(total) {
+        let inv = T::of(1.0) / t;
+        for o in row.iter_mut() {
+            *o *= inv;
+        }
     }
 }
 

@@ -7,12 +7,13 @@
 //! One rayon task per (b, kv head): its `rep` query heads run one after another so that dK and
 //! dV add up inside the task (no atomics, no per-head copies). The products are single-threaded
 //! gemm calls inside the task. P is kept for the backward ([B, H, T, T]); the mask is the
-//! additive bias [B, T, T] the candle path uses, so both paths give the same numbers.
+//! additive bias [B, T, T] the candle path uses. The forward is the engine's fused attention
+//! kernel run on these slices (one summation order for sampling and training, issue 26).
 
 use rayon::prelude::*;
 
 use super::matmul::{matmul, Mat};
-use crate::model::ops::{softmax, Real};
+use crate::model::ops::{cached_attention, softmax, Real};
 
 /// The attention's sizes: batch rows, tokens per row, query heads, key/value heads, head dim.
 #[derive(Clone, Copy, Debug)]
@@ -36,29 +37,12 @@ impl Dims {
 }
 
 /// From q [B, H, T, D] and k [B, KV, T, D] (rotated), v [B·T, KV·D] and bias [B, T, T]:
-/// the probabilities p [B, H, T, T] and the output [B·T, H·D] (the o_proj input).
+/// the probabilities p [B, H, T, T] and the output [B·T, H·D] (the o_proj input). The forward is
+/// the sampler's decode kernel itself ([`cached_attention::forward_slices`]): the same dot
+/// products, softmax and weighted sums, so the trainer's log-probs are the engine's bits.
 pub fn forward<T: Real>(q: &[T], k: &[T], v: &[T], bias: &[T], dims: Dims, scale: f64) -> (Vec<T>, Vec<T>) {
     let Dims { b, t, h, kvh, d } = dims;
-    let rep = dims.rep();
-    let mut p = vec![T::of(0.0); b * h * t * t];
-    let mut out = vec![T::of(0.0); b * h * t * d];
-    p.par_chunks_mut(rep * t * t).zip(out.par_chunks_mut(rep * t * d)).enumerate().for_each(|(task, (p, o))| {
-        let (bi, kv) = (task / kvh, task % kvh);
-        let k_head = Mat::of(&k[task * t * d..], t, d);
-        let v_head = dims.v_head(v, bi, kv);
-        let mut scores = vec![T::of(0.0); t];
-        for r in 0..rep {
-            let hi = kv * rep + r;
-            let ph = &mut p[r * t * t..(r + 1) * t * t];
-            matmul(ph, t, Mat::of(&q[(bi * h + hi) * t * d..], t, d), k_head.t(), false, false);
-            for (i, row) in ph.chunks_mut(t).enumerate() {
-                scores.copy_from_slice(row);
-                softmax::forward_row(row, &scores, &bias[(bi * t + i) * t..(bi * t + i + 1) * t], scale);
-            }
-            matmul(&mut o[r * t * d..], d, Mat::of(ph, t, t), v_head, false, false);
-        }
-    });
-    (p, heads_to_rows(&out, h, t, d))
+    cached_attention::forward_slices(q, k, v, bias, (b, h, kvh, t, d), scale)
 }
 
 /// The gradients (dq [B, H, T, D], dk [B, KV, T, D], dv [B·T, KV·D]) for the output gradient

@@ -8,14 +8,18 @@
 use super::matmul::{matmul, product, Mat};
 use super::{Grads, Held};
 use crate::model::linear::Linear;
-use crate::model::ops::Real;
+use crate::model::ops::{matmul_wt, Real};
 use crate::Result;
 
 /// y [n, out] for x [n, in], and u = x·Aᵀ [n, r] when the projection has an adapter.
+///
+/// In f32 every product is [`xwt`]'s fixed order and the adapter is added as the engine's
+/// [`Linear::forward`] adds it, `(x·Wᵀ + b) + (s·u)·Bᵀ`: the trainer's forward is the sampler's,
+/// bit for bit (issue 26).
 pub fn forward<T: Real>(lin: &Linear, x: &[T], n: usize) -> Result<(Vec<T>, Option<Vec<T>>)> {
     let (out, inp) = lin.weight.dims2()?;
     let w = Held::<T>::new(&lin.weight)?;
-    let mut y = product(Mat::of(x, n, inp), Mat::of(w.slice()?, out, inp).t(), true);
+    let mut y = xwt(x, w.slice()?, n, out, inp);
     if let Some(b) = &lin.bias {
         let b = Held::<T>::new(b)?;
         let b = b.slice()?;
@@ -28,11 +32,17 @@ pub fn forward<T: Real>(lin: &Linear, x: &[T], n: usize) -> Result<(Vec<T>, Opti
     let Some(l) = &lin.lora else { return Ok((y, None)) };
     let r = l.a.dim(0)?;
     let (a, bw) = (Held::<T>::new(&l.a)?, Held::<T>::new(&l.b)?);
-    let u = product(Mat::of(x, n, inp), Mat::of(a.slice()?, r, inp).t(), true);
-    // s·u·Bᵀ added into y: scale u's copy, not y.
+    let u = xwt(x, a.slice()?, n, r, inp);
     let su: Vec<T> = u.iter().map(|&v| v * T::of(l.scale)).collect();
-    matmul(&mut y, out, Mat::of(&su, n, r), Mat::of(bw.slice()?, out, r).t(), true, true);
+    for (o, z) in y.iter_mut().zip(xwt(&su, bw.slice()?, n, out, r)) {
+        *o += z;
+    }
     Ok((y, Some(u)))
+}
+
+/// x [n, k] · w [out, k]ᵀ: the fixed-order kernel for f32 ([`matmul_wt::xwt`]), gemm for f64.
+fn xwt<T: Real>(x: &[T], w: &[T], n: usize, out: usize, k: usize) -> Vec<T> {
+    matmul_wt::xwt_real(x, w, n, out, k).unwrap_or_else(|| product(Mat::of(x, n, k), Mat::of(w, out, k).t(), true))
 }
 
 /// Adds the projection's input gradient into `dx` [n, in] (a new buffer when it is `None`) and
