@@ -14,7 +14,7 @@ use oxrl::trainer::RlConfig;
 use oxrl::trainer::RunOptions;
 use serde_json::Value;
 
-fn config(model: &Path, run: &Path, extra: &[&str]) -> RlConfig {
+pub(crate) fn config(model: &Path, run: &Path, extra: &[&str]) -> RlConfig {
     let mut sets: Vec<String> = vec![
         format!("model.path={}", model.display()),
         format!("output.run_dir={}", run.display()),
@@ -40,7 +40,7 @@ fn runtime(cfg: &RlConfig) -> (Dispatch, EngineClient) {
     oxrl::launch::rl_runtime(cfg, Some(1)).unwrap()
 }
 
-fn metric_lines(run: &Path) -> Vec<Value> {
+pub(crate) fn metric_lines(run: &Path) -> Vec<Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -48,7 +48,7 @@ fn metric_lines(run: &Path) -> Vec<Value> {
         .collect()
 }
 
-fn safetensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+pub(crate) fn safetensors(path: &Path) -> Vec<(String, Vec<f32>)> {
     let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu).unwrap();
     let mut v: Vec<(String, Vec<f32>)> =
         tensors.into_iter().map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1().unwrap())).collect();
@@ -104,8 +104,12 @@ fn assert_same_training(sync: &Path, asy: &Path, tol: f32) {
     let (sync, asy) = (metric_lines(sync), metric_lines(asy));
     assert_eq!(sync.len(), asy.len());
     for (a, b) in sync.iter().zip(&asy) {
-        for key in ["reward_mean", "response_length_mean", "episodes_trained", "loss", "weight_version"] {
-            assert_eq!(a[key], b[key], "`{key}` at step {}", a["step"]);
+        // Every metric the sync run writes, but the timings (the sampler's log-probs too: they do
+        // not depend on the engine's batch, issue 26).
+        for (key, x) in a.as_object().unwrap() {
+            if !key.starts_with("time_") && key != "samples_per_s" {
+                assert_eq!(x, &b[key], "`{key}` at step {}", a["step"]);
+            }
         }
         assert_eq!(b["staleness_max"], 0.0);
     }

@@ -43,13 +43,18 @@ pub(crate) fn forward<T: Real>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
     y
 }
 
+/// Rows per partial sum of the weight gradient (see [`backward`]).
+const DW_CHUNK_ROWS: usize = 64;
+
 /// The backward of [`forward`] for the output gradient `gy`: adds into dx and into dw (callers
 /// pass zeros for a plain gradient, or a gradient to accumulate into: a residual's).
+
 pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [T], dw: &mut [T]) {
     let d = w.len();
-    let n = x.len() / d;
-    // Rows in a few chunks, each with its own dw partial sum.
-    let chunk_rows = n.div_ceil(rayon::current_num_threads().max(1) * 4).max(1);
+    // Rows in chunks of a fixed size, each with its own dw partial sum, added in chunk order: dw
+    // is summed in one order whatever the thread count (a chunk per thread made a run's
+    // gradients depend on it, issue 26).
+    let chunk_rows = DW_CHUNK_ROWS;
     let partials: Vec<Vec<T>> = dx
         .par_chunks_mut(chunk_rows * d)
         .enumerate()
