@@ -4,7 +4,11 @@
 //! any batch shape. The adapter's scale s is alpha/r (or alpha/√r for rsLoRA); dropout on the
 //! adapter input is not applied (LoRA dropout is a regulariser we leave out for now).
 
-use candle_core::Tensor;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Tensor, TensorId};
+
+use super::ops::matmul_wt::{self, Packed};
 
 use crate::Result;
 
@@ -35,8 +39,8 @@ impl LoraPair {
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
         let mut dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
-        let su = (super::ops::matmul_wt::matmul_wt(&x.reshape(((), in_dim))?, &self.a)? * self.scale)?;
-        let d = super::ops::matmul_wt::matmul_wt(&su, &self.b)?;
+        let su = (matmul_wt::matmul_wt(&x.reshape(((), in_dim))?, &self.a)? * self.scale)?;
+        let d = matmul_wt::matmul_wt(&su, &self.b)?;
         *dims.last_mut().unwrap() = self.b.dim(0)?;
         Ok(d.reshape(dims)?)
     }
@@ -49,18 +53,59 @@ pub struct Linear {
     /// [out]
     pub bias: Option<Tensor>,
     pub lora: Option<LoraPair>,
+    /// The weight packed for decoding at a few rows, made at first use and kept while the
+    /// weight is the same tensor (shared by clones; see [`Linear::packed`]).
+    packed: PackedWeight,
 }
+
+/// (the weight tensor it was packed from, the packing).
+type PackedWeight = Arc<Mutex<Option<(TensorId, Arc<Packed>)>>>;
 
 impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Linear { weight, bias, lora: None }
+        Linear { weight, bias, lora: None, packed: PackedWeight::default() }
+    }
+
+    /// The weight packed for [`matmul_wt::matmul_wt_packed`], for an inference forward of a few
+    /// rows of f32: packed once per weight tensor (an engine's weights are immutable tensors,
+    /// replaced whole by an update, so a new tensor id means new weights). None for a trained
+    /// variable (changed in place by the optimizer) and for weights that are not f32 on the CPU.
+    fn packed(&self, rows: usize) -> Result<Option<Arc<Packed>>> {
+        let w = &self.weight;
+        let serves = rows < super::ops::matmul_panel::MIN_ROWS
+            && w.device().is_cpu()
+            && w.dtype() == candle_core::DType::F32
+            && !w.is_variable()
+            && !w.track_op()
+            && w.rank() == 2;
+        if !serves {
+            return Ok(None);
+        }
+        let mut slot = self.packed.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((id, p)) = slot.as_ref() {
+            if *id == w.id() {
+                return Ok(Some(p.clone()));
+            }
+        }
+        let (n, k) = w.dims2()?;
+        let data = w.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let p = Arc::new(Packed::new(&data, n, k));
+        *slot = Some((w.id(), p.clone()));
+        Ok(Some(p))
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
         let x2 = x.reshape(((), in_dim))?;
-        let mut y = super::ops::matmul_wt::matmul_wt(&x2, &self.weight)?;
+        let packed = match self.packed(x2.dim(0)?)? {
+            Some(p) => matmul_wt::matmul_wt_packed(&x2, &p)?,
+            None => None,
+        };
+        let mut y = match packed {
+            Some(y) => y,
+            None => matmul_wt::matmul_wt(&x2, &self.weight)?,
+        };
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }

@@ -133,38 +133,34 @@ unsafe fn panel<const V: usize, const R: usize>(
 #[inline(always)]
 pub(super) unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64::__m512; 16] {
     use std::arch::x86_64::*;
-    let t: [__m512; 16] = std::array::from_fn(|i| {
+    // Plain loops with fixed counts, no closures: a closure that LLVM does not inline is compiled
+    // without the caller's AVX-512 and turns every intrinsic into a call (it did so from
+    // matmul_wt's small-rows kernel: 15× slower).
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..16 {
         let (a, b) = (r[i & !1], r[i | 1]);
-        if i % 2 == 0 {
-            _mm512_unpacklo_ps(a, b)
-        } else {
-            _mm512_unpackhi_ps(a, b)
-        }
-    });
+        t[i] = if i % 2 == 0 { _mm512_unpacklo_ps(a, b) } else { _mm512_unpackhi_ps(a, b) };
+    }
     // u[4g + h]: from t[4g + (h / 2)] and t[4g + 2 + (h / 2)], low or high pairs of floats.
-    let u: [__m512; 16] = std::array::from_fn(|i| {
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..16 {
         let (g, h) = (i / 4, i % 4);
         let (a, b) = (_mm512_castps_pd(t[4 * g + h / 2]), _mm512_castps_pd(t[4 * g + 2 + h / 2]));
-        _mm512_castpd_ps(if h % 2 == 0 { _mm512_unpacklo_pd(a, b) } else { _mm512_unpackhi_pd(a, b) })
-    });
+        u[i] = _mm512_castpd_ps(if h % 2 == 0 { _mm512_unpacklo_pd(a, b) } else { _mm512_unpackhi_pd(a, b) });
+    }
     // v[8g + h]: 128-bit lanes 0, 2 (0x88) or 1, 3 (0xdd) of u[8g + h % 4] and u[8g + 4 + h % 4].
-    let v: [__m512; 16] = std::array::from_fn(|i| {
+    let mut v = [_mm512_setzero_ps(); 16];
+    for i in 0..16 {
         let (g, h) = (i / 8, i % 8);
         let (a, b) = (u[8 * g + h % 4], u[8 * g + 4 + h % 4]);
-        if h < 4 {
-            _mm512_shuffle_f32x4::<0x88>(a, b)
-        } else {
-            _mm512_shuffle_f32x4::<0xdd>(a, b)
-        }
-    });
-    std::array::from_fn(|i| {
+        v[i] = if h < 4 { _mm512_shuffle_f32x4::<0x88>(a, b) } else { _mm512_shuffle_f32x4::<0xdd>(a, b) };
+    }
+    let mut out = [_mm512_setzero_ps(); 16];
+    for i in 0..16 {
         let (a, b) = (v[i % 8], v[8 + i % 8]);
-        if i < 8 {
-            _mm512_shuffle_f32x4::<0x88>(a, b)
-        } else {
-            _mm512_shuffle_f32x4::<0xdd>(a, b)
-        }
-    })
+        out[i] = if i < 8 { _mm512_shuffle_f32x4::<0x88>(a, b) } else { _mm512_shuffle_f32x4::<0xdd>(a, b) };
+    }
+    out
 }
 
 /// Bytes of W per column block: the block stays in L2 while every panel meets it, so that W

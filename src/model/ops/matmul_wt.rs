@@ -99,26 +99,47 @@ unsafe fn small_any<const R: usize>(
     cols: std::ops::Range<usize>,
 ) {
     use std::arch::x86_64::*;
-    let xr: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add(r.min(m - 1) * k));
+    // (Plain loops, no closures: a closure that is not inlined is compiled without AVX-512.)
+    let mut xr = [x.as_ptr(); R];
+    for (r, p) in xr.iter_mut().enumerate() {
+        *p = x.as_ptr().add(r.min(m - 1) * k);
+    }
     let tail_k = (1u32 << (k % 16)) as u16 - 1;
     let mut j = cols.start;
     while j < cols.end {
         let nj = (cols.end - j).min(16);
+        // Rows past nj repeat the last one (computed, not stored): every loop below has a fixed
+        // count, so that it unrolls and the 16 weight vectors stay in registers.
+        let mut wr = [w.as_ptr(); 16];
+        for (c, p) in wr.iter_mut().enumerate() {
+            *p = w.as_ptr().add((j + c.min(nj - 1)) * k);
+        }
         let mut acc = [_mm512_setzero_ps(); R];
         let mut k0 = 0;
-        while k0 < k {
-            let kmask = if k0 + 16 <= k { u16::MAX } else { tail_k };
-            let rows: [__m512; 16] = std::array::from_fn(|c| match c < nj {
-                true => _mm512_maskz_loadu_ps(kmask, w.as_ptr().add((j + c) * k + k0)),
-                false => _mm512_setzero_ps(),
-            });
+        while k0 + 16 <= k {
+            let mut rows = [_mm512_setzero_ps(); 16];
+            for c in 0..16 {
+                rows[c] = _mm512_loadu_ps(wr[c].add(k0));
+            }
+            let wt = matmul_panel::transpose16(rows);
+            for kk in 0..16 {
+                for r in 0..R {
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(k0 + kk)), wt[kk], acc[r]);
+                }
+            }
+            k0 += 16;
+        }
+        if k0 < k {
+            let mut rows = [_mm512_setzero_ps(); 16];
+            for c in 0..16 {
+                rows[c] = _mm512_maskz_loadu_ps(tail_k, wr[c].add(k0));
+            }
             let wt = matmul_panel::transpose16(rows);
             for (kk, col) in wt.iter().enumerate().take(k - k0) {
                 for r in 0..R {
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(k0 + kk)), *col, acc[r]);
                 }
             }
-            k0 += 16;
         }
         let mask = if nj == 16 { u16::MAX } else { (1u32 << nj) as u16 - 1 };
         for (r, a) in acc.iter().enumerate().take(m) {
@@ -126,6 +147,150 @@ unsafe fn small_any<const R: usize>(
         }
         j += 16;
     }
+}
+
+/// W [n, k] laid out for [`packed_rows`]: per block of 16 outputs, their weights column by
+/// column ([ceil(n/16)][k][16], zero past n), so that the 16 outputs' weights at one k are one
+/// vector load. An engine packs each weight once per weight version ([`crate::model::linear`]).
+#[derive(Debug)]
+pub struct Packed {
+    n: usize,
+    k: usize,
+    data: Vec<f32>,
+}
+
+impl Packed {
+    pub fn new(w: &[f32], n: usize, k: usize) -> Packed {
+        assert_eq!(w.len(), n * k, "packing [{n}, {k}]");
+        let mut data = vec![0f32; n.div_ceil(16) * 16 * k];
+        for (j, row) in w.chunks_exact(k.max(1)).enumerate().take(n) {
+            let block = &mut data[(j / 16) * 16 * k..];
+            for (kk, &v) in row.iter().enumerate() {
+                block[kk * 16 + j % 16] = v;
+            }
+        }
+        Packed { n, k, data }
+    }
+}
+
+/// y[.., cols] for m < [`matmul_panel::MIN_ROWS`] rows of x against packed W (`cols` starting
+/// on a multiple of 16): per 16 outputs and per k one load and one FMA per row, the chain of
+/// [`reference_order`]. Decoding at a few rows reads W at the speed of memory.
+///
+/// # Safety
+/// AVX-512F; x [m, k], y [m, n]; m ≤ 15; nobody else writes y's `cols`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn packed_rows(x: &[f32], p: &Packed, y: *mut f32, m: usize, cols: std::ops::Range<usize>) {
+    match m {
+        1 => packed_any::<1>(x, p, y, 1, cols),
+        2 => packed_any::<2>(x, p, y, 2, cols),
+        3 | 4 => packed_any::<4>(x, p, y, m, cols),
+        5..=8 => packed_any::<8>(x, p, y, m, cols),
+        _ => packed_any::<15>(x, p, y, m, cols),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn packed_any<const R: usize>(x: &[f32], p: &Packed, y: *mut f32, m: usize, cols: std::ops::Range<usize>) {
+    use std::arch::x86_64::*;
+    let (n, k) = (p.n, p.k);
+    let mut xr = [x.as_ptr(); R];
+    for (r, q) in xr.iter_mut().enumerate() {
+        *q = x.as_ptr().add(r.min(m - 1) * k);
+    }
+    let mut j = cols.start;
+    while j < cols.end {
+        let nj = (cols.end - j).min(16);
+        let block = p.data.as_ptr().add((j / 16) * 16 * k);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for kk in 0..k {
+            let wv = _mm512_loadu_ps(block.add(kk * 16));
+            for r in 0..R {
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(kk)), wv, acc[r]);
+            }
+        }
+        let mask = if nj == 16 { u16::MAX } else { (1u32 << nj) as u16 - 1 };
+        for (r, a) in acc.iter().enumerate().take(m) {
+            _mm512_mask_storeu_ps(y.add(r * n + j), mask, *a);
+        }
+        j += 16;
+    }
+}
+
+/// y [m, n] = x [m, k] · Wᵀ for W packed, in [`reference_order`]; None where the packed kernel
+/// does not run (no AVX-512F, or m ≥ [`matmul_panel::MIN_ROWS`]: the panel kernel reads W as it is).
+pub fn xwt_packed(x: &[f32], p: &Packed, m: usize) -> Option<Vec<f32>> {
+    #[cfg(target_arch = "x86_64")]
+    if avx512() && m > 0 && m < matmul_panel::MIN_ROWS && p.k > 0 && x.len() == m * p.k {
+        use rayon::prelude::*;
+        let n = p.n;
+        let mut y: Vec<f32> = Vec::with_capacity(m * n);
+        struct Out(*mut f32);
+        // Safety: each task writes only its own columns of y, which outlives the tasks.
+        unsafe impl Sync for Out {}
+        let out = Out(y.spare_capacity_mut().as_mut_ptr().cast::<f32>());
+        let threads = if m * n * p.k >= 1 << 22 { rayon::current_num_threads() } else { 1 };
+        let block = n.div_ceil(threads).next_multiple_of(16).max(64);
+        let out = &out;
+        let run = |c: usize| {
+            // Safety: AVX-512F detected; sizes as checked; column blocks are disjoint.
+            unsafe { packed_rows(x, p, out.0, m, c * block..((c + 1) * block).min(n)) }
+        };
+        match n.div_ceil(block) {
+            1 => run(0),
+            blocks => (0..blocks).into_par_iter().for_each(run),
+        }
+        // Safety: the kernel wrote all m · n elements.
+        unsafe { y.set_len(m * n) };
+        return Some(y);
+    }
+    let _ = (x, p, m);
+    None
+}
+
+/// The op of [`matmul_wt_packed`]: inference only (no backward).
+struct MatmulWtPacked(std::sync::Arc<Packed>);
+
+impl candle_core::CustomOp1 for MatmulWtPacked {
+    fn name(&self) -> &'static str {
+        "matmul-wt-packed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        let x = super::data::<f32>(s, l)?;
+        match (k == self.0.k).then(|| xwt_packed(x, &self.0, m)).flatten() {
+            Some(y) => Ok((candle_core::CpuStorage::F32(y), Shape::from((m, self.0.n)))),
+            None => Err(candle_core::Error::Msg(format!(
+                "matmul-wt-packed: x {:?} against [{}, {}]",
+                l.dims(),
+                self.0.n,
+                self.0.k
+            ))),
+        }
+    }
+}
+
+/// x [M, K] · Wᵀ with W packed ([`Packed`]), for a few rows of an inference forward; None where
+/// the packed kernel does not serve (the caller takes [`matmul_wt`]). Same bits as [`matmul_wt`].
+pub fn matmul_wt_packed(x: &Tensor, p: &std::sync::Arc<Packed>) -> Result<Option<Tensor>> {
+    let serves = avx512()
+        && x.device().is_cpu()
+        && x.dtype() == candle_core::DType::F32
+        && x.rank() == 2
+        && x.dim(1)? == p.k
+        && x.dim(0)? < matmul_panel::MIN_ROWS
+        && !x.track_op();
+    if !serves {
+        return Ok(None);
+    }
+    Ok(Some(x.contiguous()?.apply_op1_no_bwd(&MatmulWtPacked(p.clone()))?))
 }
 
 /// The portable kernel: x transposed to [k, m], then per output column one chain per row, the m
@@ -326,6 +491,10 @@ mod tests {
                 }
                 for i in 0..m {
                     assert_eq!(&want[i * n..(i + 1) * n], &alone[i][..], "row {i} of {m} differs from alone");
+                }
+                let packed = Packed::new(&w, n, k);
+                if let Some(got) = xwt_packed(&x[..m * k], &packed, m) {
+                    assert_eq!(got, want, "packed {m}x{k}x{n}");
                 }
             }
         }
