@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Tensor, TensorId};
+use candle_core::{DType, Tensor, TensorId};
 
 use super::ops::matmul_wt::{self, Packed};
 
@@ -39,8 +39,9 @@ impl LoraPair {
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
         let mut dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
-        let su = (matmul_wt::matmul_wt(&x.reshape(((), in_dim))?, &self.a)? * self.scale)?;
-        let d = matmul_wt::matmul_wt(&su, &self.b)?;
+        let (a, b) = (Linear::as_dtype(&self.a, x.dtype())?, Linear::as_dtype(&self.b, x.dtype())?);
+        let su = (matmul_wt::matmul_wt(&x.reshape(((), in_dim))?, &a)? * self.scale)?;
+        let d = matmul_wt::matmul_wt(&su, &b)?;
         *dims.last_mut().unwrap() = self.b.dim(0)?;
         Ok(d.reshape(dims)?)
     }
@@ -67,14 +68,15 @@ impl Linear {
     }
 
     /// The weight packed for [`matmul_wt::matmul_wt_packed`], for an inference forward of a few
-    /// rows of f32: packed once per weight tensor (an engine's weights are immutable tensors,
+    /// rows in f32: packed once per weight tensor (an engine's weights are immutable tensors,
     /// replaced whole by an update, so a new tensor id means new weights). None for a trained
-    /// variable (changed in place by the optimizer) and for weights that are not f32 on the CPU.
-    fn packed(&self, rows: usize) -> Result<Option<Arc<Packed>>> {
+    /// variable (changed in place by the optimizer), and for weights not f32 or bf16 on the CPU.
+    fn packed(&self, x: &Tensor) -> Result<Option<Arc<Packed>>> {
         let w = &self.weight;
-        let serves = rows < super::ops::matmul_panel::MIN_ROWS
+        let serves = x.dim(0)? < super::ops::matmul_panel::MIN_ROWS
+            && x.dtype() == DType::F32
             && w.device().is_cpu()
-            && w.dtype() == candle_core::DType::F32
+            && matches!(w.dtype(), DType::F32 | DType::BF16)
             && !w.is_variable()
             && !w.track_op()
             && w.rank() == 2;
@@ -88,26 +90,38 @@ impl Linear {
             }
         }
         let (n, k) = w.dims2()?;
-        let data = w.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let p = Arc::new(Packed::new(&data, n, k));
+        let flat = w.contiguous()?.flatten_all()?;
+        let p = Arc::new(match w.dtype() {
+            DType::BF16 => {
+                let bits: Vec<u16> = flat.to_vec1::<half::bf16>()?.into_iter().map(half::bf16::to_bits).collect();
+                Packed::new_bf16(&bits, n, k)
+            }
+            _ => Packed::new(&flat.to_vec1::<f32>()?, n, k),
+        });
         *slot = Some((w.id(), p.clone()));
         Ok(Some(p))
+    }
+
+    /// `t` in `dtype` (itself when it is already): a bf16 model computes in f32 on the CPU (see
+    /// [`super::transformer::Transformer::compute_dtype`]), its weights widened as they are read.
+    fn as_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
+        Ok(if t.dtype() == dtype { t.clone() } else { t.to_dtype(dtype)? })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
         let x2 = x.reshape(((), in_dim))?;
-        let packed = match self.packed(x2.dim(0)?)? {
+        let packed = match self.packed(&x2)? {
             Some(p) => matmul_wt::matmul_wt_packed(&x2, &p)?,
             None => None,
         };
         let mut y = match packed {
             Some(y) => y,
-            None => matmul_wt::matmul_wt(&x2, &self.weight)?,
+            None => matmul_wt::matmul_wt(&x2, &Self::as_dtype(&self.weight, x2.dtype())?)?,
         };
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
+            y = y.broadcast_add(&Self::as_dtype(b, y.dtype())?)?;
         }
         if let Some(l) = &self.lora {
             y = (y + l.delta(&x2)?)?;

@@ -73,8 +73,12 @@ pub struct Transformer {
 }
 
 /// RMSNorm over the last dimension, computed in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.
-/// Fused on the CPU for f32/f64 (`ops::rms_norm`).
+/// Fused on the CPU for f32/f64 (`ops::rms_norm`). The weight is widened to x's dtype when they
+/// differ (a bf16 model computing in f32, [`Transformer::compute_dtype`]).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if weight.dtype() != x.dtype() {
+        return ops::rms_norm::rms_norm(x, &weight.to_dtype(x.dtype())?, eps);
+    }
     ops::rms_norm::rms_norm(x, weight, eps)
 }
 
@@ -195,6 +199,17 @@ fn linear(
 }
 
 impl Transformer {
+    /// The dtype activations are computed in: the weights' dtype, except for bf16 and f16 weights
+    /// on the CPU, which are widened to f32 as they are read — as the trainer's tape does, so that
+    /// an engine's log-probs are the trainer's bits (issue 26), and bf16 decoding reads half the
+    /// bytes of f32 without computing in bf16.
+    pub fn compute_dtype(&self) -> DType {
+        match (self.device.is_cpu(), self.dtype) {
+            (true, DType::BF16 | DType::F16) => DType::F32,
+            (_, d) => d,
+        }
+    }
+
     /// Loads `DIR/config.json` and the weights, in `dtype` on `device`.
     pub fn load(dir: &std::path::Path, dtype: DType, device: &Device) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
@@ -409,7 +424,7 @@ impl Transformer {
         }
         let dev = &self.device;
         let ids = Tensor::from_vec(input_ids.concat(), (b, t), dev)?;
-        let cos_sin = self.rope.tables(positions, self.dtype)?;
+        let cos_sin = self.rope.tables(positions, self.compute_dtype())?;
 
         let past = cache.as_ref().map_or(0, |c| c.seq_len());
         let full_mask: Vec<Vec<u8>> = match cache.as_ref() {
@@ -422,6 +437,9 @@ impl Transformer {
         }
 
         let mut h = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?;
+        if h.dtype() != self.compute_dtype() {
+            h = h.to_dtype(self.compute_dtype())?;
+        }
         let eps = self.config.rms_norm_eps;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {

@@ -18,7 +18,11 @@ use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
 
 fn load(arch: &str) -> Transformer {
-    Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap()
+    load_as(arch, DType::F32)
+}
+
+fn load_as(arch: &str, dtype: DType) -> Transformer {
+    Transformer::load(&fixture_dir(arch), dtype, &Device::Cpu).unwrap()
 }
 
 fn engine(m: &Transformer, max_batch: usize) -> EngineCore {
@@ -62,9 +66,9 @@ fn trainer_logprobs(w: &mut Worker, prompts: &[Vec<u32>], outs: &[RequestOutput]
 
 /// Sampled log-probs = trainer log-probs, bitwise, for the worker's current weights pushed to an
 /// engine; then after two optimizer steps on the samples (the weights move), again.
-fn sampler_equals_trainer(arch: &str, lora: Option<LoraConfig>) {
-    let mut w = Worker::new(load(arch), WorkerConfig { lora, seed: 3, ..Default::default() }).unwrap();
-    let mut e = engine(&load(arch), 8);
+fn sampler_equals_trainer(arch: &str, lora: Option<LoraConfig>, dtype: DType) {
+    let mut w = Worker::new(load_as(arch, dtype), WorkerConfig { lora, seed: 3, ..Default::default() }).unwrap();
+    let mut e = engine(&load_as(arch, dtype), 8);
     let prompts: Vec<Vec<u32>> = (0..6).map(prompt).collect();
     for version in 1..=3u64 {
         e.update_weights(w.sampler_weights().unwrap().update(), version).unwrap();
@@ -107,14 +111,22 @@ fn sampler_equals_trainer(arch: &str, lora: Option<LoraConfig>) {
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_full() {
     for arch in ["llama", "qwen2", "qwen3"] {
-        sampler_equals_trainer(arch, None);
+        sampler_equals_trainer(arch, None, DType::F32);
     }
+}
+
+/// bf16 weights: the trainer widens them to f32 as it reads them, and so does the engine (its
+/// activations are f32, `Transformer::compute_dtype`): the same bits again.
+#[test]
+fn sampler_logprobs_are_the_trainers_bits_bf16() {
+    sampler_equals_trainer("qwen3", None, DType::BF16);
+    sampler_equals_trainer("llama", Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::BF16);
 }
 
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_lora() {
     for arch in ["llama", "qwen2", "qwen3"] {
-        sampler_equals_trainer(arch, Some(LoraConfig::new(4, 8.0, &["all-linear"])));
+        sampler_equals_trainer(arch, Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::F32);
     }
 }
 

@@ -152,24 +152,42 @@ unsafe fn small_any<const R: usize>(
 /// W [n, k] laid out for [`packed_rows`]: per block of 16 outputs, their weights column by
 /// column ([ceil(n/16)][k][16], zero past n), so that the 16 outputs' weights at one k are one
 /// vector load. An engine packs each weight once per weight version ([`crate::model::linear`]).
+/// bf16 weights stay bf16 (half the bytes to read; widened to f32 in registers, exactly).
 #[derive(Debug)]
 pub struct Packed {
     n: usize,
     k: usize,
-    data: Vec<f32>,
+    data: PackedData,
+}
+
+#[derive(Debug)]
+enum PackedData {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+}
+
+/// The packed layout of `w` [n, k], elements of any type.
+fn pack<T: Copy + Default>(w: &[T], n: usize, k: usize) -> Vec<T> {
+    assert_eq!(w.len(), n * k, "packing [{n}, {k}]");
+    let mut data = vec![T::default(); n.div_ceil(16) * 16 * k];
+    for (j, row) in w.chunks_exact(k.max(1)).enumerate().take(n) {
+        let block = &mut data[(j / 16) * 16 * k..];
+        for (kk, &v) in row.iter().enumerate() {
+            block[kk * 16 + j % 16] = v;
+        }
+    }
+    data
 }
 
 impl Packed {
     pub fn new(w: &[f32], n: usize, k: usize) -> Packed {
-        assert_eq!(w.len(), n * k, "packing [{n}, {k}]");
-        let mut data = vec![0f32; n.div_ceil(16) * 16 * k];
-        for (j, row) in w.chunks_exact(k.max(1)).enumerate().take(n) {
-            let block = &mut data[(j / 16) * 16 * k..];
-            for (kk, &v) in row.iter().enumerate() {
-                block[kk * 16 + j % 16] = v;
-            }
-        }
-        Packed { n, k, data }
+        Packed { n, k, data: PackedData::F32(pack(w, n, k)) }
+    }
+
+    /// From bf16 weights (their bit patterns, as `half::bf16::to_bits` gives them).
+    pub fn new_bf16(w: &[u16], n: usize, k: usize) -> Packed {
+        Packed { n, k, data: PackedData::Bf16(pack(w, n, k)) }
     }
 }
 
@@ -182,18 +200,68 @@ impl Packed {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn packed_rows(x: &[f32], p: &Packed, y: *mut f32, m: usize, cols: std::ops::Range<usize>) {
-    match m {
-        1 => packed_any::<1>(x, p, y, 1, cols),
-        2 => packed_any::<2>(x, p, y, 2, cols),
-        3 | 4 => packed_any::<4>(x, p, y, m, cols),
-        5..=8 => packed_any::<8>(x, p, y, m, cols),
-        _ => packed_any::<15>(x, p, y, m, cols),
+    match &p.data {
+        PackedData::F32(w) => packed_rows_of(x, w.as_ptr(), p, y, m, cols),
+        PackedData::Bf16(w) => packed_rows_of(x, w.as_ptr(), p, y, m, cols),
+    }
+}
+
+/// A packed weight element type: 16 of them loaded as 16 f32 lanes.
+#[cfg(target_arch = "x86_64")]
+trait Lanes: Copy {
+    /// # Safety
+    /// AVX-512F; 16 elements readable at `p`.
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for u16 {
+    /// bf16 → f32 is exact: the 16 bits become the high half of the f32.
+    #[inline(always)]
+    unsafe fn load16(p: *const u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let halves = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(halves))
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn packed_any<const R: usize>(x: &[f32], p: &Packed, y: *mut f32, m: usize, cols: std::ops::Range<usize>) {
+unsafe fn packed_rows_of<W: Lanes>(
+    x: &[f32],
+    w: *const W,
+    p: &Packed,
+    y: *mut f32,
+    m: usize,
+    cols: std::ops::Range<usize>,
+) {
+    match m {
+        1 => packed_any::<W, 1>(x, w, p, y, 1, cols),
+        2 => packed_any::<W, 2>(x, w, p, y, 2, cols),
+        3 | 4 => packed_any::<W, 4>(x, w, p, y, m, cols),
+        5..=8 => packed_any::<W, 8>(x, w, p, y, m, cols),
+        _ => packed_any::<W, 15>(x, w, p, y, m, cols),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn packed_any<W: Lanes, const R: usize>(
+    x: &[f32],
+    w: *const W,
+    p: &Packed,
+    y: *mut f32,
+    m: usize,
+    cols: std::ops::Range<usize>,
+) {
     use std::arch::x86_64::*;
     let (n, k) = (p.n, p.k);
     let mut xr = [x.as_ptr(); R];
@@ -203,10 +271,10 @@ unsafe fn packed_any<const R: usize>(x: &[f32], p: &Packed, y: *mut f32, m: usiz
     let mut j = cols.start;
     while j < cols.end {
         let nj = (cols.end - j).min(16);
-        let block = p.data.as_ptr().add((j / 16) * 16 * k);
+        let block = w.add((j / 16) * 16 * k);
         let mut acc = [_mm512_setzero_ps(); R];
         for kk in 0..k {
-            let wv = _mm512_loadu_ps(block.add(kk * 16));
+            let wv = W::load16(block.add(kk * 16));
             for r in 0..R {
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(kk)), wv, acc[r]);
             }
@@ -496,6 +564,13 @@ mod tests {
                 if let Some(got) = xwt_packed(&x[..m * k], &packed, m) {
                     assert_eq!(got, want, "packed {m}x{k}x{n}");
                 }
+                // bf16 weights: the order on the widened values.
+                let w16: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                let wide: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+                let bits: Vec<u16> = w16.iter().map(|v| v.to_bits()).collect();
+                if let Some(got) = xwt_packed(&x[..m * k], &Packed::new_bf16(&bits, n, k), m) {
+                    assert_eq!(got, reference_order(&x[..m * k], &wide, m, n, k), "packed bf16 {m}x{k}x{n}");
+                }
             }
         }
     }
@@ -554,7 +629,12 @@ mod timing {
                         reference(&x, &w).unwrap();
                     });
                     let mut y: Vec<f32> = Vec::with_capacity(m * n);
-                    let d = time(&mut || run(small_rows, &xv, &wv, y.spare_capacity_mut(), m, n, k));
+                    // The small-rows kernel takes at most 15 rows (NaN: not run).
+                    let small = m < matmul_panel::MIN_ROWS;
+                    let mut d = f64::NAN;
+                    if small {
+                        d = time(&mut || run(small_rows, &xv, &wv, y.spare_capacity_mut(), m, n, k));
+                    }
                     let p = time(&mut || run(matmul_panel::kernel, &xv, &wv, y.spare_capacity_mut(), m, n, k));
                     // As in a decode step: W comes from L3 or memory (32 MiB of weights in turn).
                     let cold: Vec<Vec<f32>> = (0..(8 << 20) / (n * k) + 1).map(|_| wv.clone()).collect();
@@ -563,10 +643,13 @@ mod timing {
                         c = (c + 1) % cold.len();
                         run(matmul_panel::kernel, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
                     });
-                    let dc = time(&mut || {
-                        c = (c + 1) % cold.len();
-                        run(small_rows, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
-                    });
+                    let mut dc = f64::NAN;
+                    if small {
+                        dc = time(&mut || {
+                            c = (c + 1) % cold.len();
+                            run(small_rows, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
+                        });
+                    }
                     println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  small {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1}) GFLOP/s");
                 }
             }
