@@ -1,6 +1,6 @@
 //! `save_weights_external` and its downloads: a model's weights exported for use elsewhere (a
 //! LoRA model's PEFT adapter, `adapter_model.safetensors` + `adapter_config.json`), optionally
-//! encrypted with [age](https://age-encryption.org) to the client's x25519 recipients (every file
+//! encrypted with [age](https://age-encryption.org) to the client's x25519 or SSH recipients (every file
 //! then stored as `NAME.age`), and handed out through signed, expiring URLs that need no API key
 //! (the SDK and the cookbook fetch them with plain `urllib`).
 //!
@@ -30,15 +30,46 @@ pub const AGE_SUFFIX: &str = ".age";
 
 const SECRET_FILE: &str = "url_signing.key";
 
-/// Parses the request's recipients: native age x25519 public keys (`age1…`), 1 to
-/// [`MAX_RECIPIENTS`]. `None` (not given): the export is stored unencrypted.
-pub fn parse_recipients(recipients: Option<&[String]>) -> ApiResult<Option<Vec<age::x25519::Recipient>>> {
+/// One of the request's recipients: an age x25519 key (`age1…`), or an SSH public key
+/// (`ssh-ed25519 …`, `ssh-rsa …`), as the SDK documents `age_encryption_recipients`.
+pub enum Recipient {
+    Age(age::x25519::Recipient),
+    Ssh(age::ssh::Recipient),
+}
+
+impl Recipient {
+    fn parse(s: &str) -> ApiResult<Recipient> {
+        let s = s.trim();
+        let shown: String = s.chars().take(80).collect();
+        let bad = |why: String| {
+            ApiError::user(format!(
+                "age_encryption_recipients: `{shown}` is not an age x25519 public key (age1…) or an SSH public key \
+                 (ssh-ed25519 …, ssh-rsa …): {why}"
+            ))
+        };
+        if s.starts_with("ssh-") {
+            return age::ssh::Recipient::from_str(s).map(Recipient::Ssh).map_err(|e| bad(format!("{e:?}")));
+        }
+        age::x25519::Recipient::from_str(s).map(Recipient::Age).map_err(|e| bad(e.to_string()))
+    }
+
+    fn as_age(&self) -> &dyn age::Recipient {
+        match self {
+            Recipient::Age(r) => r,
+            Recipient::Ssh(r) => r,
+        }
+    }
+}
+
+/// Parses the request's recipients ([`Recipient`]), 1 to [`MAX_RECIPIENTS`]. `None` (not
+/// given): the export is stored unencrypted.
+pub fn parse_recipients(recipients: Option<&[String]>) -> ApiResult<Option<Vec<Recipient>>> {
     let Some(list) = recipients else { return Ok(None) };
     if list.is_empty() {
         // age cannot encrypt to nobody; an empty list is a mistake, not a request for plaintext.
         return Err(ApiError::user(
-            "age_encryption_recipients is empty: give 1 to 10 age public keys (age1…), or leave it out for an \
-             unencrypted export",
+            "age_encryption_recipients is empty: give 1 to 10 age public keys (age1…) or SSH public keys, or leave \
+             it out for an unencrypted export",
         ));
     }
     if list.len() > MAX_RECIPIENTS {
@@ -47,23 +78,12 @@ pub fn parse_recipients(recipients: Option<&[String]>) -> ApiResult<Option<Vec<a
             list.len()
         )));
     }
-    list.iter()
-        .map(|s| {
-            age::x25519::Recipient::from_str(s.trim()).map_err(|e| {
-                let shown: String = s.chars().take(80).collect();
-                ApiError::user(format!(
-                    "age_encryption_recipients: `{shown}` is not an age x25519 public key (age1…; SSH keys are not \
-                     supported): {e}"
-                ))
-            })
-        })
-        .collect::<ApiResult<Vec<_>>>()
-        .map(Some)
+    list.iter().map(|s| Recipient::parse(s)).collect::<ApiResult<Vec<_>>>().map(Some)
 }
 
 /// Moves the export in `staging` into `dest`, each file encrypted to `recipients` (as
 /// `NAME.age`) when given; returns the stored bytes. `dest` appears whole or not at all.
-pub fn store_export(staging: &Path, dest: &Path, recipients: Option<&[age::x25519::Recipient]>) -> crate::Result<u64> {
+pub fn store_export(staging: &Path, dest: &Path, recipients: Option<&[Recipient]>) -> crate::Result<u64> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(staging)
         .map_err(|e| crate::Error::file(staging, format!("cannot list: {e}")))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -95,10 +115,9 @@ pub fn store_export(staging: &Path, dest: &Path, recipients: Option<&[age::x2551
 
 /// Encrypts `src` to `dst` in age's binary format, streaming (a full model's weights need not
 /// fit in memory twice).
-fn encrypt_file(src: &Path, dst: &Path, recipients: &[age::x25519::Recipient]) -> crate::Result<()> {
+fn encrypt_file(src: &Path, dst: &Path, recipients: &[Recipient]) -> crate::Result<()> {
     let err = |e: &dyn std::fmt::Display| crate::Error::file(src, format!("cannot encrypt: {e}"));
-    let encryptor =
-        age::Encryptor::with_recipients(recipients.iter().map(|r| r as &dyn age::Recipient)).map_err(|e| err(&e))?;
+    let encryptor = age::Encryptor::with_recipients(recipients.iter().map(Recipient::as_age)).map_err(|e| err(&e))?;
     let out = std::fs::File::create(dst).map_err(|e| crate::Error::file(dst, format!("cannot create: {e}")))?;
     let mut writer = encryptor.wrap_output(std::io::BufWriter::new(out)).map_err(|e| err(&e))?;
     let mut input = std::fs::File::open(src).map_err(|e| crate::Error::file(src, format!("cannot open: {e}")))?;
@@ -279,6 +298,8 @@ mod tests {
         assert!(parse_recipients(None).unwrap().is_none());
         assert!(parse_recipients(Some(&[])).is_err());
         assert!(parse_recipients(Some(&["ssh-ed25519 AAAA".to_string()])).is_err());
+        assert!(parse_recipients(Some(&["ssh-dss AAAAB3NzaC1kc3MAAACBAP".to_string()])).is_err());
+        assert!(parse_recipients(Some(&[SSH_PUBLIC.to_string()])).unwrap().is_some());
         let key = age::x25519::Identity::generate().to_public().to_string();
         assert_eq!(parse_recipients(Some(std::slice::from_ref(&key))).unwrap().unwrap().len(), 1);
         assert!(parse_recipients(Some(&vec![key; 11])).is_err());
@@ -297,5 +318,27 @@ mod tests {
         let ct = std::fs::read(dest.join("a.json.age")).unwrap();
         assert_eq!(size, ct.len() as u64);
         assert_eq!(age::decrypt(&id, &ct).unwrap(), b"{\"r\": 4}");
+    }
+
+    /// A throwaway ed25519 key pair made for this test (`ssh-keygen -t ed25519 -N ""`).
+    const SSH_PUBLIC: &str =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKgPR3l2Qu2kBIBNKxmg9e3BR/eA2GBIeB4aPeu+dPl7 oxrl-test";
+    const SSH_PRIVATE: &str = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\nQyNTUxOQAAACCoD0d5dkLtpASATSsZoPXtwUf3gNhgSHgeGj3rvnT5ewAAAJD4r4Dd+K+A\n3QAAAAtzc2gtZWQyNTUxOQAAACCoD0d5dkLtpASATSsZoPXtwUf3gNhgSHgeGj3rvnT5ew\nAAAEBLom0xcB0DNix9ugpfsj/ixHc/D5ULn9k9xUqFe4eAGagPR3l2Qu2kBIBNKxmg9e3B\nR/eA2GBIeB4aPeu+dPl7AAAACW94cmwtdGVzdAECAwQ=\n-----END OPENSSH PRIVATE KEY-----\n";
+
+    #[test]
+    fn ssh_recipients_decrypt_with_the_ssh_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = dir.path().join("staging");
+        std::fs::create_dir(&staging).unwrap();
+        std::fs::write(staging.join("a.json"), b"{\"r\": 8}").unwrap();
+        let age_id = age::x25519::Identity::generate();
+        let keys = [SSH_PUBLIC.to_string(), age_id.to_public().to_string()];
+        let r = parse_recipients(Some(&keys)).unwrap().unwrap();
+        let dest = dir.path().join("out");
+        store_export(&staging, &dest, Some(&r)).unwrap();
+        let ct = std::fs::read(dest.join("a.json.age")).unwrap();
+        let ssh_id = age::ssh::Identity::from_buffer(SSH_PRIVATE.as_bytes(), None).unwrap();
+        assert_eq!(age::decrypt(&ssh_id, &ct).unwrap(), b"{\"r\": 8}");
+        assert_eq!(age::decrypt(&age_id, &ct).unwrap(), b"{\"r\": 8}");
     }
 }
