@@ -175,7 +175,9 @@ fn sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
         }
         e
     };
-    let fingerprint = |outs: &[RequestOutput]| -> Vec<(Vec<Vec<u32>>, Vec<Vec<u32>>, Option<Vec<u32>>)> {
+    // Per request: each sample's tokens and log-prob bits, and the prompt log-prob bits.
+    type Fingerprint = (Vec<Vec<u32>>, Vec<Vec<u32>>, Option<Vec<u32>>);
+    let fingerprint = |outs: &[RequestOutput]| -> Vec<Fingerprint> {
         outs.iter()
             .map(|o| {
                 (
@@ -188,7 +190,7 @@ fn sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
     };
     let pool = |n: usize| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
     let solo: Vec<_> = pool(1).install(|| {
-        reqs.iter().map(|r| fingerprint(&run_all(&mut with_adapters(4), &[r.clone()]))[0].clone()).collect()
+        reqs.iter().map(|r| fingerprint(&run_all(&mut with_adapters(4), std::slice::from_ref(r)))[0].clone()).collect()
     });
     for threads in [1, 2] {
         let together = pool(threads).install(|| fingerprint(&run_all(&mut with_adapters(64), &reqs)));

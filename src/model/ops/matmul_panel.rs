@@ -131,6 +131,7 @@ unsafe fn panel<const V: usize, const R: usize>(
 /// lanes twice): 64 shuffles where element-wise copies would take 256 loads and stores.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // fixed counts over several arrays, unrolled
 pub(super) unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64::__m512; 16] {
     use std::arch::x86_64::*;
     // Plain loops with fixed counts, no closures: a closure that LLVM does not inline is compiled

@@ -70,20 +70,12 @@ pub unsafe fn small_rows(
     cols: std::ops::Range<usize>,
 ) {
     match m {
-        1 => small::<1>(x, w, y, n, k, cols),
-        2 => small::<2>(x, w, y, n, k, cols),
-        3 => small::<3>(x, w, y, n, k, cols),
-        4 => small::<4>(x, w, y, n, k, cols),
+        1 => small_any::<1>(x, w, y, 1, n, k, cols),
+        2 => small_any::<2>(x, w, y, 2, n, k, cols),
+        3 | 4 => small_any::<4>(x, w, y, m, n, k, cols),
         5..=8 => small_any::<8>(x, w, y, m, n, k, cols),
         _ => small_any::<15>(x, w, y, m, n, k, cols),
     }
-}
-
-/// [`small_rows`] for exactly R rows.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn small<const R: usize>(x: &[f32], w: &[f32], y: *mut f32, n: usize, k: usize, cols: std::ops::Range<usize>) {
-    small_any::<R>(x, w, y, R, n, k, cols)
 }
 
 /// [`small_rows`] for m ≤ R rows (rows past m read row m − 1 again and are not stored).
@@ -122,9 +114,9 @@ unsafe fn small_any<const R: usize>(
                 rows[c] = _mm512_loadu_ps(wr[c].add(k0));
             }
             let wt = matmul_panel::transpose16(rows);
-            for kk in 0..16 {
+            for (kk, col) in wt.iter().enumerate() {
                 for r in 0..R {
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(k0 + kk)), wt[kk], acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(k0 + kk)), *col, acc[r]);
                 }
             }
             k0 += 16;

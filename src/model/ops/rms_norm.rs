@@ -48,7 +48,6 @@ const DW_CHUNK_ROWS: usize = 64;
 
 /// The backward of [`forward`] for the output gradient `gy`: adds into dx and into dw (callers
 /// pass zeros for a plain gradient, or a gradient to accumulate into: a residual's).
-
 pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [T], dw: &mut [T]) {
     let d = w.len();
     // Rows in chunks of a fixed size, each with its own dw partial sum, added in chunk order: dw
