@@ -12,8 +12,8 @@
 //! adapter's rank-r product runs on its contiguous rows, and the deltas are gathered back and
 //! added once, so the copies do not grow with the number of adapters (only the small matmuls
 //! do). A batch of one adapter needs no reordering and computes exactly what the adapter attached
-//! to the model computes; in a mixed batch a row's result differs from that only by the float
-//! summation order of matmuls over fewer rows.
+//! to the model computes; so does a row of a mixed batch, bit for bit (the products' order does
+//! not depend on how many rows share them: `ops::matmul_wt`).
 //!
 //! Simplifications: gathers instead of a segmented kernel (Punica/S-LoRA's SGMV); adapters must
 //! be over the same base shapes (checked when loaded).

@@ -14,8 +14,8 @@
 //! ```
 //! Because a new request's prompt is prefilled without padding and each row samples from its
 //! own stream, a seeded
-//! request gives the same tokens whatever else is running (up to float summation order, which
-//! left padding does not change in practice: padded keys get exactly zero weight).
+//! request gives the same tokens and log-prob bits whatever else is running: every kernel sums
+//! in one order whatever the batch (`model::ops::matmul_wt`, `cached_attention`; issue 26).
 //!
 //! KV budget: the cache is a dense [rows, S] block, S ≤ the longest running row's
 //! prompt + max_tokens, so a request is admitted only while rows × that length stays within

@@ -22,7 +22,6 @@ use oxrl::worker::{AdamParams, Datum, WorkerConfig};
 use serde_json::json;
 
 const ARCH: &str = "qwen3";
-const TOL: f32 = 1e-5;
 
 /// How the update reaches the running samples.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -115,7 +114,7 @@ fn check(t: &Trainer, prompt: &[u32], g: &Generation, at: Option<usize>, what: &
     for (k, (&lp, &v)) in g.logprobs.iter().zip(&g.versions).enumerate() {
         let want = if v == 0 { v0[from + k] } else { v1[from + k] };
         assert!(
-            (lp - want).abs() < TOL,
+            lp.to_bits() == want.to_bits(),
             "{what}: token {k} (version {v}): sampler log-prob {lp} vs trainer {want} (other version: {})",
             if v == 0 { v1[from + k] } else { v0[from + k] }
         );
@@ -204,10 +203,9 @@ fn core_run(lora: Option<LoraConfig>, landing: Landing) {
     let want = &t.logprobs(0, &reqs[1].prompt);
     assert_eq!(plp.len(), want.len());
     for (a, b) in plp.iter().zip(want) {
-        assert!((a - b).abs() < TOL, "{what}: prompt log-prob {a} vs trainer at version 0 {b}");
+        assert_eq!(a.to_bits(), b.to_bits(), "{what}: prompt log-prob {a} vs trainer at version 0 {b}");
     }
-    // The update changed the log-probs far beyond the tolerance: the checks above can tell the
-    // versions apart.
+    // The update changed the log-probs: the checks above can tell the versions apart.
     assert!(gap > 1e-3, "{what}: the update barely changed the log-probs ({gap})");
 }
 
