@@ -105,7 +105,7 @@ fn run_script(python: &Path, script: &str, port: u16, out_dir: &Path) -> String 
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{script}:\n{stdout}");
-    assert!(out.status.success(), "{script} failed:\n{stdout}\n{stderr}");
+    assert!(out.status.success(), "{script} failed ({}):\n{stdout}\n{stderr}", out.status);
     assert!(stdout.trim_end().ends_with("ok"), "{stdout}");
     stdout
 }
