@@ -54,8 +54,8 @@ pub struct Linear {
     /// [out]
     pub bias: Option<Tensor>,
     pub lora: Option<LoraPair>,
-    /// The weight packed for decoding at a few rows, made at first use and kept while the
-    /// weight is the same tensor (shared by clones; see [`Linear::packed`]).
+    /// The weight packed for inference, made at first use and kept while the weight is the same
+    /// tensor (shared by clones; see [`Linear::packed`]).
     packed: PackedWeight,
 }
 
@@ -67,14 +67,12 @@ impl Linear {
         Linear { weight, bias, lora: None, packed: PackedWeight::default() }
     }
 
-    /// The weight packed for [`matmul_wt::matmul_wt_packed`], for an inference forward of a few
-    /// rows in f32: packed once per weight tensor (an engine's weights are immutable tensors,
+    /// The weight packed for [`matmul_wt::matmul_wt_packed`], for an inference forward in f32: packed once per weight tensor (an engine's weights are immutable tensors,
     /// replaced whole by an update, so a new tensor id means new weights). None for a trained
     /// variable (changed in place by the optimizer), and for weights not f32 or bf16 on the CPU.
     fn packed(&self, x: &Tensor) -> Result<Option<Arc<Packed>>> {
         let w = &self.weight;
-        let serves = x.dim(0)? < super::ops::matmul_panel::MIN_ROWS
-            && x.dtype() == DType::F32
+        let serves = x.dtype() == DType::F32
             && w.device().is_cpu()
             && matches!(w.dtype(), DType::F32 | DType::BF16)
             && !w.is_variable()

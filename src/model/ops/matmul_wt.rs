@@ -10,9 +10,13 @@
 //! split over threads or which kernel runs: a token's logits are the same bits alone, in a batch
 //! of 64, in a prefill or in the trainer's forward (issue 26). Every kernel keeps an output in
 //! one vector lane and carries its partial sum over k blocks, so each computes exactly this:
-//! - from [`matmul_panel::MIN_ROWS`] rows, [`matmul_panel`]'s outer products (lanes = x rows);
-//! - below it, [`small_rows`]: blocks of 16 weight rows transposed in registers (lanes = outputs),
-//!   each weight read once per call as a vector (decoding at batch 1 reads W at memory speed);
+//! - an engine's weights packed once per weight version ([`Packed`], lanes = outputs): below
+//!   [`matmul_panel::MIN_ROWS`] rows one load and one FMA per 16 outputs and row (decoding at
+//!   batch 1 reads W at memory speed, bf16 weights at half the bytes), from there tiles of 6 rows
+//!   × 64 outputs;
+//! - weights that are not packed (a trainer's variables, LoRA factors): from
+//!   [`matmul_panel::MIN_ROWS`] rows [`matmul_panel`]'s outer products (lanes = x rows), below it
+//!   [`small_rows`] (blocks of 16 weight rows transposed in registers, lanes = outputs);
 //! - without AVX-512F, a portable kernel with lanes over x rows (compiled for AVX2 + FMA where
 //!   the CPU has them).
 //!
@@ -183,9 +187,10 @@ impl Packed {
     }
 }
 
-/// y[.., cols] for m < [`matmul_panel::MIN_ROWS`] rows of x against packed W (`cols` starting
-/// on a multiple of 16): per 16 outputs and per k one load and one FMA per row, the chain of
-/// [`reference_order`]. Decoding at a few rows reads W at the speed of memory.
+/// y[.., cols] for the m rows of x against packed W (`cols` starting on a multiple of 16): below
+/// [`matmul_panel::MIN_ROWS`] rows, per 16 outputs and per k one load and one FMA per row
+/// (decoding at a few rows reads W at the speed of memory); from there [`packed_tiles`]. Both
+/// are the chain of [`reference_order`].
 ///
 /// # Safety
 /// AVX-512F; x [m, k], y [m, n]; m ≤ 15; nobody else writes y's `cols`.
@@ -235,6 +240,9 @@ unsafe fn packed_rows_of<W: Lanes>(
     m: usize,
     cols: std::ops::Range<usize>,
 ) {
+    if m >= matmul_panel::MIN_ROWS {
+        return packed_tiles::<W>(x, w, p, y, m, cols);
+    }
     match m {
         1 => packed_any::<W, 1>(x, w, p, y, 1, cols),
         2 => packed_any::<W, 2>(x, w, p, y, 2, cols),
@@ -279,11 +287,97 @@ unsafe fn packed_any<W: Lanes, const R: usize>(
     }
 }
 
-/// y [m, n] = x [m, k] · Wᵀ for W packed, in [`reference_order`]; None where the packed kernel
-/// does not run (no AVX-512F, or m ≥ [`matmul_panel::MIN_ROWS`]: the panel kernel reads W as it is).
+/// Rows of x per tile of [`packed_tiles`] and vectors of 16 outputs per tile: 6 × 4 = 24
+/// accumulators, 4 weight vectors and a broadcast in the 32 registers.
+#[cfg(target_arch = "x86_64")]
+const TILE_ROWS: usize = 6;
+#[cfg(target_arch = "x86_64")]
+const TILE_VECS: usize = 4;
+/// Columns of k per pass: a tile's 64 outputs' weights over KC columns (64 KiB in f32) stay in
+/// L2 while every row tile meets them.
+#[cfg(target_arch = "x86_64")]
+const TILE_KC: usize = 256;
+
+/// y[.., cols] for many rows against packed W (`cols` starting on a multiple of 16): tiles of 6
+/// rows × 64 outputs, k in passes of [`TILE_KC`] with the partial sums kept in y between passes
+/// (stored and reloaded exactly, so each output is still one chain over k in order).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // fixed counts over several arrays, unrolled
+unsafe fn packed_tiles<W: Lanes>(
+    x: &[f32],
+    w: *const W,
+    p: &Packed,
+    y: *mut f32,
+    m: usize,
+    cols: std::ops::Range<usize>,
+) {
+    use std::arch::x86_64::*;
+    let (n, k) = (p.n, p.k);
+    let last_block = (n - 1) / 16;
+    let mut j = cols.start;
+    while j < cols.end {
+        // The tile's vectors: past the columns they repeat the last 16-block (computed, not stored).
+        let mut wb = [w; TILE_VECS];
+        let mut masks = [0u16; TILE_VECS];
+        for v in 0..TILE_VECS {
+            let c = j + 16 * v;
+            wb[v] = w.add((c / 16).min(last_block) * 16 * k);
+            masks[v] = if c >= cols.end {
+                0
+            } else if c + 16 <= cols.end {
+                u16::MAX
+            } else {
+                ((1u32 << (cols.end - c)) - 1) as u16
+            };
+        }
+        let mut k0 = 0;
+        while k0 < k {
+            let k1 = (k0 + TILE_KC).min(k);
+            let mut i0 = 0;
+            while i0 < m {
+                let mut xr = [x.as_ptr(); TILE_ROWS];
+                for r in 0..TILE_ROWS {
+                    xr[r] = x.as_ptr().add((i0 + r).min(m - 1) * k);
+                }
+                let mut acc = [[_mm512_setzero_ps(); TILE_VECS]; TILE_ROWS];
+                if k0 > 0 {
+                    for r in 0..TILE_ROWS {
+                        for v in 0..TILE_VECS {
+                            acc[r][v] = _mm512_maskz_loadu_ps(masks[v], y.add((i0 + r).min(m - 1) * n + j + 16 * v));
+                        }
+                    }
+                }
+                for kk in k0..k1 {
+                    let mut wv = [_mm512_setzero_ps(); TILE_VECS];
+                    for v in 0..TILE_VECS {
+                        wv[v] = W::load16(wb[v].add(kk * 16));
+                    }
+                    for r in 0..TILE_ROWS {
+                        let b = _mm512_set1_ps(*xr[r].add(kk));
+                        for v in 0..TILE_VECS {
+                            acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
+                        }
+                    }
+                }
+                for r in 0..TILE_ROWS.min(m - i0) {
+                    for v in 0..TILE_VECS {
+                        _mm512_mask_storeu_ps(y.add((i0 + r) * n + j + 16 * v), masks[v], acc[r][v]);
+                    }
+                }
+                i0 += TILE_ROWS;
+            }
+            k0 = k1;
+        }
+        j += 16 * TILE_VECS;
+    }
+}
+
+/// y [m, n] = x [m, k] · Wᵀ for W packed, in [`reference_order`]; None where the packed kernels
+/// do not run (no AVX-512F).
 pub fn xwt_packed(x: &[f32], p: &Packed, m: usize) -> Option<Vec<f32>> {
     #[cfg(target_arch = "x86_64")]
-    if avx512() && m > 0 && m < matmul_panel::MIN_ROWS && p.k > 0 && x.len() == m * p.k {
+    if avx512() && m > 0 && p.k > 0 && x.len() == m * p.k {
         use rayon::prelude::*;
         let n = p.n;
         let mut y: Vec<f32> = Vec::with_capacity(m * n);
@@ -292,7 +386,7 @@ pub fn xwt_packed(x: &[f32], p: &Packed, m: usize) -> Option<Vec<f32>> {
         unsafe impl Sync for Out {}
         let out = Out(y.spare_capacity_mut().as_mut_ptr().cast::<f32>());
         let threads = if m * n * p.k >= 1 << 22 { rayon::current_num_threads() } else { 1 };
-        let block = n.div_ceil(threads).next_multiple_of(16).max(64);
+        let block = n.div_ceil(threads).next_multiple_of(64).max(64);
         let out = &out;
         let run = |c: usize| {
             // Safety: AVX-512F detected; sizes as checked; column blocks are disjoint.
@@ -337,15 +431,14 @@ impl candle_core::CustomOp1 for MatmulWtPacked {
     }
 }
 
-/// x [M, K] · Wᵀ with W packed ([`Packed`]), for a few rows of an inference forward; None where
-/// the packed kernel does not serve (the caller takes [`matmul_wt`]). Same bits as [`matmul_wt`].
+/// x [M, K] · Wᵀ with W packed ([`Packed`]), for an inference forward; None where the packed
+/// kernels do not serve (the caller takes [`matmul_wt`]). Same bits as [`matmul_wt`].
 pub fn matmul_wt_packed(x: &Tensor, p: &std::sync::Arc<Packed>) -> Result<Option<Tensor>> {
     let serves = avx512()
         && x.device().is_cpu()
         && x.dtype() == candle_core::DType::F32
         && x.rank() == 2
         && x.dim(1)? == p.k
-        && x.dim(0)? < matmul_panel::MIN_ROWS
         && !x.track_op();
     if !serves {
         return Ok(None);
