@@ -16,7 +16,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from common import text_datum
+from common import text_datum, finish
 
 MODEL = os.environ["OXRL_MODEL"]
 
@@ -74,7 +74,7 @@ def main() -> None:
     # For the restart check (tests/tinker/restart.py): the path and the saved log-probs.
     with open(os.path.join(os.environ["OXRL_OUT"], "checkpoint.json"), "w") as f:
         json.dump({"path": saved.path, "logprobs": at_save.tolist()}, f)
-    print("ok")
+    finish()
 
 
 if __name__ == "__main__":

@@ -33,3 +33,16 @@ def rl_datum(d: types.Datum, q: np.ndarray, adv: np.ndarray) -> types.Datum:
 
 def close(a: float, b: float, tol: float = 1e-4) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
+
+
+def finish() -> None:
+    """Prints the success marker the Rust side checks and exits at once: every check has passed,
+    and the interpreter's teardown (the SDK's background threads and event loop) once exited
+    non-zero after a passing run under a loaded CI machine."""
+    import os
+    import sys
+
+    print("ok")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

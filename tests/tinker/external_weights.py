@@ -21,7 +21,7 @@ import numpy as np
 import pyrage
 import tinker
 
-from common import text_datum
+from common import text_datum, finish
 
 MODEL = os.environ["OXRL_MODEL"]
 
@@ -114,7 +114,7 @@ def main() -> None:
     except urllib.error.HTTPError as e:
         assert e.code == 404, e.code
     print("ttl renewed, deleted: URLs 404")
-    print("ok")
+    finish()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from common import close, rl_datum, text_datum
+from common import close, rl_datum, text_datum, finish
 
 MODEL = os.environ["OXRL_MODEL"]
 
@@ -118,7 +118,7 @@ def main() -> None:
         assert isinstance(r, list), f"client {i}: {r!r}"
         assert r[-1] < r[0], f"client {i}: loss did not fall {r}"
     print("four concurrent clients: " + ", ".join(f"{r[0]:.2f}->{r[-1]:.2f}" for r in results.values()))
-    print("ok")
+    finish()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import tinker
 
 sys.path.insert(0, os.path.dirname(__file__))
 from checkpoints import BATCH  # noqa: E402
+from common import finish
 
 saved = json.load(open(os.path.join(os.environ["OXRL_OUT"], "checkpoint.json")))
 service = tinker.ServiceClient()
@@ -34,4 +35,4 @@ except urllib.error.HTTPError as e:
     body = json.loads(e.read())
     assert "lost when the server restarted" in body["error"] and body["category"] == "user", body
 print(f"the pre-restart model {old_model}: {body['error'][:60]}...")
-print("ok")
+finish()

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import tinker
 from tinker import types
+from common import finish
 
 MODEL = os.environ["OXRL_MODEL"]
 PROMPTS = [list(b"write: "), list(b"speak: ")]
@@ -68,7 +69,7 @@ def main() -> None:
     first, last = np.mean(history[:3]), np.mean(history[-3:])
     assert last > first + 0.2, f"reward did not rise: {history}"
     print(f"reward {first:.3f} -> {last:.3f}")
-    print("ok")
+    finish()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import numpy as np
 import tinker
 from tinker import types
+from common import finish
 
 MODEL = os.environ["OXRL_MODEL"]
 
@@ -148,7 +149,7 @@ def main() -> None:
         not np.allclose(first_lps[0], first_lps[1], atol=1e-3)
     ), "the two adapters sampled identically"
     print("two LoRA samplers together: each equals its run alone")
-    print("ok")
+    finish()
 
 
 if __name__ == "__main__":

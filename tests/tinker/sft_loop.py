@@ -17,7 +17,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from common import close, rl_datum, text_datum
+from common import close, rl_datum, text_datum, finish
 
 MODEL = os.environ["OXRL_MODEL"]
 
@@ -92,7 +92,7 @@ def main() -> None:
         print(f"bad loss name: {type(e).__name__}: {str(e)[:120]}")
     fb = client.forward_backward(batch, "cross_entropy").result()
     assert math.isfinite(fb.metrics["loss:sum"])
-    print("ok")
+    finish()
 
 
 if __name__ == "__main__":

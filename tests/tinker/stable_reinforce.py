@@ -17,6 +17,7 @@ import tinker
 from tinker import types
 from tinker.types import PromptProvenanceSpan as Prompt
 from tinker.types import SampledProvenanceSpan as Sampled
+from common import finish
 
 MODEL = os.environ["OXRL_MODEL"]
 PROMPTS = [list(b"write: "), list(b"speak: ")]
@@ -109,7 +110,7 @@ def main() -> None:
     first, last = np.mean(history[:3]), np.mean(history[-3:])
     assert last > first + 0.2, f"reward did not rise: {history}"
     print(f"reward {first:.3f} -> {last:.3f}; loss:sum vs recomputation: worst relative {worst:.2e}")
-    print("ok")
+    finish()
 
 
 if __name__ == "__main__":
