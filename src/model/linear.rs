@@ -67,8 +67,9 @@ impl Linear {
         Linear { weight, bias, lora: None, packed: PackedWeight::default() }
     }
 
-    /// The weight packed for [`matmul_wt::matmul_wt_packed`], for an inference forward in f32: packed once per weight tensor (an engine's weights are immutable tensors,
-    /// replaced whole by an update, so a new tensor id means new weights). None for a trained
+    /// The weight packed for [`matmul_wt::matmul_wt_packed`], for an inference forward in f32:
+    /// packed once per weight tensor (an engine's weights are immutable tensors, replaced whole
+    /// by an update, so a new tensor id means new weights). None for a trained
     /// variable (changed in place by the optimizer), and for weights not f32 or bf16 on the CPU.
     fn packed(&self, x: &Tensor) -> Result<Option<Arc<Packed>>> {
         let w = &self.weight;

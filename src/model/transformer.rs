@@ -164,8 +164,8 @@ impl Attention {
         let scale = 1.0 / (cfg.head_dim as f64).sqrt();
         // [B, T, h·d]. A cached forward (decode steps and prefills of any length) takes the
         // fused op, which reads the cache's views in place and sums in the order the trainer's
-        // forward does (issue 26); everything else (uncached forwards off the tape, bf16, CUDA)
-        // the candle path: the `rep` query heads sharing a kv head folded into the rows of one
+        // forward does (issue 26); everything else (uncached forwards off the tape, CUDA) the
+        // candle path: the `rep` query heads sharing a kv head folded into the rows of one
         // batched matmul, softmax in f32.
         let out = if cached && ops::fused(&q) {
             ops::cached_attention::cached_attention(&q, &k, &v, bias, scale)?
