@@ -72,6 +72,19 @@ fn is_greedy(temperature: f64) -> bool {
     temperature == 0.0 || !((1.0 / temperature) as f32).is_finite()
 }
 
+/// The unnormalised mass top-p is measured against: the top-k tokens' (the first `keep_k` of
+/// `probs`), or, without top-k, the row's `total`.
+fn top_mass(probs: &[(u32, f64)], keep_k: usize, total: f64) -> f64 {
+    if keep_k < probs.len() {
+        probs[..keep_k].iter().map(|x| x.1).sum()
+    } else {
+        total
+    }
+}
+
+/// Candidates sorted first for top-k / top-p (see [`sample`]).
+const TOP_CANDIDATES: usize = 1024;
+
 /// Returns (token, log-prob under the distribution drawn from).
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u32, f32)> {
     let Some(max) = row_math::max_checked(logits) else {
@@ -91,25 +104,48 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
         // At T = 1 the distribution is the model's: report its log-prob as the trainer computes it.
         return Ok((token, if p.temperature == 1.0 { model_logprob(logits, token) } else { lp }));
     }
-    // (id, unnormalised probability) sorted by decreasing probability.
+    // (id, unnormalised probability) by decreasing probability, ties to the lower id: a total
+    // order, so a partial selection gives the same leading tokens as a full sort. Sorting a 152k
+    // vocabulary for every sampled token cost more than the rest of the draw: only the leading
+    // candidates are sorted, the rest only when top-p needs them.
+    let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let mut probs: Vec<(u32, f64)> = weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)).collect();
-    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if p.top_k > 0 && p.top_k < probs.len() {
-        probs.truncate(p.top_k);
+    let keep_k = if p.top_k > 0 && p.top_k < probs.len() { p.top_k } else { probs.len() };
+    if keep_k < probs.len() {
+        probs.select_nth_unstable_by(keep_k - 1, order);
     }
+    let mut sorted = keep_k.min(TOP_CANDIDATES);
+    if sorted < keep_k {
+        probs[..keep_k].select_nth_unstable_by(sorted - 1, order);
+    }
+    probs[..sorted].sort_by(order);
+    if keep_k > sorted
+        && (p.top_p >= 1.0 || {
+            // Do the sorted candidates hold top_p of the mass? (They decide the nucleus if so.)
+            let lead: f64 = probs[..sorted].iter().map(|x| x.1).sum();
+            lead < p.top_p * top_mass(&probs, keep_k, total)
+        })
+    {
+        probs[..keep_k].sort_by(order);
+        sorted = keep_k;
+    }
+    // Without top-p, the top-k tokens; with it, at most the sorted ones (which hold top_p of the
+    // mass, or are all of the top-k).
+    let mut keep = if p.top_p < 1.0 { sorted } else { keep_k };
     if p.top_p < 1.0 {
-        let total: f64 = probs.iter().map(|x| x.1).sum();
+        // The nucleus: the shortest prefix whose share of the top-k mass (of the row's, without
+        // top-k) reaches top_p.
+        let m = top_mass(&probs, keep_k, total);
         let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (i, x) in probs.iter().enumerate() {
-            acc += x.1 / total;
+        for (i, x) in probs[..sorted].iter().enumerate() {
+            acc += x.1 / m;
             if acc >= p.top_p {
                 keep = i + 1;
                 break;
             }
         }
-        probs.truncate(keep);
     }
+    probs.truncate(keep);
     let total: f64 = probs.iter().map(|x| x.1).sum();
     Ok(draw(probs.into_iter(), total, rng))
 }
@@ -148,6 +184,48 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
+
+    /// The partial sort draws what a full sort of the row draws (same nucleus definition), for
+    /// rows longer than the candidates, with top-k below and above them and top-p small and large.
+    #[test]
+    fn partial_sort_draws_what_a_full_sort_draws() {
+        fn full_sort(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut weights = vec![0f32; logits.len()];
+            let total = row_math::exp_scaled(&mut weights, logits, max, (1.0 / p.temperature) as f32);
+            let mut probs: Vec<(u32, f64)> = weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)).collect();
+            probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let keep_k = if p.top_k > 0 && p.top_k < probs.len() { p.top_k } else { probs.len() };
+            let m = if keep_k < probs.len() { probs[..keep_k].iter().map(|x| x.1).sum() } else { total };
+            let mut keep = keep_k;
+            if p.top_p < 1.0 {
+                let mut acc = 0.0;
+                for (i, x) in probs[..keep_k].iter().enumerate() {
+                    acc += x.1 / m;
+                    if acc >= p.top_p {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+            }
+            probs.truncate(keep);
+            let total: f64 = probs.iter().map(|x| x.1).sum();
+            draw(probs.into_iter(), total, rng)
+        }
+        let logits: Vec<f32> = (0..5000).map(|i| (((i * 7919) % 10007) as f32 / 10007.0 - 0.5) * 12.0).collect();
+        for (top_k, top_p, t) in [(0, 0.9, 1.0), (0, 0.999, 1.0), (50, 0.8, 0.7), (2000, 0.95, 1.3), (3000, 1.0, 1.0)] {
+            let p = SamplingParams { top_k, top_p, temperature: t, ..Default::default() };
+            for seed in 0..50 {
+                let got = sample(&logits, &p, &mut StdRng::seed_from_u64(seed)).unwrap();
+                let want = full_sort(&logits, &p, &mut StdRng::seed_from_u64(seed));
+                assert_eq!(
+                    (got.0, got.1.to_bits()),
+                    (want.0, want.1.to_bits()),
+                    "top_k {top_k} top_p {top_p} seed {seed}"
+                );
+            }
+        }
+    }
 
     /// Temperatures too small for 1/T (1e-40: subnormal) sample as greedy does, with the model's
     /// finite log-prob; small ones that still divide give the top token with log-prob 0.
