@@ -136,7 +136,7 @@ pub(super) unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::ar
     use std::arch::x86_64::*;
     // Plain loops with fixed counts, no closures: a closure that LLVM does not inline is compiled
     // without the caller's AVX-512 and turns every intrinsic into a call (it did so from
-    // matmul_wt's small-rows kernel: 15× slower).
+    // matmul_wt's small-rows kernel: 10× slower).
     let mut t = [_mm512_setzero_ps(); 16];
     for i in 0..16 {
         let (a, b) = (r[i & !1], r[i | 1]);
@@ -162,6 +162,13 @@ pub(super) unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::ar
         out[i] = if i < 8 { _mm512_shuffle_f32x4::<0x88>(a, b) } else { _mm512_shuffle_f32x4::<0xdd>(a, b) };
     }
     out
+}
+
+/// The mask of the first `count` lanes of 16 (all of them from 16 on).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn lane_mask(count: usize) -> u16 {
+    ((1u32 << count.min(16)) - 1) as u16
 }
 
 /// Bytes of W per column block: the block stays in L2 while every panel meets it, so that W
@@ -194,7 +201,7 @@ pub unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: u
         // Both from a cache-line boundary: a vector load across two lines costs two.
         let (xa, ya) = (xt.as_ptr().align_offset(64), yt.as_ptr().align_offset(64));
         let (xt, yt) = (&mut xt[xa..], &mut yt[ya..]);
-        let tail = (1u32 << (k % 16)) as u16 - 1;
+        let tail = lane_mask(k % 16);
         for p in 0..panels {
             let (i0, mi) = (p * PANEL, (m - p * PANEL).min(PANEL));
             let width = mi.div_ceil(16) * 16;
@@ -229,7 +236,7 @@ pub unsafe fn kernel(x: &[f32], w: &[f32], y: *mut f32, m: usize, n: usize, k: u
                 // yt [c1 - c0, width] → y[i0.., c0..c1] by 16 × 16 blocks.
                 let nb = c1 - c0;
                 for jb in (0..nb).step_by(16) {
-                    let cols_mask = if jb + 16 <= nb { u16::MAX } else { (1u32 << (nb - jb)) as u16 - 1 };
+                    let cols_mask = lane_mask(nb - jb);
                     for q0 in (0..mi).step_by(16) {
                         let block = std::array::from_fn(|c| _mm512_loadu_ps(yt.as_ptr().add((jb + c) * width + q0)));
                         for (q, row) in transpose16(block).into_iter().enumerate().take(mi - q0) {

@@ -100,7 +100,7 @@ unsafe fn small_any<const R: usize>(
     for (r, p) in xr.iter_mut().enumerate() {
         *p = x.as_ptr().add(r.min(m - 1) * k);
     }
-    let tail_k = (1u32 << (k % 16)) as u16 - 1;
+    let tail_k = matmul_panel::lane_mask(k % 16);
     let mut j = cols.start;
     while j < cols.end {
         let nj = (cols.end - j).min(16);
@@ -137,7 +137,7 @@ unsafe fn small_any<const R: usize>(
                 }
             }
         }
-        let mask = if nj == 16 { u16::MAX } else { (1u32 << nj) as u16 - 1 };
+        let mask = matmul_panel::lane_mask(nj);
         for (r, a) in acc.iter().enumerate().take(m) {
             _mm512_mask_storeu_ps(y.add(r * n + j), mask, *a);
         }
@@ -279,7 +279,7 @@ unsafe fn packed_any<W: Lanes, const R: usize>(
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*xr[r].add(kk)), wv, acc[r]);
             }
         }
-        let mask = if nj == 16 { u16::MAX } else { (1u32 << nj) as u16 - 1 };
+        let mask = matmul_panel::lane_mask(nj);
         for (r, a) in acc.iter().enumerate().take(m) {
             _mm512_mask_storeu_ps(y.add(r * n + j), mask, *a);
         }
@@ -323,13 +323,7 @@ unsafe fn packed_tiles<W: Lanes>(
         for v in 0..TILE_VECS {
             let c = j + 16 * v;
             wb[v] = w.add((c / 16).min(last_block) * 16 * k);
-            masks[v] = if c >= cols.end {
-                0
-            } else if c + 16 <= cols.end {
-                u16::MAX
-            } else {
-                ((1u32 << (cols.end - c)) - 1) as u16
-            };
+            masks[v] = matmul_panel::lane_mask(cols.end.saturating_sub(c));
         }
         let mut k0 = 0;
         while k0 < k {
