@@ -13,5 +13,14 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
+    // candle's elementwise ops on 64 Ki elements and more run on a process-wide pool of its own
+    // (one thread per physical core less one, spinning between ops), outside every actor's thread
+    // budget: under `--threads 1` it put a second, spinning thread on the one core and made the
+    // caller wait for it at each op. One thread keeps those ops on the calling thread, inside the
+    // actor's pool (see `actor.rs`); a value in the environment wins.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        // Safety: first thing in main, before any thread exists.
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
     std::process::exit(oxrl::cli::main());
 }

@@ -11,7 +11,7 @@
 
 /// e^x for one f32, branch-free (see the module docs).
 #[inline(always)]
-fn exp_f32(x: f32) -> f32 {
+pub(crate) fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

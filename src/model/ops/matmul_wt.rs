@@ -715,6 +715,10 @@ mod timing {
                         d = time(&mut || run(small_rows, &xv, &wv, y.spare_capacity_mut(), m, n, k));
                     }
                     let p = time(&mut || run(matmul_panel::kernel, &xv, &wv, y.spare_capacity_mut(), m, n, k));
+                    let packed = Packed::new(&wv, n, k);
+                    let pk = time(&mut || {
+                        xwt_packed(&xv, &packed, m).unwrap();
+                    });
                     // As in a decode step: W comes from L3 or memory (32 MiB of weights in turn).
                     let cold: Vec<Vec<f32>> = (0..(8 << 20) / (n * k) + 1).map(|_| wv.clone()).collect();
                     let mut c = 0;
@@ -729,7 +733,7 @@ mod timing {
                             run(small_rows, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
                         });
                     }
-                    println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  small {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1}) GFLOP/s");
+                    println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  small {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1})  packed {pk:6.1} GFLOP/s");
                 }
             }
         });

@@ -80,10 +80,12 @@ pub trait Real:
     fn exp_in_place(xs: &mut [Self]);
     /// Σ exp(x − shift) over xs.
     fn sum_exp(xs: &[Self], shift: Self) -> Self;
+    /// out ← silu(g) · u (vectorised for f32, see [`swiglu`]).
+    fn silu_mul(out: &mut [Self], g: &[Self], u: &[Self]);
 }
 
 macro_rules! real {
-    ($t:ty, $exp_in_place:path, $sum_exp:path) => {
+    ($t:ty, $exp_in_place:path, $sum_exp:path, $silu_mul:path) => {
         impl Real for $t {
             fn of(x: f64) -> Self {
                 x as $t
@@ -109,11 +111,14 @@ macro_rules! real {
             fn sum_exp(xs: &[Self], shift: Self) -> Self {
                 $sum_exp(xs, shift)
             }
+            fn silu_mul(out: &mut [Self], g: &[Self], u: &[Self]) {
+                $silu_mul(out, g, u)
+            }
         }
     };
 }
-real!(f32, exp::exp_f32_in_place, exp::sum_exp_f32);
-real!(f64, exp::exp_f64_in_place, exp::sum_exp_f64);
+real!(f32, exp::exp_f32_in_place, exp::sum_exp_f32, swiglu::silu_mul_f32);
+real!(f64, exp::exp_f64_in_place, exp::sum_exp_f64, swiglu::silu_mul_plain);
 
 /// The contiguous data of a kernel input (the wrappers make every input contiguous first).
 pub(crate) fn data<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [T]> {

@@ -14,6 +14,7 @@ use super::cuda::{self, launch};
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{grad_for, Cpu, FusedOp, Op};
+use super::exp::exp_f32;
 use super::{fused, Real};
 use crate::{Error, Result};
 
@@ -31,16 +32,75 @@ fn sigmoid_into<T: Real>(out: &mut [T], x: &[T]) {
     }
 }
 
+/// out ← silu(g) · u = σ(g) · (g · u), σ as [`sigmoid_into`] computes it: the generic form
+/// (f64, and f32 on CPUs without AVX2).
+pub(crate) fn silu_mul_plain<T: Real>(out: &mut [T], g: &[T], u: &[T]) {
+    sigmoid_into(out, g);
+    for ((o, &a), &b) in out.iter_mut().zip(g).zip(u) {
+        *o *= a * b;
+    }
+}
+
+/// [`silu_mul_plain`] for f32 in one vectorised pass, with the same operations in the same
+/// order (so the same bits): 1 / (1 + exp(0 − g)), times g · u. The separate passes ran their
+/// arithmetic at the baseline's 4 lanes and made SwiGLU 6 % of a 64-request decode run.
+pub fn silu_mul_f32(out: &mut [f32], g: &[f32], u: &[f32]) {
+    assert!(g.len() == out.len() && u.len() == out.len(), "silu_mul: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: each variant runs only where the CPU has its features.
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return unsafe { silu_mul_avx512(out, g, u) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            return unsafe { silu_mul_avx2(out, g, u) };
+        }
+    }
+    silu_mul_plain(out, g, u)
+}
+
+/// One element of [`silu_mul_loop`] (a function, not a closure: a closure LLVM does not inline
+/// is compiled without the caller's target features).
+#[inline(always)]
+fn silu_mul_one(g: f32, u: f32) -> f32 {
+    1.0 / (1.0 + exp_f32(0.0 - g)) * (g * u)
+}
+
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // three slices in step, 16 at a time
+fn silu_mul_loop(out: &mut [f32], g: &[f32], u: &[f32]) {
+    let len = out.len();
+    let mut outs = out.chunks_exact_mut(16);
+    for ((o, a), b) in (&mut outs).zip(g.chunks_exact(16)).zip(u.chunks_exact(16)) {
+        for i in 0..16 {
+            o[i] = silu_mul_one(a[i], b[i]);
+        }
+    }
+    let tail = outs.into_remainder().len();
+    for i in len - tail..len {
+        out[i] = silu_mul_one(g[i], u[i]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(out: &mut [f32], g: &[f32], u: &[f32]) {
+    silu_mul_loop(out, g, u)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(out: &mut [f32], g: &[f32], u: &[f32]) {
+    silu_mul_loop(out, g, u)
+}
+
 /// y = silu(g) · u elementwise, in large chunks over the rayon pool.
 pub(crate) fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
     use rayon::prelude::*;
     let mut y = vec![T::of(0.0); g.len()];
     y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
-        let (g, u) = (&g[c * CHUNK..], &u[c * CHUNK..]);
-        sigmoid_into(out, g);
-        for ((o, &a), &b) in out.iter_mut().zip(g).zip(u) {
-            *o *= a * b;
-        }
+        let (g, u) = (&g[c * CHUNK..][..out.len()], &u[c * CHUNK..][..out.len()]);
+        T::silu_mul(out, g, u);
     });
     y
 }
@@ -138,6 +198,23 @@ mod tests {
     use super::super::testing::{check, var};
     use super::*;
     use candle_core::DType;
+
+    #[test]
+    fn vectorised_silu_mul_gives_the_generic_bits() {
+        // Every length's tail, large and tiny values, signed zeros, infinities and NaN.
+        let mut g: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.731).sin() * (1.0 + (i % 97) as f32)).collect();
+        g.extend([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 104.0, -104.0, 1e30, -1e30]);
+        g.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 3.0]);
+        let u: Vec<f32> = (0..g.len()).map(|i| ((i as f32) * 0.37).cos() * 3.0).collect();
+        for n in (0..40).chain([g.len() - 14, g.len()]) {
+            let (g, u) = (&g[g.len() - n..], &u[u.len() - n..]);
+            let (mut fast, mut plain) = (vec![0f32; n], vec![0f32; n]);
+            silu_mul_f32(&mut fast, g, u);
+            silu_mul_plain(&mut plain, g, u);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&plain), "length {n}");
+        }
+    }
 
     #[test]
     fn fused_equals_reference_in_value_and_gradient() {
