@@ -17,8 +17,9 @@
 //! and the `oxrl` command line run with the same threads. Nothing here sets a process-wide
 //! variable. (candle keeps one process-wide pool of its own, for its elementwise ops on tensors
 //! of 64 Ki elements and more, sized once from `CANDLE_NUM_THREADS`, else `RAYON_NUM_THREADS`,
-//! else the physical cores; splitting those ops does not change their results. Set
-//! `CANDLE_NUM_THREADS=1` in the environment to keep them on the calling thread.)
+//! else the physical cores; splitting those ops does not change their results. The `oxrl`
+//! binary sets `CANDLE_NUM_THREADS=1` unless the environment has it, keeping them on the calling
+//! thread; a program using the library may do the same.)
 //!
 //! [`fan_out`] sends one job to each of several actors and completes one handle when the last
 //! one finishes — how a worker group speaks to its ranks and the engine client to its engines,
