@@ -299,11 +299,12 @@ const TILE_VECS: usize = 4;
 const TILE_KC: usize = 256;
 
 /// y[.., cols] for many rows against packed W (`cols` starting on a multiple of 16): tiles of 6
-/// rows × 64 outputs, k in passes of [`TILE_KC`] with the partial sums kept in y between passes
-/// (stored and reloaded exactly, so each output is still one chain over k in order).
+/// rows × 64 outputs, the last tile of the rows as many as are left (a 64-row batch is 10 tiles
+/// of 6 and one of 4, not 11 of 6 with 2 computed for nothing); k in passes of [`TILE_KC`] with
+/// the partial sums kept in y between passes (stored and reloaded exactly, so each output is
+/// still one chain over k in order).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // fixed counts over several arrays, unrolled
 unsafe fn packed_tiles<W: Lanes>(
     x: &[f32],
     w: *const W,
@@ -312,58 +313,90 @@ unsafe fn packed_tiles<W: Lanes>(
     m: usize,
     cols: std::ops::Range<usize>,
 ) {
-    use std::arch::x86_64::*;
     let (n, k) = (p.n, p.k);
     let last_block = (n - 1) / 16;
     let mut j = cols.start;
     while j < cols.end {
         // The tile's vectors: past the columns they repeat the last 16-block (computed, not stored).
-        let mut wb = [w; TILE_VECS];
-        let mut masks = [0u16; TILE_VECS];
+        let mut cols_of = TileCols { w: [w; TILE_VECS], masks: [0u16; TILE_VECS], j };
         for v in 0..TILE_VECS {
             let c = j + 16 * v;
-            wb[v] = w.add((c / 16).min(last_block) * 16 * k);
-            masks[v] = matmul_panel::lane_mask(cols.end.saturating_sub(c));
+            cols_of.w[v] = w.add((c / 16).min(last_block) * 16 * k);
+            cols_of.masks[v] = matmul_panel::lane_mask(cols.end.saturating_sub(c));
         }
         let mut k0 = 0;
         while k0 < k {
-            let k1 = (k0 + TILE_KC).min(k);
+            let ks = k0..(k0 + TILE_KC).min(k);
             let mut i0 = 0;
-            while i0 < m {
-                let mut xr = [x.as_ptr(); TILE_ROWS];
-                for r in 0..TILE_ROWS {
-                    xr[r] = x.as_ptr().add((i0 + r).min(m - 1) * k);
-                }
-                let mut acc = [[_mm512_setzero_ps(); TILE_VECS]; TILE_ROWS];
-                if k0 > 0 {
-                    for r in 0..TILE_ROWS {
-                        for v in 0..TILE_VECS {
-                            acc[r][v] = _mm512_maskz_loadu_ps(masks[v], y.add((i0 + r).min(m - 1) * n + j + 16 * v));
-                        }
-                    }
-                }
-                for kk in k0..k1 {
-                    let mut wv = [_mm512_setzero_ps(); TILE_VECS];
-                    for v in 0..TILE_VECS {
-                        wv[v] = W::load16(wb[v].add(kk * 16));
-                    }
-                    for r in 0..TILE_ROWS {
-                        let b = _mm512_set1_ps(*xr[r].add(kk));
-                        for v in 0..TILE_VECS {
-                            acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
-                        }
-                    }
-                }
-                for r in 0..TILE_ROWS.min(m - i0) {
-                    for v in 0..TILE_VECS {
-                        _mm512_mask_storeu_ps(y.add((i0 + r) * n + j + 16 * v), masks[v], acc[r][v]);
-                    }
-                }
+            while i0 + TILE_ROWS <= m {
+                tile::<W, TILE_ROWS>(x, &cols_of, y, i0, n, k, ks.clone());
                 i0 += TILE_ROWS;
             }
-            k0 = k1;
+            match m - i0 {
+                0 => {}
+                1 => tile::<W, 1>(x, &cols_of, y, i0, n, k, ks.clone()),
+                2 => tile::<W, 2>(x, &cols_of, y, i0, n, k, ks.clone()),
+                3 => tile::<W, 3>(x, &cols_of, y, i0, n, k, ks.clone()),
+                4 => tile::<W, 4>(x, &cols_of, y, i0, n, k, ks.clone()),
+                _ => tile::<W, 5>(x, &cols_of, y, i0, n, k, ks.clone()),
+            }
+            k0 = ks.end;
         }
         j += 16 * TILE_VECS;
+    }
+}
+
+/// A column block of [`packed_tiles`]: its weight vectors, store masks, first output column.
+#[cfg(target_arch = "x86_64")]
+struct TileCols<W> {
+    w: [*const W; TILE_VECS],
+    masks: [u16; TILE_VECS],
+    j: usize,
+}
+
+/// One tile of [`packed_tiles`]: rows i0..i0 + R against the block's 64 outputs over k in `ks`,
+/// continuing the chains stored in y when `ks` does not start at 0.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // fixed counts over several arrays, unrolled
+unsafe fn tile<W: Lanes, const R: usize>(
+    x: &[f32],
+    c: &TileCols<W>,
+    y: *mut f32,
+    i0: usize,
+    n: usize,
+    k: usize,
+    ks: std::ops::Range<usize>,
+) {
+    use std::arch::x86_64::*;
+    let mut xr = [x.as_ptr(); R];
+    for r in 0..R {
+        xr[r] = x.as_ptr().add((i0 + r) * k);
+    }
+    let mut acc = [[_mm512_setzero_ps(); TILE_VECS]; R];
+    if ks.start > 0 {
+        for r in 0..R {
+            for v in 0..TILE_VECS {
+                acc[r][v] = _mm512_maskz_loadu_ps(c.masks[v], y.add((i0 + r) * n + c.j + 16 * v));
+            }
+        }
+    }
+    for kk in ks {
+        let mut wv = [_mm512_setzero_ps(); TILE_VECS];
+        for v in 0..TILE_VECS {
+            wv[v] = W::load16(c.w[v].add(kk * 16));
+        }
+        for r in 0..R {
+            let b = _mm512_set1_ps(*xr[r].add(kk));
+            for v in 0..TILE_VECS {
+                acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
+            }
+        }
+    }
+    for r in 0..R {
+        for v in 0..TILE_VECS {
+            _mm512_mask_storeu_ps(y.add((i0 + r) * n + c.j + 16 * v), c.masks[v], acc[r][v]);
+        }
     }
 }
 
@@ -626,7 +659,7 @@ mod tests {
             let w = values(n * k, 2);
             let x = values(70 * k, 1);
             let alone: Vec<Vec<f32>> = (0..70).map(|i| xwt(&x[i * k..(i + 1) * k], &w, 1, n, k)).collect();
-            for m in [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 33, 64, 65, 70] {
+            for m in [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 20, 31, 33, 64, 65, 66, 70] {
                 let want = reference_order(&x[..m * k], &w, m, n, k);
                 let mut y = vec![0f32; m * n];
                 portable(&x[..m * k], &w, &mut y, m, n, k);
