@@ -21,6 +21,13 @@ pub fn max_checked(z: &[f32]) -> Option<f32> {
 
 /// The first index holding `max` (which must occur in `z`).
 pub fn first_index_of(z: &[f32], max: f32) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // Safety: AVX-512F was detected.
+        if let Some(i) = unsafe { avx512::first_index_of(z, max) } {
+            return i;
+        }
+    }
     z.iter().position(|&x| x == max).expect("the maximum occurs in the row")
 }
 
@@ -54,6 +61,21 @@ mod avx512 {
         }
         (nan == 0).then(|| _mm512_reduce_max_ps(max))
     }
+
+    /// The first index of an element equal to `x`, 16 compares at a time.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn first_index_of(z: &[f32], x: f32) -> Option<usize> {
+        let want = _mm512_set1_ps(x);
+        for (c, block) in z.chunks(16).enumerate() {
+            let mask = ((1u32 << block.len()) - 1) as u16;
+            let v = _mm512_maskz_loadu_ps(mask, block.as_ptr());
+            let hit = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(mask, v, want);
+            if hit != 0 {
+                return Some(c * 16 + hit.trailing_zeros() as usize);
+            }
+        }
+        None
+    }
 }
 
 #[cfg(test)]
@@ -71,7 +93,13 @@ mod tests {
             }
             let max = max_checked(&z).unwrap();
             assert_eq!(max, z.iter().copied().fold(f32::NEG_INFINITY, f32::max));
-            assert_eq!(z[first_index_of(&z, max)], max);
+            assert_eq!(first_index_of(&z, max), z.iter().position(|&x| x == max).unwrap());
+            // Ties: the first of equal elements, wherever it sits in a 16-lane block.
+            for at in [0, len / 2, len - 1] {
+                let mut tied = z.clone();
+                tied[at] = max;
+                assert_eq!(first_index_of(&tied, max), tied.iter().position(|&x| x == max).unwrap());
+            }
             for t in [1.0f32, 0.7, 0.01] {
                 let want: f64 = z.iter().map(|&x| ((x as f64 - max as f64) * (1.0 / t) as f64).exp()).sum();
                 let got = sum_exp(&z, max, 1.0 / t);
