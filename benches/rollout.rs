@@ -28,7 +28,8 @@ fn prompt(r: usize) -> Vec<u32> {
 
 /// The decoding workload of `oxrl bench decode` (`oxrl::bench::workloads::decode`).
 fn engine_decode(m: &Transformer, c: usize) {
-    assert_eq!(workloads::decode(m, c, PROMPT, NEW, 0.0).unwrap(), c * NEW);
+    let greedy = oxrl::rollout::SamplingParams { temperature: 0.0, ..Default::default() };
+    assert_eq!(workloads::decode(m, c, PROMPT, NEW, &greedy).unwrap().tokens, c * NEW);
 }
 
 /// Greedy decoding that recomputes the whole sequence each step.

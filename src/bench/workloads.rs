@@ -83,26 +83,50 @@ impl TrainBench {
     }
 }
 
+/// What one decoding run gave: the tokens generated, and how long its first engine step (every
+/// prompt's prefill and the first token) and the later steps (each one token of every row) took.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeRun {
+    pub tokens: usize,
+    pub first_step_ms: f64,
+    pub later_steps_ms: f64,
+}
+
 /// Decoding of `concurrent` requests through a fresh engine, greedy at temperature 0 (the issue's
-/// workload) or sampled at `temperature` (as RL rollouts are; request r seeded with r); returns
-/// the tokens generated.
+/// workload) or sampled as `sampling` says (temperature, top-k, top-p; as RL rollouts are;
+/// request r seeded with r), `new_tokens` each, EOS ignored.
 pub fn decode(
     model: &Transformer,
     concurrent: usize,
     prompt_len: usize,
     new_tokens: usize,
-    temperature: f64,
-) -> Result<usize> {
+    sampling: &SamplingParams,
+) -> Result<DecodeRun> {
     if concurrent == 0 || prompt_len == 0 {
         return Err(Error::input("the decoding benchmark needs at least one request and one prompt token"));
     }
     let vocab = model.config.vocab_size;
     let mut engine = EngineCore::new(model.clone(), EngineConfig { max_batch: concurrent, ..Default::default() })?;
-    let p = SamplingParams { max_tokens: new_tokens, temperature, ignore_eos: true, ..Default::default() };
     for r in 0..concurrent {
-        let p = SamplingParams { seed: Some(r as u64), ..p.clone() };
+        let p = SamplingParams { max_tokens: new_tokens, ignore_eos: true, seed: Some(r as u64), ..sampling.clone() };
         engine.add_request(Request::new(prompt(r, prompt_len, vocab), p))?;
     }
-    let outs = engine.run_until_idle()?;
-    Ok(outs.iter().map(|(_, o)| o.samples.iter().map(|s| s.tokens.len()).sum::<usize>()).sum())
+    let t = std::time::Instant::now();
+    let mut outs = engine.step()?;
+    let first_step_ms = t.elapsed().as_secs_f64() * 1e3;
+    outs.extend(engine.run_until_idle()?);
+    let later_steps_ms = t.elapsed().as_secs_f64() * 1e3 - first_step_ms;
+    let tokens = outs.iter().map(|(_, o)| o.samples.iter().map(|s| s.tokens.len()).sum::<usize>()).sum();
+    Ok(DecodeRun { tokens, first_step_ms, later_steps_ms })
+}
+
+/// Multiply-adds × 2 of the model's projections for one token: q, k, v, o and the MLP of every
+/// layer, and the LM head (attention's own products and the embedding are not counted). The
+/// FLOPs a decoded token costs at least, for comparing decoding with a GEMM's speed.
+pub fn flops_per_token(config: &crate::model::ModelConfig) -> f64 {
+    let (h, q, kv) = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads);
+    let hd = config.head_dim;
+    let attention = h * q * hd * 2 + h * kv * hd * 2;
+    let mlp = 3 * h * config.intermediate_size;
+    2.0 * (config.num_hidden_layers * (attention + mlp) + h * config.vocab_size) as f64
 }

@@ -1,10 +1,14 @@
-//! `oxrl bench train|decode|all-reduce|save-model`: the workloads on the benchmark model
+//! `oxrl bench train|decode|gemm|all-reduce|save-model`: the workloads on the benchmark model
 //! (or any HF model directory), one JSON line per measurement on stdout:
 //! `{"bench": "train", ..., "median_ms": …, "tokens_per_s": …}`.
 //!
 //! `all-reduce` sums a gradient of every parameter over the data-parallel ranks through the
 //! collective the trainers use: `--ranks` threads of this process, and under `mpirun -np W`
 //! the same in each of W processes (process 0 prints).
+//!
+//! `gemm` times candle's f32 matmul (the gemm crate) on square matrices: the machine's GEMM speed
+//! in the same session and thread count, which decoding's FLOP rates (`gflops`,
+//! `later_steps_gflops`: the projections' FLOPs of the generated tokens per second) are set against.
 //!
 //! `save-model` writes the benchmark model as an HF directory with the workloads' tokens, so that
 //! other frameworks (benches/peers/) measure the same weights on the same tokens. Threads: the
@@ -32,6 +36,9 @@ enum What {
     Train(TrainArgs),
     /// Greedy decoding through the sampling engine at each concurrency of --batch.
     Decode(DecodeArgs),
+    /// The machine's f32 GEMM speed: candle's matmul (the gemm crate) on square matrices, the
+    /// reference decoding's FLOP/s are compared with.
+    Gemm(GemmArgs),
     /// The gradient sum over data-parallel ranks (threads here, processes under mpirun).
     AllReduce(AllReduceArgs),
     /// A weight push to an engine: in this process, to `oxrl engine` at --engine, or over MPI to
@@ -94,6 +101,22 @@ struct DecodeArgs {
     /// Sampling temperature: 0 = greedy (the peers' workload); RL samples at 1.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
+    /// Keep the k most likely tokens when sampling (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus mass when sampling, in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+}
+
+#[derive(clap::Args)]
+struct GemmArgs {
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Square sizes N (N × N times N × N), one measurement each (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [1024, 2048])]
+    size: Vec<usize>,
 }
 
 #[derive(clap::Args)]
@@ -158,6 +181,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     match a.what {
         What::Train(t) => train(t),
         What::Decode(d) => decode(d),
+        What::Gemm(g) => gemm(g),
         What::AllReduce(a) => all_reduce(a),
         What::WeightPush(a) => weight_push(a),
         What::SaveModel { out } => {
@@ -196,21 +220,63 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let c = &a.common;
     let (model, name) = c.load()?;
+    let sampling = crate::rollout::SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        ..Default::default()
+    };
+    sampling.validate()?;
+    let flops = workloads::flops_per_token(&model.config);
     for &n in &a.batch {
-        let mut generated = 0;
+        let mut runs = vec![];
         let ms = measure_ms(c.warmup, c.reps, || {
-            generated = workloads::decode(&model, n, a.prompt, a.new_tokens, a.temperature)?;
+            runs.push(workloads::decode(&model, n, a.prompt, a.new_tokens, &sampling)?);
             Ok(())
         })?;
+        let timed = &runs[runs.len() - ms.len()..];
+        let generated = timed[0].tokens;
         let med = median(ms.clone());
+        let later = median(timed.iter().map(|r| r.later_steps_ms).collect());
         let mut r = c.record("decode", &name);
         r["batch"] = json!(n);
         r["prompt_len"] = json!(a.prompt);
         r["new_tokens"] = json!(a.new_tokens);
         r["temperature"] = json!(a.temperature);
+        r["top_k"] = json!(a.top_k);
+        r["top_p"] = json!(a.top_p);
         r["median_ms"] = json!(med);
         r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
         r["tokens_per_s"] = json!(generated as f64 / (med / 1e3));
+        // The projections' FLOPs of the generated tokens per second of the whole run (prefill
+        // included), and of the steps after the first (every row decoding one token) per second
+        // of those steps.
+        r["first_step_ms"] = json!(median(timed.iter().map(|r| r.first_step_ms).collect()));
+        r["later_steps_ms"] = json!(later);
+        r["gflops"] = json!(generated as f64 * flops / (med / 1e3) / 1e9);
+        r["later_steps_gflops"] = json!(generated.saturating_sub(n) as f64 * flops / (later / 1e3) / 1e9);
+        println!("{r}");
+    }
+    Ok(())
+}
+
+fn gemm(a: GemmArgs) -> anyhow::Result<()> {
+    use candle_core::{Device, Tensor};
+    anyhow::ensure!(a.reps > 0, "--reps must be at least 1");
+    for &n in &a.size {
+        anyhow::ensure!(n > 0, "--size must be at least 1");
+        let x = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+        let w = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+        let ms = measure_ms(1, a.reps, || {
+            crate::model::ops::matmul::matmul(&x, &w)?;
+            Ok(())
+        })?;
+        let med = median(ms);
+        let r = json!({
+            "bench": "gemm", "framework": "oxrl", "dtype": "f32", "device": "cpu",
+            "threads": rayon::current_num_threads(), "reps": a.reps, "size": n, "median_ms": med,
+            "gflops": 2.0 * (n as f64).powi(3) / (med / 1e3) / 1e9,
+        });
         println!("{r}");
     }
     Ok(())

@@ -41,6 +41,55 @@ fn bench_train_and_decode_print_one_json_line_per_measurement() {
     let batches: Vec<u64> = decode.iter().map(|r| r["batch"].as_u64().unwrap()).collect();
     assert_eq!(batches, [1, 3]);
     assert!(decode.iter().all(|r| r["bench"] == "decode" && r["tokens_per_s"].as_f64().unwrap() > 0.0));
+    // The FLOP rates: the projections' multiply-adds × 2 per token, from the fixture's shape.
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture_dir("qwen3").join("config.json")).unwrap()).unwrap();
+    let c = |k: &str| cfg[k].as_u64().unwrap() as f64;
+    let hd = cfg["head_dim"].as_u64().map_or(c("hidden_size") / c("num_attention_heads"), |d| d as f64);
+    let (h, heads, kv) = (c("hidden_size"), c("num_attention_heads"), c("num_key_value_heads"));
+    let per_layer = 2.0 * h * heads * hd + 2.0 * h * kv * hd + 3.0 * h * c("intermediate_size");
+    let flops = 2.0 * (c("num_hidden_layers") * per_layer + h * c("vocab_size"));
+    for r in &decode {
+        let f = |k: &str| r[k].as_f64().unwrap();
+        let tokens = f("batch") * 4.0;
+        assert!((f("gflops") - tokens * flops / (f("median_ms") / 1e3) / 1e9).abs() < 1e-9 * f("gflops"), "{r}");
+        let later = (tokens - f("batch")) * flops / (f("later_steps_ms") / 1e3) / 1e9;
+        assert!((f("later_steps_gflops") - later).abs() < 1e-9 * later, "{r}");
+        assert!(f("first_step_ms") > 0.0 && f("first_step_ms") + f("later_steps_ms") <= f("median_ms") * 1.5, "{r}");
+    }
+    // Sampled with top-k and top-p: every request still generates its tokens.
+    let sampled = lines(
+        &[
+            &[
+                "bench",
+                "decode",
+                "--batch",
+                "2",
+                "--new-tokens",
+                "3",
+                "--temperature",
+                "1",
+                "--top-k",
+                "5",
+                "--top-p",
+                "0.9",
+            ][..],
+            &quick,
+        ]
+        .concat(),
+    );
+    assert_eq!((sampled[0]["top_k"].as_u64(), sampled[0]["top_p"].as_f64()), (Some(5), Some(0.9)));
+    // 2 requests × 3 tokens.
+    let generated = sampled[0]["gflops"].as_f64().unwrap() * sampled[0]["median_ms"].as_f64().unwrap() * 1e6 / flops;
+    assert!((generated - 6.0).abs() < 1e-9, "{}", sampled[0]);
+    // The GEMM reference: 2·N³ FLOPs per product.
+    let gemm = lines(&["bench", "gemm", "--size", "64,96", "--reps", "2"]);
+    assert_eq!(gemm.iter().map(|r| r["size"].as_u64().unwrap()).collect::<Vec<_>>(), [64, 96]);
+    for r in &gemm {
+        let n = r["size"].as_f64().unwrap();
+        let want = 2.0 * n * n * n / (r["median_ms"].as_f64().unwrap() / 1e3) / 1e9;
+        assert!((r["gflops"].as_f64().unwrap() - want).abs() < 1e-9 * want, "{r}");
+    }
 }
 
 #[test]
@@ -49,6 +98,8 @@ fn bench_rejects_bad_arguments_clearly() {
         (&["bench", "train", "--dtype", "fp8"][..], "--dtype `fp8`: expected f32 or bf16"),
         (&["bench", "train", "--pure-bf16"][..], "--pure-bf16 needs --dtype bf16"),
         (&["bench", "decode", "--model", "/nonexistent/model"][..], "/nonexistent/model"),
+        (&["bench", "decode", "--top-p", "0"][..], "top_p must be in (0, 1]"),
+        (&["bench", "gemm", "--size", "0"][..], "--size must be at least 1"),
     ] {
         let out = oxrl(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
