@@ -21,6 +21,7 @@ pub mod engine_api;
 pub mod engine_core;
 pub mod generate;
 mod prefill;
+mod radix_sort;
 pub mod remote_engine;
 pub mod request;
 mod row_math;
