@@ -6,6 +6,7 @@ build or tests imports this.
 
     peers.py torch-train  --model DIR --threads N [--dtype f32|bf16] [--reps R]
     peers.py torch-decode --model DIR --threads N [--batch 1,16,64] [--reps R]
+    peers.py torch-gemm   --threads N [--batch 1024,2048] [--reps R]   (square f32 matmul sizes)
     peers.py jax-train    --model DIR --threads N [--reps R]
     peers.py table RESULTS.jsonl [--stat median|best]
 
@@ -108,6 +109,21 @@ def torch_decode(args):
 
         ms = timed(gen, args.warmup, args.reps)
         record("decode", "pytorch", args, ms, b * new, batch=b, prompt_len=prompts.shape[1], new_tokens=new)
+
+
+def torch_gemm(args):
+    """f32 GEMM GFLOP/s of torch.matmul on square matrices (--batch: the sizes), the reference
+    `oxrl bench gemm` is set against."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    for n in args.batch:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        ms = timed(lambda: torch.matmul(a, b), args.warmup, args.reps)
+        med = statistics.median(ms)
+        print(json.dumps({"bench": "gemm", "framework": "pytorch", "dtype": "f32", "threads": args.threads,
+                          "reps": args.reps, "size": n, "median_ms": med,
+                          "gflops": 2 * n ** 3 / (med / 1e3) / 1e9}), flush=True)
 
 
 def jax_train(args):
@@ -236,7 +252,7 @@ def table(path, stat="median"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["torch-train", "torch-decode", "jax-train", "table"])
+    ap.add_argument("what", choices=["torch-train", "torch-decode", "torch-gemm", "jax-train", "table"])
     ap.add_argument("--stat", default="median", choices=["median", "best"], help="table: which figure")
     ap.add_argument("path", nargs="?", help="table: the results file")
     ap.add_argument("--model")
@@ -249,6 +265,8 @@ def main():
     args.batch = [int(b) for b in args.batch.split(",")]
     if args.what == "table":
         return table(args.path, args.stat)
+    if args.what == "torch-gemm":
+        return torch_gemm(args)
     if not args.model:
         sys.exit("--model DIR is required (write it with `oxrl bench save-model --out DIR`)")
     {"torch-train": torch_train, "torch-decode": torch_decode, "jax-train": jax_train}[args.what](args)

@@ -53,6 +53,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use rayon::prelude::*;
 
 use super::prefill::{prefill_batch, PrefillItem, Prefilled, PromptScores};
 use super::request::{Generation, Request, RequestOutput, StopReason};
@@ -544,17 +545,33 @@ impl EngineCore {
         let logits = logits.squeeze(1)?.to_device(&Device::Cpu)?;
         let held = Held::<f32>::new(&logits)?;
         let vocab = logits.dim(1)?;
+        // Each row's draw (and top-k log-probs) from its own logits and random stream, the rows
+        // over the pool: independent, so the same at any thread count.
+        let active = &self.active;
+        let draws: Vec<Result<Draw>> = self
+            .rows
+            .par_iter_mut()
+            .zip(held.slice()?.par_chunks_exact(vocab))
+            .with_min_len(4)
+            .map(|(row, z)| {
+                let a = &active[&row.id];
+                let p = &a.req.params;
+                let (tok, lp) = sample(z, p, &mut row.rng)?;
+                let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
+                let topk = (a.req.sample_topk > 0).then(|| top_logprobs(z, a.req.sample_topk, t));
+                Ok((tok, lp, topk))
+            })
+            .collect();
         let mut finished = vec![];
-        for (i, (row, z)) in self.rows.iter_mut().zip(held.slice()?.chunks_exact(vocab)).enumerate() {
+        for (i, (row, draw)) in self.rows.iter_mut().zip(draws).enumerate() {
             let a = &self.active[&row.id];
             let p = &a.req.params;
-            let (tok, lp) = sample(z, p, &mut row.rng)?;
+            let (tok, lp, topk) = draw?;
             row.gen.tokens.push(tok);
             row.gen.logprobs.push(lp);
             row.gen.versions.push(self.version);
-            if a.req.sample_topk > 0 {
-                let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
-                row.gen.topk.push(top_logprobs(z, a.req.sample_topk, t));
+            if let Some(topk) = topk {
+                row.gen.topk.push(topk);
             }
             row.next_token = tok;
             row.next_pos += 1;
@@ -599,6 +616,9 @@ impl Active {
         }
     }
 }
+
+/// One row's draw: the token, its log-prob, and the top-k log-probs when the request asked.
+type Draw = (u32, f32, Option<Vec<(u32, f32)>>);
 
 /// Whether the decoded completion contains a stop string.
 fn stop_string_hit(tok: Option<&Tokenizer>, stops: &[String], tokens: &[u32]) -> Result<bool> {
