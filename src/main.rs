@@ -8,7 +8,6 @@
 //! faults but made the RL demo 15 % slower (its threads contending for one lock). mimalloc keeps
 //! memory per thread: same-run A/B against glibc with `mallopt` (BENCHMARKS.md): decoding +3 to
 //! +5 %, the training step at one thread about 4 % faster, the RL demo 4 % faster.
-
 //!
 //! mimalloc hands memory freed for a second back to the kernel (its purge delay, 1 s by default):
 //! a prompt prefill's megabyte buffers, freed between batches, came back as fresh pages — 320
