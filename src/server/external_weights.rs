@@ -305,17 +305,23 @@ mod tests {
         assert!(parse_recipients(Some(&vec![key; 11])).is_err());
     }
 
-    #[test]
-    fn encrypted_exports_decrypt() {
+    /// Exports a staging directory holding `a.json` = `body` to the recipients `keys`; returns
+    /// the export's size and the encrypted file's bytes.
+    fn export_one(body: &[u8], keys: &[String]) -> (u64, Vec<u8>) {
         let dir = tempfile::tempdir().unwrap();
         let staging = dir.path().join("staging");
         std::fs::create_dir(&staging).unwrap();
-        std::fs::write(staging.join("a.json"), b"{\"r\": 4}").unwrap();
-        let id = age::x25519::Identity::generate();
-        let r = parse_recipients(Some(&[id.to_public().to_string()])).unwrap().unwrap();
+        std::fs::write(staging.join("a.json"), body).unwrap();
+        let r = parse_recipients(Some(keys)).unwrap().unwrap();
         let dest = dir.path().join("out");
         let size = store_export(&staging, &dest, Some(&r)).unwrap();
-        let ct = std::fs::read(dest.join("a.json.age")).unwrap();
+        (size, std::fs::read(dest.join("a.json.age")).unwrap())
+    }
+
+    #[test]
+    fn encrypted_exports_decrypt() {
+        let id = age::x25519::Identity::generate();
+        let (size, ct) = export_one(b"{\"r\": 4}", &[id.to_public().to_string()]);
         assert_eq!(size, ct.len() as u64);
         assert_eq!(age::decrypt(&id, &ct).unwrap(), b"{\"r\": 4}");
     }
@@ -327,16 +333,8 @@ mod tests {
 
     #[test]
     fn ssh_recipients_decrypt_with_the_ssh_key() {
-        let dir = tempfile::tempdir().unwrap();
-        let staging = dir.path().join("staging");
-        std::fs::create_dir(&staging).unwrap();
-        std::fs::write(staging.join("a.json"), b"{\"r\": 8}").unwrap();
         let age_id = age::x25519::Identity::generate();
-        let keys = [SSH_PUBLIC.to_string(), age_id.to_public().to_string()];
-        let r = parse_recipients(Some(&keys)).unwrap().unwrap();
-        let dest = dir.path().join("out");
-        store_export(&staging, &dest, Some(&r)).unwrap();
-        let ct = std::fs::read(dest.join("a.json.age")).unwrap();
+        let (_, ct) = export_one(b"{\"r\": 8}", &[SSH_PUBLIC.to_string(), age_id.to_public().to_string()]);
         let ssh_id = age::ssh::Identity::from_buffer(SSH_PRIVATE.as_bytes(), None).unwrap();
         assert_eq!(age::decrypt(&ssh_id, &ct).unwrap(), b"{\"r\": 8}");
         assert_eq!(age::decrypt(&age_id, &ct).unwrap(), b"{\"r\": 8}");
