@@ -24,3 +24,23 @@ for round in $(seq 1 "$ROUNDS"); do
         OMP_NUM_THREADS=$n "${pin[@]}" "$PYTHON" benches/peers/peers.py torch-decode --model "$OUT/model" --threads "$n" --reps 3 2>/dev/null | sed "$tag"
     done
 done | tee "$OUT/results.jsonl"
+# The table: per thread count and concurrency, medians over the rounds of oxrl's and generate's
+# tokens/s, their ratio per round, and oxrl's FLOP rates as fractions of the GEMM reference (the
+# faster library's best size in the same round and thread count).
+"$PYTHON" - "$OUT/results.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+med = statistics.median
+def gemm(rnd, th):
+    return max(r["gflops"] for r in rows if r["bench"] == "gemm" and r["round"] == rnd and r["threads"] == th)
+print("threads requests oxrl_tok/s generate_tok/s ratio(per round) gemm_GFLOP/s gflops% computed% later_steps%")
+for th in sorted({r["threads"] for r in rows}):
+    for b in sorted({r["batch"] for r in rows if r["bench"] == "decode"}):
+        ox = [r for r in rows if r["bench"] == "decode" and r["framework"] == "oxrl" and r["threads"] == th and r["batch"] == b]
+        pt = {r["round"]: r for r in rows if r["bench"] == "decode" and r["framework"] == "pytorch" and r["threads"] == th and r["batch"] == b}
+        ratios = [r["tokens_per_s"] / pt[r["round"]]["tokens_per_s"] for r in ox if r["round"] in pt]
+        share = lambda key: med([r[key] / gemm(r["round"], th) for r in ox if key in r] or [float("nan")]) * 100
+        print(th, b, round(med([r["tokens_per_s"] for r in ox])), round(med([r["tokens_per_s"] for r in pt.values()])),
+              f"{med(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})", round(med([gemm(r['round'], th) for r in ox]), 1),
+              f"{share('gflops'):.0f}", f"{share('computed_gflops'):.0f}", f"{share('later_steps_gflops'):.0f}")
+PY

@@ -124,9 +124,22 @@ pub fn decode(
 /// layer, and the LM head (attention's own products and the embedding are not counted). The
 /// FLOPs a decoded token costs at least, for comparing decoding with a GEMM's speed.
 pub fn flops_per_token(config: &crate::model::ModelConfig) -> f64 {
+    let (layer, _, head) = projection_macs(config);
+    2.0 * (config.num_hidden_layers * layer + head) as f64
+}
+
+/// Multiply-adds × 2 of the projections a prompt prefill computes per prompt token: every layer
+/// but the last, and the last one's k and v (a prefill that scores nothing fills the cache and
+/// skips the rest, `Transformer::fill_cache_adapted`; no LM head).
+pub fn prefill_flops_per_token(config: &crate::model::ModelConfig) -> f64 {
+    let (layer, kv, _) = projection_macs(config);
+    2.0 * (config.num_hidden_layers.saturating_sub(1) * layer + kv) as f64
+}
+
+/// Multiply-adds per token of (one layer's projections, one layer's k and v, the LM head).
+fn projection_macs(config: &crate::model::ModelConfig) -> (usize, usize, usize) {
     let (h, q, kv) = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads);
     let hd = config.head_dim;
-    let attention = h * q * hd * 2 + h * kv * hd * 2;
-    let mlp = 3 * h * config.intermediate_size;
-    2.0 * (config.num_hidden_layers * (attention + mlp) + h * config.vocab_size) as f64
+    let kv_macs = h * kv * hd * 2;
+    (h * q * hd * 2 + kv_macs + 3 * h * config.intermediate_size, kv_macs, h * config.vocab_size)
 }

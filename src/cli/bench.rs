@@ -7,8 +7,10 @@
 //! the same in each of W processes (process 0 prints).
 //!
 //! `gemm` times candle's f32 matmul (the gemm crate) on square matrices: the machine's GEMM speed
-//! in the same session and thread count, which decoding's FLOP rates (`gflops`,
-//! `later_steps_gflops`: the projections' FLOPs of the generated tokens per second) are set against.
+//! in the same session and thread count, which decoding's FLOP rates are set against: `gflops`
+//! (the projections' FLOPs of the generated tokens per second of the whole run), `computed_gflops`
+//! (the same with the prompts' prefill counted: what the run computed) and `later_steps_gflops`
+//! (the steps after the first, every row decoding).
 //!
 //! `save-model` writes the benchmark model as an HF directory with the workloads' tokens, so that
 //! other frameworks (benches/peers/) measure the same weights on the same tokens. Threads: the
@@ -228,6 +230,7 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     };
     sampling.validate()?;
     let flops = workloads::flops_per_token(&model.config);
+    let prefill_flops = workloads::prefill_flops_per_token(&model.config);
     for &n in &a.batch {
         let mut runs = vec![];
         let ms = measure_ms(c.warmup, c.reps, || {
@@ -254,6 +257,10 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         r["first_step_ms"] = json!(median(timed.iter().map(|r| r.first_step_ms).collect()));
         r["later_steps_ms"] = json!(later);
         r["gflops"] = json!(generated as f64 * flops / (med / 1e3) / 1e9);
+        // Every projection FLOP the run computed, the prompts' prefill (all tokens but the last,
+        // which the first decode step feeds) included: the machine's utilisation.
+        let prefilled = (n * a.prompt.saturating_sub(1)) as f64 * prefill_flops;
+        r["computed_gflops"] = json!((generated as f64 * flops + prefilled) / (med / 1e3) / 1e9);
         r["later_steps_gflops"] = json!(generated.saturating_sub(n) as f64 * flops / (later / 1e3) / 1e9);
         println!("{r}");
     }

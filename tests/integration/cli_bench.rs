@@ -49,10 +49,15 @@ fn bench_train_and_decode_print_one_json_line_per_measurement() {
     let (h, heads, kv) = (c("hidden_size"), c("num_attention_heads"), c("num_key_value_heads"));
     let per_layer = 2.0 * h * heads * hd + 2.0 * h * kv * hd + 3.0 * h * c("intermediate_size");
     let flops = 2.0 * (c("num_hidden_layers") * per_layer + h * c("vocab_size"));
+    // A prefill that scores nothing: every layer but the last, and the last one's k and v.
+    let prefill = 2.0 * ((c("num_hidden_layers") - 1.0) * per_layer + 2.0 * h * kv * hd);
     for r in &decode {
         let f = |k: &str| r[k].as_f64().unwrap();
         let tokens = f("batch") * 4.0;
         assert!((f("gflops") - tokens * flops / (f("median_ms") / 1e3) / 1e9).abs() < 1e-9 * f("gflops"), "{r}");
+        // 16 prompt tokens (the default), 15 prefilled per request.
+        let computed = (tokens * flops + f("batch") * 15.0 * prefill) / (f("median_ms") / 1e3) / 1e9;
+        assert!((f("computed_gflops") - computed).abs() < 1e-9 * computed, "{r}");
         let later = (tokens - f("batch")) * flops / (f("later_steps_ms") / 1e3) / 1e9;
         assert!((f("later_steps_gflops") - later).abs() < 1e-9 * later, "{r}");
         assert!(f("first_step_ms") > 0.0 && f("first_step_ms") + f("later_steps_ms") <= f("median_ms") * 1.5, "{r}");

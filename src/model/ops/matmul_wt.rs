@@ -377,7 +377,7 @@ unsafe fn tile<W: Lanes, const R: usize>(
     if ks.start > 0 {
         for r in 0..R {
             for v in 0..TILE_VECS {
-                acc[r][v] = _mm512_maskz_loadu_ps(c.masks[v], y.add((i0 + r) * n + c.j + 16 * v));
+                acc[r][v] = _mm512_maskz_loadu_ps(c.masks[v], y.wrapping_add((i0 + r) * n + c.j + 16 * v));
             }
         }
     }
@@ -395,7 +395,7 @@ unsafe fn tile<W: Lanes, const R: usize>(
     }
     for r in 0..R {
         for v in 0..TILE_VECS {
-            _mm512_mask_storeu_ps(y.add((i0 + r) * n + c.j + 16 * v), c.masks[v], acc[r][v]);
+            _mm512_mask_storeu_ps(y.wrapping_add((i0 + r) * n + c.j + 16 * v), c.masks[v], acc[r][v]);
         }
     }
 }
@@ -713,8 +713,8 @@ mod timing {
     use candle_core::Device;
 
     /// `cargo test --release --lib matmul_wt::timing -- --ignored --nocapture`: GFLOP/s of
-    /// candle's matmul, the small-rows kernel and the panel kernel on the benchmark model's
-    /// shapes, one thread.
+    /// candle's matmul, the small-rows, panel and packed kernels on the benchmark model's
+    /// shapes, one thread; "cold W": the weights read from beyond L2, as in a decode step.
     #[test]
     #[ignore]
     fn kernels_gflops() {
@@ -769,7 +769,12 @@ mod timing {
                             run(small_rows, &xv, &cold[c], y.spare_capacity_mut(), m, n, k)
                         });
                     }
-                    println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  small {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1})  packed {pk:6.1} GFLOP/s");
+                    let cold_packed: Vec<Packed> = cold.iter().map(|w| Packed::new(w, n, k)).collect();
+                    let pkc = time(&mut || {
+                        c = (c + 1) % cold.len();
+                        xwt_packed(&xv, &cold_packed[c], m).unwrap();
+                    });
+                    println!("m {m:4} n {n:4} k {k:4}: gemm {g:6.1}  small {d:6.1} (cold W {dc:6.1})  panel {p:6.1} (cold W {pc:6.1})  packed {pk:6.1} (cold W {pkc:6.1}) GFLOP/s");
                 }
             }
         });
