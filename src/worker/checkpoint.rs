@@ -23,8 +23,8 @@ use serde_json::{json, Value};
 
 use super::adamw::{state_dtype, Moments};
 use super::mixed_precision::{MASTER_DTYPE, MASTER_FILE};
-use super::rank::Worker;
 use super::rng::WorkerRng;
+use super::worker::Worker;
 use crate::files::{read_json, write_dir_atomically, write_json, JsonFields};
 use crate::model::{lora, weights, NamedTensors};
 use crate::{Error, Result};

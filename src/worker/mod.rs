@@ -27,13 +27,14 @@ mod micro_batch;
 pub mod mixed_precision;
 pub mod packing;
 pub mod placement;
-mod rank;
 pub mod rng;
 pub mod schedule;
 pub mod value_head;
+#[allow(clippy::module_inception)] // `Worker` in worker.rs: the file named for what it holds
+mod worker;
 
 pub use adamw::AdamParams;
 pub use batch::{Datum, LossFnInputs, LossFnOutput};
 pub use config::WorkerConfig;
-pub use rank::{ForwardBackwardOutput, Worker};
 pub use schedule::LrSchedule;
+pub use worker::{ForwardBackwardOutput, Worker};

@@ -17,8 +17,8 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor, Var};
 
 use super::adamw::Moments;
-use super::rank::Worker;
 use super::value_head;
+use super::worker::Worker;
 use crate::{Error, Result};
 
 /// Parameters, gradients and/or optimizer moments held in host memory while offloaded.

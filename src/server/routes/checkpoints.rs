@@ -287,7 +287,8 @@ pub(super) async fn delete_checkpoint(
     Path((run, segment, name)): Path<(String, String, String)>,
 ) -> ApiResult<Json<Value>> {
     let c = CheckpointRef::new(&run, Kind::parse(&segment)?, &name)?;
-    let row = find_checkpoint(&state, &headers, &c)?;
+    // Only the owner's session deletes; anyone else's request is told it does not exist.
+    find_checkpoint(&state, &headers, &c)?;
     state.store.delete_checkpoint(&c)?;
     state.samplers.checkpoint_changed(&c.uri(), None)?;
     // The registry entry goes first: a crash in between leaves an orphan directory, never a
@@ -296,6 +297,5 @@ pub(super) async fn delete_checkpoint(
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(|e| ApiError::server(format!("removing {}: {e}", dir.display())))?;
     }
-    let _ = row;
     Ok(Json(json!({})))
 }
