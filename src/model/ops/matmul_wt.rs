@@ -327,9 +327,21 @@ unsafe fn packed_tiles<W: Lanes>(
         let mut k0 = 0;
         while k0 < k {
             let ks = k0..(k0 + TILE_KC).min(k);
+            // The next pass's weights (the next k columns, else the next column block) are
+            // fetched towards L2 during the second row tile, a line per block and k column.
+            let next: [*const W; TILE_VECS] = match ks.end < k {
+                true => std::array::from_fn(|v| cols_of.w[v].wrapping_add(ks.end * 16)),
+                false => {
+                    std::array::from_fn(|v| w.wrapping_add(((j + 16 * (TILE_VECS + v)) / 16).min(last_block) * 16 * k))
+                }
+            };
+            let fetch_next = ks.end < k || j + 16 * TILE_VECS < cols.end;
             let mut i0 = 0;
             while i0 + TILE_ROWS <= m {
-                tile::<W, TILE_ROWS>(x, &cols_of, y, i0, n, k, ks.clone());
+                match fetch_next && i0 == TILE_ROWS {
+                    true => tile_fetching::<W, TILE_ROWS, true>(x, &cols_of, y, i0, n, k, ks.clone(), next),
+                    false => tile::<W, TILE_ROWS>(x, &cols_of, y, i0, n, k, ks.clone()),
+                }
                 i0 += TILE_ROWS;
             }
             match m - i0 {
@@ -358,7 +370,6 @@ struct TileCols<W> {
 /// continuing the chains stored in y when `ks` does not start at 0.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // fixed counts over several arrays, unrolled
 unsafe fn tile<W: Lanes, const R: usize>(
     x: &[f32],
     c: &TileCols<W>,
@@ -367,6 +378,24 @@ unsafe fn tile<W: Lanes, const R: usize>(
     n: usize,
     k: usize,
     ks: std::ops::Range<usize>,
+) {
+    tile_fetching::<W, R, false>(x, c, y, i0, n, k, ks, [c.w[0]; TILE_VECS])
+}
+
+/// [`tile`], and with FETCH the weight blocks at `next` (the same k offsets relative to `ks`)
+/// prefetched into L2 alongside.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)] // fixed counts over several arrays, unrolled
+unsafe fn tile_fetching<W: Lanes, const R: usize, const FETCH: bool>(
+    x: &[f32],
+    c: &TileCols<W>,
+    y: *mut f32,
+    i0: usize,
+    n: usize,
+    k: usize,
+    ks: std::ops::Range<usize>,
+    next: [*const W; TILE_VECS],
 ) {
     use std::arch::x86_64::*;
     let mut xr = [x.as_ptr(); R];
@@ -381,10 +410,17 @@ unsafe fn tile<W: Lanes, const R: usize>(
             }
         }
     }
+    let k0 = ks.start;
     for kk in ks {
         let mut wv = [_mm512_setzero_ps(); TILE_VECS];
         for v in 0..TILE_VECS {
             wv[v] = W::load16(c.w[v].add(kk * 16));
+        }
+        if FETCH {
+            // Past the weights' end a prefetch reads nothing (it cannot fault).
+            for b in next {
+                _mm_prefetch::<_MM_HINT_T1>(b.wrapping_add((kk - k0) * 16).cast());
+            }
         }
         for r in 0..R {
             let b = _mm512_set1_ps(*xr[r].add(kk));
