@@ -694,7 +694,8 @@ mod tests {
     /// bits, and each row equal to itself computed alone.
     #[test]
     fn every_row_count_gives_the_reference_orders_bits() {
-        for (k, n) in [(37, 29), (64, 130), (256, 1100), (5, 3)] {
+        // k = 600: the packed tiles run k in passes of 256 (partial sums stored and reloaded).
+        for (k, n) in [(37, 29), (64, 130), (256, 1100), (600, 140), (5, 3)] {
             let w = values(n * k, 2);
             let x = values(70 * k, 1);
             let alone: Vec<Vec<f32>> = (0..70).map(|i| xwt(&x[i * k..(i + 1) * k], &w, 1, n, k)).collect();
