@@ -336,21 +336,22 @@ unsafe fn packed_tiles<W: Lanes>(
                 }
             };
             let fetch_next = ks.end < k || j + 16 * TILE_VECS < cols.end;
+            let c = &cols_of;
             let mut i0 = 0;
             while i0 + TILE_ROWS <= m {
                 match fetch_next && i0 == TILE_ROWS {
-                    true => tile_fetching::<W, TILE_ROWS, true>(x, &cols_of, y, i0, n, k, ks.clone(), next),
-                    false => tile::<W, TILE_ROWS>(x, &cols_of, y, i0, n, k, ks.clone()),
+                    true => tile::<W, TILE_ROWS, true>(x, c, y, i0, n, k, ks.clone(), next),
+                    false => tile::<W, TILE_ROWS, false>(x, c, y, i0, n, k, ks.clone(), next),
                 }
                 i0 += TILE_ROWS;
             }
             match m - i0 {
                 0 => {}
-                1 => tile::<W, 1>(x, &cols_of, y, i0, n, k, ks.clone()),
-                2 => tile::<W, 2>(x, &cols_of, y, i0, n, k, ks.clone()),
-                3 => tile::<W, 3>(x, &cols_of, y, i0, n, k, ks.clone()),
-                4 => tile::<W, 4>(x, &cols_of, y, i0, n, k, ks.clone()),
-                _ => tile::<W, 5>(x, &cols_of, y, i0, n, k, ks.clone()),
+                1 => tile::<W, 1, false>(x, c, y, i0, n, k, ks.clone(), next),
+                2 => tile::<W, 2, false>(x, c, y, i0, n, k, ks.clone(), next),
+                3 => tile::<W, 3, false>(x, c, y, i0, n, k, ks.clone(), next),
+                4 => tile::<W, 4, false>(x, c, y, i0, n, k, ks.clone(), next),
+                _ => tile::<W, 5, false>(x, c, y, i0, n, k, ks.clone(), next),
             }
             k0 = ks.end;
         }
@@ -367,27 +368,12 @@ struct TileCols<W> {
 }
 
 /// One tile of [`packed_tiles`]: rows i0..i0 + R against the block's 64 outputs over k in `ks`,
-/// continuing the chains stored in y when `ks` does not start at 0.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn tile<W: Lanes, const R: usize>(
-    x: &[f32],
-    c: &TileCols<W>,
-    y: *mut f32,
-    i0: usize,
-    n: usize,
-    k: usize,
-    ks: std::ops::Range<usize>,
-) {
-    tile_fetching::<W, R, false>(x, c, y, i0, n, k, ks, [c.w[0]; TILE_VECS])
-}
-
-/// [`tile`], and with FETCH the weight blocks at `next` (the same k offsets relative to `ks`)
-/// prefetched into L2 alongside.
+/// continuing the chains stored in y when `ks` does not start at 0; with FETCH, the weight blocks
+/// at `next` (the same k offsets relative to `ks`) prefetched into L2 alongside.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::needless_range_loop, clippy::too_many_arguments)] // fixed counts over several arrays, unrolled
-unsafe fn tile_fetching<W: Lanes, const R: usize, const FETCH: bool>(
+unsafe fn tile<W: Lanes, const R: usize, const FETCH: bool>(
     x: &[f32],
     c: &TileCols<W>,
     y: *mut f32,
