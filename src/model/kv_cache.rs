@@ -54,6 +54,11 @@ impl KvCache {
         &self.key_mask
     }
 
+    /// Layer i's keys and values, [rows, kv_heads, S, head_dim] each, once it holds any.
+    pub fn layer(&self, i: usize) -> Option<&(Tensor, Tensor)> {
+        self.layers.get(i)?.as_ref()
+    }
+
     pub(crate) fn extend_mask(&mut self, new: &[Vec<u8>]) {
         if self.key_mask.is_empty() {
             self.key_mask = new.to_vec();
