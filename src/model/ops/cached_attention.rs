@@ -133,17 +133,32 @@ unsafe impl<T> Send for OutPtr<T> {}
 /// Query rows processed together: each key row read serves all of them.
 const GROUP: usize = 4;
 
-/// scores[r·S + j] = q_r·k_j for the N query rows `q` (N·D, contiguous) and every key: the
-/// portable kernel ([`super::dot`], 16 lanes).
+/// scores[r·S + j] = q_r·k_j for the N query rows `q` (N·D, contiguous) and the keys j < `keys`,
+/// 0 for the rest (keys no row sees: [`visible_keys`]): the portable kernel ([`super::dot`], 16
+/// lanes).
 #[inline(always)]
-fn dots<T: Real, const N: usize>(q: &[T], k: &Heads<T>, b: usize, g: usize, scores: &mut [T]) {
+fn dots<T: Real, const N: usize>(q: &[T], k: &Heads<T>, b: usize, g: usize, keys: usize, scores: &mut [T]) {
     let (d, s) = (k.d, scores.len() / N);
     for (r, scores) in scores.chunks_exact_mut(s).enumerate() {
         let q = &q[r * d..(r + 1) * d];
         for (j, sj) in scores.iter_mut().enumerate() {
-            *sj = dot(q, k.row(b, g, j));
+            *sj = if j < keys { dot(q, k.row(b, g, j)) } else { T::of(0.0) };
         }
     }
+}
+
+/// A bias at or below this masks its key: the score added to it rounds away (any |score · scale|
+/// below 10²¹ leaves −10³⁰, the model's mask, as it is) and its probability is exactly 0.
+const MASK_BIAS: f64 = -1e29;
+
+/// 1 + the last key that any of the `rows` bias rows (each S long) leaves visible: in a causal
+/// forward the keys after the group's last query are masked for all of it, and their dot
+/// products (half of a whole sequence's) need not run. A masked key's shifted score is its bias
+/// whatever the product, so the probabilities are the same bits (for finite scores below 10²¹).
+#[inline(always)]
+fn visible_keys<T: Real>(rows: impl Iterator<Item = usize>, bias: &[T], s: usize) -> usize {
+    let masked = T::of(MASK_BIAS);
+    rows.map(|i| bias[i * s..(i + 1) * s].iter().rposition(|&c| !(c <= masked)).map_or(0, |j| j + 1)).max().unwrap_or(s)
 }
 
 /// [`dots`] for f32 with AVX-512F: each key row loaded once for the N query rows, one
@@ -154,13 +169,23 @@ fn dots<T: Real, const N: usize>(q: &[T], k: &Heads<T>, b: usize, g: usize, scor
 /// Safety: AVX-512F must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dots_f32_avx512<const N: usize>(q: &[f32], k: &Heads<f32>, b: usize, g: usize, scores: &mut [f32]) {
+unsafe fn dots_f32_avx512<const N: usize>(
+    q: &[f32],
+    k: &Heads<f32>,
+    b: usize,
+    g: usize,
+    keys: usize,
+    scores: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let (d, s) = (k.d, scores.len() / N);
     assert!(q.len() >= N * d);
+    for r in 0..N {
+        scores[r * s + keys.min(s)..(r + 1) * s].fill(0.0);
+    }
     let full = d / LANES * LANES;
     let tail = ((1u32 << (d - full)) - 1) as __mmask16;
-    for j in 0..s {
+    for j in 0..keys.min(s) {
         let kr = k.row(b, g, j).as_ptr();
         let mut acc = [_mm512_setzero_ps(); N];
         let mut c = 0;
@@ -253,15 +278,16 @@ unsafe fn rows<T: Real, const N: usize>(
     // The rep·T rows of the heads sharing kv head g are contiguous in q [B, H, T, D].
     let q = &x.q[((b * h + g * rep) * t + r0) * d..][..N * d];
     let (scores, probs) = (&mut sc.scores[..N * s], &mut sc.probs[..N * s]);
+    let keys = visible_keys((0..N).map(|r| b * t + (r0 + r) % t), x.bias, s);
     match (x.avx512_f32, same::<T, f32>(q), same::<T, f32>(x.k.data)) {
         #[cfg(target_arch = "x86_64")]
         (true, Some(q), Some(data)) => {
             let k = Heads { data, start: x.k.start, strides: x.k.strides, d };
             // Safety: T is f32, and AVX-512F was detected.
             let scores = std::slice::from_raw_parts_mut(scores.as_mut_ptr().cast::<f32>(), N * s);
-            dots_f32_avx512::<N>(q, &k, b, g, scores);
+            dots_f32_avx512::<N>(q, &k, b, g, keys, scores);
         }
-        _ => dots::<T, N>(q, &x.k, b, g, scores),
+        _ => dots::<T, N>(q, &x.k, b, g, keys, scores),
     }
     // (Plain loops: a closure, as in array::from_fn, may not be inlined, and is then compiled
     // without the caller's target features.)
@@ -734,6 +760,35 @@ mod tests {
         assert!(max < 2.0, "{max}");
         let want = reference(&q, &k, &v, &bias, 0.3).unwrap();
         assert!(max_rel(&got, &want) < 1e-5);
+    }
+
+    /// A causal block of queries (the keys after each one masked, and with them skipped) gives
+    /// every query the bits of its decode step alone over the keys it sees; left padding too.
+    #[test]
+    fn causal_block_rows_are_their_decode_steps_bits() {
+        let (b, h, kvh, past, t, d) = (2, 4, 2, 3, 9, 24);
+        let s = past + t;
+        let pad = [0, 2];
+        for simd in [true, false] {
+            let q = tensor(&[b, h, t, d], 1, DType::F32);
+            let (k, v) = (tensor(&[b, kvh, s, d], 2, DType::F32), tensor(&[b, kvh, s, d], 3, DType::F32));
+            let op = |q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor| {
+                let op = CachedAttention { bias: bias.contiguous().unwrap(), scale: 0.2, simd };
+                q.apply_op3(k, v, Op(op)).unwrap()
+            };
+            let block = op(&q, &k, &v, &bias(&pad, past, t));
+            for i in 0..t {
+                let seen = past + i + 1;
+                let alone = op(
+                    &q.narrow(2, i, 1).unwrap().contiguous().unwrap(),
+                    &k.narrow(2, 0, seen).unwrap(),
+                    &v.narrow(2, 0, seen).unwrap(),
+                    &bias(&pad, past + i, 1),
+                );
+                let row = block.narrow(1, i, 1).unwrap();
+                assert_eq!(crate::test_support::bits(&row), crate::test_support::bits(&alone), "query {i}, simd {simd}");
+            }
+        }
     }
 
     #[test]
