@@ -1,8 +1,8 @@
 //! Batched prefill: the prompts admitted in one engine step, run as few forwards as possible.
 //!
-//! Prompts of equal length share one forward (rows of the same length need no padding, so each
-//! row computes exactly what it would alone: the kernels' order does not depend on the batch),
-//! whatever LoRA adapter each uses (per-row adapters, [`RowAdapters`]); the cache of each prompt
+//! Prompts of equal length share a forward of up to [`PREFILL_TOKENS`] tokens (rows of the same
+//! length need no padding, so each row computes exactly what it would alone: the kernels' order
+//! does not depend on the batch), whatever LoRA adapter each uses (per-row adapters, [`RowAdapters`]); the cache of each prompt
 //! is then cut out as a one-row cache. Admitting 64 prompts of 16 tokens was 64 forwards of 15
 //! tokens (small matmuls, 37 % of a 64-request decode run); it is now one of 64 × 15. For each
 //! prompt the cache covers prompt[..L-1] (the last prompt token is fed by the first decode step)
