@@ -3,12 +3,13 @@
 //! Prompts of equal length share a forward of up to [`PREFILL_TOKENS`] tokens (rows of the same
 //! length need no padding, so each row computes exactly what it would alone: the kernels' order
 //! does not depend on the batch), whatever LoRA adapter each uses (per-row adapters,
-//! [`RowAdapters`]); the cache of each prompt is then cut out as a one-row cache. Admitting 64 prompts of 16 tokens was 64 forwards of 15
-//! tokens (small matmuls, 37 % of a 64-request decode run); it is now one of 64 × 15. For each
-//! prompt the cache covers prompt[..L-1] (the last prompt token is fed by the first decode step)
-//! and, if asked, the prompt's scores come back too: log-probs of its tokens and the top k tokens
-//! at each position. Identical (adapter, prompt) pairs are prefilled once. A weight update's cache
-//! rebuild goes through here too (prompt = prompt + tokens so far).
+//! [`RowAdapters`]); the cache of each prompt is then cut out as a one-row cache. Admitting 64
+//! prompts of 16 tokens was 64 forwards of 15 tokens (small matmuls, 37 % of a 64-request decode
+//! run); it is now one of 64 × 15. For each prompt the cache covers prompt[..L-1] (the last prompt
+//! token is fed by the first decode step) and, if asked, the prompt's scores come back too:
+//! log-probs of its tokens and the top k tokens at each position. Identical (adapter, prompt) pairs
+//! are prefilled once. A weight update's cache rebuild goes through here too (prompt = prompt +
+//! tokens so far).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
