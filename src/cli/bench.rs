@@ -251,16 +251,17 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         r["median_ms"] = json!(med);
         r["min_ms"] = json!(ms.iter().cloned().fold(f64::INFINITY, f64::min));
         r["tokens_per_s"] = json!(generated as f64 / (med / 1e3));
-        // The projections' FLOPs of the generated tokens per second of the whole run (prefill
-        // included), and of the steps after the first (every row decoding one token) per second
-        // of those steps.
         r["first_step_ms"] = json!(median(timed.iter().map(|r| r.first_step_ms).collect()));
         r["later_steps_ms"] = json!(later);
+        // The projections' FLOPs of the generated tokens per second of the whole run (prefill
+        // time included).
         r["gflops"] = json!(generated as f64 * flops / (med / 1e3) / 1e9);
         // Every projection FLOP the run computed, the prompts' prefill (all tokens but the last,
         // which the first decode step feeds) included: the machine's utilisation.
         let prefilled = (n * a.prompt.saturating_sub(1)) as f64 * prefill_flops;
         r["computed_gflops"] = json!((generated as f64 * flops + prefilled) / (med / 1e3) / 1e9);
+        // The generated tokens' FLOPs of the steps after the first (every row decoding one
+        // token) per second of those steps.
         r["later_steps_gflops"] = json!(generated.saturating_sub(n) as f64 * flops / (later / 1e3) / 1e9);
         println!("{r}");
     }
