@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, what a GPU machine with no Rust toolchain needs to run
 # oxrl's GPU tests and benchmarks, into .gpu/ (git-ignored): the `gpu` test binary and the
-# `oxrl` binary, built with `--features cuda` in release, stripped and gzipped (candle's PTX
-# makes each about 65 MB, 17-19 MB gzipped: the `device` tool carries 64 MiB in all). Then
-# prints the command that runs the tests there from the repository root (`run`, `.gpu` carried),
-# on candle's primitive graphs and then with OXRL_CUDA_KERNELS=1 on oxrl's kernels.
+# `oxrl` binary, built with `--features cuda` in release, stripped and packed into one
+# .gpu/bundle.tar.xz (candle's PTX makes each about 65 MB; the `device` tool carries 64 MiB in
+# all), and the path they were built in (the test binary finds the fixtures through it). About 15 minutes on
+# 2 cores from cold, a few after a change to oxrl alone.
 #
 #   scripts/install_cuda.sh && scripts/gpu_bundle.sh
 #
+# Then, on the GPU machine, from the repository root with .gpu carried, the whole check (the GPU
+# suite with oxrl's kernels off and on, the fused ops against their references, the training and
+# decoding benchmarks beside PyTorch; a table at the end):
+#
+#   OUT=<folder> bash scripts/gpu_check.sh
+#
 # The GPU machine supplies the driver and the CUDA 13 libraries (cuBLAS, cuRAND, NVRTC, the
-# runtime): its PyTorch environment's nvidia/cu13/lib, or LIBS=... . The test binary finds the
-# fixtures through the path it was built in, so the command links that path to the checkout.
+# runtime): its PyTorch environment's nvidia/cu13/lib, or LIBS=... .
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/install_cuda.sh --env)"
@@ -26,16 +31,10 @@ rm -rf .gpu && mkdir -p .gpu
 cp "$test_bin" .gpu/gpu-tests
 cp "$CARGO_TARGET_DIR/release/oxrl" .gpu/oxrl
 strip .gpu/gpu-tests .gpu/oxrl
-gzip -9 .gpu/gpu-tests .gpu/oxrl
+# One xz stream: its 64 MiB window holds candle's PTX once for both binaries (37 MB gzipped
+# apart, 15 MB together).
+tar -C .gpu -cf - gpu-tests oxrl | xz -9e >.gpu/bundle.tar.xz
+rm .gpu/gpu-tests .gpu/oxrl
+echo "$PWD" >.gpu/build_root
 ls -la .gpu
-cat <<CMD
-# On the GPU machine, from the repository root (carry .gpu):
-mkdir -p "$(dirname "$PWD")" && { [ -e "$PWD" ] || ln -s "\$PWD" "$PWD"; } && \\
-export LD_LIBRARY_PATH="\${LIBS:-\$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')}" && \\
-gunzip -kf .gpu/gpu-tests.gz .gpu/oxrl.gz && nvidia-smi -L && .gpu/gpu-tests --nocapture --test-threads 1 && \\
-OXRL_CUDA_KERNELS=1 .gpu/gpu-tests --nocapture --test-threads 1
-# Then the benchmarks, each on candle's graphs (0) and on oxrl's kernels (1), alternated:
-for r in 1 2; do for k in 0 1; do for dt in f32 bf16; do echo "kernels=\$k dtype=\$dt"; \\
-OXRL_CUDA_KERNELS=\$k .gpu/oxrl bench train --device cuda --dtype \$dt --reps 20 && \\
-OXRL_CUDA_KERNELS=\$k .gpu/oxrl bench decode --device cuda --dtype \$dt --batch 1,16,64,256; done; done; done
-CMD
+echo "# On the GPU machine, from the repository root (carry .gpu): OUT=<folder> bash scripts/gpu_check.sh"

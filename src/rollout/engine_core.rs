@@ -540,28 +540,11 @@ impl EngineCore {
         let adapters: Vec<Option<&Arc<Adapter>>> = self.rows.iter().map(|r| r.adapter.as_ref()).collect();
         let adapters = RowAdapters::new(&adapters, &self.model.device)?;
         let hidden = self.model.forward_hidden_adapted(&ids, &pos, &mask, Some(&mut self.cache), adapters.as_ref())?;
-        let logits = self.model.logits_adapted(&hidden, adapters.as_ref())?;
-        // The rows read in place (a copy of B × V logits per step was 1 % of a 64-row run).
-        let logits = logits.squeeze(1)?.to_device(&Device::Cpu)?;
-        let held = Held::<f32>::new(&logits)?;
-        let vocab = logits.dim(1)?;
-        // Each row's draw (and top-k log-probs) from its own logits and random stream, the rows
-        // over the pool: independent, so the same at any thread count.
-        let active = &self.active;
-        let draws: Vec<Result<Draw>> = self
-            .rows
-            .par_iter_mut()
-            .zip(held.slice()?.par_chunks_exact(vocab))
-            .with_min_len(4)
-            .map(|(row, z)| {
-                let a = &active[&row.id];
-                let p = &a.req.params;
-                let (tok, lp) = sample(z, p, &mut row.rng)?;
-                let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
-                let topk = (a.req.sample_topk > 0).then(|| top_logprobs(z, a.req.sample_topk, t));
-                Ok((tok, lp, topk))
-            })
-            .collect();
+        let logits = self.model.logits_adapted(&hidden, adapters.as_ref())?.squeeze(1)?;
+        let draws = match self.draw_on_device(&logits)? {
+            Some(draws) => draws,
+            None => self.draw_on_host(&logits)?,
+        };
         let mut finished = vec![];
         for (i, (row, draw)) in self.rows.iter_mut().zip(draws).enumerate() {
             let a = &self.active[&row.id];
@@ -619,6 +602,73 @@ impl Active {
 
 /// One row's draw: the token, its log-prob, and the top-k log-probs when the request asked.
 type Draw = (u32, f32, Option<Vec<(u32, f32)>>);
+
+impl EngineCore {
+    /// Each row's draw (and top-k log-probs) from its own logits and random stream, on the CPU,
+    /// the rows over the pool: independent, so the same at any thread count.
+    fn draw_on_host(&mut self, logits: &candle_core::Tensor) -> Result<Vec<Result<Draw>>> {
+        // The rows read in place (a copy of B × V logits per step was 1 % of a 64-row run).
+        let logits = logits.to_device(&Device::Cpu)?;
+        let held = Held::<f32>::new(&logits)?;
+        let vocab = logits.dim(1)?;
+        let active = &self.active;
+        Ok(self
+            .rows
+            .par_iter_mut()
+            .zip(held.slice()?.par_chunks_exact(vocab))
+            .with_min_len(4)
+            .map(|(row, z)| {
+                let a = &active[&row.id];
+                let p = &a.req.params;
+                let (tok, lp) = sample(z, p, &mut row.rng)?;
+                let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
+                let topk = (a.req.sample_topk > 0).then(|| top_logprobs(z, a.req.sample_topk, t));
+                Ok((tok, lp, topk))
+            })
+            .collect())
+    }
+
+    /// On a GPU with oxrl's kernels on, every row's draw on the device (`ops::sample_rows`) when
+    /// no row needs the host
+    /// (top-k / top-p truncation, top log-probs): B tokens and log-probs cross to the host
+    /// instead of B × V logits, and the host's sampling over the vocabulary is gone. Each
+    /// sampled row takes one number from its random stream, as the host's draw does.
+    #[cfg(feature = "cuda")]
+    fn draw_on_device(&mut self, logits: &candle_core::Tensor) -> Result<Option<Vec<Result<Draw>>>> {
+        use super::sampler::is_greedy;
+        if !logits.device().is_cuda() || !crate::model::ops::cuda_kernels() {
+            return Ok(None);
+        }
+        let vocab = logits.dim(1)?;
+        let active = &self.active;
+        let on_host = |r: &Row| {
+            let a = &active[&r.id];
+            let p = &a.req.params;
+            a.req.sample_topk > 0 || p.top_p < 1.0 || (p.top_k > 0 && p.top_k < vocab)
+        };
+        if self.rows.iter().any(on_host) {
+            return Ok(None);
+        }
+        let (mut inv_t, mut u) = (Vec::with_capacity(self.rows.len()), Vec::with_capacity(self.rows.len()));
+        for row in &mut self.rows {
+            let t = active[&row.id].req.params.temperature;
+            if is_greedy(t) {
+                inv_t.push(0.0);
+                u.push(0.0);
+            } else {
+                inv_t.push((1.0 / t) as f32);
+                u.push(row.rng.random::<f64>());
+            }
+        }
+        let drawn = crate::model::ops::sample_rows::sample_rows(logits, &inv_t, &u)?;
+        Ok(Some(drawn.into_iter().map(|(tok, lp)| Ok((tok, lp, None))).collect()))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn draw_on_device(&mut self, _: &candle_core::Tensor) -> Result<Option<Vec<Result<Draw>>>> {
+        Ok(None)
+    }
+}
 
 /// Whether the decoded completion contains a stop string.
 fn stop_string_hit(tok: Option<&Tokenizer>, stops: &[String], tokens: &[u32]) -> Result<bool> {

@@ -68,7 +68,7 @@ impl SamplingParams {
 
 /// Whether `temperature` samples greedily: 0, or so small that 1/T overflows f32 (the limit of
 /// sampling as T → 0 is the greedy choice; 1e-40 is not a reason to return NaN).
-fn is_greedy(temperature: f64) -> bool {
+pub(crate) fn is_greedy(temperature: f64) -> bool {
     temperature == 0.0 || !((1.0 / temperature) as f32).is_finite()
 }
 

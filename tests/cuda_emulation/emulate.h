@@ -101,6 +101,13 @@ inline void run_block(unsigned threads) {
 
 inline void __syncthreads() { emu::block_barrier.wait(); }
 
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
     const unsigned tid = threadIdx.x;
     emu::Barrier& warp = emu::warp_barriers[tid / 32];

@@ -14,6 +14,7 @@
 #include "../../src/model/ops/cuda/logprob_lse.cu"
 #include "../../src/model/ops/cuda/rms_norm.cu"
 #include "../../src/model/ops/cuda/rope.cu"
+#include "../../src/model/ops/cuda/sample_rows.cu"
 #include "../../src/model/ops/cuda/softmax.cu"
 #include "../../src/model/ops/cuda/swiglu.cu"
 
@@ -97,6 +98,7 @@ template <typename T> struct Kernels;
         static constexpr auto masked_softmax = masked_softmax_##sfx;            \
         static constexpr auto masked_softmax_bwd = masked_softmax_bwd_##sfx;    \
         static constexpr auto cached_attention = cached_attention_##sfx;        \
+        static constexpr auto sample_rows = sample_rows_##sfx;                  \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -311,6 +313,60 @@ template <typename T> static void cached_attention(unsigned block) {
         }
 }
 
+// One token per row: greedy (the first of two equal maxima), and drawn at temperatures 1 and
+// 0.7 against the inverse CDF computed here in double (the draws u sit well inside a token's
+// interval), the log-probs against log-softmax in double; a NaN row gets the error token.
+template <typename T> static void sample_rows(unsigned block) {
+    const long long n = 5, v = 1001;
+    Vec z = rounded<T>(values(n * v, 3, 6.0));
+    z[0 * v + 700] = z[0 * v + 300] = 9.0;  // row 0: its maximum twice
+    z[4 * v + 5] = NAN;                     // row 4: NaN
+    const std::vector<float> inv_t = {0.0f, 1.0f, 1.0f / 0.7f, 0.0f, 1.0f};
+    auto zs = cast<T>(z);
+    const Vec zr = widen(zs);
+    // The inverse CDF at the middle of a token's interval, for a token chosen by the row's index.
+    std::vector<double> u(n, 0.0);
+    std::vector<unsigned> want_tok(n);
+    Vec want_lp(n);
+    for (long long i = 0; i < 4; ++i) {
+        const double* r = &zr[i * v];
+        double m = -INFINITY, s = 0, sw = 0;
+        for (long long j = 0; j < v; ++j) m = std::max(m, r[j]);
+        for (long long j = 0; j < v; ++j) s += std::exp(r[j] - m);
+        const double t = inv_t[i] == 0.0f ? 1.0 : (double)inv_t[i];
+        for (long long j = 0; j < v; ++j) sw += std::exp((r[j] - m) * t);
+        long long y = 0;
+        if (inv_t[i] == 0.0f) {
+            while (r[y] != m) ++y;
+        } else {
+            y = (i * 389 + 17) % v;
+            double before = 0;
+            for (long long j = 0; j < y; ++j) before += std::exp((r[j] - m) * t);
+            u[i] = (before + 0.5 * std::exp((r[y] - m) * t)) / sw;
+        }
+        want_tok[i] = (unsigned)y;
+        want_lp[i] = inv_t[i] == 0.0f || inv_t[i] == 1.0f ? r[y] - m - std::log(s) : (r[y] - m) * t - std::log(sw);
+    }
+    std::vector<unsigned> out(2 * n, 12345u);
+    launch({(unsigned)n}, {block}, Kernels<T>::sample_rows, (const T*)zs.data(), inv_t.data(), u.data(), out.data(), v);
+    Vec got_lp, want;
+    bool tokens = true;
+    for (long long i = 0; i < 4; ++i) {
+        tokens = tokens && out[2 * i] == want_tok[i];
+        float lp;
+        std::memcpy(&lp, &out[2 * i + 1], 4);
+        got_lp.push_back(lp);
+        want.push_back(want_lp[i]);
+    }
+    ++checks;
+    const bool nan_row = out[8] == 0xffffffffu;
+    if (!tokens || !nan_row) ++failures;
+    std::printf("%s %s: tokens %u %u %u %u (want %u %u %u %u), NaN row %s\n", tokens && nan_row ? "ok  " : "FAIL",
+                label<T>("sample_rows", block).c_str(), out[0], out[2], out[4], out[6], want_tok[0], want_tok[1],
+                want_tok[2], want_tok[3], nan_row ? "flagged" : "NOT flagged");
+    expect(label<T>("sample_rows log-probs", block), got_lp, want, 2e-5);
+}
+
 template <typename T> static void all(unsigned block) {
     rms_norm<T>(block);
     swiglu<T>(block);
@@ -318,6 +374,7 @@ template <typename T> static void all(unsigned block) {
     logprob_lse<T>(block);
     masked_softmax<T>(block);
     cached_attention<T>(block);
+    sample_rows<T>(block);
 }
 
 int main() {

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, for a GPU machine without Rust: run from the repository
+# root with .gpu/ (scripts/gpu_bundle.sh) beside it. In about 5-8 minutes:
+#   1. the card's bf16 matrix rate (PyTorch, 8192^3 on random data): the MFU's denominator;
+#   2. the GPU suite (tests/gpu.rs) with oxrl's CUDA kernels off, then on; the fused-op test
+#      (every kernel against its reference graph, values and gradients, f32/bf16/f16) first and
+#      alone, so that a kernel that faults cannot take the other tests' context with it;
+#   3. the training step of Qwen2.5-0.5B's shape (`oxrl init-model`) in bf16 on 8 x 1024 tokens,
+#      kernels off / on / PyTorch eager with autocast, alternated for ROUNDS rounds;
+#   4. decoding at 1 / 16 / 64 / 256 concurrent requests, kernels off / on / transformers'
+#      generate, alternated for ROUNDS rounds;
+#   5. kernel launches per decode step, counted by Nsight Compute;
+# then prints the table (the last lines of stdout). Every step has its own time limit, so one
+# that hangs costs its limit and not the lease.
+#
+#   OUT=dir ROUNDS=2 bash scripts/gpu_check.sh     # OUT: where the logs go (default runs/gpu_check)
+#   STEPS="launches profile" bash scripts/gpu_check.sh   # only some steps (default: all but profile)
+#
+# STEPS names: tests, train, decode, launches, profile (6: one training step of the benchmark
+# model under Nsight Compute, every kernel's time in profile.csv, and how long the process takes
+# to exit after its last step).
+#
+# Files in OUT: summary.md (the table), results.jsonl (every measurement), tests_off.log,
+# tests_on.log, bench.log (the benchmarks' stderr), launches.txt, setup.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+ROUNDS=${ROUNDS:-2}
+STEPS=" ${STEPS:-tests train decode launches} "
+want() { [[ $STEPS == *" $1 "* ]]; }
+mkdir -p "$OUT"
+RESULTS="$OUT/results.jsonl"
+: >"$RESULTS"
+T0=$(date +%s)
+since() { echo "$(($(date +%s) - T0)) s"; }
+
+# The test binary finds the fixtures through the path it was built in.
+build_root=$(cat .gpu/build_root 2>/dev/null || echo /work/main)
+if [ ! -e "$build_root" ]; then mkdir -p "$(dirname "$build_root")" && ln -s "$PWD" "$build_root"; fi
+export LD_LIBRARY_PATH="${LIBS:-$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')}"
+{
+    python3 -c 'import tarfile; tarfile.open(".gpu/bundle.tar.xz").extractall(".gpu")'
+    chmod +x .gpu/gpu-tests .gpu/oxrl
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    echo "build root $build_root -> $(readlink -f "$build_root")"
+} >"$OUT/setup.log" 2>&1
+OXRL=.gpu/oxrl
+[ -x $OXRL ] && [ -x .gpu/gpu-tests ] || { cat "$OUT/setup.log"; echo "no binaries in .gpu: run scripts/gpu_bundle.sh"; exit 1; }
+# Nothing outside the machine is reachable: transformers must not look for a Hub.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PEERS="python3 benches/peers/gpu_peers.py"
+echo "[$(since)] setup done: $(head -2 "$OUT/setup.log" | tail -1)"
+
+# 1. The card's matrix rate.
+if want train; then
+    timeout -k 5 60 $PEERS matmul >>"$RESULTS" 2>>"$OUT/bench.log" || echo "matmul rate failed"
+    echo "[$(since)] matmul rate: $(grep -o '"tflops": [0-9.]*' "$RESULTS" | tail -1)"
+fi
+
+# 2. The GPU suite, kernels off then on.
+want tests && for k in 0 1; do
+    log="$OUT/tests_$([ $k = 1 ] && echo on || echo off).log"
+    : >"$log"
+    OXRL_CUDA_KERNELS=$k timeout -k 5 90 .gpu/gpu-tests --nocapture --test-threads 1 --exact \
+        fused_ops_on_cuda_equal_their_reference_graphs >>"$log" 2>&1
+    OXRL_CUDA_KERNELS=$k timeout -k 5 180 .gpu/gpu-tests --nocapture --test-threads 1 \
+        --skip fused_ops_on_cuda_equal_their_reference_graphs >>"$log" 2>&1
+    echo "[$(since)] tests kernels=$k: $(grep -h '^test result' "$log" | tr '\n' ' ')"
+done
+
+# 3-4. The benchmarks on Qwen2.5-0.5B's shape.
+MODEL=runs/gpu_q05b
+if { want train || want decode; } && [ ! -e "$MODEL/config.json" ]; then
+    $OXRL init-model --arch qwen2 --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 \
+        --vocab 151936 --tie --max-position 32768 --rope-theta 1000000 --dtype bf16 --out "$MODEL" \
+        >>"$OUT/bench.log" 2>&1 || echo "init-model failed"
+fi
+bench() { # what, limit, command...
+    local what=$1 limit=$2
+    shift 2
+    echo "== $what" >>"$OUT/bench.log"
+    timeout -k 5 "$limit" "$@" >>"$RESULTS" 2>>"$OUT/bench.log" || {
+        local rc=$?
+        echo "[$(since)] $what failed (rc $rc)"
+    }
+}
+want train && for r in $(seq "$ROUNDS"); do
+    for k in 0 1; do
+        OXRL_CUDA_KERNELS=$k bench "oxrl train k=$k" 120 $OXRL bench train --model "$MODEL" --device cuda \
+            --dtype bf16 --batch 8 --seq 1024 --warmup 2 --reps 5
+    done
+    bench "pytorch train" 120 $PEERS train --model "$MODEL" --batch 8 --seq 1024 --warmup 2 --reps 5
+    echo "[$(since)] train round $r done"
+done
+want decode && for r in $(seq "$ROUNDS"); do
+    for k in 0 1; do
+        OXRL_CUDA_KERNELS=$k bench "oxrl decode k=$k" 150 $OXRL bench decode --model "$MODEL" --device cuda \
+            --dtype bf16 --batch 1,16,64,256 --prompt 16 --new-tokens 32 --warmup 1 --reps 3
+    done
+    bench "generate" 150 $PEERS decode --model "$MODEL" --batch 1,16,64,256 --warmup 1 --reps 3
+    echo "[$(since)] decode round $r done"
+done
+
+# 5. Kernel launches per decode step, by Nsight Compute (it lists every kernel a process
+#    launches): runs of 2 and 4 new tokens differ by two decode steps, at 1 and 64 requests, on
+#    the benchmark model (4 layers; a layer's launches are the same at any size).
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+: >"$OUT/launches.txt"
+if want launches && [ -n "$NCU" ]; then
+    for b in 1 64; do
+        declare -A count=()
+        for n in 2 4; do
+            OXRL_CUDA_KERNELS=1 timeout -k 5 25 "$NCU" --metrics gpu__time_duration.sum --csv \
+                --log-file "/tmp/ncu_${b}_$n.csv" $OXRL bench decode --device cuda --dtype bf16 --batch "$b" \
+                --new-tokens "$n" --warmup 0 --reps 1 >/dev/null 2>>"$OUT/bench.log"
+            count[$n]=$(grep -c 'gpu__time_duration.sum' "/tmp/ncu_${b}_$n.csv" 2>/dev/null || echo 0)
+        done
+        echo "decode launches, bench model (4 layers), $b requests: ${count[2]} kernels for 2 new tokens," \
+            "${count[4]} for 4: $(((count[4] - count[2]) / 2)) a step" >>"$OUT/launches.txt"
+        unset count
+    done
+    echo "[$(since)] launches counted"
+fi
+
+# 6. A training step's kernels (benchmark model, 8 x 1024, bf16), and the process's exit.
+: >"$OUT/profile.txt"
+if want profile; then
+    start=$(date +%s.%N)
+    timeout -k 5 60 $OXRL bench train --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 1 --reps 3 \
+        >>"$RESULTS" 2>>"$OUT/bench.log"
+    rc=$?
+    step=$(tail -1 "$RESULTS" | grep -o '"median_ms":[0-9.]*')
+    echo "bench train (benchmark model): rc $rc, $(python3 -c "import time;print(f'{time.time()-$start:.1f}')") s" \
+        "for 4 steps of $step" >>"$OUT/profile.txt"
+    if [ -n "$NCU" ]; then
+        timeout -k 5 60 "$NCU" --metrics gpu__time_duration.sum --csv --log-file "$OUT/profile.csv" \
+            $OXRL bench train --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 0 --reps 1 \
+            >/dev/null 2>>"$OUT/bench.log"
+        python3 - "$OUT/profile.csv" >>"$OUT/profile.txt" <<'PY'
+import csv, collections, sys
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')) if r.get("Metric Name") == "gpu__time_duration.sum"]
+by = collections.defaultdict(lambda: [0, 0.0])
+for r in rows:
+    k = by[r["Kernel Name"].split("(")[0][:60]]
+    k[0] += 1
+    k[1] += float(r["Metric Value"].replace(",", "")) * {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[r["Metric Unit"]]
+total = sum(v[1] for v in by.values())
+print(f"kernels {len(rows)}, device time {total / 1e3:.1f} ms in all; the largest:")
+for name, (n, us) in sorted(by.items(), key=lambda x: -x[1][1])[:15]:
+    print(f"  {us / 1e3:8.2f} ms {n:6d}x {name}")
+PY
+    fi
+    echo "[$(since)] profile done"
+fi
+
+{
+    echo "# GPU check, $(head -2 "$OUT/setup.log" | tail -1), $(date -u +%FT%TZ), $(since)"
+    for k in off on; do
+        [ -s "$OUT/tests_$k.log" ] || continue
+        echo "tests kernels $k: $(grep -h '^test result' "$OUT/tests_$k.log" | tr '\n' ' ')"
+        grep -h -E '^test .* FAILED|panicked' "$OUT/tests_$k.log" | head -5
+    done
+    [ -s "$OUT/tests_on.log" ] && echo "fused ops (kernel vs reference, worst per op and dtype):"
+    [ -s "$OUT/tests_on.log" ] && grep -h 'max relative difference' "$OUT/tests_on.log" \
+        | sed -E 's/: (values|gradient [0-9]+) max relative difference/:/; s/ d=[0-9]+: max relative difference/:/' \
+        | awk -F': ' '{ if (!($1 in w) || $2 + 0 > w[$1] + 0) w[$1] = $2 } END { for (k in w) printf "  %s %s\n", k, w[k] }' \
+        | sort
+    cat "$OUT/launches.txt" "$OUT/profile.txt"
+    python3 benches/peers/gpu_peers.py table "$RESULTS"
+} >"$OUT/summary.md" 2>&1
+cat "$OUT/summary.md"
