@@ -3,8 +3,9 @@
 # oxrl's GPU tests and benchmarks, into .gpu/ (git-ignored): the `gpu` test binary and the
 # `oxrl` binary, built with `--features cuda` in release, stripped and packed into one
 # .gpu/bundle.tar.xz (candle's PTX makes each about 65 MB; the `device` tool carries 64 MiB in
-# all), and the path they were built in (the test binary finds the fixtures through it). About 15 minutes on
-# 2 cores from cold, a few after a change to oxrl alone.
+# all), the CUPTI kernel trace (scripts/kernel_trace.c), and the path they were built in (the
+# test binary finds the fixtures through it). About 15 minutes on 2 cores from cold, a few after
+# a change to oxrl alone.
 #
 #   scripts/install_cuda.sh && scripts/gpu_bundle.sh
 #
@@ -35,6 +36,9 @@ strip .gpu/gpu-tests .gpu/oxrl
 # apart, 15 MB together).
 tar -C .gpu -cf - gpu-tests oxrl | xz -9e >.gpu/bundle.tar.xz
 rm .gpu/gpu-tests .gpu/oxrl
+# The kernel trace the GPU check counts and times kernels with (a CUPTI injection library).
+cc -shared -fPIC -O2 -I"$CUDA_HOME/include" scripts/kernel_trace.c -L"$CUDA_HOME/lib" -l:libcupti.so.13 \
+    -o .gpu/libkernel_trace.so
 echo "$PWD" >.gpu/build_root
 ls -la .gpu
 echo "# On the GPU machine, from the repository root (carry .gpu): OUT=<folder> bash scripts/gpu_check.sh"

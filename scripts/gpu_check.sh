@@ -9,24 +9,23 @@
 #      kernels off / on / PyTorch eager with autocast, alternated for ROUNDS rounds;
 #   4. decoding at 1 / 16 / 64 / 256 concurrent requests, kernels off / on / transformers'
 #      generate, alternated for ROUNDS rounds;
-#   5. kernel launches per decode step, counted by Nsight Compute;
+#   5. kernel launches per decode step, counted by the kernel trace (scripts/kernel_trace.c);
+#   6. (profile) one training step's kernels by device time, against its wall time;
 # then prints the table (the last lines of stdout). Every step has its own time limit, so one
 # that hangs costs its limit and not the lease.
 #
 #   OUT=dir ROUNDS=2 bash scripts/gpu_check.sh     # OUT: where the logs go (default runs/gpu_check)
-#   STEPS="launches profile" bash scripts/gpu_check.sh   # only some steps (default: all but profile)
+#   STEPS="launches profile" bash scripts/gpu_check.sh   # only some steps (default: all)
 #
-# STEPS names: tests, train, decode, launches, profile (6: one training step of the benchmark
-# model under Nsight Compute, every kernel's time in profile.csv, and how long the process takes
-# to exit after its last step).
+# STEPS names: tests, train, decode, launches, profile.
 #
 # Files in OUT: summary.md (the table), results.jsonl (every measurement), tests_off.log,
-# tests_on.log, bench.log (the benchmarks' stderr), launches.txt, setup.log.
+# tests_on.log, bench.log (the benchmarks' stderr), launches.txt, profile.txt, setup.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 ROUNDS=${ROUNDS:-2}
-STEPS=" ${STEPS:-tests train decode launches} "
+STEPS=" ${STEPS:-tests train decode launches profile} "
 want() { [[ $STEPS == *" $1 "* ]]; }
 mkdir -p "$OUT"
 RESULTS="$OUT/results.jsonl"
@@ -70,7 +69,7 @@ done
 
 # 3-4. The benchmarks on Qwen2.5-0.5B's shape.
 MODEL=runs/gpu_q05b
-if { want train || want decode; } && [ ! -e "$MODEL/config.json" ]; then
+if { want train || want decode || want launches || want profile; } && [ ! -e "$MODEL/config.json" ]; then
     $OXRL init-model --arch qwen2 --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 \
         --vocab 151936 --tie --max-position 32768 --rope-theta 1000000 --dtype bf16 --out "$MODEL" \
         >>"$OUT/bench.log" 2>&1 || echo "init-model failed"
@@ -101,55 +100,60 @@ want decode && for r in $(seq "$ROUNDS"); do
     echo "[$(since)] decode round $r done"
 done
 
-# 5. Kernel launches per decode step, by Nsight Compute (it lists every kernel a process
-#    launches): runs of 2 and 4 new tokens differ by two decode steps, at 1 and 64 requests, on
-#    the benchmark model (4 layers; a layer's launches are the same at any size).
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+# 5-6. The kernel trace (scripts/kernel_trace.c: every kernel a process runs, with its device
+#    time, at the program's own speed) of one command, into a file.
+TRACE="$PWD/.gpu/libkernel_trace.so"
+traced() { # trace file, time limit, command...
+    local file=$1 limit=$2
+    shift 2
+    CUDA_INJECTION64_PATH="$TRACE" OXRL_KERNEL_TRACE="$file" timeout -k 5 "$limit" "$@" 2>>"$OUT/bench.log"
+}
+kernels() { grep -vc '^#' "$1" 2>/dev/null || true; }
+
+# 5. Kernel launches per decode step: runs of 2 and 6 new tokens differ by four decode steps.
 : >"$OUT/launches.txt"
-if want launches && [ -n "$NCU" ]; then
-    for b in 1 64; do
-        declare -A count=()
-        for n in 2 4; do
-            OXRL_CUDA_KERNELS=1 timeout -k 5 25 "$NCU" --metrics gpu__time_duration.sum --csv \
-                --log-file "/tmp/ncu_${b}_$n.csv" $OXRL bench decode --device cuda --dtype bf16 --batch "$b" \
-                --new-tokens "$n" --warmup 0 --reps 1 >/dev/null 2>>"$OUT/bench.log"
-            count[$n]=$(grep -c 'gpu__time_duration.sum' "/tmp/ncu_${b}_$n.csv" 2>/dev/null || echo 0)
+if want launches && [ -e "$TRACE" ]; then
+    for b in 1 64 256; do
+        for n in 2 6; do
+            traced "/tmp/trace_${b}_$n.tsv" 90 $OXRL bench decode --model "$MODEL" --device cuda --dtype bf16 \
+                --batch "$b" --new-tokens "$n" --warmup 0 --reps 1 >/dev/null
         done
-        echo "decode launches, bench model (4 layers), $b requests: ${count[2]} kernels for 2 new tokens," \
-            "${count[4]} for 4: $(((count[4] - count[2]) / 2)) a step" >>"$OUT/launches.txt"
-        unset count
+        c2=$(kernels "/tmp/trace_${b}_2.tsv") c6=$(kernels "/tmp/trace_${b}_6.tsv")
+        echo "decode, $b requests: ${c2:-?} kernels for 2 new tokens, ${c6:-?} for 6:" \
+            "$(((${c6:-0} - ${c2:-0}) / 4)) a decode step" >>"$OUT/launches.txt"
     done
     echo "[$(since)] launches counted"
 fi
 
-# 6. A training step's kernels (benchmark model, 8 x 1024, bf16), and the process's exit.
+# 6. Where a training step's time goes: traces of 1 and 2 steps (no warm-up); their difference
+#    is one step's kernels, each kernel's device time summed by name, against the step's wall time.
 : >"$OUT/profile.txt"
-if want profile; then
-    start=$(date +%s.%N)
-    timeout -k 5 60 $OXRL bench train --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 1 --reps 3 \
-        >>"$RESULTS" 2>>"$OUT/bench.log"
-    rc=$?
-    step=$(tail -1 "$RESULTS" | grep -o '"median_ms":[0-9.]*')
-    echo "bench train (benchmark model): rc $rc, $(python3 -c "import time;print(f'{time.time()-$start:.1f}')") s" \
-        "for 4 steps of $step" >>"$OUT/profile.txt"
-    if [ -n "$NCU" ]; then
-        timeout -k 5 60 "$NCU" --metrics gpu__time_duration.sum --csv --log-file "$OUT/profile.csv" \
-            $OXRL bench train --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 0 --reps 1 \
-            >/dev/null 2>>"$OUT/bench.log"
-        python3 - "$OUT/profile.csv" >>"$OUT/profile.txt" <<'PY'
-import csv, collections, sys
-rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')) if r.get("Metric Name") == "gpu__time_duration.sum"]
-by = collections.defaultdict(lambda: [0, 0.0])
-for r in rows:
-    k = by[r["Kernel Name"].split("(")[0][:60]]
-    k[0] += 1
-    k[1] += float(r["Metric Value"].replace(",", "")) * {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[r["Metric Unit"]]
-total = sum(v[1] for v in by.values())
-print(f"kernels {len(rows)}, device time {total / 1e3:.1f} ms in all; the largest:")
-for name, (n, us) in sorted(by.items(), key=lambda x: -x[1][1])[:15]:
+if want profile && [ -e "$TRACE" ]; then
+    for n in 1 2; do
+        start=$(date +%s.%N)
+        traced "/tmp/train_$n.tsv" 150 $OXRL bench train --model "$MODEL" --device cuda --dtype bf16 --batch 8 \
+            --seq 1024 --warmup 0 --reps "$n" >"/tmp/train_$n.json"
+        echo "bench train --reps $n: rc $?, $(python3 -c "import time; print(f'{time.time() - $start:.1f}')") s" \
+            "from start to exit; $(grep -o '"median_ms":[0-9.]*' "/tmp/train_$n.json")" >>"$OUT/profile.txt"
+    done
+    python3 - /tmp/train_1.tsv /tmp/train_2.tsv >>"$OUT/profile.txt" <<'PY'
+import collections, sys
+def load(path):
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for line in open(path):
+        name, start, end = line.rstrip("\n").split("\t")
+        if not name.startswith("#"):
+            k = by[name.split("(")[0][:70]]
+            k[0] += 1
+            k[1] += (int(end) - int(start)) / 1e3
+    return by
+one, two = load(sys.argv[1]), load(sys.argv[2])
+step = {k: [two[k][0] - one.get(k, [0, 0.0])[0], two[k][1] - one.get(k, [0, 0.0])[1]] for k in two}
+total = sum(v[1] for v in step.values())
+print(f"one training step (8 x 1024, bf16): {sum(v[0] for v in step.values())} kernels, {total / 1e3:.1f} ms of device time; the largest:")
+for name, (n, us) in sorted(step.items(), key=lambda x: -x[1][1])[:20]:
     print(f"  {us / 1e3:8.2f} ms {n:6d}x {name}")
 PY
-    fi
     echo "[$(since)] profile done"
 fi
 

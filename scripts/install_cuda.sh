@@ -11,7 +11,8 @@
 #   nvidia-cuda-nvcc, nvidia-nvvm (cicc), nvidia-cuda-crt, nvidia-cuda-runtime, nvidia-cuda-cccl:
 #     nvcc and the headers, for candle-kernels' .cu files;
 #   nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc: the libraries candle links (cudarc is built
-#     with `dynamic-linking` by candle-core, so they must be present at link time).
+#     with `dynamic-linking` by candle-core, so they must be present at link time);
+#   nvidia-cuda-cupti: CUPTI, for the kernel trace of the GPU check (scripts/kernel_trace.c).
 # libcuda.so comes with the driver, not with a wheel: a stub of it (no code, the symbols only,
 # SONAME libcuda.so.1) is compiled into lib/stubs so that linking works on a machine without a
 # driver; at run time the driver's libcuda.so.1 is the one loaded (every entry point of the stub
@@ -45,11 +46,11 @@ fi
 
 PY="${PYTHON:-python3}"
 mkdir -p "$ROOT_DIR"
-if [[ ! -x "$CUDA/bin/nvcc" || ! -e "$CUDA/lib/libcublasLt.so.13" ]]; then
+if [[ ! -x "$CUDA/bin/nvcc" || ! -e "$CUDA/lib/libcublasLt.so.13" || ! -e "$CUDA/lib/libcupti.so.13" ]]; then
     "$PY" -m pip install --quiet --no-deps --only-binary=:all: --upgrade --target "$PKGS" \
         "nvidia-cuda-nvcc==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*" \
         "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*" "nvidia-cuda-nvrtc==13.0.*" \
-        "nvidia-cublas==13.0.*" "nvidia-curand==10.4.*"
+        "nvidia-cublas==13.0.*" "nvidia-curand==10.4.*" "nvidia-cuda-cupti==13.0.*"
 fi
 
 # The layout of a toolkit: unversioned names for the linker, targets/<arch> for nvcc.profile.

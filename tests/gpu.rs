@@ -330,8 +330,8 @@ fn fused_ops_on_cuda_equal_their_reference_graphs() {
     use candle_core::{Var, D};
     use oxrl::model::ops;
     let dev = gpu();
-    // On for this test (the other tests pass either way: run the suite with and without
-    // OXRL_CUDA_KERNELS=1 to cover both paths), then as it was.
+    // On for this test (the other tests pass either way: scripts/gpu_check.sh runs the suite
+    // with OXRL_CUDA_KERNELS=0 and =1 to cover both paths), then as it was.
     let before = ops::cuda_kernels();
     ops::set_cuda_kernels(true);
     assert!(ops::fused(&Tensor::zeros(1, DType::F32, &dev).unwrap()), "the CUDA kernels did not turn on");
