@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Synchronous vs fully asynchronous RL on a long-tail workload (issue 11; BENCHMARKS.md).
+# Synchronous vs fully asynchronous RL on a long-tail workload (BENCHMARKS.md).
 #
 #   bash benches/async_longtail.sh [OUT_DIR]        (default runs/async-longtail)
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26's decoding targets in one session: `oxrl bench decode` against PyTorch `generate`
+# The decoding targets in one run: `oxrl bench decode` against PyTorch `generate`
 # (benches/peers/peers.py torch-decode) at 1, 16 and 64 concurrent requests, and both against the
 # machine's f32 GEMM speed (`oxrl bench gemm`, PyTorch's matmul), at 1 and 2 threads, ROUNDS
 # rounds, alternating, each process pinned with taskset. Needs a Python with torch and

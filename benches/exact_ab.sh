@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26's A/B: the fixed-order kernels (this checkout) against a build of OLD_REV (default: the
+# The exactly-on-policy A/B: the fixed-order kernels (this checkout) against a build of OLD_REV (default: the
 # commit before them), training step and decoding at 1 and 2 threads, alternating, ROUNDS rounds.
 # Prints one JSON line per run; BENCHMARKS.md holds the medians.
 #   ROUNDS=3 OLD_REV=5f26a7f bash benches/exact_ab.sh

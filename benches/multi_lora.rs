@@ -1,4 +1,4 @@
-//! `cargo bench --bench multi_lora`: decoding with many LoRA adapters over one base (issue 12).
+//! `cargo bench --bench multi_lora`: decoding with many LoRA adapters over one base.
 //!
 //! Model: the benchmark model of benches/common (qwen3-shaped, hidden 256, 4 layers, vocab 4096,
 //! f32 on CPU). Workload: 64 requests (prompt 16, 32 new tokens, temperature 1, seeded), the rows

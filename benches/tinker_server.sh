@@ -1,6 +1,6 @@
 #!/bin/bash
-# Runs benches/tinker_server.py against a release `oxrl serve` on a fresh tiny model (BENCHMARKS.md,
-# issue 12). Needs the SDK venv of .ci/run (.venv-tinker/). Usage: bash benches/tinker_server.sh
+# Runs benches/tinker_server.py against a release `oxrl serve` on a fresh tiny model (BENCHMARKS.md).
+# Needs the SDK venv of .ci/run (.venv-tinker/). Usage: bash benches/tinker_server.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked -q

@@ -32,6 +32,7 @@ use std::thread::JoinHandle;
 use tokio::sync::mpsc;
 
 use crate::handle::{self, Handle, Reply};
+use crate::locks::lock;
 use crate::{Error, Result};
 
 /// State owned by an actor's thread.
@@ -174,7 +175,7 @@ impl<R, T> Gather<R, T> {
     /// error in actor order.
     fn put(this: &Mutex<Self>, i: usize, r: Result<R>) {
         let done = {
-            let mut g = this.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = lock(&this);
             g.results[i] = Some(r);
             g.left -= 1;
             if g.left > 0 {

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use crate::dispatch::mesh::MeshShape;
-use crate::dispatch::world::{self, world, World};
 use crate::dispatch::{Dispatch, WorkerSpec};
 use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
@@ -26,6 +25,7 @@ use crate::trainer::config::ModelSection;
 use crate::trainer::model_ids::{CRITIC, POLICY, REFERENCE};
 use crate::trainer::{RlConfig, SftConfig};
 use crate::worker::WorkerConfig;
+use crate::world::{self, world, World};
 use crate::{Error, Result};
 
 /// Cores available to this process.

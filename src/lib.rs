@@ -1,12 +1,15 @@
 //! oxrl: an LLM post-training engine (SFT and RL) for decoder-only transformers in the
 //! Hugging Face format.
 //!
-//! The modules follow the layers of DESIGN.md; each may use only the layers above it here:
+//! The modules follow the layers of docs/architecture.md; each may use only the layers above it here:
 //! - [`model`]: architectures, HF I/O, LoRA, training forward, KV-cache decode.
 //! - [`algo`]: pure functions on tensors (losses, advantages, KL, reductions).
 //! - [`worker`]: one data-parallel rank (forward_backward, optim_step, checkpoints).
+//! - [`world`]: the processes of a run (one, or many under MPI): their roles, the collectives
+//!   everything across processes is built on, the same-run check.
 //! - [`dispatch`]: worker groups per role over a data-parallel mesh, colocation.
-//! - [`rollout`]: the sampling engine, its client, weight updates.
+//! - [`rollout`]: the sampling engine, its client, weight updates (beside `dispatch`, over
+//!   `world`: neither imports the other).
 //! - [`env`]: RL environments and rewards (text and tokens in, rewards out; no models).
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
 //! - [`launch`]: run configs → ready workers and engines (devices, meshes, thread budgets).
@@ -35,6 +38,7 @@ pub mod failpoint;
 pub mod files;
 pub mod handle;
 pub mod launch;
+pub mod locks;
 pub mod model;
 pub mod rollout;
 pub mod rows;
@@ -44,5 +48,6 @@ pub mod splitmix;
 mod test_support;
 pub mod trainer;
 pub mod worker;
+pub mod world;
 
 pub use error::{Error, Result};

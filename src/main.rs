@@ -3,16 +3,16 @@
 //! Why mimalloc: glibc gave freed memory back to the kernel between steps — past its trim
 //! threshold on the main heap, and on worker, engine and rayon threads (where all tensor work runs)
 //! whenever one of their 64 MiB arena heaps emptied, at the end of every step, whatever the
-//! threshold — so each step's buffers were page-faulted in and zeroed again (8,900 faults, 36 MB,
-//! a training step even with glibc tuned by `mallopt`). Forcing glibc to one arena removed the
-//! faults but made the RL demo 15 % slower (its threads contending for one lock). mimalloc keeps
-//! memory per thread: same-run A/B against glibc with `mallopt` (BENCHMARKS.md): decoding +3 to
-//! +5 %, the training step at one thread about 4 % faster, the RL demo 4 % faster.
+//! threshold — so each step's buffers were page-faulted in and zeroed again, even with glibc tuned
+//! by `mallopt`. Forcing glibc to one arena removed the faults but slowed the RL demo (its threads
+//! contending for one lock). mimalloc keeps memory per thread: faster decoding, training and RL
+//! demo than glibc with `mallopt` in a same-run A/B (BENCHMARKS.md, "mimalloc as the binary's
+//! allocator").
 //!
 //! mimalloc hands memory freed for a second back to the kernel (its purge delay, 1 s by default):
-//! a prompt prefill's megabyte buffers, freed between batches, came back as fresh pages — 320
-//! page faults (some of 2 MiB huge pages, zeroed by the kernel) per 64-request decode run, 1-6 %
-//! of its time. Ten seconds keeps a step's memory from one step to the next.
+//! a prompt prefill's megabyte buffers, freed between batches, came back as fresh pages (some of
+//! 2 MiB huge pages, zeroed by the kernel) in every decode run. Ten seconds keeps a step's memory
+//! from one step to the next.
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

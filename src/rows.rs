@@ -10,7 +10,7 @@
 //! A file that cannot be opened or decoded at all is an error; a single bad row is returned as
 //! such, so that the caller can apply its `on_bad_row` policy ([`OnBadRow`]).
 //!
-//! SFT datasets (`trainer::sft_data`) and RL prompt sets (`env::prompts`) share this reader and
+//! SFT datasets (`trainer::sft::data`) and RL prompt sets (`env::prompts`) share this reader and
 //! this policy; it sits beside the layers so that neither has to reach into the other.
 
 use std::fmt;

@@ -1,7 +1,7 @@
 //! SplitMix64 (Steele, Lea, Flood: "Fast splittable pseudorandom number generators", OOPSLA
 //! 2014), the one small generator behind oxrl's own seed streams: the per-epoch shuffle and the
 //! eval split (`trainer::data_loader`), the per-prompt and per-turn sampling seeds
-//! (`trainer::rollouts`), and the seeds a worker hands to each consumer (`worker::rng`).
+//! (`trainer::rl::episodes`), and the seeds a worker hands to each consumer (`worker::rng`).
 //!
 //! We own it rather than borrow a crate's: these streams are part of checkpoints and of run
 //! reproducibility (a resumed run must shuffle, split and seed exactly as the original did), so

@@ -12,7 +12,7 @@ build or tests imports this.
 
 DIR is written by `oxrl bench save-model`: the benchmark model in the HF layout plus
 bench_workloads.json, the training batch's input/target tokens and the decoding prompts exactly as
-oxrl builds them. The workloads (issue 13):
+oxrl builds them. The workloads:
 - training step = forward + backward of the token-mean cross-entropy + AdamW (lr 1e-4, betas
   0.9/0.95, eps 1e-12, no weight decay) on 8 x 128 tokens; PyTorch: Qwen3ForCausalLM with
   attn_implementation="sdpa" and torch.optim.AdamW (bf16 = torch.autocast over f32 parameters, the

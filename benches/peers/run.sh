@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# oxrl against PyTorch + transformers and JAX on the same workloads, weights and tokens
-# (issue 13, item 1). Benchmark-only: CI never runs it, and the peers are never a dependency.
+# oxrl against PyTorch + transformers and JAX on the same workloads, weights and tokens.
+# Benchmark-only: CI never runs it, and the peers are never a dependency.
 #
 #   bash benches/peers/run.sh [OUT_DIR]        # default runs/peers
 #   ROUNDS=3 THREADS="1 2" bash benches/peers/run.sh

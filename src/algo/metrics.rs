@@ -1,6 +1,6 @@
 //! Scalar metrics that merge exactly across micro-batches, calls and data-parallel ranks.
 //!
-//! Keys are `name:reduction` (DESIGN.md), with reduction `sum`, `mean`, `max` or `min`. Every
+//! Keys are `name:reduction` (docs/architecture.md), with reduction `sum`, `mean`, `max` or `min`. Every
 //! metric is kept as a pair `(sum, count)`: merging two `Metrics` adds sums and counts key by
 //! key, so the mean of a whole mini-batch is `Σ sums / Σ counts` however it was split — not the
 //! mean of per-micro-batch means. For a `:sum` metric the count is the number of contributions

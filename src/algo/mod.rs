@@ -10,7 +10,7 @@
 //!   one row per sequence (response tokens), with a 0/1 mask of the same layout and, where
 //!   prompts matter, a group id per sequence. Arithmetic is in f64, results are f32.
 //!
-//! Exact formulas: `specs/algorithms.md`; each file restates its own.
+//! Exact formulas: `docs/specs/algorithms.md`; each file restates its own.
 
 pub mod advantages;
 pub mod config;

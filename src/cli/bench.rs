@@ -298,7 +298,7 @@ fn all_reduce(a: AllReduceArgs) -> anyhow::Result<()> {
     let grads: Vec<candle_core::Tensor> = model.named_params().into_iter().map(|(_, t)| t).collect();
     let elements: usize = grads.iter().map(|t| t.elem_count()).sum();
     let bytes: usize = grads.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
-    let world = crate::dispatch::world::world()?;
+    let world = crate::world::world()?;
     let collective = InProcess::across(a.ranks, world);
     let ms = measure_ms(c.warmup, c.reps, || {
         world.all_gather(&[])?; // the processes start each repetition together
@@ -310,7 +310,7 @@ fn all_reduce(a: AllReduceArgs) -> anyhow::Result<()> {
         })?;
         Ok(())
     })?;
-    if crate::dispatch::world::is_writer() {
+    if crate::world::is_writer() {
         let mut r = c.record("all_reduce", &name);
         r["processes"] = json!(world.size());
         r["ranks"] = json!(collective.world_size());
@@ -331,7 +331,7 @@ fn weight_push(a: WeightPushArgs) -> anyhow::Result<()> {
     if let Some(config) = &config {
         lora::attach_new(&mut model, config, 0)?;
     }
-    let link = crate::dispatch::world::engine_link();
+    let link = crate::world::engine_link();
     type Push = Box<dyn Fn(&SamplerWeights) -> crate::Result<()>>;
     let (push, target): (Push, &str) = match (&a.engine, link) {
         (Some(_), Some(_)) => anyhow::bail!("--engine and engine processes in the MPI job: use one or the other"),
@@ -340,7 +340,7 @@ fn weight_push(a: WeightPushArgs) -> anyhow::Result<()> {
             (Box::new(move |w| engine.update_weights(w).wait()), url)
         }
         (None, Some(link)) => {
-            let urls = crate::dispatch::world::job_engines();
+            let urls = crate::world::job_engines();
             (Box::new(move |w| crate::rollout::weight_broadcast::send_weights(link, urls, w)), "mpi")
         }
         (None, None) => {

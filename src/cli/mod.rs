@@ -54,7 +54,7 @@ enum Command {
 /// Runs the command line; returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
-    // Decoding one sequence is faster on one thread (DESIGN.md: 619 vs 274 tokens/s); benchmarks
+    // Decoding one sequence is faster on one thread (BENCHMARKS.md); benchmarks
     // name their thread count, one unless told. The commands that compute on the calling thread
     // run in a pool of that many threads; the others pass `--threads` to the launcher, which
     // gives each worker rank and engine its own pool (none of it goes through the environment).
@@ -66,7 +66,7 @@ pub fn main() -> i32 {
     // Under mpirun / srun, join the run's processes first (MPI starts on this thread); an engine
     // joins once it knows its URL (`oxrl engine`).
     if !matches!(cli.command, Command::Engine(_)) {
-        if let Err(e) = crate::dispatch::world::world() {
+        if let Err(e) = crate::world::world() {
             eprintln!("error: {e:#}");
             return 1;
         }
@@ -86,12 +86,12 @@ pub fn main() -> i32 {
     };
     // Trainer 0 lets the job's engine processes go (a no-op without them).
     let result = result.and_then(|()| crate::rollout::weight_broadcast::release_engines().map_err(Into::into));
-    match (result, crate::dispatch::world::joined()) {
+    match (result, crate::world::joined()) {
         (Ok(()), _) => {
-            crate::dispatch::world::finalize();
+            crate::world::finalize();
             0
         }
-        (Err(e), Some(world)) if world.size() > 1 || crate::dispatch::world::engine_link().is_some() => {
+        (Err(e), Some(world)) if world.size() > 1 || crate::world::engine_link().is_some() => {
             // The other processes may be waiting for this one: end them all, naming this one.
             eprintln!("error in process {} of {}: {e:#}", world.rank(), world.size());
             world.abort(1);

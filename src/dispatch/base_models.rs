@@ -12,6 +12,7 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device};
 
+use crate::locks::lock;
 use crate::model::Transformer;
 use crate::Result;
 
@@ -36,7 +37,7 @@ impl BaseModels {
     /// The base for model `user`, loaded on first use.
     pub fn acquire(&self, user: &str, dir: &Path, dtype: DType, device: &Device) -> Result<Transformer> {
         let key = BaseKey { dir: dir.to_path_buf(), dtype, device: format!("{:?}", device.location()) };
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = lock(&self.entries);
         if !entries.contains_key(&key) {
             let model = Transformer::load(dir, dtype, device)?;
             entries.insert(key.clone(), Entry { model, users: BTreeSet::new() });
@@ -48,7 +49,7 @@ impl BaseModels {
 
     /// Model `user` no longer uses its base; a base nobody uses is dropped.
     pub fn release(&self, user: &str) {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = lock(&self.entries);
         entries.retain(|_, e| {
             e.users.remove(user);
             !e.users.is_empty()
@@ -57,7 +58,7 @@ impl BaseModels {
 
     /// Bases held now.
     pub fn len(&self) -> usize {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+        lock(&self.entries).len()
     }
 
     pub fn is_empty(&self) -> bool {

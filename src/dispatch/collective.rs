@@ -17,7 +17,7 @@ use std::sync::{Condvar, Mutex};
 use candle_core::{DType, Tensor};
 
 use super::sum_across::sum_across;
-use super::world::World;
+use crate::world::World;
 use crate::{Error, Result};
 
 /// All-reduce with SUM over `world_size` ranks.
@@ -245,8 +245,8 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
-    use crate::dispatch::world::ThreadWorld;
     use crate::test_support::bits;
+    use crate::world::ThreadWorld;
 
     /// Global rank r's gradients: values of many magnitudes (so that the order of the additions
     /// shows in the bits), in f32, f64 and bf16.

@@ -27,6 +27,7 @@ use super::split::lcm;
 use super::worker_spec::WorkerSpec;
 use crate::algo::Loss;
 use crate::handle::Handle;
+use crate::locks::{lock, read, write};
 use crate::model::{SamplerWeights, Transformer};
 use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, Worker};
 use crate::{Error, Result};
@@ -56,7 +57,7 @@ impl Dispatch {
         if id.is_empty() {
             return Err(Error::input("a model id must not be empty"));
         }
-        if self.models.read().unwrap_or_else(|e| e.into_inner()).contains_key(id) {
+        if read(&self.models).contains_key(id) {
             return Err(Error::input(format!("model `{id}` already exists")));
         }
         let base = if spec.worker.lora.is_some() {
@@ -66,7 +67,7 @@ impl Dispatch {
         };
         let config = spec.worker.clone();
         let build: BuildWorker = Arc::new(move |_| Worker::new(base.clone(), config.clone()));
-        let mut residency = self.residency.lock().unwrap_or_else(|e| e.into_inner());
+        let mut residency = lock(&self.residency);
         let made = WorkerGroup::new(id, spec.mesh, spec.threads, build);
         let group = match made {
             Ok(g) => g,
@@ -79,16 +80,16 @@ impl Dispatch {
             let moves = residency.init_model(id);
             self.apply(&moves)?.into_iter().try_for_each(Handle::wait)?;
         }
-        self.models.write().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), Arc::new(group));
+        write(&self.models).insert(id.to_string(), Arc::new(group));
         Ok(())
     }
 
     /// Drops model `id`: its workers stop once the calls already submitted have run, and a
     /// shared base is freed with its last user.
     pub fn drop_model(&self, id: &str) -> Result<()> {
-        let group = self.models.write().unwrap_or_else(|e| e.into_inner()).remove(id);
+        let group = write(&self.models).remove(id);
         let group = group.ok_or_else(|| self.unknown(id))?;
-        self.residency.lock().unwrap_or_else(|e| e.into_inner()).forget(id);
+        lock(&self.residency).forget(id);
         drop(group);
         self.bases.release(id);
         Ok(())
@@ -96,7 +97,7 @@ impl Dispatch {
 
     /// The ids of the models, sorted.
     pub fn ids(&self) -> Vec<String> {
-        self.models.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+        read(&self.models).keys().cloned().collect()
     }
 
     /// Shared base models held now (LoRA models over one base count once).
@@ -113,12 +114,12 @@ impl Dispatch {
     }
 
     pub fn model(&self, id: &str) -> Result<Arc<WorkerGroup>> {
-        self.models.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned().ok_or_else(|| self.unknown(id))
+        read(&self.models).get(id).cloned().ok_or_else(|| self.unknown(id))
     }
 
     /// The batch-size multiple every model can split evenly (the lcm of their dp sizes).
     pub fn batch_multiple(&self) -> usize {
-        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        let models = read(&self.models);
         lcm(&models.values().map(|g| g.dp_size()).collect::<Vec<_>>())
     }
 
@@ -151,7 +152,7 @@ impl Dispatch {
         if !self.colocated {
             return call(&group);
         }
-        let mut residency = self.residency.lock().unwrap_or_else(|e| e.into_inner());
+        let mut residency = lock(&self.residency);
         let moves = residency.prepare(id, needs);
         match self.apply(&moves) {
             Ok(offloads) if !offloads.is_empty() => {

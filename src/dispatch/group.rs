@@ -20,13 +20,14 @@ use super::collective::{Collective, InProcess};
 use super::mesh::{MeshCoord, MeshInfo, MeshRegistry, MeshShape};
 use super::residency::Parts;
 use super::split::{merge_outputs, pad_and_split};
-use super::world::{decode, encode};
 use crate::actor::{fan_out, Actor, ActorState};
 use crate::algo::{Loss, Metrics};
 use crate::handle::Handle;
+use crate::locks::lock;
 use crate::model::SamplerWeights;
 use crate::worker::placement::HostCopy;
 use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, Worker};
+use crate::world::{decode, encode};
 use crate::{Error, Result};
 
 /// Everything one rank's thread owns.
@@ -69,14 +70,14 @@ struct Barrier {
 
 impl Barrier {
     fn wait(&self) -> Result<()> {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = lock(&self.pending);
         for h in pending.drain(..) {
             if let Err(e) = h.wait() {
-                self.failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
+                lock(&self.failed).get_or_insert(e.to_string());
             }
         }
         drop(pending);
-        match self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+        match lock(&self.failed).clone() {
             Some(e) => Err(Error::Other(format!("a move this call waited for failed: {e}"))),
             None => Ok(()),
         }
@@ -129,7 +130,7 @@ impl WorkerGroup {
     /// per core), and builds its worker there.
     pub fn new(id: &str, shape: MeshShape, threads: usize, build: BuildWorker) -> Result<Self> {
         shape.validate()?;
-        let world = super::world::world()?;
+        let world = crate::world::world()?;
         let local = local_dp_ranks(&shape, world.rank(), world.size())?;
         let first_local = local.start;
         // One collective per data-parallel group: ranks with the same (tp, sp, pp).
@@ -188,7 +189,7 @@ impl WorkerGroup {
         f: impl Fn(&mut RankState) -> Result<R> + Send + Sync + 'static,
         combine: impl FnOnce(Vec<R>) -> Result<T> + Send + 'static,
     ) -> Handle<T> {
-        let _order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        let _order = lock(&self.order);
         fan_out(&self.ranks, move |_, s| f(s), combine)
     }
 
@@ -289,7 +290,7 @@ impl WorkerGroup {
                 Err(e) => return Handle::ready(Err(Error::input(format!("staged mini-batch {i}: {e}")))),
             }
         }
-        *self.staged_real.lock().unwrap_or_else(|e| e.into_inner()) = real;
+        *lock(&self.staged_real) = real;
         let per_index = Arc::new(per_index);
         self.submit_unit(move |s| {
             s.staged = per_index.iter().enumerate().map(|(i, chunks)| (i, chunks[s.info.dp_rank].clone())).collect();
@@ -304,9 +305,9 @@ impl WorkerGroup {
         loss: &Loss,
         per_token: bool,
     ) -> Handle<ForwardBackwardOutput> {
-        let staged = self.staged_real.lock().unwrap_or_else(|e| e.into_inner()).get(&index).copied();
+        let staged = lock(&self.staged_real).get(&index).copied();
         let Some(real) = staged else {
-            let n = self.staged_real.lock().unwrap_or_else(|e| e.into_inner()).len();
+            let n = lock(&self.staged_real).len();
             return Handle::ready(Err(Error::input(format!(
                 "staged mini-batch index {index} is out of range ({n} staged)"
             ))));
@@ -358,7 +359,7 @@ impl WorkerGroup {
 
     /// Writes the training state (from dp rank 0).
     pub fn submit_save_state(&self, dir: &Path) -> Handle<()> {
-        if !super::world::is_writer() {
+        if !crate::world::is_writer() {
             return Handle::ready(Ok(())); // process 0 writes the checkpoint
         }
         let dir = dir.to_path_buf();
@@ -379,7 +380,7 @@ impl WorkerGroup {
 
     /// Exports the model (HF layout, or PEFT for LoRA) from dp rank 0.
     pub fn submit_export(&self, dir: &Path, merge_lora: bool) -> Handle<()> {
-        if !super::world::is_writer() {
+        if !crate::world::is_writer() {
             return Handle::ready(Ok(())); // process 0 writes the export
         }
         let dir: PathBuf = dir.to_path_buf();

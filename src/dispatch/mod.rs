@@ -1,4 +1,4 @@
-//! Dispatch: the layer between trainers and workers (DESIGN.md, "Dispatch").
+//! Dispatch: the layer between trainers and workers (docs/architecture.md, "Dispatch").
 //!
 //! A trainer calls a model by id ([`Dispatch`]) as if there were one worker; its
 //! [`WorkerGroup`] splits batches over the data-parallel mesh, runs each worker as an actor on
@@ -17,7 +17,6 @@ pub mod residency;
 pub mod split;
 pub mod sum_across;
 pub mod worker_spec;
-pub mod world;
 
 pub use dispatch::Dispatch;
 pub use group::WorkerGroup;

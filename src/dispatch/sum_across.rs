@@ -16,7 +16,7 @@
 
 use candle_core::{DType, Device, Tensor, WithDType};
 
-use super::world::World;
+use crate::world::World;
 use crate::{Error, Result};
 
 /// Elements summed per round of messages (64 MiB of f32).
@@ -150,8 +150,8 @@ fn scatter_into<T>(sums: &mut [Vec<T>], lens: &[usize], lo: usize, bucket: Vec<T
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::world::ThreadWorld;
     use crate::test_support::bits;
+    use crate::world::ThreadWorld;
 
     /// Rank r's tensors: f32 of several sizes (one of them empty), a bf16 and an f64.
     fn grads(r: usize) -> Vec<Tensor> {

@@ -29,13 +29,13 @@ use axum::routing::{get, post};
 use axum::Router;
 use candle_core::Device;
 
-use crate::dispatch::world;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{weights, SamplerWeights, Transformer};
 use crate::rollout::engine::Ticket;
 use crate::rollout::engine_api as api;
 use crate::rollout::weight_broadcast;
 use crate::rollout::{Engine, EngineConfig};
+use crate::world;
 
 /// How `oxrl engine` runs.
 #[derive(Clone, Debug)]

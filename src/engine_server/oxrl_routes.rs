@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::EngineServer;
+use crate::locks::lock;
 use crate::rollout::engine::Ticket;
 use crate::rollout::engine_api::{self as api, EngineInfo, Submit};
 use crate::rollout::{PauseMode, RequestOutput};
@@ -54,7 +55,7 @@ pub async fn generate(State(s): State<Arc<EngineServer>>, body: Bytes) -> Reply 
     request.params.validate().map_err(bad_request)?;
     let (reply, handle) = crate::handle::channel::<RequestOutput>();
     let engine_ticket = s.engine.new_ticket();
-    s.tickets.lock().unwrap_or_else(|e| e.into_inner()).insert(ticket, engine_ticket);
+    lock(&s.tickets).insert(ticket, engine_ticket);
     let _in_flight = InFlight { server: s.clone(), ticket, engine_ticket };
     s.engine.submit_with(engine_ticket, request, Box::new(move |out| reply.send(out)));
     pack(&handle.await.map_err(bad_request)?)
@@ -70,14 +71,14 @@ struct InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.server.tickets.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.ticket);
+        lock(&self.server.tickets).remove(&self.ticket);
         drop(self.server.engine.cancel(self.engine_ticket)); // a no-op once it has finished
     }
 }
 
 pub async fn cancel(State(s): State<Arc<EngineServer>>, body: Bytes) -> Reply {
     let ticket: Ticket = unpack(&body)?;
-    let engine_ticket = s.tickets.lock().unwrap_or_else(|e| e.into_inner()).get(&ticket).copied();
+    let engine_ticket = lock(&s.tickets).get(&ticket).copied();
     if let Some(t) = engine_ticket {
         s.engine.cancel(t).await.map_err(bad_request)?;
     }

@@ -11,7 +11,7 @@
 //!   `on_bad_row = skip` a warning (the first ten) and a count.
 //! - An optional `max_tokens` field (a positive integer) is the row's own per-turn token
 //!   budget: its turns are sampled with at most min(`max_tokens`, `env.max_turn_tokens`) tokens
-//!   ([`PromptRow::max_tokens`], applied in `trainer::rollouts`).
+//!   ([`PromptRow::max_tokens`], applied in `trainer::rl::episodes`).
 
 use std::collections::HashSet;
 use std::path::Path;

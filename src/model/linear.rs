@@ -10,6 +10,7 @@ use candle_core::{DType, Tensor, TensorId};
 
 use super::ops::matmul_wt::{self, Packed};
 
+use crate::locks::lock;
 use crate::Result;
 
 #[derive(Debug, Clone)]
@@ -82,7 +83,7 @@ impl Linear {
         if !serves {
             return Ok(None);
         }
-        let mut slot = self.packed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = lock(&self.packed);
         if let Some((id, p)) = slot.as_ref() {
             if *id == w.id() {
                 return Ok(Some(p.clone()));

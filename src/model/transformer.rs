@@ -164,7 +164,7 @@ impl Attention {
         let scale = 1.0 / (cfg.head_dim as f64).sqrt();
         // [B, T, h·d]. A cached forward (decode steps and prefills of any length) takes the
         // fused op, which reads the cache's views in place and sums in the order the trainer's
-        // forward does (issue 26); everything else (uncached forwards off the tape, CUDA) the
+        // forward does; everything else (uncached forwards off the tape, CUDA) the
         // candle path: the `rep` query heads sharing a kv head folded into the rows of one
         // batched matmul, softmax in f32.
         let out = if cached && ops::fused(&q) {
@@ -201,7 +201,7 @@ fn linear(
 impl Transformer {
     /// The dtype activations are computed in: the weights' dtype, except for bf16 and f16 weights
     /// on the CPU, which are widened to f32 as they are read — as the trainer's tape does, so that
-    /// an engine's log-probs are the trainer's bits (issue 26), and bf16 decoding reads half the
+    /// an engine's log-probs are the trainer's bits, and bf16 decoding reads half the
     /// bytes of f32 without computing in bf16.
     pub fn compute_dtype(&self) -> DType {
         match (self.device.is_cpu(), self.dtype) {
@@ -392,8 +392,8 @@ impl Transformer {
 
     /// Appends the keys and values of `input_ids` to `cache` without the final hidden states:
     /// the last block stops after its key and value projections, since its queries, attention,
-    /// o_proj and MLP only feed hidden states (on the benchmark model that is 23 % of a
-    /// prefill's FLOPs). For a prompt prefill that scores nothing.
+    /// o_proj and MLP only feed hidden states (a layer's worth of a prefill's FLOPs). For a
+    /// prompt prefill that scores nothing.
     pub fn fill_cache_adapted(
         &self,
         input_ids: &[Vec<u32>],

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device};
 
+use crate::locks::lock;
 use crate::{Error, Result};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -56,7 +57,7 @@ pub fn check_device_name(name: &str) -> Result<()> {
 pub fn cuda_device(ordinal: usize) -> Result<Device> {
     check_device_name(&format!("cuda:{ordinal}"))?;
     static OPENED: std::sync::Mutex<Vec<(usize, Device)>> = std::sync::Mutex::new(Vec::new());
-    let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut opened = lock(&OPENED);
     if let Some((_, d)) = opened.iter().find(|(n, _)| *n == ordinal) {
         return Ok(d.clone());
     }

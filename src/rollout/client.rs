@@ -5,7 +5,7 @@
 //! prompts of a GRPO group share an engine, and identical prompts admitted together share one
 //! prefill); otherwise, and for a new group, to the engine with the fewest requests in flight.
 //!
-//! Abort-and-continue (specs/algorithms.md) is event-driven: an engine hands each output to a
+//! Abort-and-continue (docs/specs/algorithms.md) is event-driven: an engine hands each output to a
 //! callback of the client (on the engine thread). A sample whose stop reason is `abort` is
 //! continued at once if the client is not paused, or parked until [`EngineClient::resume`]
 //! otherwise: the continuation is prompt + accumulated tokens with `max_tokens = original −
@@ -26,9 +26,10 @@ use super::engine_core::PauseMode;
 use super::request::{Generation, Request, RequestOutput, StopReason, TopLogprobs};
 use super::sampling_engine::{join_all, SamplingEngine};
 use super::weight_broadcast;
-use crate::dispatch::world::{decode, encode, World};
 use crate::handle::{self, Handle, Reply};
+use crate::locks::lock;
 use crate::model::SamplerWeights;
+use crate::world::{decode, encode, World};
 use crate::{Error, Result};
 
 pub struct EngineClient {
@@ -93,10 +94,6 @@ struct PendingState {
     live: Vec<Option<(usize, Ticket)>>,
     cancelled: bool,
     reply: Option<Reply<RequestOutput>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl EngineClient {

@@ -18,6 +18,7 @@ use super::engine_core::{EngineConfig, EngineCore, EngineStats, PauseMode, Reque
 use super::request::{Request, RequestOutput, StopReason};
 use crate::actor::{Actor, ActorState};
 use crate::handle::{self, Handle};
+use crate::locks::lock;
 use crate::model::row_adapters::Adapter;
 use crate::model::{SamplerWeights, Transformer};
 use crate::{Error, Result};
@@ -161,12 +162,12 @@ impl Engine {
         let slot = Arc::new(Mutex::new(Some(sink)));
         let job_slot = slot.clone();
         let posted = self.actor.post(move |s| {
-            if let Some(sink) = job_slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Some(sink) = lock(&job_slot).take() {
                 s.add(ticket, req, sink);
             }
         });
         if let Err(e) = posted {
-            if let Some(sink) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Some(sink) = lock(&slot).take() {
                 sink(Err(e));
             }
         }

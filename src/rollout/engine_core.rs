@@ -15,11 +15,11 @@
 //! Because a new request's prompt is prefilled without padding and each row samples from its
 //! own stream, a seeded
 //! request gives the same tokens and log-prob bits whatever else is running: every kernel sums
-//! in one order whatever the batch (`model::ops::matmul_wt`, `cached_attention`; issue 26).
+//! in one order whatever the batch (`model::ops::matmul_wt`, `cached_attention`).
 //!
-//! KV budget: the cache is a dense [rows, S] block, S ≤ the longest running row's
-//! prompt + max_tokens, so a request is admitted only while rows × that length stays within
-//! `kv_cache_tokens`; one that could not fit even alone is refused at `add_request`.
+//! Admission and the KV budget are the [`super::scheduler`]'s: FIFO, while rows × the longest
+//! final length stays within `kv_cache_tokens`; a request that could not fit even alone is
+//! refused at `add_request`.
 //!
 //! Weight updates ([`EngineCore::update_weights`]) land between steps. Rows running or frozen by
 //! a `keep` pause carry on in the same batch position with their own random streams, but their
@@ -58,6 +58,7 @@ use rayon::prelude::*;
 use super::prefill::{prefill_batch, PrefillItem, Prefilled, PromptScores};
 use super::request::{Generation, Request, RequestOutput, StopReason};
 use super::sampler::sample;
+use super::scheduler::{Demand, Scheduler};
 use super::top_logprobs::top_logprobs;
 use crate::model::row_adapters::{Adapter, RowAdapters};
 use crate::model::tape::Held;
@@ -79,7 +80,7 @@ pub struct EngineConfig {
     /// Needed for stop strings.
     pub tokenizer: Option<Arc<Tokenizer>>,
     /// Tensor-math threads of an [`super::Engine`]'s thread (its own rayon pool). Default 1:
-    /// small-batch decoding is fastest on one thread (DESIGN.md).
+    /// small-batch decoding is fastest on one thread (BENCHMARKS.md).
     pub threads: usize,
 }
 
@@ -137,7 +138,8 @@ struct Active {
 pub struct EngineCore {
     model: Transformer,
     config: EngineConfig,
-    budget: usize,
+    /// Admission under `max_batch` and the KV budget.
+    scheduler: Scheduler,
     version: u64,
     paused: bool,
     cache: KvCache,
@@ -153,20 +155,15 @@ pub struct EngineCore {
 
 impl EngineCore {
     pub fn new(model: Transformer, config: EngineConfig) -> Result<Self> {
-        if config.max_batch == 0 {
-            return Err(Error::input("engine max_batch must be positive"));
-        }
         let budget = config.kv_cache_tokens.unwrap_or(config.max_batch * model.config.max_position_embeddings);
-        if budget == 0 {
-            return Err(Error::input("engine kv_cache_tokens must be positive"));
-        }
+        let scheduler = Scheduler::new(config.max_batch, budget)?;
         // The engine's weights are its own (see `Transformer::without_variables`).
         let model = model.without_variables()?;
         let cache = model.new_cache();
         Ok(EngineCore {
             model,
             config,
-            budget,
+            scheduler,
             version: 0,
             paused: false,
             cache,
@@ -240,24 +237,7 @@ impl EngineCore {
                 p.max_tokens
             )));
         }
-        if req.num_samples > self.config.max_batch {
-            return Err(Error::input(format!(
-                "num_samples {} exceeds the engine's max_batch {}",
-                req.num_samples, self.config.max_batch
-            )));
-        }
-        let need = req.num_samples * (len + p.max_tokens);
-        if need > self.budget {
-            return Err(Error::input(format!(
-                "the request needs {need} KV-cache slots ({} samples × (prompt length {len} + max_tokens {}), {} bytes) \
-                 but the engine's budget is {} slots ({} bytes): it can never fit",
-                req.num_samples,
-                p.max_tokens,
-                need * self.kv_bytes_per_token(),
-                self.budget,
-                self.budget * self.kv_bytes_per_token()
-            )));
-        }
+        self.scheduler.check_fits(req.num_samples, len, p.max_tokens, self.kv_bytes_per_token())?;
         if !p.stop_strings.is_empty() && self.config.tokenizer.is_none() {
             return Err(Error::input("stop strings need an engine with a tokenizer"));
         }
@@ -281,7 +261,7 @@ impl EngineCore {
             running_rows: self.rows.len(),
             waiting_requests: self.waiting.len(),
             cached_positions: self.cache.seq_len(),
-            kv_cache_tokens: self.budget,
+            kv_cache_tokens: self.scheduler.budget,
             kv_bytes_per_token: self.kv_bytes_per_token(),
         }
     }
@@ -511,26 +491,14 @@ impl EngineCore {
         Ok(())
     }
 
-    /// How many requests from the front of the queue fit (FIFO): the batch's rows stay within
-    /// `max_batch` and rows × the longest final length within the KV budget. A request with
-    /// `max_tokens` 0 takes no rows (it is answered at once).
-    fn admissible(&self, mut longest: usize) -> usize {
-        let mut rows = self.rows.len();
-        let mut count = 0;
-        for (_, req, _) in &self.waiting {
-            let len = req.prompt.len() + req.params.max_tokens;
-            if rows + req.num_samples > self.config.max_batch
-                || (rows + req.num_samples) * longest.max(len) > self.budget
-            {
-                break;
-            }
-            longest = longest.max(len);
-            if req.params.max_tokens > 0 {
-                rows += req.num_samples;
-            }
-            count += 1;
-        }
-        count
+    /// How many requests from the front of the queue fit ([`Scheduler::admissible`]).
+    fn admissible(&self, longest: usize) -> usize {
+        let demand = |req: &Request| Demand {
+            rows: req.num_samples,
+            final_len: req.prompt.len() + req.params.max_tokens,
+            decodes: req.params.max_tokens > 0,
+        };
+        self.scheduler.admissible(self.rows.len(), longest, self.waiting.iter().map(|(_, req, _)| demand(req)))
     }
 
     fn decode(&mut self) -> Result<()> {
@@ -607,7 +575,7 @@ impl EngineCore {
     /// Each row's draw (and top-k log-probs) from its own logits and random stream, on the CPU,
     /// the rows over the pool: independent, so the same at any thread count.
     fn draw_on_host(&mut self, logits: &candle_core::Tensor) -> Result<Vec<Result<Draw>>> {
-        // The rows read in place (a copy of B × V logits per step was 1 % of a 64-row run).
+        // The rows read in place (a copy of B × V logits per step cost a measurable share).
         let logits = logits.to_device(&Device::Cpu)?;
         let held = Held::<f32>::new(&logits)?;
         let vocab = logits.dim(1)?;

@@ -5,6 +5,8 @@
 //! - [`request`]: what a request asks for and gets back (tokens, log-probs, weight versions).
 //! - [`engine_core`]: continuous batching over the KV-cache decode, stepped by its owner;
 //!   pause (`abort` / `keep`), resume, versioned weight updates.
+//! - [`scheduler`]: admission — which waiting requests join the batch, FIFO, under `max_batch`
+//!   and the KV-cache budget.
 //! - [`prefill`]: the prompts admitted in one step, prefilled in one forward per length.
 //! - [`engine`]: an engine core on its own thread, driven through channels.
 //! - [`sampling_engine`]: what the client needs of an engine, local or remote.
@@ -27,6 +29,7 @@ pub mod request;
 mod row_math;
 pub mod sampler;
 pub mod sampling_engine;
+pub mod scheduler;
 pub mod top_logprobs;
 pub mod weight_broadcast;
 

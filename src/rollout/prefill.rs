@@ -4,8 +4,8 @@
 //! length need no padding, so each row computes exactly what it would alone: the kernels' order
 //! does not depend on the batch), whatever LoRA adapter each uses (per-row adapters,
 //! [`RowAdapters`]); the cache of each prompt is then cut out as a one-row cache. Admitting 64
-//! prompts of 16 tokens was 64 forwards of 15 tokens (small matmuls, 37 % of a 64-request decode
-//! run); it is now one of 64 × 15. For each prompt the cache covers prompt[..L-1] (the last prompt
+//! prompts of 16 tokens was 64 forwards of 15 tokens (small matmuls, a third of a 64-request
+//! decode run); it is now one of 64 × 15. For each prompt the cache covers prompt[..L-1] (the last prompt
 //! token is fed by the first decode step) and, if asked, the prompt's scores come back too:
 //! log-probs of its tokens and the top k tokens at each position. Identical (adapter, prompt) pairs
 //! are prefilled once. A weight update's cache rebuild goes through here too (prompt = prompt +
@@ -73,8 +73,8 @@ pub type PrefillKey = (Option<String>, Vec<u32>);
 pub type Prefilled = HashMap<PrefillKey, (KvCache, PromptScores)>;
 
 /// Prompt tokens per prefill forward, at most (a single longer prompt runs alone): 64 prompts of
-/// 400 tokens in one forward held activations of 100 MiB each (the MLP's) and ran at 39 ms a
-/// prompt, against 33 ms in forwards of this size. Rows are independent in every kernel, so how
+/// 400 tokens in one forward held activations of 100 MiB each (the MLP's) and ran slower than in
+/// forwards of this size (BENCHMARKS.md). Rows are independent in every kernel, so how
 /// prompts are grouped changes no bit.
 pub const PREFILL_TOKENS: usize = 4096;
 

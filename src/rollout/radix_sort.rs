@@ -3,8 +3,8 @@
 //!
 //! The sampler sorts a whole vocabulary when top-p's nucleus is most of a flat row. Its keys are
 //! (weight bits above, id below) built in id order, so ordering them by the high half, stably,
-//! is the full order. A flat 152k row's whole top-p draw (`sampler::timing`, same session): with
-//! `sort_unstable` of the keys 2.5-2.8 ms, with this sort 1.2-1.6 ms. Tried and slower: the
+//! is the full order. About twice as fast as `sort_unstable` of the keys on a flat 152k row's
+//! top-p draw (`sampler::timing`, BENCHMARKS.md). Tried and slower: the
 //! `radsort` crate (byte digits over all 64 bits), and 11-bit digits over all 64 bits (2,048
 //! buckets scatter their writes over more lines than L1 holds).
 

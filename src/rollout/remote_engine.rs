@@ -25,6 +25,7 @@ use super::engine_core::PauseMode;
 use super::request::{Request, RequestOutput};
 use super::sampling_engine::SamplingEngine;
 use crate::handle::{self, Handle};
+use crate::locks::lock;
 use crate::model::SamplerWeights;
 use crate::{Error, Result};
 
@@ -123,10 +124,6 @@ fn watchdog(inner: std::sync::Weak<Inner>, period: Duration) {
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Inner {

@@ -5,7 +5,7 @@
 //! The returned log-prob is log p(token) under exactly that distribution. With T = 1 and no
 //! truncation, and when greedy (T = 0, argmax, ties to the lowest id), that is the model's own
 //! log-prob, computed by the trainer's function of the logits: the same bits as the trainer's
-//! forward gives for the token (issue 26). Otherwise the weights exp((z − max) / T) are f32,
+//! forward gives for the token. Otherwise the weights exp((z − max) / T) are f32,
 //! the logits' precision, from the vectorised exp; sums and the log in f64.
 
 use rand::{rngs::StdRng, Rng};
@@ -108,8 +108,8 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
     // selection gives the same leading tokens as a full sort. Sorting a 152k vocabulary for every
     // sampled token cost more than the rest of the draw: only the leading candidates are sorted,
     // the rest only when top-p needs them. Each token is one u64 key (see [`key`]) that sorts in
-    // that order as a plain integer: the nucleus of a near-uniform 152k row at top-p 0.9 (a
-    // sort of all of it) took 7.6 ms a token as (id, f64) pairs through a comparator.
+    // that order as a plain integer (as (id, f64) pairs through a comparator, the nucleus of a
+    // near-uniform 152k row, a sort of all of it, was the slowest part of a draw: BENCHMARKS.md).
     let mut keys: Vec<u64> = weights.iter().enumerate().map(|(i, &w)| key(i as u32, w)).collect();
     let keep_k = if p.top_k > 0 && p.top_k < keys.len() { p.top_k } else { keys.len() };
     if keep_k < keys.len() {

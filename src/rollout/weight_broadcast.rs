@@ -1,5 +1,5 @@
 //! Weights from trainer process 0 to the sampling engines of its MPI job, broadcast over the
-//! job's engine link ([`engine_link`](crate::dispatch::world::engine_link): trainer 0 is its
+//! job's engine link ([`engine_link`](crate::world::engine_link): trainer 0 is its
 //! rank 0, the engines 1, 2, …) instead of one HTTP push per engine.
 //!
 //! ```text
@@ -17,8 +17,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::dispatch::world::{decode, encode, engine_link, World};
 use crate::model::SamplerWeights;
+use crate::world::{decode, encode, engine_link, World};
 use crate::{Error, Result};
 
 /// What one broadcast piece holds at most: large models go in several, so MPI can pipeline them.
@@ -96,7 +96,7 @@ pub fn serve_weights(link: &dyn World, mut apply: impl FnMut(&[u8]) -> std::resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::world::ThreadWorld;
+    use crate::world::ThreadWorld;
 
     /// Trainer 0 and two engines as threads: bodies of every size around the piece (empty,
     /// one byte, a piece, a piece and one) reach both engines whole and in order; a refusal

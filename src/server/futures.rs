@@ -19,6 +19,7 @@ use tokio::sync::Notify;
 
 use super::errors::{ApiError, ApiResult, Category};
 use super::store::{Store, StoredOutcome};
+use crate::locks::lock;
 
 pub const LONG_POLL: Duration = Duration::from_secs(30);
 
@@ -35,10 +36,6 @@ pub struct Futures {
 }
 
 type Canceller = Arc<dyn Fn() + Send + Sync>;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A fresh random id (128 bits, hex).
 pub fn new_id() -> String {

@@ -1,4 +1,4 @@
-//! `oxrl serve`: the Tinker HTTP protocol (`specs/tinker-protocol.md`), so that the official
+//! `oxrl serve`: the Tinker HTTP protocol (`docs/specs/tinker-protocol.md`), so that the official
 //! `tinker` Python SDK and the tinker-cookbook recipes train on oxrl unchanged.
 //!
 //! Architecture (the server knows the lower layers only through their APIs):

@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 use super::errors::{ApiError, ApiResult};
 use super::types::LoraConfigWire;
 use crate::dispatch::{Dispatch, WorkerSpec};
+use crate::locks::lock;
 use crate::model::lora::LoraConfig;
 use crate::worker::WorkerConfig;
 
@@ -165,12 +166,7 @@ impl Models {
     }
 
     pub fn get(&self, id: &str) -> ApiResult<Arc<TrainingModel>> {
-        self.models
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned()
-            .ok_or_else(|| ApiError::not_found(format!("no training model `{id}`")))
+        lock(&self.models).get(id).cloned().ok_or_else(|| ApiError::not_found(format!("no training model `{id}`")))
     }
 
     /// Registers model `id` (its queue closed) and returns a closure that builds it (blocking:
@@ -194,7 +190,7 @@ impl Models {
             in_flight: Arc::default(),
         });
         {
-            let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+            let mut models = lock(&self.models);
             if models.contains_key(id) {
                 return Err(ApiError::user(format!("model `{id}` already exists")));
             }
@@ -216,7 +212,7 @@ impl Models {
                 }
             }
             if built.is_err() {
-                me.models.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                lock(&me.models).remove(&id);
             }
             // Open the queue either way: queued calls then fail with the dispatch's error.
             me.open(&model);
@@ -227,13 +223,13 @@ impl Models {
 
     /// The session of every model alive (one entry per model).
     pub fn sessions(&self) -> Vec<String> {
-        self.models.lock().unwrap_or_else(|e| e.into_inner()).values().map(|m| m.session_id.clone()).collect()
+        lock(&self.models).values().map(|m| m.session_id.clone()).collect()
     }
 
     /// Drops every model of session `session_id` (they answer 404 afterwards).
     pub fn drop_session(&self, session_id: &str) {
         let dropped: Vec<String> = {
-            let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+            let mut models = lock(&self.models);
             let ids: Vec<String> =
                 models.values().filter(|m| m.session_id == session_id).map(|m| m.id.clone()).collect();
             for id in &ids {
@@ -247,7 +243,7 @@ impl Models {
     }
 
     fn open(&self, model: &TrainingModel) {
-        let mut q = model.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = lock(&model.queue);
         q.open = true;
         self.pump(&mut q);
     }
@@ -260,7 +256,7 @@ impl Models {
         seq_id: i64,
         make: impl FnOnce() -> ApiResult<(String, Job)>,
     ) -> ApiResult<String> {
-        let mut q = model.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = lock(&model.queue);
         if let Some(id) = q.seen.get(&seq_id) {
             return Ok(id.clone());
         }

@@ -1,4 +1,4 @@
-//! The protobuf messages of the Tinker wire protocol (`specs/tinker_public.proto`), written by
+//! The protobuf messages of the Tinker wire protocol (`docs/specs/tinker_public.proto`), written by
 //! hand as prost structs so that building needs no `protoc`. Only the messages the server reads
 //! or writes are here; field numbers and types follow the schema exactly.
 

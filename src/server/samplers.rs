@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use super::errors::{ApiError, ApiResult};
 use super::models::ServedModel;
 use crate::handle::Handle;
+use crate::locks::lock;
 use crate::model::row_adapters::Adapter;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::Transformer;
@@ -52,10 +53,6 @@ pub struct Samplers {
 /// oldest is dropped (its adapter unregistered, its files removed) and later requests to it are
 /// unknown ids. Per key, so that one tenant's loop never evicts another's samplers.
 pub const MAX_EPHEMERAL: usize = 32;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 impl Samplers {
     pub fn get(&self, id: &str) -> ApiResult<Arc<Sampler>> {

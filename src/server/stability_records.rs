@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use super::errors::{ApiError, ApiResult};
 use super::provenance::Source;
+use crate::locks::lock;
 
 /// How long a record lives after its sampling or its last use.
 pub const RECORD_TTL_S: f64 = 86_400.0;
@@ -65,7 +66,7 @@ impl StabilityRecords {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner)
     }
 
     /// Records sequence `id` (sampled by `key`, in `session` if the sampler has one).

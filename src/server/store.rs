@@ -14,6 +14,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::checkpoints::CheckpointRef;
 use super::errors::{ApiError, ApiResult, Category};
+use crate::locks::lock;
 
 pub struct Store {
     conn: Mutex<Connection>,
@@ -145,7 +146,7 @@ impl Store {
     }
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.conn)
     }
 
     pub fn add_session(

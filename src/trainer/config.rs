@@ -108,7 +108,7 @@ impl Default for LoraSection {
     }
 }
 
-/// `[data]`: the SFT dataset (see [`sft_data`](super::sft_data)).
+/// `[data]`: the SFT dataset (see [`sft::data`](super::sft::data)).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataSection {

@@ -6,7 +6,7 @@
 //! RUN_DIR/metrics.jsonl                    one line per step (metrics.rs)
 //! RUN_DIR/*.png                            plots of the metrics (plot.rs)
 //! RUN_DIR/checkpoints/step_NNNNNN/<model>/ each trained model's worker state (policy, critic)
-//! RUN_DIR/checkpoints/step_NNNNNN/trainer_state.json   the step, the data position, ...
+//! RUN_DIR/checkpoints/step_NNNNNN/trainer_state.json   the step and the trainer's own state
 //! RUN_DIR/final/                           the exported policy (HF layout, or PEFT for LoRA)
 //! ```
 //! A run opens new (the directory must hold no checkpoint) or resumed (from its latest complete
@@ -14,22 +14,22 @@
 //! checkpoint is written atomically (a half checkpoint never exists) and is complete once
 //! `trainer_state.json` is in. Between steps the trainer asks [`RunDir::should_stop`] (Ctrl-C,
 //! `stop_after`) and [`RunDir::finish_now`] (`finish_when`); [`RunDir::finish`] always leaves a
-//! checkpoint, and exports the policy unless the run was interrupted.
+//! checkpoint, and exports the policy unless the run was interrupted. What a trainer keeps of its
+//! own in `trainer_state.json` (its data position, evaluations, …) is a type of that trainer's
+//! ([`TrainerState`]'s `S`), saved and loaded here without being known.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::config::ModelSection;
-use super::data_loader::LoaderPosition;
 use super::metrics::MetricsWriter;
-use super::prompt_stream::StreamState;
-use super::staleness::Staleness;
-use crate::dispatch::world::{check_same_run, is_writer};
 use crate::dispatch::Dispatch;
 use crate::files::{read_json, write_dir_atomically, write_json};
+use crate::world::{check_same_run, is_writer};
 use crate::{Error, Result};
 
 /// Checkpoints of a run: `RUN_DIR/checkpoints/step_N/`.
@@ -78,48 +78,14 @@ impl std::fmt::Debug for FinishWhen {
     }
 }
 
-/// What a checkpoint holds besides the models' states (`trainer_state.json`).
+/// What a checkpoint holds besides the models' states (`trainer_state.json`): the steps done,
+/// and beside them (flattened into the same JSON object) the trainer's own state `S`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TrainerState {
+pub struct TrainerState<S> {
     /// Steps done.
     pub step: usize,
-    /// Where the run is in its data.
     #[serde(flatten)]
-    pub data: DataPosition,
-    /// The KL controller's coefficient (RL; 0 for SFT).
-    #[serde(default)]
-    pub kl_coef: f64,
-    /// Every evaluation so far: (step, values) — SFT: [eval loss]; RL: [pass@1, pass@n].
-    #[serde(default)]
-    pub evals: Vec<(usize, Vec<f64>)>,
-}
-
-/// Where a run is in its data: a loader position (SFT, sync RL), or the async trainer's prompt
-/// stream and staleness counters.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DataPosition {
-    Loader(LoaderPosition),
-    Stream(StreamPosition),
-}
-
-/// The async trainer's data position: consumed, filtered and pending groups, and the staleness
-/// control it ran under (its `max_staleness` is checked against the config on resume).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StreamPosition {
-    #[serde(flatten)]
-    pub stream: StreamState,
-    pub staleness: Staleness,
-}
-
-impl DataPosition {
-    /// The trainer that writes this kind of position, for errors.
-    fn made_by(&self) -> &'static str {
-        match self {
-            DataPosition::Loader(_) => "a data loader's (SFT, or RL with mode = \"sync\")",
-            DataPosition::Stream(_) => "mode = \"async\"",
-        }
-    }
+    pub trainer: S,
 }
 
 /// What a trainer writes its run with: the directory, its metrics, the progress bar, the
@@ -141,7 +107,7 @@ impl RunDir {
     /// from its latest checkpoint when `opts.resume` (the models' states loaded into
     /// `dispatch`). Writes `config_toml()` as `config.toml` (called once the directory exists,
     /// so that paths in it can be made absolute). Returns the resumed trainer state.
-    pub fn open(
+    pub fn open<S: DeserializeOwned>(
         root: &Path,
         config_toml: impl FnOnce() -> Result<String>,
         models: Vec<&'static str>,
@@ -149,7 +115,7 @@ impl RunDir {
         total_steps: usize,
         dispatch: &Dispatch,
         opts: &RunOptions,
-    ) -> Result<(RunDir, Option<TrainerState>)> {
+    ) -> Result<(RunDir, Option<TrainerState<S>>)> {
         check_resumable(root, opts)?;
         let existing = latest_checkpoint(root)?;
         let writer = is_writer();
@@ -166,7 +132,7 @@ impl RunDir {
         let mut resumed = None;
         if let (true, Some((_, dir))) = (opts.resume, &existing) {
             let path = dir.join(TRAINER_STATE);
-            let state: TrainerState =
+            let state: TrainerState<S> =
                 serde_json::from_value(read_json(&path)?).map_err(|e| Error::file(&path, format!("invalid: {e}")))?;
             for id in &models {
                 dispatch.load_state(id, &dir.join(id))?;
@@ -221,12 +187,12 @@ impl RunDir {
 
     /// Saves a checkpoint after `state.step` when one is due: every `every` steps (0: never),
     /// except the last step `total`, which [`finish`](Self::finish) saves.
-    pub fn checkpoint_if_due(
+    pub fn checkpoint_if_due<S: Serialize>(
         &self,
         dispatch: &Dispatch,
         every: usize,
         total: usize,
-        state: &TrainerState,
+        state: &TrainerState<S>,
     ) -> Result<()> {
         if every > 0 && state.step.is_multiple_of(every) && state.step < total {
             self.save_checkpoint(dispatch, state)?;
@@ -235,7 +201,7 @@ impl RunDir {
     }
 
     /// Writes the models' states and the trainer state together, atomically.
-    pub fn save_checkpoint(&self, dispatch: &Dispatch, state: &TrainerState) -> Result<PathBuf> {
+    pub fn save_checkpoint<S: Serialize>(&self, dispatch: &Dispatch, state: &TrainerState<S>) -> Result<PathBuf> {
         let dir = self.root.join(CHECKPOINTS).join(format!("step_{:06}", state.step));
         if self.metrics.is_none() {
             return Ok(dir); // process 0 writes it
@@ -252,10 +218,10 @@ impl RunDir {
 
     /// Ends the run: a last checkpoint, the plots, and (unless `interrupted`) the policy
     /// exported to `final/`, which is returned.
-    pub fn finish(
+    pub fn finish<S: Serialize>(
         self,
         dispatch: &Dispatch,
-        state: &TrainerState,
+        state: &TrainerState<S>,
         total: usize,
         interrupted: bool,
         model: &ModelSection,
@@ -288,19 +254,6 @@ pub fn check_resumable(root: &Path, opts: &RunOptions) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// The data position of a resumed run, checked to be of the kind this trainer writes.
-pub fn expect_position(state: &TrainerState, stream: bool) -> Result<&DataPosition> {
-    let ok = matches!((&state.data, stream), (DataPosition::Loader(_), false) | (DataPosition::Stream(_), true));
-    if !ok {
-        return Err(Error::input(format!(
-            "the checkpoint at step {} is {} run's: resume it in that mode",
-            state.step,
-            state.data.made_by()
-        )));
-    }
-    Ok(&state.data)
 }
 
 /// The latest complete checkpoint of a run directory, by step.

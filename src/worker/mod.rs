@@ -3,7 +3,7 @@
 //! A [`Worker`] owns a model whose trainable parameters are either every base weight (full
 //! fine-tuning) or fresh LoRA adapters, optionally a critic's value head, one gradient
 //! accumulator per trainable parameter and AdamW moments. Its calls follow the worker contract
-//! of DESIGN.md:
+//! of docs/architecture.md:
 //! - [`Worker::forward_backward`]: micro-batches ([`packing`]) are right-padded, run, and the loss
 //!   ([`loss_fn`]) is the plain sum `Σ_datums Σ_t loss_t · w_t`; gradients are added to the
 //!   accumulators; metrics merge exactly; one record per datum comes back in input order.

@@ -1,6 +1,6 @@
 //! [`Worker`]: one data-parallel rank — trainable parameters, gradient accumulators, AdamW state.
 //!
-//! The contract (DESIGN.md, "The worker contract"):
+//! The contract (docs/architecture.md, "The worker contract"):
 //! - `forward_backward` adds the gradient of `Σ_datums Σ_t loss_t · w_t` — a plain sum, no
 //!   normaliser — to the accumulators, micro-batch by micro-batch and call by call, until
 //!   `optim_step`. Splitting the batch differently changes only float rounding.

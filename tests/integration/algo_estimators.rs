@@ -1,5 +1,5 @@
 //! KL estimators, advantage estimators, loss-reduction weights, off-policy correction and the
-//! KL controller: every vector of specs/algorithms.md, plus hand-computed cases.
+//! KL controller: every vector of docs/specs/algorithms.md, plus hand-computed cases.
 
 use candle_core::{Device, Tensor};
 use oxrl::algo::off_policy::{

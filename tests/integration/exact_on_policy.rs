@@ -1,4 +1,4 @@
-//! Exactly on-policy (issue 26): the engine's log-prob of each sampled token is the trainer's
+//! Exactly on-policy: the engine's log-prob of each sampled token is the trainer's
 //! forward log-prob of the same sequence under the same weights, bit for bit — every fixture
 //! family, full and LoRA, before and after optimizer steps — and a request's tokens and
 //! log-probs do not depend on the batch it ran in (other requests, adapters, prompt lengths,
@@ -201,7 +201,7 @@ fn sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
 }
 
 /// A seeded sync RL run of 20 steps is the same bits every time and at any thread count: the
-/// same metrics apart from timings, the same final weights (issue 26: before, two runs of one
+/// same metrics apart from timings, the same final weights (before, two runs of one
 /// seeded demo ended at 86 % and 87 %).
 #[test]
 fn seeded_sync_rl_runs_are_identical_at_1_and_2_threads() {

@@ -12,7 +12,7 @@ use oxrl::handle::Handle;
 use oxrl::model::tokenizer::Tokenizer;
 use oxrl::rollout::{Generation, Request, RequestOutput, SamplingParams, StopReason};
 use oxrl::trainer::config::OnBadRow;
-use oxrl::trainer::rollouts::{generate_episodes, TurnSampler};
+use oxrl::trainer::rl::episodes::{generate_episodes, TurnSampler};
 
 fn jsonl(lines: &[&str]) -> tempfile::TempPath {
     let mut f = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();

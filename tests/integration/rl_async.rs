@@ -105,7 +105,7 @@ fn assert_same_training(sync: &Path, asy: &Path, tol: f32) {
     assert_eq!(sync.len(), asy.len());
     for (a, b) in sync.iter().zip(&asy) {
         // Every metric the sync run writes, but the timings (the sampler's log-probs too: they do
-        // not depend on the engine's batch, issue 26).
+        // not depend on the engine's batch).
         for (key, x) in a.as_object().unwrap() {
             if !key.starts_with("time_") && key != "samples_per_s" {
                 assert_eq!(x, &b[key], "`{key}` at step {}", a["step"]);

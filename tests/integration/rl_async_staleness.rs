@@ -2,8 +2,8 @@
 //! staleness control"): hand-computed vectors and a property test over random finish orders,
 //! filter decisions and cancels.
 
-use oxrl::trainer::prompt_stream::{PromptStream, StreamState};
-use oxrl::trainer::staleness::{GroupCounters, Staleness};
+use oxrl::trainer::rl::prompt_stream::{PromptStream, StreamState};
+use oxrl::trainer::rl::staleness::{GroupCounters, Staleness};
 
 fn counters(submitted: u64, accepted: u64, running: u64, filtered: u64) -> GroupCounters {
     GroupCounters { submitted, accepted, running, filtered }

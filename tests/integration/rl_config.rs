@@ -8,7 +8,7 @@ use std::process::Command;
 use oxrl::algo::{AdvantageEstimator, KlEstimator, Loss, LossReduction, PolicyObjective};
 use oxrl::trainer::config::ScheduleKind;
 use oxrl::trainer::config_file::{self, schema_keys, ConfigPaths};
-use oxrl::trainer::rl_config::RlConfig;
+use oxrl::trainer::rl::config::RlConfig;
 use serde::{Deserialize, Serialize};
 
 const MINIMAL: &str = "[model]\npath = \"m\"\n";

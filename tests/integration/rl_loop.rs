@@ -64,7 +64,7 @@ fn a_short_run_writes_metrics_checkpoints_and_exports() {
     }
     assert!(lines[1].get("eval_pass_at_1").is_some() && lines[0].get("eval_pass_at_1").is_none());
     // Sync RL samples and trains on the same weights: the sampler's log-probs are the trainer's
-    // bits (issue 26), so the mismatch is exactly 0.
+    // bits, so the mismatch is exactly 0.
     for l in &lines {
         let m = l["logprob_mismatch_max"].as_f64().unwrap_or_else(|| panic!("{l}"));
         assert_eq!(m, 0.0, "logprob_mismatch_max: {l}");

@@ -78,7 +78,7 @@ fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
             .collect()
     };
     // Everything but timing is exact: sampler numerics do not depend on the engine's batch
-    // (issue 26), so the resumed run's metrics are the whole run's bits.
+    //, so the resumed run's metrics are the whole run's bits.
     let (whole, resumed) = (read("whole"), read("cut"));
     assert_eq!(whole.len(), resumed.len());
     for (a, b) in whole.iter().zip(&resumed) {

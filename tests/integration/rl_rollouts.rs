@@ -10,7 +10,7 @@ use oxrl::env::{EnvConfig, PromptRow};
 use oxrl::handle::Handle;
 use oxrl::model::tokenizer::Tokenizer;
 use oxrl::rollout::{Generation, Request, RequestOutput, SamplingParams, StopReason};
-use oxrl::trainer::rollouts::{generate_episodes, TurnSampler};
+use oxrl::trainer::rl::episodes::{generate_episodes, TurnSampler};
 use serde_json::json;
 
 /// Replies with the next scripted turn (plus the end-of-turn token) to every request.

@@ -4,8 +4,8 @@
 
 use oxrl::algo::{AdvantageEstimator, KlEstimator, LossReduction, OffPolicyCorrection};
 use oxrl::env::TrainingSequence;
-use oxrl::trainer::rl_step::{minibatches, policy_datums, prepare, StepRecipe};
-use oxrl::trainer::rollouts::Episode;
+use oxrl::trainer::rl::episodes::Episode;
+use oxrl::trainer::rl::step::{minibatches, policy_datums, prepare, StepRecipe};
 use serde_json::json;
 
 /// Prompt position 0, sampled positions 1..=3 (mask [0, 1, 1, 1]).

@@ -1,4 +1,4 @@
-//! Many LoRA adapters over one base in one engine batch (issue 12): per-row adapter logits equal
+//! Many LoRA adapters over one base in one engine batch: per-row adapter logits equal
 //! the logits of the model with that adapter attached; requests of three adapters and of the bare
 //! base, decoded together, each give the tokens and log-probs of their run alone with the adapter
 //! attached to the model; unknown adapters are clear errors and removing an adapter leaves the

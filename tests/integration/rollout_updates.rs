@@ -55,7 +55,7 @@ fn other(m: &Transformer) -> Transformer {
     init::random_model(m.config.clone(), 99, DType::F32, &Device::Cpu).unwrap()
 }
 
-/// Equal log-probs, bit for bit (the kernels' order does not depend on the batch: issue 26).
+/// Equal log-probs, bit for bit (the kernels' order does not depend on the batch).
 fn assert_same(a: &[f32], b: &[f32], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (x, y) in a.iter().zip(b) {

@@ -1,4 +1,4 @@
-//! Weight updates that land mid-sample (issue 11): in `keep` mode, in `abort` mode (the engine
+//! Weight updates that land mid-sample: in `keep` mode, in `abort` mode (the engine
 //! client's continuation) and with no pause at all, a sample's per-token versions change once,
 //! where the update landed, and every token's log-prob equals the trainer's log-prob at that
 //! token's version over the same prefix — full fine-tuning and LoRA; a refused update mid-sample

@@ -1,4 +1,4 @@
-//! A seeded fuzz test of `oxrl serve` (issue 25): a real server process over a tiny model gets a
+//! A seeded fuzz test of `oxrl serve`: a real server process over a tiny model gets a
 //! few thousand mutated requests on every endpoint — JSON bodies with fields dropped, duplicated,
 //! retyped, renested; extreme numbers; truncated and garbled JSON and protobuf; random bytes;
 //! long and odd unicode strings; other keys' and made-up ids, `../` and `tinker://` paths; wrong

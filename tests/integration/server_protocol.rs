@@ -459,7 +459,7 @@ fn a_version_2_database_is_migrated() {
     assert_eq!(store.future_key("new").unwrap(), Some(Some("k2".to_string())));
 }
 
-/// Requests past a limit (issue 25: a rank of 10⁶ or 4.6·10¹⁸, a million-token
+/// Requests past a limit (a rank of 10⁶ or 4.6·10¹⁸, a million-token
 /// forward_backward, megabytes of metadata, 65+ samples, a result of millions of top-k values)
 /// are 400s naming the limit and its flag; a path merely ending in `/healthz` needs a key; the
 /// server then still trains and samples, with the loss of a fresh server.
@@ -586,7 +586,7 @@ fn models_and_samplers_per_key_are_bounded() {
 }
 
 /// A run lists the `user_metadata` given to `create_model` (the cookbook takes its renderer name
-/// back from it when it resumes: issue 25, item 2).
+/// back from it when it resumes).
 #[test]
 fn a_training_run_lists_its_user_metadata() {
     let dir = tempfile::tempdir().unwrap();
@@ -603,14 +603,14 @@ fn a_training_run_lists_its_user_metadata() {
     let all = request(port, "GET", "/api/v1/training_runs", Some("k1"), "");
     assert_eq!(all.body["training_runs"][0]["user_metadata"]["renderer_name"], "qwen3");
     assert_eq!(run.body["base_model"], "tiny");
-    // Created with the path given to --model: the run reports that path (item 4).
+    // Created with the path given to --model: the run reports that path.
     let path = dir.path().join("tiny").display().to_string();
     let body = json!({"session_id": session, "model_seq_id": 1, "base_model": path, "lora_config": lora});
     assert_eq!(post(port, "create_model", body).status, 200);
     let run = request(port, "GET", &format!("/api/v1/training_runs/{session}:train:1"), Some("k1"), "");
     assert_eq!(run.body["base_model"], path.as_str());
     // get_info names each model's base and tokenizer as its client did: a served name, or the
-    // path that client gave, never a path the server chose (item 4).
+    // path that client gave, never a path the server chose.
     for (seq, named) in [(0, "tiny"), (1, path.as_str())] {
         let info = post(port, "get_info", json!({"model_id": format!("{session}:train:{seq}")}));
         let data = &info.body["model_data"];
@@ -634,7 +634,7 @@ fn a_training_run_lists_its_user_metadata() {
     );
 }
 
-/// Samplers and futures belong to the key that made them (issue 25, item 15): another key's
+/// Samplers and futures belong to the key that made them: another key's
 /// `asample` on them, `GET samplers/{id}`, `retrieve_future` and `cancel_future` are 404s, as
 /// for sessions and models; the owner goes on using them.
 #[test]
@@ -685,7 +685,7 @@ fn samplers_and_futures_are_the_creating_keys_alone() {
     assert_eq!(base.status, 200, "{}", base.body);
 }
 
-/// A sampler made from a named sampler checkpoint follows it (issue 25, item 12): saved again
+/// A sampler made from a named sampler checkpoint follows it: saved again
 /// under the same name, the sampler serves the new weights (the prompt log-probs of a sampler
 /// made afresh from the path); deleted, the sampler is gone (404).
 #[test]
@@ -742,7 +742,7 @@ fn a_sampler_follows_its_checkpoint_when_it_is_saved_again_or_deleted() {
 }
 
 /// Errors name checkpoints by their `tinker://` paths, never by the server's directories
-/// (issue 25, item 11): a checkpoint whose files were removed behind the server's back.
+///: a checkpoint whose files were removed behind the server's back.
 #[test]
 fn errors_name_checkpoints_not_server_paths() {
     let dir = tempfile::tempdir().unwrap();
@@ -766,7 +766,7 @@ fn errors_name_checkpoints_not_server_paths() {
     assert!(text.contains(&path), "the error does not name the checkpoint: {text}");
 }
 
-/// `oxrl serve` stopped by SIGTERM finishes the work in flight before it exits (issue 25, item
+/// `oxrl serve` stopped by SIGTERM finishes the work in flight before it exits (item
 /// 18): a long sample submitted just before is complete, and retrievable, after a restart.
 #[test]
 fn sigterm_drains_the_work_in_flight() {
@@ -826,7 +826,7 @@ fn sigterm_drains_the_work_in_flight() {
     child.wait().unwrap();
 }
 
-/// Connections that never finish their headers (issue 25, item 10) hold a connection slot for
+/// Connections that never finish their headers hold a connection slot for
 /// the idle timeout at most: with 40 of them open against a cap of 8, a health check still gets
 /// its answer, and a stalled connection is closed by the server.
 #[test]
@@ -957,7 +957,7 @@ fn tensors(bytes: &[u8]) -> Vec<(String, Vec<f32>)> {
     out
 }
 
-/// `save_weights_external` (issue 25, item 3) at the HTTP level: an unencrypted export's
+/// `save_weights_external` at the HTTP level: an unencrypted export's
 /// signed URLs download, without an API key, the adapter the model has (the save_state
 /// checkpoint's tensors, the sampler export's bytes); a tampered or expired URL is a 403, a
 /// deleted checkpoint's a 404, another key's checkpoint a 404; bad recipient lists are 400s.

@@ -209,7 +209,7 @@ fn sdk_checkpoints_survive_kill_9() {
     run_script(&python, "restart.py", port, dir.path());
 }
 
-/// save_weights_external encrypted to an age x25519 key (issue 25, item 3), as the cookbook's
+/// save_weights_external encrypted to an age x25519 key, as the cookbook's
 /// `weights.download` does it: signed URLs downloaded with urllib, decrypted with pyrage to the
 /// files of an unencrypted export; TTL renewal and deletion.
 #[test]

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use common::fixture_dir;
 use oxrl::model::tokenizer::{write_byte_level_tokenizer, Tokenizer};
 use oxrl::rows::read_rows;
-use oxrl::trainer::chat_mask::tokenize_conversation;
 use oxrl::trainer::config::{DataSection, OnBadRow, SftConfig, TrainOn};
 use oxrl::trainer::data_loader::{permutation, DataLoader, LoaderPosition};
-use oxrl::trainer::sft_data::{example_of, load_sft_dataset, parse_row, split_eval, Conversation, SftExample};
+use oxrl::trainer::sft::chat_mask::tokenize_conversation;
+use oxrl::trainer::sft::data::{example_of, load_sft_dataset, parse_row, split_eval, Conversation, SftExample};
 use serde_json::{json, Value};
 
 const IM_END: u32 = 2;
@@ -494,7 +494,7 @@ fn shipped_tiny_chat_example_loads_with_the_byte_level_tokenizer() {
 
 #[test]
 fn token_mean_datums_weigh_each_trained_token_equally_across_the_batch() {
-    use oxrl::trainer::sft_data::token_mean_datums;
+    use oxrl::trainer::sft::data::token_mean_datums;
     let tok = tokenizer("qwen2");
     let a = example_of(&tok, &conv(three_turns()), TrainOn::AllAssistant, 4096).unwrap().unwrap();
     let b = example_of(&tok, &conv(three_turns()), TrainOn::LastAssistant, 4096).unwrap().unwrap();

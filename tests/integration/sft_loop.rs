@@ -302,3 +302,54 @@ fn max_length_beyond_the_model_context_truncates_at_the_context() {
     assert_eq!(s.steps, 2);
     assert!(s.final_loss.is_finite());
 }
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// A checkpoint written before each trainer kept its own part of `trainer_state.json`
+/// (`tests/fixtures/checkpoints/sft_lora_step3`: these settings with LoRA and max_steps 3, written by
+/// `oxrl sft` on 2026-11-26; its state still holds the `kl_coef` the run directory then wrote for
+/// every trainer) resumes to 7 steps exactly as a checkpoint written now does.
+#[test]
+fn a_checkpoint_written_before_the_state_split_resumes_as_one_written_now() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoints/sft_lora_step3");
+    let old_state: serde_json::Value =
+        serde_json::from_slice(&file_bytes(&fixture.join("checkpoints/step_000003/trainer_state.json"))).unwrap();
+    assert_eq!(old_state["kl_coef"], json!(0.0), "the fixture is not in the old format");
+    let dir = tempfile::tempdir().unwrap();
+    let data = write_data(dir.path(), ROWS);
+    let settings = |steps: &'static str| {
+        vec![steps, "train.data_parallel=2", "train.checkpoint_every=2", "model.lora.rank=4", "model.lora.alpha=8"]
+    };
+    // Now: 3 steps, then resumed to 7.
+    run_sft(&config(dir.path(), &data, "now", &settings("train.max_steps=3")), &RunOptions::default()).unwrap();
+    let now_ckpt = dir.path().join("now/checkpoints/step_000003");
+    for f in ["policy/adapter_model.safetensors", "policy/optimizer.safetensors"] {
+        assert!(file_bytes(&now_ckpt.join(f)) == file_bytes(&fixture.join("checkpoints/step_000003").join(f)), "{f}");
+    }
+    let new_state: serde_json::Value =
+        serde_json::from_slice(&file_bytes(&now_ckpt.join("trainer_state.json"))).unwrap();
+    assert_eq!((&new_state["step"], &new_state["loader"]), (&old_state["step"], &old_state["loader"]));
+    assert!(new_state.get("kl_coef").is_none(), "SFT's state has no KL coefficient: {new_state}");
+    std::fs::remove_dir_all(dir.path().join("now").join(EXPORT_DIR)).unwrap();
+    let resume = RunOptions { resume: true, ..Default::default() };
+    run_sft(&config(dir.path(), &data, "now", &settings("train.max_steps=7")), &resume).unwrap();
+    // Before: the fixture's checkpoint, resumed to 7.
+    copy_dir(&fixture, &dir.path().join("before"));
+    let s = run_sft(&config(dir.path(), &data, "before", &settings("train.max_steps=7")), &resume).unwrap();
+    assert_eq!((s.steps, s.interrupted), (7, false));
+    let export = |run: &str| file_bytes(&dir.path().join(run).join(EXPORT_DIR).join("adapter_model.safetensors"));
+    assert!(export("before") == export("now"), "the old checkpoint resumed differently");
+    let m = read_metrics(&dir.path().join("before/metrics.jsonl")).unwrap();
+    assert_eq!(m.iter().map(|x| x.step).collect::<Vec<_>>(), (1..=7).collect::<Vec<_>>());
+}

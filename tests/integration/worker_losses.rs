@@ -110,7 +110,7 @@ fn cfg_f64(cfg: &Value, key: &str, default: f64) -> f64 {
     cfg.get(key).and_then(Value::as_f64).unwrap_or(default)
 }
 
-/// The per-token loss before the weight (specs/algorithms.md), and its derivative in lp with
+/// The per-token loss before the weight (docs/specs/algorithms.md), and its derivative in lp with
 /// every stop-gradient factor held fixed.
 fn hand_loss(name: &str, cfg: &Value, t: &Tok) -> (f64, f64) {
     let r = (t.lp - t.q).exp();

@@ -3,7 +3,7 @@ official SDK (run by tests/server_sdk.rs).
 
 - list_training_runs / get_training_run / list_checkpoints / list_user_checkpoints (with cursor) /
   get_weights_info_by_tinker_path / delete_checkpoint / list_sessions / get_session;
-- ppo, cispo, dro (with and without `beta`): `loss:sum` equal to the client-side recomputation (specs/algorithms.md);
+- ppo, cispo, dro (with and without `beta`): `loss:sum` equal to the client-side recomputation (docs/specs/algorithms.md);
 - four SDK training clients training concurrently, each loss falling.
 """
 

@@ -24,13 +24,11 @@
 //! `dots_f32_avx512`). Scratch: a few rows of S per task, nothing per query. Tasks are split
 //! over the rayon pool only when the call is worth a hand-off ([`MIN_PARALLEL_WORK`]).
 //!
-//! Measured (one thread, benchmark model's attention, `timing::fused_vs_candle`): a decode step
-//! (T = 1) is 1.1–1.3× faster than the candle path at 64 rows (where both mostly wait on the
-//! cache's reads), 1.2–2.5× at 1 to 16 rows; a prefill of 16 tokens 1.2–1.6×. The candle path
-//! was the better one for query blocks of 32 and more after a long cache (gemm's blocking
+//! Measured (`timing::fused_vs_candle`, BENCHMARKS.md): faster than the candle path for decode
+//! steps at every batch and for short prefills. The candle path was the better one for query blocks of 32 and more after a long cache (gemm's blocking
 //! pays), but it sums in gemm's order: every cached forward takes this op now, and the trainer's
 //! forward runs the same rows ([`forward_slices`]), so a token's log-prob is one set of bits
-//! however it was computed (issue 26). The normaliser of each softmax is summed key by key
+//! however it was computed. The normaliser of each softmax is summed key by key
 //! ([`softmax::normalise_rows`]), the weighted sums add key by key: padding and masked keys,
 //! exactly zero, change nothing wherever they sit.
 //!
@@ -55,8 +53,7 @@ use super::{data, dot, fused, norm_dtype, softmax, Real};
 use crate::{Error, Result};
 
 /// Multiply-adds of one product (B·H·T·S·D) from which the tasks are split over the rayon
-/// pool: about 30 µs on one core. Measured on a pool of 2 inside the pool: 70 K (B 16, S 17)
-/// gains nothing, 150–670 K gain 1.2–2.6×.
+/// pool: about 30 µs on one core (below it a pool of 2 gained nothing: BENCHMARKS.md).
 pub const MIN_PARALLEL_WORK: usize = 1 << 17;
 
 /// Lanes of the vectorised dot products and weighted sums.
@@ -137,8 +134,8 @@ const GROUP: usize = 4;
 const AHEAD: usize = 8;
 
 /// Key and value rows of the next task prefetched before a task runs ([`prefetch_task`]): all
-/// of a long cache's rows at once overran the fetches in flight (16 requests after 400-token
-/// prompts: the steps 21 % slower than with this and [`AHEAD`]).
+/// of a long cache's rows at once overran the fetches in flight (slower decode steps after long
+/// prompts than with this and [`AHEAD`]: BENCHMARKS.md).
 const BULK: usize = 32;
 
 /// scores[r·S + j] = q_r·k_j for the N query rows `q` (N·D, contiguous) and the keys j < `keys`,

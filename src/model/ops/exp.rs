@@ -1,6 +1,6 @@
-//! exp over slices, vectorised for f32 (the kernels' softmaxes and sigmoids spent 5–6 % of a
-//! training step in libm's scalar `expf`, and the sampler's normaliser a tenth of a 64-row
-//! decode run).
+//! exp over slices, vectorised for f32 (the kernels' softmaxes and sigmoids, and the sampler's
+//! normaliser, spent a measurable share of training and decoding in libm's scalar `expf`:
+//! BENCHMARKS.md).
 //!
 //! exp(x) = 2ⁿ · e^r with n = round(x / ln 2), r = x − n·ln 2 (ln 2 in two parts, Cody–Waite),
 //! e^r by Cephes' degree-6 polynomial on |r| ≤ ln 2 / 2 (relative error ≈ 1 ulp), and 2ⁿ built

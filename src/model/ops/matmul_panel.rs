@@ -18,8 +18,8 @@
 //! touches 32 rows of y at once, which at n ≥ 1024 (rows 4 KiB apart) all fall in one L1 set:
 //! that halved the speed. Panels of 64 rows (V = 4, R = 6) rather than 32 (V = 2, R = 12): one
 //! broadcast feeds four FMAs instead of two (10 loads per 24 FMAs, not 14), and at 64 rows W is
-//! read once per call, not twice; with the panel 64-byte aligned that took the 64-row kernel from
-//! 140–146 to 150–165 GFLOP/s with W in L2, 110–123 to 125–135 from L3 (`matmul_wt::timing`).
+//! read once per call, not twice; with the panel 64-byte aligned that made the 64-row kernel
+//! faster with W in L2 and in L3 alike (`matmul_wt::timing`; figures in BENCHMARKS.md).
 
 /// Rows from which this kernel takes over from the small-rows one.
 pub const MIN_ROWS: usize = 16;
@@ -136,7 +136,7 @@ pub(super) unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::ar
     use std::arch::x86_64::*;
     // Plain loops with fixed counts, no closures: a closure that LLVM does not inline is compiled
     // without the caller's AVX-512 and turns every intrinsic into a call (it did so from
-    // matmul_wt's small-rows kernel: 10× slower).
+    // matmul_wt's small-rows kernel, many times slower).
     let mut t = [_mm512_setzero_ps(); 16];
     for i in 0..16 {
         let (a, b) = (r[i & !1], r[i | 1]);

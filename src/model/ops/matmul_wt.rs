@@ -8,7 +8,7 @@
 //! (`(0..K).fold(0.0, |a, k| x[i,k].mul_add(W[j,k], a))`, [`reference_order`]). It does not
 //! depend on how many rows share the call, where the row sits among them, how the columns are
 //! split over threads or which kernel runs: a token's logits are the same bits alone, in a batch
-//! of 64, in a prefill or in the trainer's forward (issue 26). Every kernel keeps an output in
+//! of 64, in a prefill or in the trainer's forward. Every kernel keeps an output in
 //! one vector lane and carries its partial sum over k blocks, so each computes exactly this:
 //! - an engine's weights packed once per weight version ([`Packed`], lanes = outputs): below
 //!   [`matmul_panel::MIN_ROWS`] rows one load and one FMA per 16 outputs and row (decoding at
@@ -436,7 +436,7 @@ pub fn xwt_packed(x: &[f32], p: &Packed, m: usize) -> Option<Vec<f32>> {
         let out = Out(y.spare_capacity_mut().as_mut_ptr().cast::<f32>());
         // Split over the pool from 1 Mi multiply-adds (≈ 10 µs on one core): at 2 threads a
         // 64-row decode's k/v projections (2 Mi) and a 16-row one's q/o (1 Mi) ran on one thread
-        // under the old 4 Mi; A/B at 2 threads: 16 requests +6 to +14 %, 64 +6 to +9 %.
+        // under the old 4 Mi (the A/B: BENCHMARKS.md).
         let threads = if m * n * p.k >= 1 << 20 { rayon::current_num_threads() } else { 1 };
         let block = n.div_ceil(threads).next_multiple_of(64).max(64);
         let out = &out;

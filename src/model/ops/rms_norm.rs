@@ -52,7 +52,7 @@ pub(crate) fn backward<T: Real>(x: &[T], gy: &[T], w: &[T], eps: f64, dx: &mut [
     let d = w.len();
     // Rows in chunks of a fixed size, each with its own dw partial sum, added in chunk order: dw
     // is summed in one order whatever the thread count (a chunk per thread made a run's
-    // gradients depend on it, issue 26).
+    // gradients depend on it).
     let chunk_rows = DW_CHUNK_ROWS;
     let partials: Vec<Vec<T>> = dx
         .par_chunks_mut(chunk_rows * d)

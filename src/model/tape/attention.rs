@@ -8,7 +8,7 @@
 //! dV add up inside the task (no atomics, no per-head copies). The products are single-threaded
 //! gemm calls inside the task. P is kept for the backward ([B, H, T, T]); the mask is the
 //! additive bias [B, T, T] the candle path uses. The forward is the engine's fused attention
-//! kernel run on these slices (one summation order for sampling and training, issue 26).
+//! kernel run on these slices (one summation order for sampling and training).
 
 use rayon::prelude::*;
 

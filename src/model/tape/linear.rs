@@ -15,7 +15,7 @@ use crate::Result;
 ///
 /// In f32 every product is [`xwt`]'s fixed order and the adapter is added as the engine's
 /// [`Linear::forward`] adds it, `(x·Wᵀ + b) + (s·u)·Bᵀ`: the trainer's forward is the sampler's,
-/// bit for bit (issue 26).
+/// bit for bit.
 pub fn forward<T: Real>(lin: &Linear, x: &[T], n: usize) -> Result<(Vec<T>, Option<Vec<T>>)> {
     let (out, inp) = lin.weight.dims2()?;
     let w = Held::<T>::new(&lin.weight)?;

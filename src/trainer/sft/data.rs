@@ -19,7 +19,7 @@
 //!
 //! The eval set is `eval_file`, or else `eval_fraction` of the well-formed training rows, chosen
 //! by a permutation seeded with `shuffle_seed` (so the split is reproducible): oxrl's one eval
-//! split, [`split_eval`] (in [`super::eval_split`]).
+//! split, [`split_eval`] (in [`crate::trainer::eval_split`]).
 //!
 //! A malformed row (bad JSON, missing or mistyped fields, a role the template rejects) is an
 //! error naming its file and line (row for Parquet), or with `on_bad_row = "skip"` a warning and
@@ -32,11 +32,11 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 use crate::model::tokenizer::Tokenizer;
 use crate::rows::{read_rows, OnBadRow, RawRow, RowLocation};
-use crate::trainer::chat_mask::{tokenize_conversation, MaskError, MaskedTokens};
 use crate::trainer::config::{DataSection, TrainOn};
+use crate::trainer::sft::chat_mask::{tokenize_conversation, MaskError, MaskedTokens};
 
-/// The eval split of oxrl, defined in [`super::eval_split`]; re-exported where SFT used to own it.
-pub use super::eval_split::split_eval;
+/// The eval split of oxrl, defined in [`crate::trainer::eval_split`]; re-exported where SFT used to own it.
+pub use crate::trainer::eval_split::split_eval;
 
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 /// Skipped rows beyond this many are counted but not printed one by one.

@@ -1,5 +1,5 @@
 //! One RL step's numbers: from finished episodes and the forward passes over them to the datums
-//! of every mini-batch (specs/algorithms.md, every formula from `algo`).
+//! of every mini-batch (docs/specs/algorithms.md, every formula from `algo`).
 //!
 //! ```text
 //! per episode, over its sampled positions only (mask m; prompt and tool tokens excluded):
@@ -20,7 +20,7 @@
 //! `mean(−log p(sampled token))` under the sampler (exact in expectation at temperature 1).
 
 use crate::algo::{AdvantageEstimator, KlEstimator, LossReduction, Metrics, OffPolicyCorrection};
-use crate::trainer::rollouts::Episode;
+use crate::trainer::rl::episodes::Episode;
 use crate::worker::{Datum, LossFnInputs};
 use crate::{Error, Result};
 

@@ -1,6 +1,6 @@
 //! The RL run configuration: one TOML file with sections `[model]`, `[data]`, `[env]`,
 //! `[rollout]`, `[algorithm]`, `[critic]`, `[optimizer]`, `[schedule]`, `[train]`, `[async_rl]`,
-//! `[launch]` and `[output]`, resolved by [`config_file`](super::config_file) (defaults ← file ← `--set`).
+//! `[launch]` and `[output]`, resolved by [`config_file`](crate::trainer::config_file) (defaults ← file ← `--set`).
 //!
 //! Every field has a default, written on it; no field is an `Option` (an unset path is `""`, an
 //! unset limit `0`). `[model]`, `[optimizer]`, `[schedule]` and `[output]` are the SFT config's
@@ -14,17 +14,17 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
-use super::choice::unknown;
-use super::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
-use super::config_file::{ConfigPaths, Sources};
 use super::group::GroupFilter;
-use super::rl_step::StepRecipe;
+use super::step::StepRecipe;
 use crate::algo::{
     AdaptiveKlController, AdvantageEstimator, KlController, KlEstimator, Loss, LossReduction, OffPolicyCorrection,
 };
 use crate::env::EnvConfig;
 use crate::error::{Error, Result};
 use crate::rollout::SamplingParams;
+use crate::trainer::choice::unknown;
+use crate::trainer::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
+use crate::trainer::config_file::{ConfigPaths, Sources};
 
 crate::choice! {
     /// How generation and training alternate.
@@ -62,7 +62,7 @@ crate::choice! {
 }
 
 crate::choice! {
-    /// The advantage estimator (specs/algorithms.md).
+    /// The advantage estimator (docs/specs/algorithms.md).
     pub enum AdvantageName("advantage estimator") {
         Grpo = "grpo",
         Rloo = "rloo",
@@ -513,7 +513,7 @@ impl Default for LaunchSection {
 impl RlConfig {
     /// Defaults ← `file` ← `--set` overrides, then [`validate`](Self::validate).
     pub fn load(file: Option<&Path>, sets: &[String]) -> Result<Self> {
-        let (config, sources): (RlConfig, _) = super::config_file::resolve_with_sources(file, sets)?;
+        let (config, sources): (RlConfig, _) = crate::trainer::config_file::resolve_with_sources(file, sets)?;
         config.validate(&sources)?;
         Ok(config)
     }
@@ -774,7 +774,7 @@ impl RlConfig {
 
     /// The resolved config as TOML, for `oxrl config show` and `RUN_DIR/config.toml`.
     pub fn to_toml(&self) -> Result<String> {
-        super::config_file::to_toml_string(self)
+        crate::trainer::config_file::to_toml_string(self)
     }
 
     /// The policy loss: `algorithm.loss` with `algorithm.loss_config`, and the KL term

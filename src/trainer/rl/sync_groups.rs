@@ -12,15 +12,16 @@
 
 use serde_json::{Map, Value};
 
-use super::data_loader::DataLoader;
+use super::config::{DynamicSampling, RlConfig};
 use super::group::GroupSampler;
 use super::group::{Group, GroupFilter, GroupId};
 use super::group_source::GroupSource;
-use super::rl_config::{DynamicSampling, RlConfig};
 use super::rollout_stats::RolloutStats;
-use super::run_dir::{expect_position, DataPosition, TrainerState};
+use super::state::{expect_position, DataPosition, RlState};
 use crate::env::PromptRow;
 use crate::rollout::PauseMode;
+use crate::trainer::data_loader::DataLoader;
+use crate::trainer::run_dir::TrainerState;
 use crate::{Error, Result};
 
 pub struct SyncGroups<'a> {
@@ -37,7 +38,7 @@ impl<'a> SyncGroups<'a> {
         cfg: &RlConfig,
         sampler: &'a GroupSampler<'a>,
         train: &[PromptRow],
-        resumed: Option<&TrainerState>,
+        resumed: Option<&TrainerState<RlState>>,
     ) -> Result<Self> {
         let per_step = cfg.train.prompts_per_step;
         let mut loader = DataLoader::new(train.to_vec(), per_step, cfg.data.shuffle_seed, true);

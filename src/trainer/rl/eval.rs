@@ -3,12 +3,12 @@
 //! Across processes each evaluates its share of the prompts (prompt `i` is seeded by `i`, so
 //! the share does not change the episodes).
 
-use super::rl_config::RlConfig;
-use super::rollouts::{generate_groups, prompt_seed, Episode};
-use crate::dispatch::world::{share, World};
+use super::config::RlConfig;
+use super::episodes::{generate_groups, prompt_seed, Episode};
 use crate::env::PromptRow;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
+use crate::world::{share, World};
 use crate::Result;
 
 /// Accuracy of a set of episodes, `n` per prompt: pass@1 = mean correctness, pass@n = share of

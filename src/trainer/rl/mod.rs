@@ -8,8 +8,8 @@
 //!                  async (async_groups.rs): take groups generated in the background, staleness-bounded
 //!                        (under mpirun: process 0's, handed to the others — broadcast_groups.rs)
 //!     episodes = the groups' episodes, numbered by group                        (group.rs)
-//!     old      = policy.forward(episodes); ref, values if needed  # the step's anchor (rl_run.rs)
-//!     advantages, corrections, KL in reward                                     (rl_step.rs)
+//!     old      = policy.forward(episodes); ref, values if needed  # the step's anchor (run.rs)
+//!     advantages, corrections, KL in reward                                     (step.rs)
 //!     for epoch in update_epochs: for each mini-batch (whole groups):
 //!         policy.forward_backward(datums, loss); policy.optim_step(lr = schedule(step))
 //!         critic.forward_backward(value datums, value loss); critic.optim_step(critic lr)
@@ -26,30 +26,46 @@
 //! a ready [`Dispatch`] and engines through an [`EngineClient`]: never a device or a
 //! data-parallel size.
 
+pub mod async_groups;
+pub mod broadcast_groups;
+pub mod config;
+pub mod episodes;
+pub mod eval;
+pub mod group;
+pub mod group_source;
+pub mod prompt_stream;
+pub mod prompts;
+pub mod rollout_stats;
+pub mod run;
+pub mod staleness;
+pub mod state;
+pub mod step;
+pub mod sync_groups;
+
 use std::time::Instant;
 
 use serde_json::{json, Map};
 
-use super::async_groups::AsyncGroups;
-use super::broadcast_groups::BroadcastGroups;
-use super::group::step_episodes;
-use super::group::GroupSampler;
-use super::group_source::GroupSource;
-use super::rl_config::{Mode, RlConfig};
-use super::rl_run::RlRun;
-use super::rollout_stats::RolloutStats;
-use super::run_dir::{check_resumable, RunOptions};
-use super::sync_groups::SyncGroups;
-use crate::dispatch::world::{world, Single};
+use self::async_groups::AsyncGroups;
+use self::broadcast_groups::BroadcastGroups;
+use self::config::{Mode, RlConfig};
+use self::group::step_episodes;
+use self::group::GroupSampler;
+use self::group_source::GroupSource;
+use self::rollout_stats::RolloutStats;
+use self::run::RlRun;
+use self::sync_groups::SyncGroups;
 use crate::dispatch::Dispatch;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
+use crate::trainer::run_dir::{check_resumable, RunOptions};
+use crate::world::{world, Single};
 use crate::{Error, Result};
 
-pub use super::rl_eval::{evaluate, pass_rates};
-pub use super::rl_prompts::load_rl_prompts;
-pub use super::rl_run::RlSummary;
-pub use super::run_dir::EXPORT_DIR;
+pub use self::eval::{evaluate, pass_rates};
+pub use self::prompts::load_rl_prompts;
+pub use self::run::RlSummary;
+pub use crate::trainer::run_dir::EXPORT_DIR;
 
 /// Runs (or resumes) RL as `cfg` says, on the models of `dispatch` (`policy`, and `ref` /
 /// `critic` when the config needs them) and the sampling engines of `engines`, which must hold

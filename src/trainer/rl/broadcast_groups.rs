@@ -17,9 +17,9 @@ use serde_json::{Map, Value};
 use super::group::Group;
 use super::group_source::GroupSource;
 use super::rollout_stats::RolloutStats;
-use super::run_dir::DataPosition;
-use crate::dispatch::world::{decode, encode, World};
+use super::state::DataPosition;
 use crate::rollout::PauseMode;
+use crate::world::{decode, encode, World};
 use crate::{Error, Result};
 
 /// Process 0's source of groups, seen by every process.

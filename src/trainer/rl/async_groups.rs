@@ -40,16 +40,17 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
+use super::config::RlConfig;
 use super::group::GroupSampler;
 use super::group::{Group, GroupFilter, GroupId};
 use super::group_source::GroupSource;
 use super::prompt_stream::PromptStream;
-use super::rl_config::RlConfig;
 use super::rollout_stats::RolloutStats;
-use super::run_dir::{expect_position, DataPosition, StreamPosition, TrainerState};
 use super::staleness::Staleness;
+use super::state::{expect_position, DataPosition, RlState, StreamPosition};
 use crate::env::PromptRow;
 use crate::rollout::PauseMode;
+use crate::trainer::run_dir::TrainerState;
 use crate::{Error, Result};
 
 /// What the workers and the trainer share.
@@ -73,7 +74,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Generation> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::locks::lock(&self.state)
     }
 
     /// Applies `f` under the lock and wakes the waiting workers.
@@ -153,7 +154,7 @@ impl AsyncGroups {
         cfg: &RlConfig,
         sampler: &'env GroupSampler<'env>,
         train: &'env [PromptRow],
-        resumed: Option<&TrainerState>,
+        resumed: Option<&TrainerState<RlState>>,
     ) -> Result<AsyncGroups> {
         let (a, per_step) = (&cfg.async_rl, cfg.train.prompts_per_step);
         let concurrency = a.concurrency(per_step);

@@ -4,7 +4,7 @@
 //! open:   the run directory (new, or resumed: worker states, KL coefficient, evaluations),
 //!         the restored weights pushed to the engines
 //! train:  old = policy.forward(episodes); ref, values if needed          # the step's anchor
-//!         advantages, KL, corrections                                    (rl_step.rs)
+//!         advantages, KL, corrections                                    (step.rs)
 //!         for epoch: for mini-batch (whole groups): forward_backward + optim_step (policy, critic)
 //! push:   engines.update_weights(policy.sampler_weights())                # version = optimizer steps
 //! end:    metrics line, eval every eval_every, checkpoint every checkpoint_every
@@ -16,21 +16,22 @@ use std::time::Instant;
 
 use serde_json::{json, Map, Value};
 
-use super::model_ids::{CRITIC, POLICY, REFERENCE};
-use super::plot::{plot_rl_run, PlotConfig};
-use super::rl_config::{RlConfig, RlPlan};
-use super::rl_eval::evaluate;
-use super::rl_step::{critic_datums, minibatches, policy_datums, prepare, StepRecipe};
+use super::config::{RlConfig, RlPlan};
+use super::episodes::Episode;
+use super::eval::evaluate;
 use super::rollout_stats::RolloutStats;
-use super::rollouts::Episode;
-use super::run_dir::{DataPosition, RunDir, RunOptions, TrainerState};
+use super::state::{DataPosition, RlState};
+use super::step::{critic_datums, minibatches, policy_datums, prepare, StepRecipe};
 use crate::algo::{KlController, Metrics};
-use crate::dispatch::world::World;
 use crate::dispatch::Dispatch;
 use crate::env::PromptRow;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineClient, PauseMode};
+use crate::trainer::model_ids::{CRITIC, POLICY, REFERENCE};
+use crate::trainer::plot::{plot_rl_run, PlotConfig};
+use crate::trainer::run_dir::{RunDir, RunOptions, TrainerState};
 use crate::worker::{AdamParams, Datum, LrSchedule};
+use crate::world::World;
 use crate::Result;
 
 /// What a run did.
@@ -59,7 +60,7 @@ pub struct Trained {
     pub time_train: f64,
     /// max |sampler log-prob − trainer log-prob| over the step's sampled tokens, the trainer's
     /// taken before the step's update (NaN without episodes). Sync RL samples and trains on the
-    /// same weights, so any difference is numerics (issue 26: batch invariance makes it 0).
+    /// same weights, so any difference is numerics (batch invariance makes it 0).
     pub logprob_mismatch_max: f64,
 }
 
@@ -96,15 +97,15 @@ impl<'a> RlRun<'a> {
         tok: &'a Tokenizer,
         eval: &'a [PromptRow],
         opts: &RunOptions,
-    ) -> Result<(RlRun<'a>, Option<TrainerState>)> {
+    ) -> Result<(RlRun<'a>, Option<TrainerState<RlState>>)> {
         let mut models = vec![POLICY];
         if cfg.needs_critic() {
             models.push(CRITIC);
         }
         let total = cfg.train.max_steps;
-        let (dir, resumed) = RunDir::open(
+        let (dir, resumed): (RunDir, Option<TrainerState<RlState>>) = RunDir::open(
             &cfg.output.run_dir,
-            || super::config_file::absolutize(cfg)?.to_toml(),
+            || crate::trainer::config_file::absolutize(cfg)?.to_toml(),
             models,
             plot_rl,
             total,
@@ -126,9 +127,9 @@ impl<'a> RlRun<'a> {
         };
         if let Some(state) = &resumed {
             run.step = state.step;
-            run.evals = state.evals.iter().map(|(s, v)| (*s, value(v, 0), value(v, 1))).collect();
+            run.evals = state.trainer.evals.iter().map(|(s, v)| (*s, value(v, 0), value(v, 1))).collect();
             if let KlController::Adaptive(a) = &mut run.plan.kl {
-                a.coef = state.kl_coef;
+                a.coef = state.trainer.kl_coef;
             }
             engines.update_weights(&dispatch.sampler_weights(POLICY)?).wait()?;
         }
@@ -146,12 +147,14 @@ impl<'a> RlRun<'a> {
     }
 
     /// The checkpoint's trainer state after `self.step`, at data position `data`.
-    pub fn state(&self, data: DataPosition) -> TrainerState {
+    pub fn state(&self, data: DataPosition) -> TrainerState<RlState> {
         TrainerState {
             step: self.step,
-            data,
-            kl_coef: self.plan.kl.coef(),
-            evals: self.evals.iter().map(|&(s, p1, pn)| (s, vec![p1, pn])).collect(),
+            trainer: RlState {
+                data,
+                kl_coef: self.plan.kl.coef(),
+                evals: self.evals.iter().map(|&(s, p1, pn)| (s, vec![p1, pn])).collect(),
+            },
         }
     }
 

@@ -1,11 +1,11 @@
-//! What the RL loop ([`super::rl`]) takes a step's groups from: the synchronous step
+//! What the RL loop ([`super`]) takes a step's groups from: the synchronous step
 //! ([`super::sync_groups`]) or the asynchronous stream ([`super::async_groups`]).
 
 use serde_json::{Map, Value};
 
 use super::group::Group;
 use super::rollout_stats::RolloutStats;
-use super::run_dir::DataPosition;
+use super::state::DataPosition;
 use crate::rollout::PauseMode;
 use crate::Result;
 

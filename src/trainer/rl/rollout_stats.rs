@@ -2,7 +2,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::rollouts::Episode;
+use super::episodes::Episode;
 
 /// Everything generated in a step (trained or filtered): rewards, lengths, entropy.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]

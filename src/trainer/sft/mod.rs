@@ -15,23 +15,28 @@
 //! the parameters, AdamW moments, worker RNG, the loader position and the step, so it ends
 //! bit-for-bit where the uninterrupted run ends. Interruption (Ctrl-C, or `stop_after` in tests)
 //! is checked between steps and always leaves a checkpoint. The run directory (config, metrics,
-//! checkpoints, export) is [`super::run_dir`]'s, shared with the RL trainers.
+//! checkpoints, export) is [`crate::trainer::run_dir`]'s, shared with the RL trainers.
+
+pub mod chat_mask;
+pub mod data;
+pub mod state;
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use serde_json::Value;
 
-use super::config::SftConfig;
-use super::data_loader::DataLoader;
-use super::metrics::StepMetrics;
-use super::model_ids::POLICY;
-use super::plot::{plot_run, PlotConfig};
-use super::run_dir::{check_resumable, expect_position, DataPosition, RunDir, RunOptions, TrainerState};
-use super::sft_data::{load_sft_dataset, token_mean_datums, SftExample};
+use self::data::{load_sft_dataset, token_mean_datums, SftExample};
+use self::state::SftState;
 use crate::algo::Loss;
 use crate::dispatch::Dispatch;
 use crate::model::tokenizer::Tokenizer;
+use crate::trainer::config::SftConfig;
+use crate::trainer::data_loader::DataLoader;
+use crate::trainer::metrics::StepMetrics;
+use crate::trainer::model_ids::POLICY;
+use crate::trainer::plot::{plot_run, PlotConfig};
+use crate::trainer::run_dir::{check_resumable, RunDir, RunOptions, TrainerState};
 use crate::{Error, Result};
 
 /// What a run did.
@@ -89,15 +94,14 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
     let mut loader = DataLoader::new(data.train, cfg.train.batch_size, cfg.data.shuffle_seed, true);
     let total = if cfg.train.max_steps > 0 { cfg.train.max_steps } else { cfg.train.epochs * loader.steps_per_epoch() };
     // Absolute paths: the saved copy means the same config when loaded from the run directory.
-    let saved = || super::config_file::absolutize(cfg)?.to_toml();
+    let saved = || crate::trainer::config_file::absolutize(cfg)?.to_toml();
     let (mut run, resumed) = RunDir::open(&cfg.output.run_dir, saved, vec![POLICY], plot_sft, total, dispatch, opts)?;
 
     let (mut step, mut evals) = (0, vec![]);
     if let Some(state) = resumed {
-        if let DataPosition::Loader(position) = expect_position(&state, false)? {
-            loader.set_position(*position)?;
-        }
-        (step, evals) = (state.step, state.evals);
+        let state: TrainerState<SftState> = state;
+        loader.set_position(state.trainer.loader)?;
+        (step, evals) = (state.step, state.trainer.evals);
     }
     let schedule = cfg.schedule.schedule(total);
     let started = Instant::now();
@@ -146,17 +150,16 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
             pb.println(format!("step {step}: train loss {final_loss:.4}, eval loss {e:.4}"));
             run.plot()?;
         }
-        let state =
-            || TrainerState { step, data: DataPosition::Loader(loader.position()), kl_coef: 0.0, evals: evals.clone() };
+        let state = || TrainerState { step, trainer: SftState { loader: loader.position(), evals: evals.clone() } };
         run.checkpoint_if_due(dispatch, cfg.train.checkpoint_every, total, &state())?;
         if run.finish_now(step, dispatch)? {
             run.progress().println(format!("finished early at step {step}"));
             break;
         }
     }
-    let state = TrainerState { step, data: DataPosition::Loader(loader.position()), kl_coef: 0.0, evals };
+    let state = TrainerState { step, trainer: SftState { loader: loader.position(), evals } };
     let run_dir = run.root().to_path_buf();
     let export_dir = run.finish(dispatch, &state, total, interrupted, &cfg.model)?;
-    let eval_losses = state.evals.iter().map(|(s, v)| (*s, v.first().copied().unwrap_or(f64::NAN))).collect();
+    let eval_losses = state.trainer.evals.iter().map(|(s, v)| (*s, v.first().copied().unwrap_or(f64::NAN))).collect();
     Ok(SftSummary { steps: step, total_steps: total, final_loss, eval_losses, interrupted, run_dir, export_dir })
 }

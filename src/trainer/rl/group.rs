@@ -10,11 +10,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::rollouts::{generate_groups, prompt_seed, Episode};
-use crate::dispatch::world::{share, World};
+use super::episodes::{generate_groups, prompt_seed, Episode};
 use crate::env::{EnvConfig, PromptRow};
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineClient, SamplingParams};
+use crate::world::{share, World};
 use crate::Result;
 
 /// Where a group sits in the run: see the module docs.

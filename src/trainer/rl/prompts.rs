@@ -2,9 +2,9 @@
 //! `data.eval_file` or an `eval_fraction` held out by the one eval split of oxrl
 //! ([`split_eval`], the SFT trainer's too).
 
-use super::eval_split::split_eval;
-use super::rl_config::RlConfig;
+use super::config::RlConfig;
 use crate::env::{generate_arithmetic, load_prompts, sample_arithmetic, PromptOptions, PromptRow};
+use crate::trainer::eval_split::split_eval;
 use crate::Result;
 
 /// The train and eval prompts of a run.

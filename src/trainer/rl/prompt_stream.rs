@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 
-use super::data_loader::{epoch_seed, permutation};
+use crate::trainer::data_loader::{epoch_seed, permutation};
 use crate::{Error, Result};
 
 /// What a checkpoint keeps of the stream: every group's fate so far.
