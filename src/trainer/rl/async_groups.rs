@@ -38,7 +38,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::Scope;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Map, Value};
+use super::step_metrics::AsyncMetrics;
 
 use super::config::RlConfig;
 use super::group::GroupSampler;
@@ -269,15 +269,19 @@ impl GroupSource for AsyncGroups {
         });
     }
 
-    fn describe(&self, groups: &[Group], step: u64, line: &mut Map<String, Value>) {
+    fn describe(&self, groups: &[Group], step: u64) -> Option<AsyncMetrics> {
         let staleness: Vec<f64> = groups.iter().map(|g| (step - g.start_step) as f64).collect();
-        line.insert("time_wait_data_s".into(), json!(self.wait_data_s));
-        line.insert("time_wait_capacity_s".into(), json!(self.wait_capacity_s));
-        line.insert("staleness_mean".into(), json!(staleness.iter().sum::<f64>() / staleness.len().max(1) as f64));
-        line.insert("staleness_max".into(), json!(staleness.iter().copied().fold(0.0, f64::max)));
-        let mixed =
-            groups.iter().flat_map(|g| &g.episodes).filter(|e| e.versions.windows(2).any(|w| w[0] != w[1])).count();
-        line.insert("episodes_mixed_versions".into(), json!(mixed));
+        Some(AsyncMetrics {
+            time_wait_data_s: self.wait_data_s,
+            time_wait_capacity_s: self.wait_capacity_s,
+            staleness_mean: staleness.iter().sum::<f64>() / staleness.len().max(1) as f64,
+            staleness_max: staleness.iter().copied().fold(0.0, f64::max),
+            episodes_mixed_versions: groups
+                .iter()
+                .flat_map(|g| &g.episodes)
+                .filter(|e| e.versions.windows(2).any(|w| w[0] != w[1]))
+                .count(),
+        })
     }
 
     fn position(&self) -> DataPosition {

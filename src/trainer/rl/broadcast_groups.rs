@@ -11,8 +11,8 @@
 //! last one it sent (they write no checkpoint). Simplification: with engines in every process
 //! (no remote or job engines), only process 0's generate.
 
+use super::step_metrics::AsyncMetrics;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 
 use super::group::Group;
 use super::group_source::GroupSource;
@@ -92,10 +92,8 @@ impl<S: GroupSource> GroupSource for BroadcastGroups<'_, S> {
         }
     }
 
-    fn describe(&self, groups: &[Group], step: u64, line: &mut Map<String, Value>) {
-        if let Some(source) = &self.source {
-            source.describe(groups, step, line);
-        }
+    fn describe(&self, groups: &[Group], step: u64) -> Option<AsyncMetrics> {
+        self.source.as_ref().and_then(|source| source.describe(groups, step))
     }
 
     fn position(&self) -> DataPosition {

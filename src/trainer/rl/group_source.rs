@@ -1,11 +1,10 @@
 //! What the RL loop ([`super`]) takes a step's groups from: the synchronous step
 //! ([`super::sync_groups`]) or the asynchronous stream ([`super::async_groups`]).
 
-use serde_json::{Map, Value};
-
 use super::group::Group;
 use super::rollout_stats::RolloutStats;
 use super::state::DataPosition;
+use super::step_metrics::AsyncMetrics;
 use crate::rollout::PauseMode;
 use crate::Result;
 
@@ -24,8 +23,8 @@ pub trait GroupSource {
     fn pause_mode(&self) -> Option<PauseMode>;
     /// The step `step` (from 1) trained `groups` and its weights reached the engines.
     fn trained(&mut self, groups: &[Group], step: u64);
-    /// The source's own keys of the step's metrics line.
-    fn describe(&self, groups: &[Group], step: u64, line: &mut Map<String, Value>);
+    /// The source's own keys of the step's metrics line (the asynchronous source's).
+    fn describe(&self, groups: &[Group], step: u64) -> Option<AsyncMetrics>;
     /// Where the source is in the prompts, for a checkpoint.
     fn position(&self) -> DataPosition;
 }

@@ -40,11 +40,12 @@ pub mod run;
 pub mod staleness;
 pub mod state;
 pub mod step;
+pub mod step_metrics;
 pub mod sync_groups;
 
 use std::time::Instant;
 
-use serde_json::{json, Map};
+use self::step_metrics::RlStepMetrics;
 
 use self::async_groups::AsyncGroups;
 use self::broadcast_groups::BroadcastGroups;
@@ -158,23 +159,21 @@ fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary>
         source.trained(&groups, this_step);
 
         // Metrics, evaluation, checkpoint.
-        let mut line = Map::new();
-        line.insert("time_generate_s".into(), json!(time_generate));
-        line.insert("time_sync_s".into(), json!(time_sync));
         let elapsed = time_generate + trained.time_reference + trained.time_train + time_sync;
-        line.insert("samples_per_s".into(), json!(rollouts.generated as f64 / elapsed.max(1e-9)));
-        if let Some(v) = version {
-            line.insert("weight_version".into(), json!(v));
-        }
-        source.describe(&groups, this_step, &mut line);
         // Engines that fell (their requests went to the others) or rejoined during the step.
-        let events = run.engines.take_events();
-        for e in &events {
+        let engine_events = run.engines.take_events();
+        for e in &engine_events {
             run.dir.progress().println(format!("step {this_step}: {e}"));
         }
-        if !events.is_empty() {
-            line.insert("engine_events".into(), json!(events));
-        }
+        let line = RlStepMetrics {
+            time_generate_s: time_generate,
+            time_sync_s: time_sync,
+            samples_per_s: rollouts.generated as f64 / elapsed.max(1e-9),
+            weight_version: version,
+            source: source.describe(&groups, this_step),
+            engine_events,
+            ..Default::default()
+        };
         run.end_step(line, &rollouts, &trained, || source.position())?;
         if run.dir.finish_now(run.step, run.dispatch)? {
             run.dir.progress().println(format!("finished early at step {}", run.step));

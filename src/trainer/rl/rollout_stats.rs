@@ -1,6 +1,6 @@
 //! What a step generated, trained or filtered: the rollout half of its metrics line.
 
-use serde_json::{json, Map, Value};
+use super::step_metrics::RolloutMetrics;
 
 use super::episodes::Episode;
 
@@ -35,14 +35,15 @@ impl RolloutStats {
         mean(self.rewards.iter().copied())
     }
 
-    /// `reward_mean`, `correct_mean`, `response_length_mean`, `entropy_mean`, `episodes_generated`.
-    pub fn write(&self, line: &mut Map<String, Value>) {
-        line.insert("reward_mean".into(), json!(self.reward_mean()));
-        line.insert("correct_mean".into(), json!(mean(self.correct.iter().copied())));
-        line.insert("response_length_mean".into(), json!(mean(self.lengths.iter().copied())));
-        let entropy = if self.entropy.1 > 0.0 { self.entropy.0 / self.entropy.1 } else { f64::NAN };
-        line.insert("entropy_mean".into(), json!(entropy));
-        line.insert("episodes_generated".into(), json!(self.generated));
+    /// The step's rollout keys of its metrics line.
+    pub fn metrics(&self) -> RolloutMetrics {
+        RolloutMetrics {
+            reward_mean: self.reward_mean(),
+            correct_mean: mean(self.correct.iter().copied()),
+            response_length_mean: mean(self.lengths.iter().copied()),
+            entropy_mean: if self.entropy.1 > 0.0 { self.entropy.0 / self.entropy.1 } else { f64::NAN },
+            episodes_generated: self.generated,
+        }
     }
 }
 

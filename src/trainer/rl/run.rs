@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use serde_json::{json, Map, Value};
+use super::step_metrics::RlStepMetrics;
 
 use super::config::{RlConfig, RlPlan};
 use super::episodes::Episode;
@@ -248,7 +248,7 @@ impl<'a> RlRun<'a> {
     /// position for the checkpoint.
     pub fn end_step(
         &mut self,
-        mut line: Map<String, Value>,
+        mut line: RlStepMetrics,
         rollouts: &RolloutStats,
         trained: &Trained,
         data: impl FnOnce() -> DataPosition,
@@ -258,24 +258,23 @@ impl<'a> RlRun<'a> {
         let step = self.step;
         let reduced = trained.metrics.reduce();
         let metric = |name: &str| reduced.get(name).copied().unwrap_or(f64::NAN);
-        line.insert("step".into(), json!(step));
-        rollouts.write(&mut line);
-        line.insert("kl_mean".into(), json!(metric("kl:mean")));
-        line.insert("kl_coef".into(), json!(self.plan.kl.coef()));
-        line.insert("clip_fraction".into(), json!(metric("clip_fraction:mean")));
-        line.insert("loss".into(), json!(metric("loss:sum")));
-        line.insert("grad_norm".into(), json!(trained.grad_norm));
-        line.insert("lr".into(), json!(trained.lr));
-        line.insert("episodes_trained".into(), json!(trained.episodes));
-        line.insert("time_reference_s".into(), json!(trained.time_reference));
-        line.insert("time_train_s".into(), json!(trained.time_train));
-        line.insert("logprob_mismatch_max".into(), json!(trained.logprob_mismatch_max));
+        line.step = step;
+        line.rollouts = rollouts.metrics();
+        line.kl_mean = metric("kl:mean");
+        line.kl_coef = self.plan.kl.coef();
+        line.clip_fraction = metric("clip_fraction:mean");
+        line.loss = metric("loss:sum");
+        line.grad_norm = trained.grad_norm;
+        line.lr = trained.lr;
+        line.episodes_trained = trained.episodes;
+        line.time_reference_s = trained.time_reference;
+        line.time_train_s = trained.time_train;
+        line.logprob_mismatch_max = trained.logprob_mismatch_max;
         let eval_now =
             !self.eval.is_empty() && ((t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == t.max_steps);
         if eval_now {
             let (p1, pn) = evaluate(self.cfg, self.world, self.engines, self.tok, self.eval, t.seed ^ 0xE7A1)?;
-            line.insert("eval_pass_at_1".into(), json!(p1));
-            line.insert("eval_pass_at_n".into(), json!(pn));
+            (line.eval_pass_at_1, line.eval_pass_at_n) = (Some(p1), Some(pn));
             self.evals.push((step, p1, pn));
             self.dir.progress().println(format!(
                 "step {step}: reward {:.3}, eval pass@1 {p1:.3}, pass@{} {pn:.3}",
@@ -283,7 +282,7 @@ impl<'a> RlRun<'a> {
                 self.cfg.rollout.eval_samples
             ));
         }
-        self.dir.write_metrics(&Value::Object(line))?;
+        self.dir.write_metrics(&line)?;
         self.dir.progress().set_position(step as u64);
         self.dir.progress().set_message(format!("reward {:.3} kl {:.4}", rollouts.reward_mean(), metric("kl:mean")));
         if eval_now {

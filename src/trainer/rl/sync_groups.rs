@@ -10,7 +10,7 @@
 //! ```
 //! A resumed run restores the loader position, so it samples what an uninterrupted run does.
 
-use serde_json::{Map, Value};
+use super::step_metrics::AsyncMetrics;
 
 use super::config::{DynamicSampling, RlConfig};
 use super::group::GroupSampler;
@@ -85,7 +85,9 @@ impl GroupSource for SyncGroups<'_> {
 
     fn trained(&mut self, _groups: &[Group], _step: u64) {}
 
-    fn describe(&self, _groups: &[Group], _step: u64, _line: &mut Map<String, Value>) {}
+    fn describe(&self, _groups: &[Group], _step: u64) -> Option<AsyncMetrics> {
+        None
+    }
 
     fn position(&self) -> DataPosition {
         DataPosition::Loader(self.loader.position())
