@@ -4,6 +4,10 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+use oxrl::trainer::plot::{EVAL_COLOR, TRAIN_COLOR};
+
+use crate::png_pixels::{decode_png, mean_y, pixels_of};
+
 fn oxrl(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_oxrl")).args(args).output().expect("cannot run the oxrl binary")
 }
@@ -42,8 +46,19 @@ fn plots_one_metric_of_several_runs() {
         "async s=1",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let png = std::fs::read(&out).unwrap();
-    assert!(png.len() > 1000 && png.starts_with(b"\x89PNG"), "not a PNG");
+    // Each run is drawn in its own colour (the first two of the palette), both rising: low
+    // (large y) on the left, high on the right; the second ends higher than the first.
+    let img = decode_png(&out);
+    let (w, _, _) = img;
+    let mut ends = vec![];
+    for (run, color) in [("sync", TRAIN_COLOR), ("async s=1", EVAL_COLOR)] {
+        let px = pixels_of(&img, color);
+        assert!(px.len() > 50, "{run}: its series is not drawn");
+        let (left, right) = (mean_y(&px, 0, w / 3), mean_y(&px, 2 * w / 3, w));
+        assert!(left > right + 20.0, "{run}: rising rewards drawn from y {left} to {right}");
+        ends.push(right);
+    }
+    assert!(ends[1] < ends[0], "the run ending at 0.5 is drawn below the one ending at 0.4: {ends:?}");
 }
 
 #[test]

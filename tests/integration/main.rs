@@ -36,6 +36,7 @@ mod model_tape;
 mod mpi_rl;
 #[cfg(feature = "mpi")]
 mod mpi_sft;
+mod png_pixels;
 mod prompt_budgets;
 mod remote_engine;
 mod rl_async;

@@ -9,6 +9,8 @@ use oxrl::trainer::plot::{plot_rl_run, PlotConfig, EVAL_COLOR, RL_PLOTS, TRAIN_C
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
+use crate::png_pixels::{decode_png, mean_y, pixels_of};
+
 /// An RL step's line as the RL trainer writes it; eval keys only on eval steps.
 fn rl_line(step: usize, eval: bool) -> Value {
     let s = step as f64;
@@ -37,33 +39,6 @@ fn rl_line(step: usize, eval: bool) -> Value {
 fn write_lines(dir: &Path, lines: &[Value]) {
     let text: String = lines.iter().map(|l| l.to_string() + "\n").collect();
     std::fs::write(dir.join(METRICS_FILE), text).unwrap();
-}
-
-/// Decoded RGB pixels of a PNG: (width, height, rgb bytes).
-fn decode_png(path: &Path) -> (u32, u32, Vec<u8>) {
-    let decoder = png::Decoder::new(std::fs::File::open(path).unwrap());
-    let mut reader = decoder.read_info().unwrap();
-    let mut buf = vec![0; reader.output_buffer_size()];
-    let info = reader.next_frame(&mut buf).unwrap();
-    assert_eq!(info.color_type, png::ColorType::Rgb);
-    buf.truncate(info.buffer_size());
-    (info.width, info.height, buf)
-}
-
-/// Pixels of exactly `color` as (x, y).
-fn pixels_of(img: &(u32, u32, Vec<u8>), color: plotters::style::RGBColor) -> Vec<(u32, u32)> {
-    let (w, _, buf) = img;
-    buf.chunks(3)
-        .enumerate()
-        .filter(|(_, p)| (p[0], p[1], p[2]) == (color.0, color.1, color.2))
-        .map(|(i, _)| (i as u32 % w, i as u32 / w))
-        .collect()
-}
-
-fn mean_y(px: &[(u32, u32)], x0: u32, x1: u32) -> f64 {
-    let ys: Vec<f64> = px.iter().filter(|(x, _)| (x0..x1).contains(x)).map(|&(_, y)| y as f64).collect();
-    assert!(!ys.is_empty(), "no pixels in columns {x0}..{x1}");
-    ys.iter().sum::<f64>() / ys.len() as f64
 }
 
 #[test]
