@@ -92,7 +92,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// Additive attention bias [B, T, S]: query i (at cache offset `past`) sees key j iff
 /// j ≤ past + i and key j is real. A query always sees itself, so that padded queries (whose
 /// outputs are discarded) never have an empty row.
-pub(crate) fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
+pub fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
     let b = key_mask.len();
     let s = past + t;
     let mut bias = vec![0f32; b * t * s];

@@ -4,7 +4,7 @@
 //! The sampler sorts a whole vocabulary when top-p's nucleus is most of a flat row. Its keys are
 //! (weight bits above, id below) built in id order, so ordering them by the high half, stably,
 //! is the full order. About twice as fast as `sort_unstable` of the keys on a flat 152k row's
-//! top-p draw (`sampler::timing`, BENCHMARKS.md). Tried and slower: the
+//! top-p draw (`cargo bench --bench kernels sampler`, BENCHMARKS.md). Tried and slower: the
 //! `radsort` crate (byte digits over all 64 bits), and 11-bit digits over all 64 bits (2,048
 //! buckets scatter their writes over more lines than L1 holds).
 

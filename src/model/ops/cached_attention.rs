@@ -24,7 +24,7 @@
 //! `dots_f32_avx512`). Scratch: a few rows of S per task, nothing per query. Tasks are split
 //! over the rayon pool only when the call is worth a hand-off ([`MIN_PARALLEL_WORK`]).
 //!
-//! Measured (`timing::fused_vs_candle`, BENCHMARKS.md): faster than the candle path for decode
+//! Measured (`cargo bench --bench kernels attention`, BENCHMARKS.md): faster than the candle path for decode
 //! steps at every batch and for short prefills. The candle path was the better one for query blocks of 32 and more after a long cache (gemm's blocking
 //! pays), but it sums in gemm's order: every cached forward takes this op now, and the trainer's
 //! forward runs the same rows ([`forward_slices`]), so a token's log-prob is one set of bits
@@ -870,71 +870,5 @@ mod tests {
         let v = tensor(&[1, 1, 3, 8], 3, DType::F32);
         let out = cached_attention(q.as_tensor(), &k, &v, &bias(&[0], 2, 1), 1.0).unwrap();
         assert!(out.sum_all().unwrap().backward().is_err());
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    use super::*;
-    use candle_core::Device;
-
-    /// `cargo test --release --lib cached_attention::timing -- --ignored --nocapture`: µs per call
-    /// of the candle path and the fused op on the benchmark model's attention (H 4, KV 2, D 64),
-    /// one thread, for query blocks of T after `past` cached positions (past 0: a prefill), k
-    /// and v views of [B, KV, capacity, D] buffers as the cache hands out. "hot": one cache,
-    /// read again and again (in L2 when it fits); "cold": 32 MiB of caches in turn, as a decode
-    /// step reads every layer's cache from L3 or memory.
-    #[test]
-    #[ignore]
-    fn fused_vs_candle() {
-        // One thread: the candle path's products split by this pool (`ops::matmul`).
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        pool.install(|| {
-            let (h, kvh, d) = (4usize, 2usize, 64usize);
-            for (b, past) in
-                [(1usize, 0usize), (16, 0), (64, 0), (1, 32), (16, 32), (64, 16), (64, 40), (1, 200), (4, 1000)]
-            {
-                for t in [1, 2, 4, 8, 16, 24, 32, 48, 64] {
-                    let s = past + t;
-                    let cap = (2 * s).next_power_of_two().max(64usize);
-                    let q = Tensor::randn(0f32, 1.0, (b, h, t, d), &Device::Cpu).unwrap();
-                    let bytes = 2 * b * kvh * cap * d * 4;
-                    let caches: Vec<(Tensor, Tensor)> = (0..(32 << 20) / bytes + 1)
-                        .map(|_| {
-                            let kb = Tensor::randn(0f32, 1.0, (b, kvh, cap, d), &Device::Cpu).unwrap();
-                            let vb = Tensor::randn(0f32, 1.0, (b, kvh, cap, d), &Device::Cpu).unwrap();
-                            (kb.narrow(2, 0, s).unwrap(), vb.narrow(2, 0, s).unwrap())
-                        })
-                        .collect();
-                    let mask = vec![vec![1u8; s]; b];
-                    let bias = crate::model::transformer::attention_bias(&mask, past, t, &Device::Cpu).unwrap();
-                    let reps = (4_000_000 / (b * h * t * s * d)).clamp(4, 500);
-                    // The best of 9 rounds (the machine is shared: the minimum is the stable number).
-                    let time = |f: &dyn Fn(&(Tensor, Tensor)) -> Tensor, cold: bool| {
-                        let mut i = 0;
-                        (0..9)
-                            .map(|_| {
-                                let start = std::time::Instant::now();
-                                for _ in 0..reps {
-                                    i = if cold { (i + 1) % caches.len() } else { 0 };
-                                    f(&caches[i]);
-                                }
-                                start.elapsed().as_secs_f64() / reps as f64 * 1e6
-                            })
-                            .fold(f64::INFINITY, f64::min)
-                    };
-                    let candle = |kv: &(Tensor, Tensor)| reference(&q, &kv.0, &kv.1, &bias, 0.125).unwrap();
-                    let fused = |kv: &(Tensor, Tensor)| cached_attention(&q, &kv.0, &kv.1, &bias, 0.125).unwrap();
-                    let (ch, fh) = (time(&candle, false), time(&fused, false));
-                    let (cc, fc) = (time(&candle, true), time(&fused, true));
-                    println!(
-                        "B {b:3} past {past:4} T {t:3}: hot candle {ch:8.1} fused {fh:8.1} µs ({:.2}x)   \
-                         cold candle {cc:8.1} fused {fc:8.1} µs ({:.2}x)",
-                        ch / fh,
-                        cc / fc
-                    );
-                }
-            }
-        });
     }
 }

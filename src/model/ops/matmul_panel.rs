@@ -19,7 +19,7 @@
 //! that halved the speed. Panels of 64 rows (V = 4, R = 6) rather than 32 (V = 2, R = 12): one
 //! broadcast feeds four FMAs instead of two (10 loads per 24 FMAs, not 14), and at 64 rows W is
 //! read once per call, not twice; with the panel 64-byte aligned that made the 64-row kernel
-//! faster with W in L2 and in L3 alike (`matmul_wt::timing`; figures in BENCHMARKS.md).
+//! faster with W in L2 and in L3 alike (`cargo bench --bench kernels matmul`; figures in BENCHMARKS.md).
 
 /// Rows from which this kernel takes over from the small-rows one.
 pub const MIN_ROWS: usize = 16;
