@@ -247,6 +247,9 @@ fn extreme_values_are_errors_not_panics() {
     assert!(evaluate("0.0000000000000000000000000000000000000000001").is_err());
 }
 
+/// Random replies never panic, and every outcome is in range: a finite reward in [0, 1], the full
+/// reward exactly when the answer is correct (and only then), with the default and a set format
+/// reward.
 #[test]
 fn random_replies_never_panic() {
     use rand::rngs::StdRng;
@@ -259,6 +262,8 @@ fn random_replies_never_panic() {
         ("arithmetic", json!({"prompt": "p", "answer": 5})),
         ("calculator", json!({"prompt": "p", "answer": "3"})),
     ];
+    let configs = [EnvConfig::default(), EnvConfig { format_reward: Some(0.25), ..Default::default() }];
+    let mut correct = 0usize;
     for _ in 0..3000 {
         let len = rng.random_range(0..40);
         let mut text: String = (0..len).map(|_| alphabet[rng.random_range(0..alphabet.len())]).collect();
@@ -269,8 +274,37 @@ fn random_replies_never_panic() {
         let _ = answers_match(&text, "0.5");
         let _ = extract_final_answer(&text);
         for (name, row) in &envs {
-            let mut env = make_env(name, row, &EnvConfig::default()).unwrap();
-            let _ = env.step(&text);
+            for cfg in &configs {
+                let mut env = make_env(name, row, cfg).unwrap();
+                if let Step::Done(o) = env.step(&text) {
+                    check(name, &text, &o);
+                    correct += o.correct as usize;
+                }
+            }
         }
     }
+    // Correct replies, so that the full-reward branch is checked too.
+    for (name, reply) in [
+        ("math", "\\boxed{0.5}"),
+        ("countdown", "<answer>1+2+3</answer>"),
+        ("arithmetic", "Answer: 5"),
+        ("calculator", "Answer: 3"),
+    ] {
+        let row = &envs.iter().find(|(n, _)| *n == name).unwrap().1;
+        for cfg in &configs {
+            match make_env(name, row, cfg).unwrap().step(reply) {
+                Step::Done(o) => {
+                    assert!(o.correct, "{name}: {reply:?} is correct: {o:?}");
+                    check(name, reply, &o);
+                }
+                other => panic!("{name}: {reply:?} did not end the episode: {other:?}"),
+            }
+        }
+    }
+    println!("{correct} random replies were correct");
+}
+
+fn check(name: &str, reply: &str, o: &oxrl::env::Outcome) {
+    assert!(o.reward.is_finite() && (0.0..=1.0).contains(&o.reward), "{name}: {reply:?}: reward {}", o.reward);
+    assert_eq!(o.correct, o.reward == 1.0, "{name}: {reply:?}: correct {} with reward {}", o.correct, o.reward);
 }
