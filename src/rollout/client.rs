@@ -25,34 +25,17 @@ use super::engine::{Engine, EngineHealth, Ticket};
 use super::engine_core::PauseMode;
 use super::request::{Generation, Request, RequestOutput, StopReason, TopLogprobs};
 use super::sampling_engine::{join_all, SamplingEngine};
-use super::weight_broadcast;
+use super::shared_engines::Sharing;
 use crate::handle::{self, Handle, Reply};
 use crate::locks::lock;
 use crate::model::SamplerWeights;
-use crate::world::{decode, encode, World};
+use crate::world::World;
 use crate::{Error, Result};
 
 pub struct EngineClient {
     shared: Arc<Shared>,
+    /// Engines shared with the other processes of the job (see [`Sharing`]).
     sharing: Option<Sharing>,
-}
-
-/// Engines of their own that the trainer's processes share (remote, or processes of its MPI
-/// job): process 0 alone pauses, resumes and updates them — over the job's engine link when
-/// they are its processes, else over their APIs — and every process waits at the update until
-/// it is done, so that none samples the next step on the old weights.
-struct Sharing {
-    world: &'static dyn World,
-    /// The job's engine link and the engines' URLs (its ranks 1, 2, …).
-    link: Option<(&'static dyn World, Vec<String>)>,
-}
-
-/// How an update went, as process 0 tells the others.
-#[derive(serde::Serialize, serde::Deserialize)]
-enum Verdict {
-    Applied,
-    Down(String),
-    Failed(String),
 }
 
 struct Shared {
@@ -126,12 +109,12 @@ impl EngineClient {
     /// These engines, shared by the processes of `world` (see [`Sharing`]); `link`: they are
     /// the processes of the MPI job's engine link, at `urls`.
     pub fn shared_by(self, world: &'static dyn World, link: Option<(&'static dyn World, Vec<String>)>) -> Self {
-        EngineClient { sharing: (world.size() > 1 || link.is_some()).then_some(Sharing { world, link }), ..self }
+        EngineClient { sharing: Sharing::new(world, link), ..self }
     }
 
     /// Whether this process leaves pause, resume and updates to process 0.
     fn follower(&self) -> bool {
-        self.sharing.as_ref().is_some_and(|s| s.world.rank() != 0)
+        self.sharing.as_ref().is_some_and(Sharing::follower)
     }
 
     pub fn engines(&self) -> &[Box<dyn SamplingEngine>] {
@@ -225,27 +208,7 @@ impl EngineClient {
     /// call then returns once every process knows the update done).
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
         let Some(sharing) = &self.sharing else { return self.update_own(weights) };
-        let mine = match (sharing.world.rank(), &sharing.link) {
-            (0, Some((link, urls))) => weight_broadcast::send_weights(*link, urls, weights),
-            (0, None) => self.update_own(weights).wait(),
-            _ => Ok(()),
-        };
-        let verdict = match mine {
-            Ok(()) => Verdict::Applied,
-            Err(Error::EngineDown(why)) => Verdict::Down(why),
-            Err(e) => Verdict::Failed(e.to_string()),
-        };
-        let agreed = encode(&verdict).and_then(|v| {
-            let mut v = v;
-            sharing.world.broadcast(0, &mut v)?;
-            decode(&v)
-        });
-        Handle::ready(match agreed {
-            Ok(Verdict::Applied) => Ok(()),
-            Ok(Verdict::Down(why)) => Err(Error::EngineDown(why)),
-            Ok(Verdict::Failed(why)) => Err(Error::Other(why)),
-            Err(e) => Err(e),
-        })
+        Handle::ready(sharing.update(weights, || self.update_own(weights).wait()))
     }
 
     /// [`EngineClient::update_weights`] by this process.

@@ -12,7 +12,8 @@
 //! - [`sampling_engine`]: what the client needs of an engine, local or remote.
 //! - [`remote_engine`]: an engine in another process (`oxrl engine`), over [`engine_api`].
 //! - [`weight_broadcast`]: weights to the engines of the trainer's MPI job, over MPI.
-//! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all.
+//! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all;
+//!   `shared_engines`: engines shared by the processes of a job, led by process 0.
 //! - [`chat`]: messages in, the assistant's reply out (with the tokens the trainer needs).
 //! - [`generate`]: every prompt through a private engine in one call (`oxrl generate`).
 
@@ -30,6 +31,7 @@ mod row_math;
 pub mod sampler;
 pub mod sampling_engine;
 pub mod scheduler;
+mod shared_engines;
 pub mod top_logprobs;
 pub mod weight_broadcast;
 
