@@ -1,11 +1,11 @@
 //! `metrics.jsonl` (write, read back, resume) and `loss.png` (a valid PNG of the right size that
 //! draws the data it was given).
 
-use std::path::Path;
-
 use oxrl::trainer::metrics::{read_metrics, MetricsWriter, StepMetrics, METRICS_FILE};
 use oxrl::trainer::plot::{plot_loss, plot_run, PlotConfig, EVAL_COLOR, LOSS_PLOT_FILE, TRAIN_COLOR};
 use serde_json::{json, Value};
+
+use crate::png_pixels::{decode_png, mean_y, pixels_of};
 
 fn record(step: usize, loss: f64, eval_loss: Option<f64>) -> StepMetrics {
     StepMetrics {
@@ -62,34 +62,6 @@ fn metrics_lines_round_trip_and_resume_drops_later_steps() {
     assert!(e.contains("metrics.jsonl") && e.contains("line 1"), "{e}");
 }
 
-/// Decoded RGB pixels of a PNG: (width, height, rgb bytes).
-fn decode_png(path: &Path) -> (u32, u32, Vec<u8>) {
-    let decoder = png::Decoder::new(std::fs::File::open(path).unwrap());
-    let mut reader = decoder.read_info().unwrap();
-    let mut buf = vec![0; reader.output_buffer_size()];
-    let info = reader.next_frame(&mut buf).unwrap();
-    assert_eq!(info.color_type, png::ColorType::Rgb);
-    buf.truncate(info.buffer_size());
-    (info.width, info.height, buf)
-}
-
-/// Pixels of exactly `color` as (x, y).
-fn pixels_of(img: &(u32, u32, Vec<u8>), color: (u8, u8, u8)) -> Vec<(u32, u32)> {
-    let (w, _, buf) = img;
-    buf.chunks(3)
-        .enumerate()
-        .filter(|(_, p)| (p[0], p[1], p[2]) == color)
-        .map(|(i, _)| (i as u32 % w, i as u32 / w))
-        .collect()
-}
-
-/// Mean row (y, 0 at the top) of the pixels in the columns `[x0, x1)`.
-fn mean_y(px: &[(u32, u32)], x0: u32, x1: u32) -> f64 {
-    let ys: Vec<f64> = px.iter().filter(|(x, _)| (x0..x1).contains(x)).map(|&(_, y)| y as f64).collect();
-    assert!(!ys.is_empty(), "no pixels in columns {x0}..{x1}");
-    ys.iter().sum::<f64>() / ys.len() as f64
-}
-
 #[test]
 fn loss_plot_is_a_png_of_the_requested_size_that_draws_the_curves() {
     let dir = tempfile::tempdir().unwrap();
@@ -101,8 +73,7 @@ fn loss_plot_is_a_png_of_the_requested_size_that_draws_the_curves() {
     plot_loss(&path, &train, &eval, &cfg).unwrap();
     let img = decode_png(&path);
     assert_eq!((img.0, img.1), (640, 400));
-    let rgb = |c: plotters::style::RGBColor| (c.0, c.1, c.2);
-    let (tr, ev) = (pixels_of(&img, rgb(TRAIN_COLOR)), pixels_of(&img, rgb(EVAL_COLOR)));
+    let (tr, ev) = (pixels_of(&img, TRAIN_COLOR), pixels_of(&img, EVAL_COLOR));
     assert!(tr.len() > 300 && ev.len() > 100, "train {} and eval {} pixels", tr.len(), ev.len());
     // A falling curve: the train pixels are high on the left and low on the right.
     let (left, right) = (mean_y(&tr, 0, 200), mean_y(&tr, 440, 640));
@@ -116,9 +87,9 @@ fn loss_plot_is_a_png_of_the_requested_size_that_draws_the_curves() {
     let up = dir.path().join("up.png");
     plot_loss(&up, &rising, &[], &cfg).unwrap();
     let img = decode_png(&up);
-    let tr = pixels_of(&img, rgb(TRAIN_COLOR));
+    let tr = pixels_of(&img, TRAIN_COLOR);
     assert!(mean_y(&tr, 0, 200) > mean_y(&tr, 440, 640) + 100.0);
-    assert!(pixels_of(&img, rgb(EVAL_COLOR)).is_empty(), "no eval series, no eval pixels");
+    assert!(pixels_of(&img, EVAL_COLOR).is_empty(), "no eval series, no eval pixels");
 }
 
 #[test]
@@ -134,5 +105,5 @@ fn plot_run_reads_metrics_and_writes_loss_png() {
     assert_eq!(path, dir.path().join(LOSS_PLOT_FILE));
     let img = decode_png(&path);
     assert_eq!((img.0, img.1), (800, 500));
-    assert!(!pixels_of(&img, (EVAL_COLOR.0, EVAL_COLOR.1, EVAL_COLOR.2)).is_empty());
+    assert!(!pixels_of(&img, EVAL_COLOR).is_empty());
 }
