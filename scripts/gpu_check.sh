@@ -166,7 +166,7 @@ fi
     done
     [ -s "$OUT/tests_on.log" ] && echo "fused ops (kernel vs reference, worst per op and dtype):"
     [ -s "$OUT/tests_on.log" ] && grep -h 'max relative difference' "$OUT/tests_on.log" \
-        | sed -E 's/: (values|gradient [0-9]+) max relative difference/:/; s/ d=[0-9]+: max relative difference/:/' \
+        | sed -E 's/^test [^ ]+ \.\.\. //; s/: (values|gradient [0-9]+) max relative difference/:/; s/ d=[0-9]+: max relative difference/:/' \
         | awk -F': ' '{ if (!($1 in w) || $2 + 0 > w[$1] + 0) w[$1] = $2 } END { for (k in w) printf "  %s %s\n", k, w[k] }' \
         | sort
     cat "$OUT/launches.txt" "$OUT/profile.txt"
