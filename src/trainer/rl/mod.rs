@@ -45,8 +45,6 @@ pub mod sync_groups;
 
 use std::time::Instant;
 
-use self::step_metrics::RlStepMetrics;
-
 use self::async_groups::AsyncGroups;
 use self::broadcast_groups::BroadcastGroups;
 use self::config::{Mode, RlConfig};
@@ -55,6 +53,7 @@ use self::group::GroupSampler;
 use self::group_source::GroupSource;
 use self::rollout_stats::RolloutStats;
 use self::run::RlRun;
+use self::step_metrics::RlStepMetrics;
 use self::sync_groups::SyncGroups;
 use crate::dispatch::Dispatch;
 use crate::model::tokenizer::Tokenizer;
