@@ -1,5 +1,6 @@
 //! The crate's error type: every variant names the file, field or tensor at fault; and the
-//! "did you mean" rule for unknown names and keys ([`nearest_name`]), used by every such error.
+//! "did you mean" rule for unknown names and keys ([`nearest_name`], [`did_you_mean`]), used by every
+//! such error.
 
 use std::path::PathBuf;
 
@@ -45,6 +46,18 @@ impl Error {
 /// edit), else the first that contains the word (an abbreviation: `clip_low` for
 /// `clip_low_threshold`; words of 3 chars or more, as shorter ones are in too many names).
 /// Ties go to the first candidate.
+/// `; did you mean `candidate`?`: the one wording of every suggestion in oxrl's messages.
+pub fn did_you_mean(candidate: &str) -> String {
+    format!("; did you mean `{candidate}`?")
+}
+
+/// The message for a name (of a `kind` such as "mode") that is not one of `valid`: the nearest
+/// valid name ([`nearest_name`]) and every valid one.
+pub fn unknown_name_message(kind: &str, name: &str, valid: &[&str]) -> String {
+    let hint = nearest_name(name, valid).map(did_you_mean).unwrap_or_default();
+    format!("unknown {kind} `{name}`{hint} (valid: {})", valid.join(", "))
+}
+
 pub fn nearest_name<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
     let budget = (word.chars().count() / 3).max(1);
     let nearest = candidates

@@ -28,6 +28,7 @@
 pub mod actor;
 pub mod algo;
 pub mod bench;
+pub mod choice;
 pub mod cli;
 pub mod dates;
 pub mod dispatch;

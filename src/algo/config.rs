@@ -7,7 +7,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::error::nearest_name;
+use crate::error::{did_you_mean, nearest_name};
 use crate::{Error, Result};
 
 /// A validated view of one config object, for the consumer called `owner` (e.g. "loss `ppo`").
@@ -82,13 +82,10 @@ pub fn unknown_name(kind: &str, name: &str, valid: &[&str]) -> Error {
 }
 
 fn suggestion(word: &str, valid: &[&str]) -> String {
-    let did_you_mean = match nearest_name(word, valid) {
-        Some(candidate) => format!("; did you mean `{candidate}`?"),
-        None => String::new(),
-    };
+    let hint = nearest_name(word, valid).map(did_you_mean).unwrap_or_default();
     if valid.is_empty() {
-        format!("{did_you_mean} (this takes no config keys)")
+        format!("{hint} (this takes no config keys)")
     } else {
-        format!("{did_you_mean} (valid: {})", valid.join(", "))
+        format!("{hint} (valid: {})", valid.join(", "))
     }
 }

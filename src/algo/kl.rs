@@ -13,40 +13,20 @@
 
 use candle_core::Tensor;
 
-use super::config::unknown_name;
 use super::masking::zero_where_masked;
 use crate::Result;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KlEstimator {
-    K1,
-    K2,
-    K3,
-    Abs,
+crate::choice! {
+    /// The estimator `k(lp, ref)` of the KL to the reference, per token.
+    pub enum KlEstimator("KL estimator") {
+        K1 = "k1",
+        K2 = "k2",
+        K3 = "k3",
+        Abs = "abs",
+    }
 }
 
 impl KlEstimator {
-    pub const NAMES: [&'static str; 4] = ["k1", "k2", "k3", "abs"];
-
-    pub fn from_name(name: &str) -> Result<Self> {
-        match name {
-            "k1" => Ok(Self::K1),
-            "k2" => Ok(Self::K2),
-            "k3" => Ok(Self::K3),
-            "abs" => Ok(Self::Abs),
-            _ => Err(unknown_name("KL estimator", name, &Self::NAMES)),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::K1 => "k1",
-            Self::K2 => "k2",
-            Self::K3 => "k3",
-            Self::Abs => "abs",
-        }
-    }
-
     /// The estimate at every token, 0 where `mask` (u8) is 0. Any shape; `lp`, `ref_lp`, `mask`
     /// of the same shape; the result has `lp`'s dtype.
     pub fn per_token(self, lp: &Tensor, ref_lp: &Tensor, mask: &Tensor) -> Result<Tensor> {

@@ -122,7 +122,7 @@ impl PolicyLoss {
             _ => PolicyObjective::ImportanceSampling,
         };
         let kl_estimator = match c.optional_str("kl_estimator")? {
-            Some(estimator) => KlEstimator::from_name(estimator)?,
+            Some(estimator) => KlEstimator::from_name(estimator).map_err(crate::Error::input)?,
             None => KlEstimator::K3,
         };
         Ok(PolicyLoss {

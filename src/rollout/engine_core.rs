@@ -90,15 +90,15 @@ impl Default for EngineConfig {
     }
 }
 
-/// How a pause treats requests in flight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PauseMode {
-    /// Running requests end now with what they have, stop reason `abort`.
-    Abort,
-    /// Running requests freeze and continue after `resume` where they were (a weight update in
-    /// between recomputes their KV caches under the new weights).
-    Keep,
+crate::choice! {
+    /// How a pause treats requests in flight (a run config's `async_rl.weight_update` too).
+    pub enum PauseMode("weight update mode") {
+        /// Running requests freeze and continue after `resume` where they were (a weight update in
+        /// between recomputes their KV caches under the new weights).
+        Keep = "keep",
+        /// Running requests end now with what they have, stop reason `abort`.
+        Abort = "abort",
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

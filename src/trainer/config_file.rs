@@ -35,7 +35,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use toml::{Table, Value};
 
-use crate::error::{nearest_name, Error, Result};
+use crate::error::{did_you_mean, nearest_name, Error, Result};
 
 /// The path fields of a config type, which a config file gives relative to itself.
 pub trait ConfigPaths {
@@ -323,7 +323,7 @@ fn merge(base: &mut Table, over: Table, prefix: &str, valid: &[String], open: &[
         let Some(slot) = base.get_mut(&key) else {
             // Suggest against the whole schema, so a key in the wrong section is found too.
             let hint = match suggest(&full, valid) {
-                Some(s) => format!("; did you mean `{s}`?"),
+                Some(s) => did_you_mean(&s),
                 None => format!("; valid keys here: {}", base.keys().cloned().collect::<Vec<_>>().join(", ")),
             };
             return Err(origin.error(&full, format!("unknown key{hint}")));

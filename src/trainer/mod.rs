@@ -16,7 +16,7 @@
 //! - [`run_dir`]: the run directory both trainers write — new vs resume, `config.toml`,
 //!   `metrics.jsonl`, plots, checkpoints in one layout, the final export, Ctrl-C, `finish_when`.
 //! - [`config_file`]: TOML run configs — defaults, file, `--set` overrides, checked keys with
-//!   suggestions; generic over the config type. [`choice`]: closed choices as enums.
+//!   suggestions; generic over the config type (closed choices as enums: [`crate::choice`]).
 //! - [`config`]: the SFT config and the sections RL shares (`[model]`, `[data]`, `[optimizer]`,
 //!   `[schedule]`, `[train]`, `[output]`); [`model_ids`]: the ids of a run's models.
 //! - [`eval_split`]: the one eval split of oxrl (a seeded fraction of the items held out), SFT's
@@ -26,7 +26,6 @@
 //!
 //! Like every trainer, nothing here knows the data-parallel size or the device.
 
-pub mod choice;
 pub mod config;
 pub mod config_file;
 pub mod data_loader;

@@ -20,9 +20,9 @@ use crate::algo::{
     AdaptiveKlController, AdvantageEstimator, KlController, KlEstimator, Loss, LossReduction, OffPolicyCorrection,
 };
 use crate::env::EnvConfig;
+use crate::error::unknown_name_message as unknown;
 use crate::error::{Error, Result};
-use crate::rollout::SamplingParams;
-use crate::trainer::choice::unknown;
+use crate::rollout::{PauseMode, SamplingParams};
 use crate::trainer::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
 use crate::trainer::config_file::{ConfigPaths, Sources};
 
@@ -33,16 +33,6 @@ crate::choice! {
         Sync = "sync",
         /// Generation never waits for training (see `[async_rl]`); weights are updated in flight.
         Async = "async",
-    }
-}
-
-crate::choice! {
-    /// How engines take new weights in flight (async mode).
-    pub enum WeightUpdate("weight update mode") {
-        /// Running requests freeze, weights swap, their caches are recomputed, decoding continues.
-        Keep = "keep",
-        /// Running requests end and continue on the new weights.
-        Abort = "abort",
     }
 }
 
@@ -80,16 +70,6 @@ crate::choice! {
         /// Needs `algorithm.max_seq_len`.
         SeqMeanTokenSumNorm = "seq_mean_token_sum_norm",
         PromptMean = "prompt_mean",
-    }
-}
-
-crate::choice! {
-    /// The KL estimator `k(lp, ref)`.
-    pub enum KlEstimatorName("KL estimator") {
-        K1 = "k1",
-        K2 = "k2",
-        K3 = "k3",
-        Abs = "abs",
     }
 }
 
@@ -349,7 +329,7 @@ pub struct KlSection {
     /// Coefficient; 0 (the default) turns the penalty off and no reference model is loaded.
     pub coef: f64,
     /// Estimator: `k1`, `k2`, `k3` (the default) or `abs`.
-    pub estimator: KlEstimatorName,
+    pub estimator: KlEstimator,
     /// false (the default): a per-token term of the policy loss (its `kl_coef`); true:
     /// subtracted from the token rewards before the advantages.
     pub in_reward: bool,
@@ -365,7 +345,7 @@ impl Default for KlSection {
     fn default() -> Self {
         KlSection {
             coef: 0.0,
-            estimator: KlEstimatorName::K3,
+            estimator: KlEstimator::K3,
             in_reward: false,
             adaptive: false,
             target: 0.1,
@@ -439,12 +419,12 @@ pub struct AsyncSection {
     /// How engines take new weights in flight: `keep` (running requests freeze, weights swap,
     /// their caches are recomputed, decoding continues) or `abort` (running requests end and
     /// continue on the new weights). Default `keep`.
-    pub weight_update: WeightUpdate,
+    pub weight_update: PauseMode,
 }
 
 impl Default for AsyncSection {
     fn default() -> Self {
-        AsyncSection { max_staleness: 1, max_concurrent: 0, weight_update: WeightUpdate::Keep }
+        AsyncSection { max_staleness: 1, max_concurrent: 0, weight_update: PauseMode::Keep }
     }
 }
 
@@ -459,11 +439,8 @@ impl AsyncSection {
     }
 
     /// The engines' pause mode for a weight update.
-    pub fn pause_mode(&self) -> crate::rollout::PauseMode {
-        match self.weight_update {
-            WeightUpdate::Abort => crate::rollout::PauseMode::Abort,
-            WeightUpdate::Keep => crate::rollout::PauseMode::Keep,
-        }
+    pub fn pause_mode(&self) -> PauseMode {
+        self.weight_update
     }
 }
 
@@ -820,7 +797,7 @@ impl RlConfig {
 
     /// The KL estimator of `algorithm.kl.estimator`.
     pub fn kl_estimator(&self) -> Result<KlEstimator> {
-        KlEstimator::from_name(self.algorithm.kl.estimator.name())
+        Ok(self.algorithm.kl.estimator)
     }
 
     /// The KL coefficient over the run: fixed, or adaptive toward `kl.target`.

@@ -1,18 +1,12 @@
-//! Closed choices in run configs: fieldless enums written in TOML as one of their names.
+//! Closed choices: fieldless enums written (in run configs, on the wire) as one of their names,
+//! declared once where they belong (an algorithm's in `algo`, a pause mode in `rollout`) and held
+//! as they are by the configs that choose them.
 //!
 //! [`choice!`] declares such an enum with its names and the kind of thing it names, and gives
 //! it `Serialize`/`Deserialize` as those names. An unknown name is a deserialisation error that
 //! names the kind, suggests the nearest valid name and lists them all (`unknown mode `asyncc`;
 //! did you mean `async`? (valid: sync, async)`); the config resolver prefixes the dotted key and
 //! where the value came from. Parsing happens once, when the config is loaded.
-
-use crate::error::nearest_name;
-
-/// The message for an unknown name of a closed choice.
-pub fn unknown(kind: &str, name: &str, valid: &[&str]) -> String {
-    let hint = nearest_name(name, valid).map(|n| format!("; did you mean `{n}`?")).unwrap_or_default();
-    format!("unknown {kind} `{name}`{hint} (valid: {})", valid.join(", "))
-}
 
 /// `choice! { /// docs
 ///     pub enum Mode("mode") { /// docs
@@ -41,7 +35,7 @@ macro_rules! choice {
             pub fn from_name(name: &str) -> ::std::result::Result<Self, String> {
                 match name {
                     $($text => Ok($name::$variant),)+
-                    _ => Err($crate::trainer::choice::unknown(Self::KIND, name, Self::NAMES)),
+                    _ => Err($crate::error::unknown_name_message(Self::KIND, name, Self::NAMES)),
                 }
             }
         }
