@@ -13,10 +13,22 @@ use std::hash::Hash;
 
 use serde_json::Value;
 
-use super::config::{unknown_name, ConfigObject};
+use super::config::ConfigObject;
 use super::discounted_returns::{gae, reinforce_plus_plus, AdvantagesAndReturns};
 use super::group_advantages::{broadcast_over_mask, grpo_advantages, rloo_advantages, sequence_scores};
 use crate::{Error, Result};
+
+crate::choice! {
+    /// Which advantage estimator (what a run config names; [`AdvantageEstimator::of`] builds it
+    /// with its settings).
+    pub enum AdvantageKind("advantage estimator") {
+        Grpo = "grpo",
+        Rloo = "rloo",
+        ReinforcePlusPlus = "reinforce++",
+        /// Trains a critic.
+        Gae = "gae",
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum AdvantageEstimator {
@@ -27,12 +39,18 @@ pub enum AdvantageEstimator {
 }
 
 impl AdvantageEstimator {
-    pub const NAMES: [&'static str; 4] = ["grpo", "rloo", "reinforce++", "gae"];
+    pub const NAMES: &'static [&'static str] = AdvantageKind::NAMES;
 
+    /// The estimator called `name`, with the settings of `config`.
     pub fn from_config(name: &str, config: &Value) -> Result<Self> {
-        let owner = format!("advantage estimator `{name}`");
-        match name {
-            "grpo" => {
+        Self::of(AdvantageKind::from_name(name).map_err(Error::input)?, config)
+    }
+
+    /// The estimator `kind`, with the settings of `config` (the keys it takes, and no others).
+    pub fn of(kind: AdvantageKind, config: &Value) -> Result<Self> {
+        let owner = format!("advantage estimator `{kind}`");
+        match kind {
+            AdvantageKind::Grpo => {
                 let c = ConfigObject::new(owner, config, &["norm_by_std"])?;
                 let norm_by_std = match config.get("norm_by_std") {
                     None | Some(Value::Null) => true,
@@ -41,19 +59,18 @@ impl AdvantageEstimator {
                 };
                 Ok(Self::Grpo { norm_by_std })
             }
-            "rloo" => {
+            AdvantageKind::Rloo => {
                 ConfigObject::new(owner, config, &[])?;
                 Ok(Self::Rloo)
             }
-            "reinforce++" => {
+            AdvantageKind::ReinforcePlusPlus => {
                 let c = ConfigObject::new(owner, config, &["gamma"])?;
                 Ok(Self::ReinforcePlusPlus { gamma: c.f64_or("gamma", 1.0)? as f32 })
             }
-            "gae" => {
+            AdvantageKind::Gae => {
                 let c = ConfigObject::new(owner, config, &["gamma", "lambda"])?;
                 Ok(Self::Gae { gamma: c.f64_or("gamma", 1.0)? as f32, lambda: c.f64_or("lambda", 1.0)? as f32 })
             }
-            _ => Err(unknown_name("advantage estimator", name, &Self::NAMES)),
         }
     }
 

@@ -31,7 +31,7 @@ pub mod tinker_loss;
 pub mod value_loss;
 pub mod whitening;
 
-pub use advantages::AdvantageEstimator;
+pub use advantages::{AdvantageEstimator, AdvantageKind};
 pub use discounted_returns::{gae, reinforce_plus_plus, AdvantagesAndReturns};
 pub use group_advantages::{broadcast_over_mask, grpo_advantages, rloo_advantages, sequence_scores};
 pub use kl::KlEstimator;
@@ -40,7 +40,7 @@ pub use loss::{Loss, LossInputs, LossOutput};
 pub use metrics::{MetricValue, Metrics};
 pub use off_policy::{OffPolicyCorrection, OffPolicyOutcome, SequenceMaskMetric, TruncatedIs};
 pub use policy_loss::{PolicyLoss, PolicyObjective, RatioAnchor};
-pub use reduction::{loss_reduction_weights, LossReduction};
+pub use reduction::{loss_reduction_weights, LossReduction, ReductionKind};
 pub use surrogate::RatioBand;
 pub use tinker_loss::TinkerLoss;
 pub use value_loss::ValueLoss;

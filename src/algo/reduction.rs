@@ -14,9 +14,19 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
-use super::config::unknown_name;
 use super::rows::{check_group_count, group_members, is_valid};
 use crate::{Error, Result};
+
+crate::choice! {
+    /// Which loss reduction (what a run config names; [`LossReduction::of`] builds it).
+    pub enum ReductionKind("loss reduction") {
+        TokenMean = "token_mean",
+        SequenceMean = "sequence_mean",
+        /// Needs `max_seq_len`.
+        SeqMeanTokenSumNorm = "seq_mean_token_sum_norm",
+        PromptMean = "prompt_mean",
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LossReduction {
@@ -27,19 +37,23 @@ pub enum LossReduction {
 }
 
 impl LossReduction {
-    pub const NAMES: [&'static str; 4] = ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean"];
+    pub const NAMES: &'static [&'static str] = ReductionKind::NAMES;
 
     /// The mode `name`; `max_seq_len` is required by (and only used for) `seq_mean_token_sum_norm`.
     pub fn from_name(name: &str, max_seq_len: Option<usize>) -> Result<Self> {
-        match name {
-            "token_mean" => Ok(Self::TokenMean),
-            "sequence_mean" => Ok(Self::SequenceMean),
-            "prompt_mean" => Ok(Self::PromptMean),
-            "seq_mean_token_sum_norm" => match max_seq_len {
+        Self::of(ReductionKind::from_name(name).map_err(Error::input)?, max_seq_len)
+    }
+
+    /// The mode `kind` (`max_seq_len` as in [`LossReduction::from_name`]).
+    pub fn of(kind: ReductionKind, max_seq_len: Option<usize>) -> Result<Self> {
+        match kind {
+            ReductionKind::TokenMean => Ok(Self::TokenMean),
+            ReductionKind::SequenceMean => Ok(Self::SequenceMean),
+            ReductionKind::PromptMean => Ok(Self::PromptMean),
+            ReductionKind::SeqMeanTokenSumNorm => match max_seq_len {
                 Some(n) if n > 0 => Ok(Self::SeqMeanTokenSumNorm { max_seq_len: n }),
                 _ => Err(Error::input("loss reduction `seq_mean_token_sum_norm` needs max_seq_len > 0")),
             },
-            _ => Err(unknown_name("loss reduction", name, &Self::NAMES)),
         }
     }
 }

@@ -17,7 +17,8 @@ use serde_json::Value as Json;
 use super::group::GroupFilter;
 use super::step::StepRecipe;
 use crate::algo::{
-    AdaptiveKlController, AdvantageEstimator, KlController, KlEstimator, Loss, LossReduction, OffPolicyCorrection,
+    AdaptiveKlController, AdvantageEstimator, AdvantageKind, KlController, KlEstimator, Loss, LossReduction,
+    OffPolicyCorrection, ReductionKind,
 };
 use crate::env::EnvConfig;
 use crate::error::unknown_name_message as unknown;
@@ -48,28 +49,6 @@ crate::choice! {
         /// `prompts_per_step` groups or `max_sampling_rounds`; async mode, the next groups of
         /// the stream take their place.
         Replace = "replace",
-    }
-}
-
-crate::choice! {
-    /// The advantage estimator (docs/specs/algorithms.md).
-    pub enum AdvantageName("advantage estimator") {
-        Grpo = "grpo",
-        Rloo = "rloo",
-        ReinforcePlusPlus = "reinforce++",
-        /// Trains a critic (see `[critic]`).
-        Gae = "gae",
-    }
-}
-
-crate::choice! {
-    /// The loss reduction, expressed as per-token weights.
-    pub enum ReductionName("loss reduction") {
-        TokenMean = "token_mean",
-        SequenceMean = "sequence_mean",
-        /// Needs `algorithm.max_seq_len`.
-        SeqMeanTokenSumNorm = "seq_mean_token_sum_norm",
-        PromptMean = "prompt_mean",
     }
 }
 
@@ -259,7 +238,7 @@ impl Default for RolloutSection {
 pub struct AlgorithmSection {
     /// Advantage estimator: `grpo`, `rloo`, `reinforce++` or `gae` (trains a critic, see
     /// `[critic]`). Default `grpo`.
-    pub advantage: AdvantageName,
+    pub advantage: AdvantageKind,
     /// GRPO: divide by the group's reward standard deviation. Default true.
     pub norm_by_std: bool,
     /// Discount of `reinforce++` and `gae`. Default 1.
@@ -276,7 +255,7 @@ pub struct AlgorithmSection {
     pub loss_config: toml::Table,
     /// Loss reduction, as per-token weights: `token_mean` (the default), `sequence_mean`,
     /// `seq_mean_token_sum_norm` (needs `max_seq_len`) or `prompt_mean`.
-    pub reduction: ReductionName,
+    pub reduction: ReductionKind,
     /// The constant length of `seq_mean_token_sum_norm`. Default 0 (unset).
     pub max_seq_len: usize,
     /// KL penalty against the reference (the initial policy).
@@ -305,13 +284,13 @@ pub struct AlgorithmSection {
 impl Default for AlgorithmSection {
     fn default() -> Self {
         AlgorithmSection {
-            advantage: AdvantageName::Grpo,
+            advantage: AdvantageKind::Grpo,
             norm_by_std: true,
             gamma: 1.0,
             lambda: 1.0,
             loss: "regular".into(),
             loss_config: toml::Table::new(),
-            reduction: ReductionName::TokenMean,
+            reduction: ReductionKind::TokenMean,
             max_seq_len: 0,
             kl: KlSection::default(),
             off_policy: toml::Table::new(),
@@ -522,7 +501,7 @@ impl RlConfig {
         if r.n_samples == 0 {
             return Err(err("rollout.n_samples", &"must be positive"));
         }
-        if r.n_samples < 2 && matches!(self.algorithm.advantage, AdvantageName::Grpo | AdvantageName::Rloo) {
+        if r.n_samples < 2 && matches!(self.algorithm.advantage, AdvantageKind::Grpo | AdvantageKind::Rloo) {
             return Err(err(
                 "rollout.n_samples",
                 &format!(
@@ -735,7 +714,7 @@ impl RlConfig {
         }
 
         let max_seq_len = (a.max_seq_len > 0).then_some(a.max_seq_len);
-        LossReduction::from_name(a.reduction.name(), max_seq_len).map_err(|e| wrap("algorithm.max_seq_len", e))?;
+        LossReduction::of(a.reduction, max_seq_len).map_err(|e| wrap("algorithm.max_seq_len", e))?;
 
         if let Err(e) = self.off_policy() {
             let key = offending_key(&e, &a.off_policy)
@@ -781,18 +760,18 @@ impl RlConfig {
     pub fn advantage(&self) -> Result<AdvantageEstimator> {
         let a = &self.algorithm;
         let config = match a.advantage {
-            AdvantageName::Grpo => serde_json::json!({ "norm_by_std": a.norm_by_std }),
-            AdvantageName::ReinforcePlusPlus => serde_json::json!({ "gamma": a.gamma }),
-            AdvantageName::Gae => serde_json::json!({ "gamma": a.gamma, "lambda": a.lambda }),
-            AdvantageName::Rloo => Json::Null,
+            AdvantageKind::Grpo => serde_json::json!({ "norm_by_std": a.norm_by_std }),
+            AdvantageKind::ReinforcePlusPlus => serde_json::json!({ "gamma": a.gamma }),
+            AdvantageKind::Gae => serde_json::json!({ "gamma": a.gamma, "lambda": a.lambda }),
+            AdvantageKind::Rloo => Json::Null,
         };
-        AdvantageEstimator::from_config(a.advantage.name(), &config)
+        AdvantageEstimator::of(a.advantage, &config)
     }
 
     /// The loss reduction (`max_seq_len` 0 is unset).
     pub fn reduction(&self) -> Result<LossReduction> {
         let a = &self.algorithm;
-        LossReduction::from_name(a.reduction.name(), (a.max_seq_len > 0).then_some(a.max_seq_len))
+        LossReduction::of(a.reduction, (a.max_seq_len > 0).then_some(a.max_seq_len))
     }
 
     /// The KL estimator of `algorithm.kl.estimator`.
@@ -855,7 +834,7 @@ impl RlConfig {
 
     /// Whether a critic is trained: `algorithm.advantage = "gae"`.
     pub fn needs_critic(&self) -> bool {
-        self.algorithm.advantage == AdvantageName::Gae
+        self.algorithm.advantage == AdvantageKind::Gae
     }
 
     /// Sampling parameters of a rollout turn (`eval`: of evaluation): `max_tokens` =
