@@ -33,6 +33,7 @@ pub mod episodes;
 pub mod eval;
 pub mod group;
 pub mod group_source;
+pub mod plan;
 pub mod prompt_stream;
 pub mod prompts;
 pub mod rollout_stats;

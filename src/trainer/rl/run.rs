@@ -16,9 +16,10 @@ use std::time::Instant;
 
 use super::step_metrics::RlStepMetrics;
 
-use super::config::{RlConfig, RlPlan};
+use super::config::RlConfig;
 use super::episodes::Episode;
 use super::eval::evaluate;
+use super::plan::RlPlan;
 use super::rollout_stats::RolloutStats;
 use super::state::{DataPosition, RlState};
 use super::step::{critic_datums, minibatches, policy_datums, prepare, StepRecipe};
