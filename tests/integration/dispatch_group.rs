@@ -100,14 +100,14 @@ fn parameters_after_three_steps_do_not_depend_on_dp_or_micro_batch_size() {
     let initial = params_of(&group(MeshShape::dp(1), None));
     assert!(rel(&reference, &initial) > 1e-3, "training moved nothing");
     for dp in [1usize, 2, 4] {
-        for mbs in [Some(1), Some(2), None] {
-            let g = group(MeshShape::dp(dp), mbs);
+        for micro_batch in [Some(1), Some(2), None] {
+            let g = group(MeshShape::dp(dp), micro_batch);
             let (got, norms) = train(&g, 3, true);
             let err = rel(&got, &reference);
-            assert!(err < 1e-5, "dp {dp} micro-batch {mbs:?}: parameters differ by {err} relative");
+            assert!(err < 1e-5, "dp {dp} micro-batch {micro_batch:?}: parameters differ by {err} relative");
             // AdamW is blind to a gradient's scale; the norm is not (SUM, not mean, over ranks).
             for (a, b) in norms.iter().zip(&ref_norms) {
-                assert!((a - b).abs() < 1e-5 * b, "dp {dp} micro-batch {mbs:?}: grad norm {a} vs {b}");
+                assert!((a - b).abs() < 1e-5 * b, "dp {dp} micro-batch {micro_batch:?}: grad norm {a} vs {b}");
             }
             // Every replica holds the same parameters.
             let all =

@@ -11,7 +11,7 @@ fn counters(submitted: u64, accepted: u64, running: u64, filtered: u64) -> Group
 
 #[test]
 fn capacity_follows_the_formula_step_by_step() {
-    // mbs 2, max_staleness 1, max_concurrent 3.
+    // groups_per_step 2, max_staleness 1, max_concurrent 3.
     let mut s = Staleness::new(1, 3, 2).unwrap();
     // capacity = min(3 − 0, (1 + 1)·2 − 0) = 3
     assert_eq!(s.capacity(), 3);
@@ -62,7 +62,7 @@ fn max_staleness_zero_admits_one_step_of_groups_at_a_time() {
 
 #[test]
 fn resume_restores_the_counters_of_the_spec() {
-    // Resume at step g = 3 with mbs 4: cur 3, accepted = submitted = 8.
+    // Resume at step g = 3 with groups_per_step 4: cur 3, accepted = submitted = 8.
     let s = Staleness::resumed(2, 16, 4, 3).unwrap();
     assert_eq!(s.cur, 3);
     assert_eq!(s.counters, counters(8, 8, 0, 0));
@@ -95,10 +95,10 @@ impl Rng {
 fn random_schedules_keep_the_invariants() {
     for case in 0..3000u64 {
         let mut rng = Rng(case);
-        let mbs = 1 + rng.below(5);
+        let groups_per_step = 1 + rng.below(5);
         let max_staleness = rng.below(4);
         let max_concurrent = 1 + rng.below(12);
-        let mut s = Staleness::new(max_staleness, max_concurrent, mbs).unwrap();
+        let mut s = Staleness::new(max_staleness, max_concurrent, groups_per_step).unwrap();
         let mut stream = PromptStream::new(7, case, true, StreamState::default()).unwrap();
         // (id, start step) of running groups, and of finished ones the trainer holds (finish order).
         let mut running: Vec<(u64, u64)> = vec![];
@@ -141,7 +141,7 @@ fn random_schedules_keep_the_invariants() {
                     let starts: Vec<u64> = finished.iter().map(|g| g.1).collect();
                     let running_starts: Vec<u64> = running.iter().map(|g| g.1).collect();
                     if let Some(mut picked) = s.pick(&starts, &running_starts) {
-                        assert_eq!(picked.len() as u64, mbs);
+                        assert_eq!(picked.len() as u64, groups_per_step);
                         picked.sort_unstable_by(|a, b| b.cmp(a));
                         for i in picked {
                             let (k, start) = finished.remove(i);
@@ -172,7 +172,7 @@ fn random_schedules_keep_the_invariants() {
 
 #[test]
 fn pick_takes_the_oldest_and_waits_for_stragglers_that_would_grow_too_stale() {
-    // max_staleness 1, mbs 1, step 2: a group started in step 1 is due now.
+    // max_staleness 1, groups_per_step 1, step 2: a group started in step 1 is due now.
     let mut s = Staleness::new(1, 4, 1).unwrap();
     s.step_done(1);
     // Still running: wait, even with a younger group finished.
@@ -184,7 +184,7 @@ fn pick_takes_the_oldest_and_waits_for_stragglers_that_would_grow_too_stale() {
     // Not enough finished.
     assert_eq!(s.pick(&[], &[2]), None);
 
-    // max_staleness 2, mbs 1, step 2: two stragglers from step 1 (deadline 3) running. Taking
+    // max_staleness 2, groups_per_step 1, step 2: two stragglers from step 1 (deadline 3) running. Taking
     // the young group now would leave two groups for the one slot of step 3: wait.
     let mut s = Staleness::new(2, 4, 1).unwrap();
     s.step_done(1);

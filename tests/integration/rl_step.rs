@@ -83,9 +83,9 @@ fn one_step_equals_a_hand_computation() {
     close(&prep.is_weights[2], &[0.0, 1.0, 1.0, rho(-0.3, -0.2)], "IS weights of episode 2");
 
     // One mini-batch of both groups: token mean over 12 sampled tokens, times the IS weight.
-    let mbs = minibatches(&episodes, 1);
-    assert_eq!(mbs, vec![vec![0, 1, 2, 3]]);
-    let datums = policy_datums(&recipe, &episodes, &prep, &mbs[0]).unwrap();
+    let batches = minibatches(&episodes, 1);
+    assert_eq!(batches, vec![vec![0, 1, 2, 3]]);
+    let datums = policy_datums(&recipe, &episodes, &prep, &batches[0]).unwrap();
     let d = &datums[0].loss_fn_inputs;
     let w = 1.0 / 12.0;
     close(
@@ -120,9 +120,9 @@ fn kl_in_the_loss_and_prompt_mean_over_two_mini_batches() {
     let k3 = (-0.1f64).exp() + 0.1 - 1.0;
     assert!((prep.metrics.reduce()["kl:mean"] - k3).abs() < 1e-6);
     // Two mini-batches, one group each: prompt mean = 1 / (1 prompt · 6 tokens).
-    let mbs = minibatches(&episodes, 2);
-    assert_eq!(mbs, vec![vec![0, 1], vec![2, 3]]);
-    for members in &mbs {
+    let batches = minibatches(&episodes, 2);
+    assert_eq!(batches, vec![vec![0, 1], vec![2, 3]]);
+    for members in &batches {
         let datums = policy_datums(&recipe, &episodes, &prep, members).unwrap();
         for (d, &i) in datums.iter().zip(members) {
             close(d.loss_fn_inputs.weights.as_ref().unwrap(), &[0.0, 1.0 / 6.0, 1.0 / 6.0, 1.0 / 6.0], "prompt mean");

@@ -155,9 +155,11 @@ fn any_micro_batching_gives_the_same_gradient() {
     let reference_grads = grads_of(&whole);
     assert!(reference.metrics.value("clip_fraction:mean").unwrap() > 0.0);
 
-    for (mbs, budget) in [(Some(1), None), (Some(2), None), (Some(10), None), (None, Some(26)), (Some(3), Some(20))] {
-        let what = format!("micro_batch_size {mbs:?}, max_tokens {budget:?}");
-        let mut w = worker("qwen3", mbs, budget);
+    for (micro_batch, budget) in
+        [(Some(1), None), (Some(2), None), (Some(10), None), (None, Some(26)), (Some(3), Some(20))]
+    {
+        let what = format!("micro_batch_size {micro_batch:?}, max_tokens {budget:?}");
+        let mut w = worker("qwen3", micro_batch, budget);
         let out = w.forward_backward(&batch, Some(&ppo()), true).unwrap();
         assert_same_grads(&what, &grads_of(&w), &reference_grads, 1e-5);
         assert_same_metrics(&what, &out, &reference, 1e-5);

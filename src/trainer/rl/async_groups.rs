@@ -259,7 +259,7 @@ impl GroupSource for AsyncGroups {
     }
 
     fn trained(&mut self, groups: &[Group], step: u64) {
-        let per_step = self.shared.lock().staleness.mbs;
+        let per_step = self.shared.lock().staleness.groups_per_step;
         self.wait_capacity_s = self.shared.update(|g| {
             for group in groups {
                 g.stream.consume(group.id.step as u64 * per_step + group.id.index as u64);

@@ -2,14 +2,14 @@
 //!
 //! ```text
 //! counters: submitted, accepted, running, filtered      submitted = accepted + filtered + running
-//! cur      = the training step being worked on (from 1); mbs = groups per step
-//! capacity = min(max_concurrent − running, (max_staleness + cur) · mbs − (accepted + running))
+//! cur      = the training step being worked on (from 1); groups_per_step (written `mbs` in checkpoints)
+//! capacity = min(max_concurrent − running, (max_staleness + cur) · groups_per_step − (accepted + running))
 //! start  (capacity > 0): submitted += 1, running += 1
 //! finish:                accepted += 1, running −= 1
 //! filter (after finish): accepted −= 1, filtered += 1
 //! cancel:                submitted −= 1, running −= 1
 //! after step s trains:   cur = s + 1
-//! resume at step g:      cur = g, accepted = submitted = (g − 1) · mbs, running = filtered = 0
+//! resume at step g:      cur = g, accepted = submitted = (g − 1) · groups_per_step, running = filtered = 0
 //! ```
 //! The capacity alone does not bound staleness when groups are trained in finish order: a
 //! straggler started in step 1 can finish after younger groups have filled steps 2, 3, … (the
@@ -41,7 +41,8 @@ pub struct Staleness {
     pub max_staleness: u64,
     pub max_concurrent: u64,
     /// Groups per training step.
-    pub mbs: u64,
+    #[serde(rename = "mbs")]
+    pub groups_per_step: u64,
     /// The training step being worked on (1-based).
     pub cur: u64,
     pub counters: GroupCounters,
@@ -49,20 +50,20 @@ pub struct Staleness {
 
 impl Staleness {
     /// A fresh run: step 1, nothing submitted.
-    pub fn new(max_staleness: u64, max_concurrent: u64, mbs: u64) -> Result<Staleness> {
-        if mbs == 0 || max_concurrent == 0 {
+    pub fn new(max_staleness: u64, max_concurrent: u64, groups_per_step: u64) -> Result<Staleness> {
+        if groups_per_step == 0 || max_concurrent == 0 {
             return Err(Error::input(format!(
-                "staleness control needs groups per step ({mbs}) and max_concurrent ({max_concurrent}) above 0"
+                "staleness control needs groups per step ({groups_per_step}) and max_concurrent ({max_concurrent}) above 0"
             )));
         }
-        Ok(Staleness { max_staleness, max_concurrent, mbs, cur: 1, counters: GroupCounters::default() })
+        Ok(Staleness { max_staleness, max_concurrent, groups_per_step, cur: 1, counters: GroupCounters::default() })
     }
 
     /// A run resumed before step `g` (1-based): the groups of steps 1..g are accepted.
-    pub fn resumed(max_staleness: u64, max_concurrent: u64, mbs: u64, g: u64) -> Result<Staleness> {
-        let mut s = Staleness::new(max_staleness, max_concurrent, mbs)?;
+    pub fn resumed(max_staleness: u64, max_concurrent: u64, groups_per_step: u64, g: u64) -> Result<Staleness> {
+        let mut s = Staleness::new(max_staleness, max_concurrent, groups_per_step)?;
         s.cur = g.max(1);
-        let done = (s.cur - 1) * mbs;
+        let done = (s.cur - 1) * groups_per_step;
         s.counters = GroupCounters { submitted: done, accepted: done, running: 0, filtered: 0 };
         Ok(s)
     }
@@ -71,7 +72,8 @@ impl Staleness {
     pub fn capacity(&self) -> i64 {
         let c = &self.counters;
         let by_concurrency = self.max_concurrent as i64 - c.running as i64;
-        let by_staleness = ((self.max_staleness + self.cur) * self.mbs) as i64 - (c.accepted + c.running) as i64;
+        let by_staleness =
+            ((self.max_staleness + self.cur) * self.groups_per_step) as i64 - (c.accepted + c.running) as i64;
         by_concurrency.min(by_staleness)
     }
 
@@ -117,8 +119,8 @@ impl Staleness {
     ///
     /// Each group must be trained by its deadline, step `start + max_staleness`. The step takes
     /// finished groups oldest first (finish order among equals), and waits while a running group
-    /// is due now, while fewer than `mbs` groups have finished, or while the groups it would
-    /// leave could not all meet their deadlines (more than `(d − cur) · mbs` of them due by some
+    /// is due now, while fewer than `groups_per_step` groups have finished, or while the groups it would
+    /// leave could not all meet their deadlines (more than `(d − cur) · groups_per_step` of them due by some
     /// step `d`): then a straggler must be waited for, because no other choice does better than
     /// oldest-first.
     pub fn pick(&self, finished: &[u64], running: &[u64]) -> Option<Vec<usize>> {
@@ -128,16 +130,18 @@ impl Staleness {
         }
         let mut order: Vec<usize> = (0..finished.len()).collect();
         order.sort_by_key(|&i| finished[i]); // stable: finish order among equal starts
-        if (order.len() as u64) < self.mbs {
+        if (order.len() as u64) < self.groups_per_step {
             return None;
         }
-        let (picked, left) = order.split_at(self.mbs as usize);
+        let (picked, left) = order.split_at(self.groups_per_step as usize);
         let mut deadlines: Vec<u64> = left.iter().map(|&i| deadline(finished[i])).collect();
         deadlines.extend(running.iter().map(|&s| deadline(s)));
         deadlines.sort_unstable();
         // The k-th earliest remaining deadline (1-based) needs a slot in steps cur+1..=deadline.
-        let feasible =
-            deadlines.iter().enumerate().all(|(k, &d)| d > self.cur && (k as u64) < (d - self.cur) * self.mbs);
+        let feasible = deadlines
+            .iter()
+            .enumerate()
+            .all(|(k, &d)| d > self.cur && (k as u64) < (d - self.cur) * self.groups_per_step);
         feasible.then(|| picked.to_vec())
     }
 
