@@ -12,7 +12,7 @@ use super::countdown::CountdownEnv;
 use super::fields::FieldError;
 use super::math::MathEnv;
 use super::protocol::Env;
-use crate::algo::config::unknown_name;
+use crate::error::unknown_name_message;
 use crate::{Error, Result};
 
 /// The built-in environments.
@@ -35,10 +35,7 @@ impl EnvError {
     /// The message without the env name (row loaders prefix it with `file:line`).
     pub fn message(&self) -> String {
         match self {
-            EnvError::UnknownName(name) => match unknown_name("env", name, ENV_NAMES) {
-                Error::Input(message) => message,
-                other => other.to_string(),
-            },
+            EnvError::UnknownName(name) => unknown_name_message("env", name, ENV_NAMES),
             EnvError::Field(e) => e.to_string(),
         }
     }
@@ -47,7 +44,7 @@ impl EnvError {
 /// The env `name` for one row.
 pub fn make_env(name: &str, row: &Value, config: &EnvConfig) -> Result<Box<dyn Env>> {
     try_make_env(name, row, config).map_err(|e| match e {
-        EnvError::UnknownName(n) => unknown_name("env", &n, ENV_NAMES),
+        EnvError::UnknownName(n) => Error::input(unknown_name_message("env", &n, ENV_NAMES)),
         EnvError::Field(f) => Error::input(format!("env `{name}`: {f}")),
     })
 }
