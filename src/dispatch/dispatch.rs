@@ -21,9 +21,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::base_models::BaseModels;
-use super::group::{BuildWorker, WorkerGroup};
 use super::residency::{Move, Parts, Residency};
 use super::split::lcm;
+use super::worker_group::{BuildWorker, WorkerGroup};
 use super::worker_spec::WorkerSpec;
 use crate::algo::Loss;
 use crate::handle::Handle;

@@ -11,13 +11,13 @@ pub mod base_models;
 pub mod collective;
 #[allow(clippy::module_inception)]
 pub mod dispatch;
-pub mod group;
 pub mod mesh;
 pub mod residency;
 pub mod split;
 pub mod sum_across;
+pub mod worker_group;
 pub mod worker_spec;
 
 pub use dispatch::Dispatch;
-pub use group::WorkerGroup;
+pub use worker_group::WorkerGroup;
 pub use worker_spec::WorkerSpec;

@@ -33,12 +33,12 @@ use crate::world::World;
 use crate::{Error, Result};
 
 pub struct EngineClient {
-    shared: Arc<Shared>,
+    shared: Arc<ClientState>,
     /// Engines shared with the other processes of the job (see [`Sharing`]).
     sharing: Option<Sharing>,
 }
 
-struct Shared {
+struct ClientState {
     engines: Vec<Box<dyn SamplingEngine>>,
     in_flight: Vec<AtomicUsize>,
     /// Engines found unreachable: nothing is routed to them until one answers again.
@@ -93,7 +93,7 @@ impl EngineClient {
         let in_flight = engines.iter().map(|_| AtomicUsize::new(0)).collect();
         let flags = || engines.iter().map(|_| AtomicBool::new(false)).collect();
         let (down, probing, answering) = (flags(), flags(), flags());
-        let shared = Shared {
+        let shared = ClientState {
             engines,
             in_flight,
             down,
@@ -155,9 +155,9 @@ impl EngineClient {
                 reply: Some(reply),
             }),
         });
-        Shared::send(&self.shared, &pending, None);
+        ClientState::send(&self.shared, &pending, None);
         let (weak, p) = (Arc::downgrade(&self.shared), pending);
-        handle.with_cancel(move || Shared::cancel(&weak, &p))
+        handle.with_cancel(move || ClientState::cancel(&weak, &p))
     }
 
     /// Submits and waits (see [`EngineClient::submit`]).
@@ -196,7 +196,7 @@ impl EngineClient {
             |e| e.resume(),
             move || {
                 if let Some(shared) = shared.upgrade() {
-                    Shared::unpause(&shared);
+                    ClientState::unpause(&shared);
                 }
             },
         )
@@ -204,7 +204,7 @@ impl EngineClient {
 
     /// Sends the weights to every engine (those of this process share the snapshot; none
     /// copies it). A down engine is probed in the background; once a probe found it answering,
-    /// it rejoins at the next update, at those weights. Shared engines: see [`Sharing`] (the
+    /// it rejoins at the next update, at those weights. ClientState engines: see [`Sharing`] (the
     /// call then returns once every process knows the update done).
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
         let Some(sharing) = &self.sharing else { return self.update_own(weights) };
@@ -268,7 +268,7 @@ impl EngineClient {
     }
 }
 
-impl Shared {
+impl ClientState {
     fn name(&self, i: usize) -> String {
         format!("engine {i} ({})", self.engines[i].describe())
     }
@@ -312,7 +312,7 @@ impl Shared {
     }
 
     /// Sends the whole request (`sample` None) or the continuation of one sample to an engine.
-    fn send(this: &Arc<Shared>, pending: &Arc<Pending>, sample: Option<usize>) {
+    fn send(this: &Arc<ClientState>, pending: &Arc<Pending>, sample: Option<usize>) {
         let req = match sample {
             None => pending.original.clone(),
             Some(j) => {
@@ -344,7 +344,7 @@ impl Shared {
             ticket,
             req,
             Box::new(move |out| match weak.upgrade() {
-                Some(shared) => Shared::on_output(&shared, &p, i, sample, out),
+                Some(shared) => ClientState::on_output(&shared, &p, i, sample, out),
                 None => Pending::fail(&p, Error::Other("the engine client was dropped".into())),
             }),
         );
@@ -352,7 +352,7 @@ impl Shared {
 
     /// An engine answered a call of `pending` (all samples, or the continuation of `sample`).
     fn on_output(
-        this: &Arc<Shared>,
+        this: &Arc<ClientState>,
         pending: &Arc<Pending>,
         engine: usize,
         sample: Option<usize>,
@@ -365,7 +365,7 @@ impl Shared {
             // had before it (a seeded sample draws the same tokens again).
             Err(Error::EngineDown(why)) => {
                 this.mark_down(engine, &why);
-                return Shared::send(this, pending, sample);
+                return ClientState::send(this, pending, sample);
             }
             Err(e) => return Pending::fail(pending, e),
         };
@@ -404,13 +404,13 @@ impl Shared {
                 pause.parked.push((pending.clone(), j));
             } else {
                 drop(pause);
-                Shared::send(this, pending, Some(j));
+                ClientState::send(this, pending, Some(j));
             }
         }
     }
 
     /// Continues every parked sample (after the engines resumed).
-    fn unpause(this: &Arc<Shared>) {
+    fn unpause(this: &Arc<ClientState>) {
         let parked = {
             let mut pause = lock(&this.pause);
             pause.paused = false;
@@ -420,12 +420,12 @@ impl Shared {
             if lock(&pending.state).cancelled {
                 continue;
             }
-            Shared::send(this, &pending, Some(j));
+            ClientState::send(this, &pending, Some(j));
         }
     }
 
     /// Cancels a request: parked samples end now, samples in an engine call are cancelled there.
-    fn cancel(this: &Weak<Shared>, pending: &Arc<Pending>) {
+    fn cancel(this: &Weak<ClientState>, pending: &Arc<Pending>) {
         let (live, finished) = {
             let mut st = lock(&pending.state);
             if st.cancelled || st.reply.is_none() {

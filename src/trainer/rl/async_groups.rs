@@ -54,7 +54,7 @@ use crate::trainer::run_dir::TrainerState;
 use crate::{Error, Result};
 
 /// What the workers and the trainer share.
-struct Generation {
+struct GenerationState {
     staleness: Staleness,
     stream: PromptStream,
     /// Start steps of the groups the trainer has not received yet (running, or in the channel),
@@ -67,18 +67,18 @@ struct Generation {
     stop: bool,
 }
 
-struct Shared {
-    state: Mutex<Generation>,
+struct SharedGeneration {
+    state: Mutex<GenerationState>,
     changed: Condvar,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Generation> {
+impl SharedGeneration {
+    fn lock(&self) -> MutexGuard<'_, GenerationState> {
         crate::locks::lock(&self.state)
     }
 
     /// Applies `f` under the lock and wakes the waiting workers.
-    fn update<R>(&self, f: impl FnOnce(&mut Generation) -> R) -> R {
+    fn update<R>(&self, f: impl FnOnce(&mut GenerationState) -> R) -> R {
         let r = f(&mut self.lock());
         self.changed.notify_all();
         r
@@ -93,7 +93,7 @@ struct Prompts<'a> {
 }
 
 /// One generation worker: groups one after another while capacity allows, until stopped.
-fn generation_worker(shared: &Shared, prompts: &Prompts, finished: Sender<Result<(u64, Group)>>) {
+fn generation_worker(shared: &SharedGeneration, prompts: &Prompts, finished: Sender<Result<(u64, Group)>>) {
     loop {
         let (k, index, start_step) = {
             let mut g = shared.lock();
@@ -133,7 +133,7 @@ fn generation_worker(shared: &Shared, prompts: &Prompts, finished: Sender<Result
 
 /// The asynchronous source; its workers stop when it is dropped.
 pub struct AsyncGroups {
-    shared: Arc<Shared>,
+    shared: Arc<SharedGeneration>,
     finished: Receiver<Result<(u64, Group)>>,
     /// Finished groups with signal not trained yet, in finish order.
     held: Vec<(u64, Group)>,
@@ -173,8 +173,8 @@ impl AsyncGroups {
         }
         let staleness = Staleness::resumed(a.max_staleness, concurrency, per_step as u64, next_step)?;
         let stream = PromptStream::new(train.len(), cfg.data.shuffle_seed, true, stream_state)?;
-        let shared = Arc::new(Shared {
-            state: Mutex::new(Generation {
+        let shared = Arc::new(SharedGeneration {
+            state: Mutex::new(GenerationState {
                 staleness,
                 stream,
                 running: BTreeMap::new(),
