@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use oxrl::model::config::ModelConfig;
+use oxrl::model::model_config::ModelConfig;
 use oxrl::model::Transformer;
 
 /// The benchmark model of the issues (`oxrl::bench::model`): qwen3-shaped, hidden 256, 4 layers,

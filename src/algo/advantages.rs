@@ -13,7 +13,7 @@ use std::hash::Hash;
 
 use serde_json::Value;
 
-use super::config::ConfigObject;
+use super::config_object::ConfigObject;
 use super::discounted_returns::{gae, reinforce_plus_plus, AdvantagesAndReturns};
 use super::group_advantages::{broadcast_over_mask, grpo_advantages, rloo_advantages, sequence_scores};
 use crate::{Error, Result};

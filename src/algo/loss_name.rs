@@ -16,7 +16,7 @@
 
 use serde_json::{json, Value};
 
-use super::config::unknown_name;
+use super::config_object::unknown_name;
 use super::loss::Loss;
 use super::policy_loss::{PolicyLoss, PolicyObjective, RatioAnchor};
 use super::surrogate::RatioBand;

@@ -13,7 +13,7 @@
 //! Exact formulas: `docs/specs/algorithms.md`; each file restates its own.
 
 pub mod advantages;
-pub mod config;
+pub mod config_object;
 pub mod discounted_returns;
 pub mod group_advantages;
 pub mod kl;

@@ -19,7 +19,7 @@
 
 use serde_json::Value;
 
-use super::config::{unknown_name, ConfigObject};
+use super::config_object::{unknown_name, ConfigObject};
 use super::metrics::Metrics;
 use super::rows::{check_same_layout, is_valid};
 use crate::{Error, Result};

@@ -30,7 +30,7 @@
 use candle_core::{DType, Tensor};
 use serde_json::Value;
 
-use super::config::{unknown_name, ConfigObject};
+use super::config_object::{unknown_name, ConfigObject};
 use super::kl::KlEstimator;
 use super::loss::{missing_input, LossInputs, LossOutput, MaskedInputs};
 use super::masking::safe_exp;

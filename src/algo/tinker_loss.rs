@@ -24,7 +24,7 @@
 
 use serde_json::Value;
 
-use super::config::{unknown_name, ConfigObject};
+use super::config_object::{unknown_name, ConfigObject};
 use super::loss::{LossInputs, LossOutput, MaskedInputs};
 use super::surrogate::{clipped_ratio_policy_gradient, clipped_surrogate, RatioBand};
 use crate::Result;

@@ -9,7 +9,7 @@
 
 use serde_json::Value;
 
-use super::config::ConfigObject;
+use super::config_object::ConfigObject;
 use super::loss::{LossInputs, LossOutput, MaskedInputs};
 use crate::Result;
 

@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{DType, Device};
 
 use super::workloads;
-use crate::model::config::{Arch, ModelConfig, ModelShape};
+use crate::model::model_config::{Arch, ModelConfig, ModelShape};
 use crate::model::{init, Transformer};
 use crate::Result;
 

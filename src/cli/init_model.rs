@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::model::config::{Arch, ModelShape};
+use crate::model::model_config::{Arch, ModelShape};
 use crate::model::tokenizer::BYTE_LEVEL_VOCAB_SIZE;
 use crate::model::{init, weights};
 

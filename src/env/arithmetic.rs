@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::config::EnvConfig;
+use super::env_config::EnvConfig;
 use super::fields::{answer, field_error, prompt_messages, with_system, FieldResult};
 use super::prompts::PromptRow;
 use super::protocol::{Env, Message, Outcome, Step};

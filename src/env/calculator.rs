@@ -22,7 +22,7 @@
 use serde_json::Value;
 
 use super::answer::extract_final_answer;
-use super::config::EnvConfig;
+use super::env_config::EnvConfig;
 use super::expr::evaluate;
 use super::fields::{answer, prompt_messages, with_system, FieldResult};
 use super::math::grade_final_answer;

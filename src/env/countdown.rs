@@ -15,7 +15,7 @@
 
 use serde_json::Value;
 
-use super::config::EnvConfig;
+use super::env_config::EnvConfig;
 use super::expr::{parse, Rational};
 use super::fields::{integer, integer_list, optional_prompt_messages, with_system, FieldResult};
 use super::protocol::{Env, Message, Outcome, Step};

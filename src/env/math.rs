@@ -11,7 +11,7 @@
 use serde_json::Value;
 
 use super::answer::{answers_match, extract_final_answer};
-use super::config::EnvConfig;
+use super::env_config::EnvConfig;
 use super::fields::{answer, prompt_messages, with_system, FieldResult};
 use super::protocol::{Env, Message, Outcome, Step};
 

@@ -16,8 +16,8 @@
 pub mod answer;
 pub mod arithmetic;
 pub mod calculator;
-pub mod config;
 pub mod countdown;
+pub mod env_config;
 pub mod expr;
 pub mod fields;
 pub mod math;
@@ -27,7 +27,7 @@ pub mod registry;
 pub mod sequence;
 
 pub use arithmetic::{generate_arithmetic, sample_arithmetic, ArithmeticSpec};
-pub use config::EnvConfig;
+pub use env_config::EnvConfig;
 pub use prompts::{load_prompts, PromptOptions, PromptRow, PromptSet};
 pub use protocol::{messages_to_json, run_episode, Env, Message, Outcome, Step, Transcript};
 pub use registry::{make_env, try_make_env, EnvError, ENV_NAMES};

@@ -18,7 +18,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::config::EnvConfig;
+use super::env_config::EnvConfig;
 use super::registry::try_make_env;
 use crate::rows::{read_rows, OnBadRow};
 use crate::{Error, Result};

@@ -7,8 +7,8 @@ use serde_json::Value;
 
 use super::arithmetic::ArithmeticEnv;
 use super::calculator::CalculatorEnv;
-use super::config::EnvConfig;
 use super::countdown::CountdownEnv;
+use super::env_config::EnvConfig;
 use super::fields::FieldError;
 use super::math::MathEnv;
 use super::protocol::Env;

@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::config::ModelConfig;
+use super::model_config::ModelConfig;
 use super::transformer::Transformer;
 use crate::Result;
 
@@ -53,8 +53,8 @@ pub fn random_model(config: ModelConfig, seed: u64, dtype: DType, device: &Devic
 /// generation_config.json and the tokenizer files. Returns the model (f32).
 pub fn write_random_model(
     dir: &std::path::Path,
-    arch: super::config::Arch,
-    shape: &super::config::ModelShape,
+    arch: super::model_config::Arch,
+    shape: &super::model_config::ModelShape,
     seed: u64,
     dtype: DType,
 ) -> Result<Transformer> {

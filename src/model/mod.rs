@@ -1,9 +1,9 @@
 //! Decoder-only transformers (Llama, Qwen2, Qwen3) in the Hugging Face format.
 
-pub mod config;
 pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
+pub mod model_config;
 pub mod named_tensors;
 pub mod ops;
 pub mod rope;
@@ -15,8 +15,8 @@ pub mod transformer;
 pub mod weight_update;
 pub mod weights;
 
-pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
+pub use model_config::{Arch, ModelConfig};
 pub use named_tensors::NamedTensors;
 pub use sampler_weights::SamplerWeights;
 pub use token_ids::check_token_ids;

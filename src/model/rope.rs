@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::config::{ModelConfig, RopeScaling};
+use super::model_config::{ModelConfig, RopeScaling};
 use crate::{Error, Result};
 
 /// cos/sin tables of shape [max_position_embeddings, head_dim / 2].

@@ -19,9 +19,9 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
-use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
+use super::model_config::ModelConfig;
 use super::named_tensors::NamedTensors;
 use super::ops;
 use super::rope::Rope;

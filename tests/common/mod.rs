@@ -106,7 +106,7 @@ pub fn loss(name: &str, config: &serde_json::Value) -> oxrl::algo::Loss {
 /// A random one-layer qwen3 with the byte-level tokenizer (ChatML template) written to `dir`:
 /// `hidden` wide (heads of 16), `max_position` positions.
 pub fn tiny_byte_model(dir: &std::path::Path, hidden: usize, max_position: usize, seed: u64) {
-    let shape = oxrl::model::config::ModelShape {
+    let shape = oxrl::model::model_config::ModelShape {
         vocab_size: oxrl::model::tokenizer::BYTE_LEVEL_VOCAB_SIZE,
         hidden_size: hidden,
         intermediate_size: 2 * hidden,
@@ -118,7 +118,8 @@ pub fn tiny_byte_model(dir: &std::path::Path, hidden: usize, max_position: usize
         max_position_embeddings: max_position,
         tie_word_embeddings: false,
     };
-    oxrl::model::init::write_random_model(dir, oxrl::model::config::Arch::Qwen3, &shape, seed, DType::F32).unwrap();
+    oxrl::model::init::write_random_model(dir, oxrl::model::model_config::Arch::Qwen3, &shape, seed, DType::F32)
+        .unwrap();
 }
 
 /// `--set`s of a small GRPO run on a tiny byte model at `model`: `steps` steps of 4 groups of 4

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use oxrl::model::config::{Arch, ModelConfig, ModelShape};
+use oxrl::model::model_config::{Arch, ModelConfig, ModelShape};
 use oxrl::model::tokenizer::Tokenizer;
 use oxrl::model::{init, logprobs::target_logprobs, Transformer};
 use oxrl::rollout::sampler::sample;
