@@ -39,8 +39,6 @@ pub enum AdvantageEstimator {
 }
 
 impl AdvantageEstimator {
-    pub const NAMES: &'static [&'static str] = AdvantageKind::NAMES;
-
     /// The estimator called `name`, with the settings of `config`.
     pub fn from_config(name: &str, config: &Value) -> Result<Self> {
         Self::of(AdvantageKind::from_name(name).map_err(Error::input)?, config)

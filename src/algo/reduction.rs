@@ -37,8 +37,6 @@ pub enum LossReduction {
 }
 
 impl LossReduction {
-    pub const NAMES: &'static [&'static str] = ReductionKind::NAMES;
-
     /// The mode `name`; `max_seq_len` is required by (and only used for) `seq_mean_token_sum_norm`.
     pub fn from_name(name: &str, max_seq_len: Option<usize>) -> Result<Self> {
         Self::of(ReductionKind::from_name(name).map_err(Error::input)?, max_seq_len)

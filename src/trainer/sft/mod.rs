@@ -95,11 +95,11 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
     let total = if cfg.train.max_steps > 0 { cfg.train.max_steps } else { cfg.train.epochs * loader.steps_per_epoch() };
     // Absolute paths: the saved copy means the same config when loaded from the run directory.
     let saved = || crate::trainer::config_file::absolutize(cfg)?.to_toml();
-    let (mut run, resumed) = RunDir::open(&cfg.output.run_dir, saved, vec![POLICY], plot_sft, total, dispatch, opts)?;
+    let (mut run, resumed): (RunDir, Option<TrainerState<SftState>>) =
+        RunDir::open(&cfg.output.run_dir, saved, vec![POLICY], plot_sft, total, dispatch, opts)?;
 
     let (mut step, mut evals) = (0, vec![]);
     if let Some(state) = resumed {
-        let state: TrainerState<SftState> = state;
         loader.set_position(state.trainer.loader)?;
         (step, evals) = (state.step, state.trainer.evals);
     }
