@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::config_file::{ConfigPaths, Sources};
+use super::tracking::TrackingSection;
 use crate::error::Result;
 use crate::worker::AdamParams;
 
@@ -27,6 +28,7 @@ pub struct SftConfig {
     pub schedule: ScheduleSection,
     pub train: TrainSection,
     pub output: OutputSection,
+    pub tracking: TrackingSection,
 }
 
 impl ConfigPaths for SftConfig {
@@ -370,6 +372,7 @@ impl SftConfig {
         if self.output.run_dir.as_os_str().is_empty() {
             return Err(err("output.run_dir", "required"));
         }
+        self.tracking.validate(sources)?;
         Ok(())
     }
 

@@ -12,6 +12,10 @@
 //! Resuming from step `s` drops the lines after `s` ([`MetricsWriter::resume`]), whatever kind
 //! of records they are, so a run that crashed after its last checkpoint does not log those steps
 //! twice.
+//!
+//! Every line written also goes to the run's tracking backends (TensorBoard, W&B: a
+//! [`Tracker`], [`super::tracking`]); a resumed writer sends them the kept lines first, so each
+//! process start's backends hold the run's whole history.
 
 use std::fs::File;
 use std::io::Write;
@@ -21,6 +25,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
+use super::tracking::Tracker;
 use crate::error::{Error, Result};
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -57,26 +62,38 @@ pub struct StepMetrics {
 }
 
 /// Appends metrics lines (any serialisable record, one JSON object a line) to
-/// `RUN_DIR/metrics.jsonl`.
+/// `RUN_DIR/metrics.jsonl`, and sends them to the run's tracking backends.
 pub struct MetricsWriter {
     path: PathBuf,
     file: File,
+    tracker: Tracker,
 }
 
 impl MetricsWriter {
     /// Starts a fresh `metrics.jsonl` in `run_dir` (created if needed), replacing an old one.
     pub fn create(run_dir: &Path) -> Result<Self> {
+        Self::create_tracked(run_dir, Tracker::none())
+    }
+
+    /// [`create`](Self::create), every line also sent to `tracker`'s backends.
+    pub fn create_tracked(run_dir: &Path, tracker: Tracker) -> Result<Self> {
         std::fs::create_dir_all(run_dir)
             .map_err(|e| Error::file(run_dir, format!("cannot create run directory: {e}")))?;
         let path = run_dir.join(METRICS_FILE);
         let file = File::create(&path).map_err(|e| Error::file(&path, format!("cannot create: {e}")))?;
-        Ok(MetricsWriter { path, file })
+        Ok(MetricsWriter { path, file, tracker })
     }
 
     /// Reopens `run_dir/metrics.jsonl` for a run resumed after `step`: lines with a larger
     /// `step` are dropped, the rest kept as they were, and new lines appended. Works for any
     /// kind of record; a line without an integer `step` is an error.
     pub fn resume(run_dir: &Path, step: usize) -> Result<Self> {
+        Self::resume_tracked(run_dir, step, Tracker::none())
+    }
+
+    /// [`resume`](Self::resume), the kept lines and every new one also sent to `tracker`'s
+    /// backends.
+    pub fn resume_tracked(run_dir: &Path, step: usize, tracker: Tracker) -> Result<Self> {
         let path = run_dir.join(METRICS_FILE);
         let mut kept = Vec::new();
         if path.is_file() {
@@ -90,15 +107,16 @@ impl MetricsWriter {
                 }
             }
         }
-        let mut writer = Self::create(run_dir)?;
+        let mut writer = Self::create_tracked(run_dir, tracker)?;
         for line in &kept {
             writer.write_line(line)?;
         }
         Ok(writer)
     }
 
-    /// Appends one record as one JSON line and flushes it. The record should serialise to a
-    /// JSON object with an integer `step` (what [`MetricsWriter::resume`] and the plots read).
+    /// Appends one record as one JSON line and flushes it, then sends it to the tracking
+    /// backends. The record should serialise to a JSON object with an integer `step` (what
+    /// [`MetricsWriter::resume`], the plots and the backends read).
     pub fn write_line(&mut self, record: &impl Serialize) -> Result<()> {
         let mut line = serde_json::to_string(record)
             .map_err(|e| Error::file(&self.path, format!("cannot serialise metrics: {e}")))?;
@@ -106,7 +124,19 @@ impl MetricsWriter {
         self.file
             .write_all(line.as_bytes())
             .and_then(|_| self.file.flush())
-            .map_err(|e| Error::file(&self.path, format!("cannot write: {e}")))
+            .map_err(|e| Error::file(&self.path, format!("cannot write: {e}")))?;
+        if self.tracker.is_on() {
+            // Parsed back from the line: the backends get exactly the values the file holds.
+            let value: Value = serde_json::from_str(&line).map_err(|e| Error::file(&self.path, e))?;
+            self.tracker.log(&value)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the tracking backends (at the end of a run: dropped without this, the W&B run ends
+    /// as failed).
+    pub fn close(self) -> Result<()> {
+        self.tracker.close()
     }
 
     /// Appends one SFT line ([`MetricsWriter::write_line`]).

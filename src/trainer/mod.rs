@@ -23,6 +23,7 @@
 //!   and RL's.
 //! - [`data_loader`]: seeded per-epoch shuffled batches with a resumable position.
 //! - [`metrics`]: `metrics.jsonl`, one line per step; [`plot`]: the runs' PNG plots.
+//! - [`tracking`]: the same lines to TensorBoard and W&B (`[tracking]`, in both configs).
 //!
 //! Like every trainer, nothing here knows the data-parallel size or the device.
 
@@ -36,6 +37,7 @@ pub mod plot;
 pub mod rl;
 pub mod run_dir;
 pub mod sft;
+pub mod tracking;
 
 pub use config::SftConfig;
 pub use data_loader::{DataLoader, LoaderPosition};

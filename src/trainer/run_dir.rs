@@ -4,13 +4,16 @@
 //! ```text
 //! RUN_DIR/config.toml                      the resolved config (absolute paths)
 //! RUN_DIR/metrics.jsonl                    one line per step (metrics.rs)
+//! RUN_DIR/tensorboard/, RUN_DIR/wandb/     the same lines, for the `[tracking]` backends
 //! RUN_DIR/*.png                            plots of the metrics (plot.rs)
 //! RUN_DIR/checkpoints/step_NNNNNN/<model>/ each trained model's worker state (policy, critic)
 //! RUN_DIR/checkpoints/step_NNNNNN/trainer_state.json   the step and the trainer's own state
 //! RUN_DIR/final/                           the exported policy (HF layout, or PEFT for LoRA)
 //! ```
 //! A run opens new (the directory must hold no checkpoint) or resumed (from its latest complete
-//! checkpoint: the models' states are loaded, `metrics.jsonl` is cut back to that step). A
+//! checkpoint: the models' states are loaded, `metrics.jsonl` is cut back to that step). The
+//! tracking backends of the config's `[tracking]` table start as it opens (one that cannot is
+//! an error before training) and end in [`RunDir::finish`]. A
 //! checkpoint is written atomically (a half checkpoint never exists) and is complete once
 //! `trainer_state.json` is in. Between steps the trainer asks [`RunDir::should_stop`] (Ctrl-C,
 //! `stop_after`) and [`RunDir::finish_now`] (`finish_when`); [`RunDir::finish`] always leaves a
@@ -27,6 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::ModelSection;
 use super::metrics::MetricsWriter;
+use super::tracking::Tracker;
 use crate::dispatch::Dispatch;
 use crate::files::{read_json, write_dir_atomically, write_json};
 use crate::world::{check_same_run, is_writer};
@@ -106,7 +110,8 @@ impl RunDir {
     /// Opens `root` for a run of `total_steps`: new (no checkpoint may be there), or resumed
     /// from its latest checkpoint when `opts.resume` (the models' states loaded into
     /// `dispatch`). Writes `config_toml()` as `config.toml` (called once the directory exists,
-    /// so that paths in it can be made absolute). Returns the resumed trainer state.
+    /// so that paths in it can be made absolute) and starts the tracking backends of its
+    /// `[tracking]` table. Returns the resumed trainer state.
     pub fn open<S: DeserializeOwned>(
         root: &Path,
         config_toml: impl FnOnce() -> Result<String>,
@@ -127,8 +132,10 @@ impl RunDir {
         check_same_run(&config_text)?;
         if writer {
             let config_path = root.join(CONFIG_FILE);
-            std::fs::write(&config_path, config_text).map_err(|e| Error::file(&config_path, e))?;
+            std::fs::write(&config_path, &config_text).map_err(|e| Error::file(&config_path, e))?;
         }
+        // Process 0 alone tracks, as it alone writes metrics.jsonl.
+        let tracker = if writer { Tracker::start_for_config(&config_text, root)? } else { Tracker::none() };
         let mut resumed = None;
         if let (true, Some((_, dir))) = (opts.resume, &existing) {
             let path = dir.join(TRAINER_STATE);
@@ -145,8 +152,8 @@ impl RunDir {
         let step = resumed.as_ref().map_or(0, |s| s.step);
         let metrics = match (writer, step > 0) {
             (false, _) => None,
-            (true, true) => Some(MetricsWriter::resume(root, step)?),
-            (true, false) => Some(MetricsWriter::create(root)?),
+            (true, true) => Some(MetricsWriter::resume_tracked(root, step, tracker)?),
+            (true, false) => Some(MetricsWriter::create_tracked(root, tracker)?),
         };
         let pb = progress_bar(total_steps, step, opts.progress && writer);
         Ok((RunDir { root: root.to_path_buf(), opts: opts.clone(), models, metrics, pb, plot }, resumed))
@@ -216,10 +223,10 @@ impl RunDir {
         Ok(dir)
     }
 
-    /// Ends the run: a last checkpoint, the plots, and (unless `interrupted`) the policy
-    /// exported to `final/`, which is returned.
+    /// Ends the run: a last checkpoint, the plots, (unless `interrupted`) the policy exported
+    /// to `final/`, which is returned, and the tracking backends closed.
     pub fn finish<S: Serialize>(
-        self,
+        mut self,
         dispatch: &Dispatch,
         state: &TrainerState<S>,
         total: usize,
@@ -229,19 +236,25 @@ impl RunDir {
         self.pb.finish_and_clear();
         let ckpt = self.save_checkpoint(dispatch, state)?;
         self.plot()?;
-        if interrupted {
+        let export = if interrupted {
             eprintln!(
                 "interrupted at step {}/{total}: checkpoint in {} (continue with --resume)",
                 state.step,
                 ckpt.display()
             );
-            return Ok(None);
+            None
+        } else {
+            let dir = self.root.join(EXPORT_DIR);
+            if self.metrics.is_some() {
+                export_model(dispatch, super::model_ids::POLICY, &model.path, model.lora.rank > 0, &dir)?;
+            }
+            Some(dir)
+        };
+        // A clean end, interrupted or not (an error before here ends the W&B run as failed).
+        if let Some(metrics) = self.metrics.take() {
+            metrics.close()?;
         }
-        let dir = self.root.join(EXPORT_DIR);
-        if self.metrics.is_some() {
-            export_model(dispatch, super::model_ids::POLICY, &model.path, model.lora.rank > 0, &dir)?;
-        }
-        Ok(Some(dir))
+        Ok(export)
     }
 }
 

@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::rollout::{PauseMode, SamplingParams};
 use crate::trainer::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
 use crate::trainer::config_file::{ConfigPaths, Sources};
+use crate::trainer::tracking::TrackingSection;
 
 crate::choice! {
     /// How generation and training alternate.
@@ -67,6 +68,7 @@ pub struct RlConfig {
     pub async_rl: AsyncSection,
     pub launch: LaunchSection,
     pub output: OutputSection,
+    pub tracking: TrackingSection,
 }
 
 impl Default for RlConfig {
@@ -85,6 +87,7 @@ impl Default for RlConfig {
             async_rl: AsyncSection::default(),
             launch: LaunchSection::default(),
             output: OutputSection { run_dir: PathBuf::from("runs/rl") },
+            tracking: TrackingSection::default(),
         }
     }
 }
@@ -586,6 +589,7 @@ impl RlConfig {
         if self.output.run_dir.as_os_str().is_empty() {
             return Err(err("output.run_dir", &"required"));
         }
+        self.tracking.validate(sources)?;
         Ok(())
     }
 
