@@ -28,10 +28,7 @@ impl<'a> ConfigObject<'a> {
         if let Some(map) = entries {
             for key in map.keys() {
                 if !allowed_keys.contains(&key.as_str()) {
-                    return Err(Error::input(format!(
-                        "{owner}: unknown config key `{key}`{}",
-                        suggestion(key, allowed_keys)
-                    )));
+                    return Err(unknown_key(&owner, key, allowed_keys));
                 }
             }
         }
@@ -74,6 +71,11 @@ impl<'a> ConfigObject<'a> {
     pub fn invalid(&self, key: &str, message: impl std::fmt::Display) -> Error {
         Error::input(format!("{}: config key `{key}`: {message}", self.owner))
     }
+}
+
+/// The error for a config key of `owner` that is not one of `allowed_keys`.
+pub fn unknown_key(owner: &str, key: &str, allowed_keys: &[&str]) -> Error {
+    Error::input(format!("{owner}: unknown config key `{key}`{}", suggestion(key, allowed_keys)))
 }
 
 /// The error for a name (of a `kind` such as "loss") that is not one of `valid`.

@@ -20,11 +20,14 @@
 //! Families: [`TinkerLoss`] (the Tinker API's names), [`PolicyLoss`] (the RL trainer's names,
 //! with optional KL and entropy terms), [`ValueLoss`] (the critic). `cispo` exists in both
 //! families with different semantics, hence the separate namespaces; [`Loss::parse`] reads
-//! any loss from one name (`cispo` vs `policy/cispo`) and its JSON config.
+//! any loss from one name (`cispo` vs `policy/cispo`) and its JSON config, in two steps that
+//! callers may also take apart: [`LossName::lookup`](super::LossName::lookup) and
+//! [`LossName::build`](super::LossName::build).
 
 use candle_core::{DType, Tensor};
 use serde_json::Value;
 
+use super::kl::KlEstimator;
 use super::masking::{mask_count, masked_sum, token_mask, zero_where_masked};
 use super::metrics::{Metrics, PendingMetrics};
 use super::policy_loss::PolicyLoss;
@@ -168,6 +171,17 @@ impl Loss {
         match self {
             Loss::Policy(p) if p.kl_coef != 0.0 => Loss::Policy(PolicyLoss { kl_coef: coef, ..p.clone() }),
             other => other.clone(),
+        }
+    }
+
+    /// The same loss with a KL penalty toward the reference policy (`coef`, `estimator`), as
+    /// `kl_coef` and `kl_estimator` in its config would give. Only the trainer's policy losses
+    /// take one; any other refuses it with the error its config would give for `kl_coef`.
+    pub fn with_kl_term(&self, coef: f64, estimator: KlEstimator) -> Result<Loss> {
+        match self {
+            Loss::Policy(p) => Ok(Loss::Policy(PolicyLoss { kl_coef: coef, kl_estimator: estimator, ..p.clone() })),
+            Loss::Tinker(t) => Err(t.unknown_key("kl_coef")),
+            Loss::Value(v) => Err(v.unknown_key("kl_coef")),
         }
     }
 

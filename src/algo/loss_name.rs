@@ -10,9 +10,10 @@
 //!   e.g. to add a KL penalty (`kl_coef`) or entropy bonus (`ent_coef`) to them;
 //! - `value` is the critic's clipped value loss ([`Loss::value`]).
 //!
-//! The config is validated by the loss itself: unknown keys and bad values are errors.
-//! [`Loss::qualified_name`] and [`Loss::config`] give back a name and a config that
-//! [`Loss::parse`] turns into the same loss.
+//! A name is looked up first ([`LossName::lookup`]), then built with its config
+//! ([`LossName::build`]); [`Loss::parse`] does both. The config is validated by the loss
+//! itself: unknown keys and bad values are errors. [`Loss::qualified_name`] and
+//! [`Loss::config`] give back a name and a config that [`Loss::parse`] turns into the same loss.
 
 use serde_json::{json, Value};
 
@@ -28,20 +29,35 @@ const TRAINER_ONLY: [&str; 5] = ["regular", "dual_clip", "gspo", "sapo", "rollou
 
 const POLICY_PREFIX: &str = "policy/";
 
-impl Loss {
-    /// The loss `name` with its config (a JSON object or null), validated.
-    pub fn parse(name: &str, config: &Value) -> Result<Loss> {
+/// A loss looked up by name, before its config: which family, and which loss of it.
+/// [`LossName::lookup`] then [`LossName::build`] is [`Loss::parse`], taken apart for callers
+/// that tell a bad name from a bad config (the RL config blames different keys for each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossName {
+    /// A Tinker API loss, one of [`TinkerLoss::NAMES`].
+    Tinker(&'static str),
+    /// An RL-trainer policy loss, one of [`PolicyLoss::NAMES`].
+    Policy(&'static str),
+    /// The critic's value loss.
+    Value,
+}
+
+impl LossName {
+    /// The loss called `name` (see the module documentation); an error names the valid names.
+    pub fn lookup(name: &str) -> Result<LossName> {
         if name == "value" {
-            return Loss::value(config);
+            return Ok(LossName::Value);
         }
         if let Some(trainer_name) = name.strip_prefix(POLICY_PREFIX) {
-            return Loss::policy(trainer_name, config);
+            return find(&PolicyLoss::NAMES, trainer_name)
+                .map(LossName::Policy)
+                .ok_or_else(|| unknown_name("policy loss", trainer_name, &PolicyLoss::NAMES));
         }
-        if TinkerLoss::NAMES.contains(&name) {
-            return Loss::tinker(name, config);
+        if let Some(n) = find(&TinkerLoss::NAMES, name) {
+            return Ok(LossName::Tinker(n));
         }
-        if TRAINER_ONLY.contains(&name) {
-            return Loss::policy(name, config);
+        if let Some(n) = find(&TRAINER_ONLY, name) {
+            return Ok(LossName::Policy(n));
         }
         let mut valid: Vec<String> =
             TinkerLoss::NAMES.iter().chain(TRAINER_ONLY.iter()).map(|s| s.to_string()).collect();
@@ -49,6 +65,23 @@ impl Loss {
         valid.push("value".into());
         let valid: Vec<&str> = valid.iter().map(String::as_str).collect();
         Err(unknown_name("loss", name, &valid))
+    }
+
+    /// This loss with its config (a JSON object or null), validated by the loss itself.
+    pub fn build(self, config: &Value) -> Result<Loss> {
+        match self {
+            LossName::Tinker(name) => Loss::tinker(name, config),
+            LossName::Policy(name) => Loss::policy(name, config),
+            LossName::Value => Loss::value(config),
+        }
+    }
+}
+
+impl Loss {
+    /// The loss `name` with its config (a JSON object or null), validated:
+    /// [`LossName::lookup`] then [`LossName::build`].
+    pub fn parse(name: &str, config: &Value) -> Result<Loss> {
+        LossName::lookup(name)?.build(config)
     }
 
     /// The name [`Loss::parse`] takes for this loss: [`Loss::name`], with `policy/` in front
@@ -76,6 +109,11 @@ impl Loss {
             Loss::Value(v) => json!({"value_clip": v.value_clip}),
         }
     }
+}
+
+/// `name` as it is spelt in `names`.
+fn find(names: &[&'static str], name: &str) -> Option<&'static str> {
+    names.iter().copied().find(|n| *n == name)
 }
 
 fn policy_config(p: &PolicyLoss) -> Value {

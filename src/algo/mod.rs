@@ -37,6 +37,7 @@ pub use group_advantages::{broadcast_over_mask, grpo_advantages, rloo_advantages
 pub use kl::KlEstimator;
 pub use kl_control::{apply_kl_penalty_to_rewards, AdaptiveKlController, KlController};
 pub use loss::{Loss, LossInputs, LossOutput};
+pub use loss_name::LossName;
 pub use metrics::{MetricValue, Metrics};
 pub use off_policy::{OffPolicyCorrection, OffPolicyOutcome, SequenceMaskMetric, TruncatedIs};
 pub use policy_loss::{PolicyLoss, PolicyObjective, RatioAnchor};

@@ -24,7 +24,7 @@
 
 use serde_json::Value;
 
-use super::config_object::{unknown_name, ConfigObject};
+use super::config_object::{unknown_key, unknown_name, ConfigObject};
 use super::loss::{LossInputs, LossOutput, MaskedInputs};
 use super::surrogate::{clipped_ratio_policy_gradient, clipped_surrogate, RatioBand};
 use crate::Result;
@@ -47,29 +47,23 @@ impl TinkerLoss {
 
     /// The loss `name` with its `loss_fn_config` (a JSON object or null), validated.
     pub fn from_config(name: &str, config: &Value) -> Result<Self> {
-        let owner = format!("loss `{name}`");
+        let keys = config_keys(name).ok_or_else(|| unknown_name("loss", name, &Self::NAMES))?;
+        let c = ConfigObject::new(owner(name), config, keys)?;
         match name {
-            "cross_entropy" => {
-                ConfigObject::new(owner, config, &[])?;
-                Ok(Self::CrossEntropy)
-            }
-            "importance_sampling" => {
-                ConfigObject::new(owner, config, &[])?;
-                Ok(Self::ImportanceSampling)
-            }
-            "ppo" => Ok(Self::Ppo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
-            "cispo" => Ok(Self::Cispo { band: thresholds(&ConfigObject::new(owner, config, &THRESHOLD_KEYS)?)? }),
+            "cross_entropy" => Ok(Self::CrossEntropy),
+            "importance_sampling" => Ok(Self::ImportanceSampling),
+            "ppo" => Ok(Self::Ppo { band: thresholds(&c)? }),
+            "cispo" => Ok(Self::Cispo { band: thresholds(&c)? }),
             "dro" => {
                 // Tinker documents `beta` as settable but not its default; 0.05 is the value its
                 // documentation's example uses, and the cookbook sends none.
-                let beta = ConfigObject::new(owner, config, &["beta"])?.f64_or("beta", 0.05)?;
+                let beta = c.f64_or("beta", 0.05)?;
                 if beta < 0.0 {
                     return Err(crate::Error::input(format!("loss `dro`: beta must be non-negative (got {beta})")));
                 }
                 Ok(Self::Dro { beta })
             }
             "stable_reinforce" => {
-                let c = ConfigObject::new(owner, config, &["ratio_cap", "kl_coeff"])?;
                 let (ratio_cap, kl_coeff) = (c.f64_or("ratio_cap", 2.0)?, c.f64_or("kl_coeff", 0.0)?);
                 if ratio_cap <= 0.0 || kl_coeff < 0.0 {
                     return Err(crate::Error::input(format!(
@@ -79,8 +73,15 @@ impl TinkerLoss {
                 }
                 Ok(Self::StableReinforce { ratio_cap, kl_coeff })
             }
-            _ => Err(unknown_name("loss", name, &Self::NAMES)),
+            _ => unreachable!("config_keys knows only the names above"),
         }
+    }
+
+    /// The error [`from_config`](Self::from_config) gives for a config key `key` that this
+    /// loss does not take.
+    pub fn unknown_key(&self, key: &str) -> crate::Error {
+        let name = self.name();
+        unknown_key(&owner(name), key, config_keys(name).unwrap_or_default())
     }
 
     pub fn name(&self) -> &'static str {
@@ -137,6 +138,22 @@ impl TinkerLoss {
         };
         x.finish(&loss)
     }
+}
+
+/// The config keys of the loss `name`; `None` when there is no such loss.
+fn config_keys(name: &str) -> Option<&'static [&'static str]> {
+    Some(match name {
+        "cross_entropy" | "importance_sampling" => &[],
+        "ppo" | "cispo" => &THRESHOLD_KEYS,
+        "dro" => &["beta"],
+        "stable_reinforce" => &["ratio_cap", "kl_coeff"],
+        _ => return None,
+    })
+}
+
+/// Who a config error is about.
+fn owner(name: &str) -> String {
+    format!("loss `{name}`")
 }
 
 fn thresholds(config: &ConfigObject) -> Result<RatioBand> {

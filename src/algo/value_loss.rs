@@ -9,9 +9,12 @@
 
 use serde_json::Value;
 
-use super::config_object::ConfigObject;
+use super::config_object::{unknown_key, ConfigObject};
 use super::loss::{LossInputs, LossOutput, MaskedInputs};
 use crate::Result;
+
+const OWNER: &str = "value loss";
+const CONFIG_KEYS: [&str; 1] = ["value_clip"];
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValueLoss {
@@ -21,12 +24,18 @@ pub struct ValueLoss {
 impl ValueLoss {
     /// The config: `{"value_clip": ε}` (or null for the default 0.2).
     pub fn from_config(config: &Value) -> Result<Self> {
-        let c = ConfigObject::new("value loss", config, &["value_clip"])?;
+        let c = ConfigObject::new(OWNER, config, &CONFIG_KEYS)?;
         let value_clip = c.f64_or("value_clip", 0.2)?;
         if value_clip < 0.0 {
             return Err(c.invalid("value_clip", format!("must be ≥ 0, got {value_clip}")));
         }
         Ok(ValueLoss { value_clip })
+    }
+
+    /// The error [`from_config`](Self::from_config) gives for a config key `key` that this
+    /// loss does not take.
+    pub fn unknown_key(&self, key: &str) -> crate::Error {
+        unknown_key(OWNER, key, &CONFIG_KEYS)
     }
 
     pub fn compute(&self, inputs: &LossInputs) -> Result<LossOutput> {

@@ -7,7 +7,7 @@
 //! (a few lines of scalar Python) from the formulas of algorithms.md.
 
 use candle_core::{DType, Device, Tensor};
-use oxrl::algo::{Loss, LossInputs, LossOutput, Metrics};
+use oxrl::algo::{KlEstimator, Loss, LossInputs, LossName, LossOutput, Metrics};
 use serde_json::{json, Value};
 
 const NAN: f64 = f64::NAN;
@@ -419,6 +419,34 @@ fn qualified_name_and_config_parse_back_to_the_same_loss() {
         Loss::parse("cispo", &json!({})).unwrap().config(),
         json!({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
     );
+}
+
+#[test]
+fn lookup_then_build_is_parse() {
+    for name in ["ppo", "cispo", "stable_reinforce", "policy/cispo", "regular", "rollout_is", "value"] {
+        let built = LossName::lookup(name).unwrap().build(&Value::Null).unwrap();
+        assert_eq!(built, Loss::parse(name, &Value::Null).unwrap(), "{name}");
+    }
+    assert_eq!(LossName::lookup("cispo").unwrap(), LossName::Tinker("cispo"));
+    assert_eq!(LossName::lookup("policy/cispo").unwrap(), LossName::Policy("cispo"));
+    // The name's errors are parse's, whatever the config.
+    let lookup_error = |name: &str| LossName::lookup(name).unwrap_err().to_string();
+    for name in ["dual_clipp", "policy/ppo"] {
+        assert_eq!(lookup_error(name), error_of(Loss::parse(name, &json!({"no_such_key": 1}))), "{name}");
+    }
+}
+
+#[test]
+fn the_kl_term_is_what_kl_coef_and_kl_estimator_in_the_config_give() {
+    let with_term = |name: &str| Loss::parse(name, &json!({})).unwrap().with_kl_term(0.1, KlEstimator::K2);
+    let by_config = |name: &str| Loss::parse(name, &json!({"kl_coef": 0.1, "kl_estimator": "k2"}));
+    for name in ["regular", "policy/cispo"] {
+        assert_eq!(with_term(name).unwrap(), by_config(name).unwrap(), "{name}");
+    }
+    // Losses that take none refuse it with their config's error, word for word.
+    for name in ["ppo", "cross_entropy", "stable_reinforce", "value"] {
+        assert_eq!(error_of(with_term(name)), error_of(by_config(name)), "{name}");
+    }
 }
 
 #[test]

@@ -5,17 +5,20 @@
 //! Every field has a default, written on it; no field is an `Option` (an unset path is `""`, an
 //! unset limit `0`). `[model]`, `[optimizer]`, `[schedule]` and `[output]` are the SFT config's
 //! sections (with RL defaults: a constant schedule, `runs/rl`). Two tables are free-form
-//! ([`ConfigPaths::OPEN_KEYS`]): `algorithm.loss_config` (checked by [`Loss::parse`]) and
-//! `algorithm.off_policy` (checked by [`OffPolicyCorrection::from_config`]); [`RlConfig::validate`]
-//! runs those parsers, so a bad key in them is reported before a run starts. What the sections
-//! build (losses, the step recipe, the KL controller) is [`super::plan`].
+//! ([`ConfigPaths::OPEN_KEYS`]): `algorithm.loss_config` (checked by the loss,
+//! [`LossName::build`]) and `algorithm.off_policy` (checked by
+//! [`OffPolicyCorrection::from_config`]); [`RlConfig::validate`] runs those parsers, so a bad key
+//! in them is reported before a run starts. What the sections build (losses, the step recipe,
+//! the KL controller) is [`super::plan`].
+//!
+//! [`LossName::build`]: crate::algo::LossName::build
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
-use crate::algo::{AdaptiveKlController, AdvantageKind, KlEstimator, Loss, LossReduction, ReductionKind};
+use crate::algo::{AdaptiveKlController, AdvantageKind, KlEstimator, LossReduction, ReductionKind};
 use crate::env::EnvConfig;
 use crate::error::unknown_name_message as unknown;
 use crate::error::{Error, Result};
@@ -23,6 +26,8 @@ use crate::rollout::{PauseMode, SamplingParams};
 use crate::trainer::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
 use crate::trainer::config_file::{ConfigPaths, Sources};
 use crate::trainer::tracking::TrackingSection;
+
+use super::plan::LossFault;
 
 crate::choice! {
     /// How generation and training alternate.
@@ -244,13 +249,13 @@ pub struct AlgorithmSection {
     pub gamma: f64,
     /// GAE λ. Default 1.
     pub lambda: f64,
-    /// Policy loss, any name [`Loss::parse`] takes: `regular` (PPO-clip, the default),
-    /// `dual_clip`, `gspo`, `sapo`, `rollout_is`, `policy/cispo`, Tinker's `ppo`, `cispo`,
-    /// `importance_sampling`, ...
+    /// Policy loss, any name [`LossName::lookup`](crate::algo::LossName::lookup) takes:
+    /// `regular` (PPO-clip, the default), `dual_clip`, `gspo`, `sapo`, `rollout_is`,
+    /// `policy/cispo`, Tinker's `ppo`, `cispo`, `importance_sampling`, ...
     pub loss: String,
-    /// The loss's own config (e.g. `eps_clip_low`, `eps_clip_high`), passed to [`Loss::parse`]
-    /// as JSON. Default `{}`: the loss's defaults. The KL term is set in `[algorithm.kl]`, not
-    /// here.
+    /// The loss's own config (e.g. `eps_clip_low`, `eps_clip_high`), passed to
+    /// [`LossName::build`](crate::algo::LossName::build) as JSON. Default `{}`: the loss's
+    /// defaults. The KL term is set in `[algorithm.kl]`, not here.
     pub loss_config: toml::Table,
     /// Loss reduction, as per-token weights: `token_mean` (the default), `sequence_mean`,
     /// `seq_mean_token_sum_norm` (needs `max_seq_len`) or `prompt_mean`.
@@ -665,7 +670,7 @@ impl RlConfig {
         }
         self.advantage().map_err(|e| wrap("algorithm.advantage", e))?;
 
-        // The loss: its name, then its config (a bad key there names that key).
+        // The loss: its name, then its config (a bad key there names that key), then the KL term.
         if a.loss == "value" {
             return Err(err("algorithm.loss", &"`value` is the critic's loss, not a policy loss"));
         }
@@ -677,21 +682,22 @@ impl RlConfig {
                 ));
             }
         }
-        if let Err(e) = Loss::parse(&a.loss, &Json::Null) {
-            return Err(wrap("algorithm.loss", e));
-        }
-        let config = toml_to_json(&a.loss_config);
-        if let Err(e) = Loss::parse(&a.loss, &config) {
-            let key = offending_key(&e, &a.loss_config)
-                .map(|k| format!("algorithm.loss_config.{k}"))
-                .unwrap_or_else(|| "algorithm.loss_config".into());
-            return Err(wrap(&key, e));
-        }
+        let kl_term_refused = match self.build_loss(a.kl.coef) {
+            Ok(_) => None,
+            Err(LossFault::Name(e)) => return Err(wrap("algorithm.loss", e)),
+            Err(LossFault::Config(e)) => {
+                let key = offending_key(&e, &a.loss_config)
+                    .map(|k| format!("algorithm.loss_config.{k}"))
+                    .unwrap_or_else(|| "algorithm.loss_config".into());
+                return Err(wrap(&key, e));
+            }
+            Err(LossFault::KlTerm(e)) => Some(e),
+        };
+        // A bad coefficient is named before a loss that takes no KL term at all.
         if !non_negative(a.kl.coef) {
             return Err(err("algorithm.kl.coef", &"must be non-negative (0 = no KL penalty)"));
         }
-        if let Err(e) = self.loss() {
-            // The loss parsed without the KL term, so the KL term is what it refuses.
+        if let Some(e) = kl_term_refused {
             return Err(err(
                 "algorithm.kl.coef",
                 &format!(

@@ -9,10 +9,10 @@ use super::config::{toml_to_json, DynamicSampling, RlConfig};
 use super::group::GroupFilter;
 use super::step::StepRecipe;
 use crate::algo::{
-    AdaptiveKlController, AdvantageEstimator, AdvantageKind, KlController, KlEstimator, Loss, LossReduction,
+    AdaptiveKlController, AdvantageEstimator, AdvantageKind, KlController, KlEstimator, Loss, LossName, LossReduction,
     OffPolicyCorrection,
 };
-use crate::Result;
+use crate::{Error, Result};
 
 /// An RL config built into what a run uses ([`RlConfig::plan`]); nothing in it is parsed again.
 #[derive(Clone, Debug)]
@@ -27,6 +27,25 @@ pub struct RlPlan {
     pub kl: KlController,
 }
 
+/// Why the policy loss could not be built ([`RlConfig::build_loss`]), by the part of the
+/// config at fault.
+pub(super) enum LossFault {
+    /// `algorithm.loss` names no loss.
+    Name(Error),
+    /// `algorithm.loss_config` is not a config of that loss.
+    Config(Error),
+    /// The loss takes no KL term, which `algorithm.kl` puts in it.
+    KlTerm(Error),
+}
+
+impl LossFault {
+    fn into_error(self) -> Error {
+        match self {
+            LossFault::Name(e) | LossFault::Config(e) | LossFault::KlTerm(e) => e,
+        }
+    }
+}
+
 impl RlConfig {
     /// The policy loss: `algorithm.loss` with `algorithm.loss_config`, and the KL term
     /// (`kl_coef` = `algorithm.kl.coef`, `kl_estimator`) when the KL penalty is in the loss.
@@ -37,13 +56,20 @@ impl RlConfig {
     /// [`loss`](Self::loss) with the KL coefficient `kl_coef` (the adaptive controller's
     /// current one); no KL term when the penalty is in the reward or `kl_coef` is 0.
     pub fn loss_with_kl_coef(&self, kl_coef: f64) -> Result<Loss> {
+        self.build_loss(kl_coef).map_err(LossFault::into_error)
+    }
+
+    /// The one builder of the policy loss: the name looked up once, the config parsed once,
+    /// then the KL term added; an error says which of the three refused, so that validation
+    /// can name the config key at fault.
+    pub(super) fn build_loss(&self, kl_coef: f64) -> std::result::Result<Loss, LossFault> {
         let a = &self.algorithm;
-        let mut config = toml_to_json(&a.loss_config);
+        let name = LossName::lookup(&a.loss).map_err(LossFault::Name)?;
+        let loss = name.build(&toml_to_json(&a.loss_config)).map_err(LossFault::Config)?;
         if kl_coef > 0.0 && !a.kl.in_reward {
-            config["kl_coef"] = Json::from(kl_coef);
-            config["kl_estimator"] = Json::from(a.kl.estimator.name());
+            return loss.with_kl_term(kl_coef, a.kl.estimator).map_err(LossFault::KlTerm);
         }
-        Loss::parse(&a.loss, &config)
+        Ok(loss)
     }
 
     /// The critic's loss: the clipped value loss with `critic.value_clip`.
