@@ -20,6 +20,10 @@ pub enum Error {
     /// routes around it).
     #[error("{0}")]
     EngineDown(String),
+    /// The user's Python code (a reward function or an environment) raised, timed out, returned
+    /// the wrong type or lost its worker: the run stops with this message after a checkpoint.
+    #[error("{0}")]
+    UserCode(String),
     #[error("{0}")]
     Other(String),
 }

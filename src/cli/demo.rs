@@ -35,7 +35,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use crate::dispatch::Dispatch;
-use crate::env::{messages_to_json, sample_arithmetic, ArithmeticSpec, EnvConfig, PromptRow};
+use crate::env::{messages_to_json, sample_arithmetic, ArithmeticSpec, EnvConfig, EnvFactory, PromptRow};
 use crate::files::write_json;
 use crate::launch::{rl_runtime, sft_dispatch};
 use crate::model::init::write_random_model;
@@ -143,7 +143,8 @@ impl Probe {
     fn accuracy(&self, prompts: &[PromptRow]) -> anyhow::Result<(f64, Vec<(String, String)>)> {
         let env = EnvConfig { max_turn_tokens: 8, ..Default::default() };
         let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
-        let episodes = generate_episodes(&self.client, &self.tok, prompts, &env, &greedy, 1, 0)?;
+        let envs = EnvFactory::builtin(env.clone());
+        let episodes = generate_episodes(&self.client, &self.tok, prompts, &envs, &greedy, 1, 0)?;
         let samples = episodes
             .iter()
             .take(3)

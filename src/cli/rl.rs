@@ -2,14 +2,16 @@
 
 use super::run_args::RunArgs;
 use crate::launch::rl_runtime;
-use crate::trainer::rl::run_rl;
+use crate::trainer::rl::{run_rl_with, start_envs};
 use crate::trainer::RlConfig;
 
 pub fn run(a: RunArgs, threads: Option<usize>) -> anyhow::Result<()> {
     let cfg = RlConfig::load(Some(&a.config), &a.sets)?;
+    // The user's Python code is checked before any model is loaded.
+    let envs = start_envs(&cfg)?;
     let (dispatch, engines) = rl_runtime(&cfg, threads)?;
     let opts = a.options()?;
-    let s = run_rl(&cfg, &dispatch, &engines, &opts)?;
+    let s = run_rl_with(&cfg, &envs, &dispatch, &engines, &opts)?;
     let eval = s
         .evals
         .last()

@@ -49,7 +49,7 @@ impl Env for ArithmeticEnv {
         self.prompt.clone()
     }
 
-    fn step(&mut self, model_turn: &str) -> Step {
+    fn step(&mut self, model_turn: &str) -> Result<Step> {
         let outcome = self.outcome.get_or_insert_with(|| {
             let found = last_integer(model_turn);
             let correct = found == Some(self.answer);
@@ -65,7 +65,7 @@ impl Env for ArithmeticEnv {
                 .with("extracted", found.map(|n| n.to_string()))
                 .with("expected", self.answer.to_string())
         });
-        Step::Done(outcome.clone())
+        Ok(Step::Done(outcome.clone()))
     }
 
     fn max_turns(&self) -> usize {

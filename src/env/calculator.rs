@@ -27,6 +27,7 @@ use super::expr::evaluate;
 use super::fields::{answer, prompt_messages, with_system, FieldResult};
 use super::math::grade_final_answer;
 use super::protocol::{Env, Message, Outcome, Step};
+use crate::Result;
 
 /// Tool calls evaluated per turn; more are ignored (a reply that spams calls gains nothing).
 pub const MAX_CALLS_PER_TURN: usize = 8;
@@ -106,14 +107,14 @@ impl Env for CalculatorEnv {
         self.prompt.clone()
     }
 
-    fn step(&mut self, model_turn: &str) -> Step {
+    fn step(&mut self, model_turn: &str) -> Result<Step> {
         if let Some(outcome) = &self.outcome {
-            return Step::Done(outcome.clone());
+            return Ok(Step::Done(outcome.clone()));
         }
         self.turns += 1;
         if extract_final_answer(model_turn).is_some() {
             let outcome = grade_final_answer(model_turn, &self.answer, self.format_reward).with("turns", self.turns);
-            return self.finish(outcome);
+            return Ok(self.finish(outcome));
         }
         let calls = calc_calls(model_turn);
         if calls.is_empty() {
@@ -121,7 +122,7 @@ impl Env for CalculatorEnv {
                 .with("expected", self.answer.as_str())
                 .with("turns", self.turns)
                 .with("verdict", "no tool call and no final answer");
-            return self.finish(outcome);
+            return Ok(self.finish(outcome));
         }
         if self.turns >= self.max_turns {
             let mut outcome = Outcome::new(0.0, false)
@@ -129,10 +130,10 @@ impl Env for CalculatorEnv {
                 .with("turns", self.turns)
                 .with("verdict", "turn limit reached without a final answer");
             outcome.truncated = true;
-            return self.finish(outcome);
+            return Ok(self.finish(outcome));
         }
         let results: Vec<String> = calls.iter().take(MAX_CALLS_PER_TURN).map(|c| calc_result(c)).collect();
-        Step::Continue { observation: vec![Message::new(self.tool_role.clone(), results.join("\n"))] }
+        Ok(Step::Continue { observation: vec![Message::new(self.tool_role.clone(), results.join("\n"))] })
     }
 
     fn max_turns(&self) -> usize {

@@ -19,6 +19,7 @@ use super::env_config::EnvConfig;
 use super::expr::{parse, Rational};
 use super::fields::{integer, integer_list, optional_prompt_messages, with_system, FieldResult};
 use super::protocol::{Env, Message, Outcome, Step};
+use crate::Result;
 
 /// Default reward of a well-formed wrong expression.
 pub const COUNTDOWN_FORMAT_REWARD: f64 = 0.1;
@@ -64,7 +65,7 @@ impl Env for CountdownEnv {
         self.prompt.clone()
     }
 
-    fn step(&mut self, model_turn: &str) -> Step {
+    fn step(&mut self, model_turn: &str) -> Result<Step> {
         let outcome = self.outcome.get_or_insert_with(|| {
             let expression = extract_expression(model_turn);
             let verdict = expression.as_deref().map(|e| check_countdown(e, &self.numbers, self.target));
@@ -83,7 +84,7 @@ impl Env for CountdownEnv {
                 .with("expected", self.target)
                 .with("verdict", why)
         });
-        Step::Done(outcome.clone())
+        Ok(Step::Done(outcome.clone()))
     }
 
     fn max_turns(&self) -> usize {

@@ -2,8 +2,9 @@
 //!
 //! - prompt: `prompt` (a string, or a list of `{role, content}` messages as in verl-style
 //!   datasets), else `question` (a string). A string becomes one `user` message.
-//! - answer: `answer`, a string or a number; a GSM8K-style `... #### 42` keeps what follows the
-//!   last `####` (see [`super::answer::reference_answer`]).
+//! - answer: `answer`, else the ground truth of verl's `reward_model.ground_truth` or SkyRL's
+//!   `reward_spec.ground_truth` ([`ground_truth`]); a string or a number; a GSM8K-style
+//!   `... #### 42` keeps what follows the last `####` (see [`super::answer::reference_answer`]).
 //! - integers: JSON integers (a float such as `3.0` or a string `"3"` is a type error).
 
 use std::fmt;
@@ -83,17 +84,32 @@ pub fn optional_prompt_messages(row: &Value) -> FieldResult<Option<Vec<Message>>
 
 /// The reference answer (module rules).
 pub fn answer(row: &Value) -> FieldResult<String> {
-    let text = match get(row, "answer") {
+    let (field, value) = match get(row, "answer") {
+        Some(v) => ("answer", Some(v)),
+        None => match ground_truth(row) {
+            Some((field, v)) => (field, Some(v)),
+            None => ("answer", None),
+        },
+    };
+    let text = match value {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Number(n)) => n.to_string(),
-        Some(other) => return Err(field_error("answer", format!("must be a string or a number, got {}", kind(other)))),
-        None => return Err(field_error("answer", "missing")),
+        Some(other) => return Err(field_error(field, format!("must be a string or a number, got {}", kind(other)))),
+        None => return Err(field_error("answer", "missing (give `answer` or `reward_model.ground_truth`)")),
     };
     let reference = reference_answer(&text);
     if reference.is_empty() {
-        return Err(field_error("answer", "is empty"));
+        return Err(field_error(field, "is empty"));
     }
     Ok(reference)
+}
+
+/// The ground truth of the ecosystem's RL datasets, with the field it came from: verl's
+/// `reward_model.ground_truth`, else SkyRL's `reward_spec.ground_truth`.
+pub fn ground_truth(row: &Value) -> Option<(&'static str, &Value)> {
+    [("reward_model", "reward_model.ground_truth"), ("reward_spec", "reward_spec.ground_truth")]
+        .into_iter()
+        .find_map(|(outer, field)| get(row, outer).and_then(|o| get(o, "ground_truth")).map(|v| (field, v)))
 }
 
 /// A required JSON integer.

@@ -14,6 +14,7 @@ use super::answer::{answers_match, extract_final_answer};
 use super::env_config::EnvConfig;
 use super::fields::{answer, prompt_messages, with_system, FieldResult};
 use super::protocol::{Env, Message, Outcome, Step};
+use crate::Result;
 
 pub struct MathEnv {
     prompt: Vec<Message>,
@@ -50,10 +51,10 @@ impl Env for MathEnv {
         self.prompt.clone()
     }
 
-    fn step(&mut self, model_turn: &str) -> Step {
+    fn step(&mut self, model_turn: &str) -> Result<Step> {
         let outcome =
             self.outcome.get_or_insert_with(|| grade_final_answer(model_turn, &self.answer, self.format_reward));
-        Step::Done(outcome.clone())
+        Ok(Step::Done(outcome.clone()))
     }
 
     fn max_turns(&self) -> usize {

@@ -1,12 +1,13 @@
 //! Prompt datasets for RL: rows of a JSONL or Parquet file, each checked against its env.
 //!
-//! - The env of a row is its `env` field (a string) or, when absent, the configured default.
+//! - The env of a row is its `env` (or SkyRL's `env_class`) field, else the reward function's when
+//!   one is configured, else the configured default ([`EnvFactory::resolve`]).
 //! - The uid (stable across runs, the key of the async trainer's consumed-prompt set) is the
 //!   row's `id` field (a string, or an integer written in decimal), else the row's 0-based
 //!   index among the file's rows (blank JSONL lines do not count). Two rows with one uid: the
 //!   second is a bad row.
-//! - A row is checked by building its env once ([`super::try_make_env`]), so the loader and
-//!   the env agree on what a valid row is. A bad row (unreadable, unknown env, missing or
+//! - A row is checked by its env ([`EnvFactory::check`]: a built-in is built once), so the
+//!   loader and the env agree on what a valid row is. A bad row (unreadable, unknown env, missing or
 //!   mistyped field, duplicate uid) is an error at `file:line` naming the field, or with
 //!   `on_bad_row = skip` a warning (the first ten) and a count.
 //! - An optional `max_tokens` field (a positive integer) is the row's own per-turn token
@@ -19,7 +20,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::env_config::EnvConfig;
-use super::registry::try_make_env;
+use super::factory::EnvFactory;
 use crate::rows::{read_rows, OnBadRow};
 use crate::{Error, Result};
 
@@ -82,12 +83,18 @@ pub struct PromptSet {
     pub bad_rows: usize,
 }
 
-/// Reads and checks every row of a `.jsonl` or `.parquet` prompt file (module rules).
+/// Reads and checks every row of a `.jsonl` or `.parquet` prompt file (module rules) for the
+/// built-in envs.
 pub fn load_prompts(path: &Path, options: &PromptOptions) -> Result<PromptSet> {
+    load_prompts_for(path, options, &EnvFactory::builtin(options.config.clone()))
+}
+
+/// [`load_prompts`] for the envs of `envs`.
+pub fn load_prompts_for(path: &Path, options: &PromptOptions, envs: &EnvFactory) -> Result<PromptSet> {
     let mut set = PromptSet { rows: Vec::new(), bad_rows: 0 };
     let mut seen = HashSet::new();
     for (index, raw) in read_rows(path)?.into_iter().enumerate() {
-        let parsed = raw.value.and_then(|row| parse_row(row, index, options));
+        let parsed = raw.value.and_then(|row| parse_row(row, index, options, envs));
         let parsed = parsed.and_then(|p| {
             if seen.insert(p.uid.clone()) {
                 Ok(p)
@@ -122,15 +129,13 @@ pub fn load_prompts(path: &Path, options: &PromptOptions) -> Result<PromptSet> {
 }
 
 /// One row to a prompt, or the message of why it is bad (without the location).
-pub fn parse_row(row: Value, index: usize, options: &PromptOptions) -> std::result::Result<PromptRow, String> {
-    let env = match row.get("env").filter(|v| !v.is_null()) {
-        Some(Value::String(name)) => name.clone(),
-        Some(other) => return Err(format!("field `env`: must be a string, got {other}")),
-        None => match &options.default_env {
-            Some(name) => name.clone(),
-            None => return Err("field `env`: missing, and no default env is configured".to_string()),
-        },
-    };
+pub fn parse_row(
+    row: Value,
+    index: usize,
+    options: &PromptOptions,
+    envs: &EnvFactory,
+) -> std::result::Result<PromptRow, String> {
+    let env = envs.resolve(&row, options.default_env.as_deref())?;
     let uid = match row.get("id").filter(|v| !v.is_null()) {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
         Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
@@ -138,6 +143,6 @@ pub fn parse_row(row: Value, index: usize, options: &PromptOptions) -> std::resu
         None => index.to_string(),
     };
     row_max_tokens(&row)?;
-    try_make_env(&env, &row, &options.config).map_err(|e| e.message())?;
+    envs.check(&env, &row)?;
     Ok(PromptRow { uid, env, row, source: String::new() })
 }

@@ -12,9 +12,17 @@
 //! - A malformed or empty turn is a low reward (0 for the built-ins), never an error or panic.
 //! - A step after `Done` repeats the same outcome (a caller bug, answered harmlessly).
 //!
+//! Envs whose code runs elsewhere (the user's Python, [`super::python`]) fail with an error
+//! rather than a low reward when that code fails, answer [`Env::start_step`] without waiting
+//! (the trainer starts every episode's step of a round before waiting for any, so they run as
+//! one batch), and cannot be trusted to end: the trainer ends them at their turn limit
+//! ([`Env::at_turn_limit`]).
+//!
 //! The env sees text only. Token budgets are the trainer's: it passes
 //! [`EnvConfig::max_turn_tokens`](super::EnvConfig) as the sampler's `max_tokens` and hands a
 //! cut-off turn to `step` like any other.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -64,11 +72,22 @@ pub struct Outcome {
     pub truncated: bool,
     /// Details for logs: e.g. `extracted` (the answer read from the reply) and `expected`.
     pub info: serde_json::Map<String, Value>,
+    /// Numbers the trainer logs as per-step means (a reward function's extra keys).
+    pub metrics: BTreeMap<String, f64>,
+    /// The user's code failed and `reward.on_error = "zero"` scored the episode 0: why.
+    pub user_error: Option<String>,
 }
 
 impl Outcome {
     pub fn new(reward: f64, correct: bool) -> Outcome {
-        Outcome { reward, correct, truncated: false, info: serde_json::Map::new() }
+        Outcome {
+            reward,
+            correct,
+            truncated: false,
+            info: serde_json::Map::new(),
+            metrics: BTreeMap::new(),
+            user_error: None,
+        }
     }
 
     /// Adds a detail for logs.
@@ -88,14 +107,49 @@ pub enum Step {
     Done(Outcome),
 }
 
-/// A single- or multi-turn environment for one prompt. Built by [`super::make_env`] from a
-/// dataset row; one instance per episode (a group of n samples builds n instances).
+/// A step that may still be running elsewhere: [`PendingStep::wait`] for its answer.
+pub enum PendingStep {
+    Ready(Result<Step>),
+    Later(Box<dyn FnOnce() -> Result<Step> + Send>),
+}
+
+impl PendingStep {
+    pub fn ready(step: Result<Step>) -> PendingStep {
+        PendingStep::Ready(step)
+    }
+
+    /// A step answered by `wait` (e.g. waiting on a call in flight).
+    pub fn later(wait: impl FnOnce() -> Result<Step> + Send + 'static) -> PendingStep {
+        PendingStep::Later(Box::new(wait))
+    }
+
+    pub fn is_ready(&self) -> bool {
+        matches!(self, PendingStep::Ready(_))
+    }
+
+    pub fn wait(self) -> Result<Step> {
+        match self {
+            PendingStep::Ready(step) => step,
+            PendingStep::Later(wait) => wait(),
+        }
+    }
+}
+
+/// A single- or multi-turn environment for one prompt. Built from a dataset row by
+/// [`super::make_env`] (the built-ins) or an [`super::EnvFactory`]; one instance per episode (a
+/// group of n samples builds n instances).
 pub trait Env: Send {
     /// The first observation: the prompt as chat messages.
     fn initial(&self) -> Vec<Message>;
 
-    /// Takes the text of one model turn (decoded, special tokens removed).
-    fn step(&mut self, model_turn: &str) -> Step;
+    /// Takes the text of one model turn (decoded, special tokens removed). An error is the
+    /// env's own failure (the user's code raised), never the model's: a bad turn is a low reward.
+    fn step(&mut self, model_turn: &str) -> Result<Step>;
+
+    /// Starts [`Env::step`] and answers later; by default it steps at once.
+    fn start_step(&mut self, model_turn: &str) -> PendingStep {
+        PendingStep::ready(self.step(model_turn))
+    }
 
     /// The most model turns an episode can take (1 for single-turn envs).
     fn max_turns(&self) -> usize;
@@ -104,6 +158,13 @@ pub trait Env: Send {
     /// besides the tokenizer's end-of-turn tokens. None by default.
     fn stop_strings(&self) -> Vec<String> {
         Vec::new()
+    }
+
+    /// The outcome of an episode the trainer ends at [`Env::max_turns`] because the env did not.
+    /// `None` (the default, every built-in) means the env promised to end itself: not ending is
+    /// a broken contract and an error naming the env.
+    fn at_turn_limit(&mut self) -> Option<Outcome> {
+        None
     }
 }
 
@@ -118,8 +179,9 @@ pub struct Transcript {
 }
 
 /// Runs an episode with `model` producing each turn from the conversation so far (for tests,
-/// evaluation, or a trainer whose closure also records tokens and log-probs). An env that is not
-/// done after `max_turns` steps breaks its contract: that is an error, not a silent cut.
+/// evaluation, or a trainer whose closure also records tokens and log-probs). An env still
+/// going after `max_turns` steps ends there if it leaves that to its caller
+/// ([`Env::at_turn_limit`]); otherwise it broke its contract: an error, not a silent cut.
 pub fn run_episode<F>(env: &mut dyn Env, mut model: F) -> Result<Transcript>
 where
     F: FnMut(&[Message]) -> Result<String>,
@@ -128,10 +190,13 @@ where
     for turn in 1..=env.max_turns() {
         let reply = model(&messages)?;
         messages.push(Message::assistant(reply.clone()));
-        match env.step(&reply) {
+        match env.start_step(&reply).wait()? {
             Step::Continue { observation } => messages.extend(observation),
             Step::Done(outcome) => return Ok(Transcript { messages, turns: turn, outcome }),
         }
     }
-    Err(Error::Other(format!("env not done after its max_turns ({}) steps", env.max_turns())))
+    match env.at_turn_limit() {
+        Some(outcome) => Ok(Transcript { messages, turns: env.max_turns(), outcome }),
+        None => Err(Error::Other(format!("env not done after its max_turns ({}) steps", env.max_turns()))),
+    }
 }

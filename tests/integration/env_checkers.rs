@@ -165,7 +165,7 @@ fn countdown_expression_extraction() {
 
 fn reward(name: &str, row: serde_json::Value, reply: &str) -> f64 {
     let mut env = make_env(name, &row, &EnvConfig::default()).unwrap();
-    match env.step(reply) {
+    match env.step(reply).unwrap() {
         Step::Done(o) => o.reward,
         other => panic!("single-turn env continued: {other:?}"),
     }
@@ -197,7 +197,7 @@ fn math_rewards() {
     // Format reward for an extracted but wrong answer.
     let cfg = EnvConfig { format_reward: Some(0.2), ..EnvConfig::default() };
     let mut env = make_env("math", &row, &cfg).unwrap();
-    assert!(matches!(env.step("\\boxed{7}"), Step::Done(o) if o.reward == 0.2 && !o.correct));
+    assert!(matches!(env.step("\\boxed{7}").unwrap(), Step::Done(o) if o.reward == 0.2 && !o.correct));
 }
 
 #[test]
@@ -226,9 +226,9 @@ fn arithmetic_rewards() {
     assert_eq!(reward("arithmetic", row.clone(), ""), 0.0);
     let cfg = EnvConfig { format_reward: Some(0.1), ..EnvConfig::default() };
     let mut env = make_env("arithmetic", &row, &cfg).unwrap();
-    assert!(matches!(env.step("80"), Step::Done(o) if o.reward == 0.1));
+    assert!(matches!(env.step("80").unwrap(), Step::Done(o) if o.reward == 0.1));
     let mut env = make_env("arithmetic", &row, &cfg).unwrap();
-    assert!(matches!(env.step("it is 80"), Step::Done(o) if o.reward == 0.0), "format reward needs a bare integer");
+    assert!(matches!(env.step("it is 80").unwrap(), Step::Done(o) if o.reward == 0.0), "format reward needs a bare integer");
     let string_answer = json!({"prompt": "What is 5 - 9?", "answer": "-4"});
     assert_eq!(reward("arithmetic", string_answer, "-4"), 1.0);
 }
@@ -276,7 +276,7 @@ fn random_replies_never_panic() {
         for (name, row) in &envs {
             for cfg in &configs {
                 let mut env = make_env(name, row, cfg).unwrap();
-                if let Step::Done(o) = env.step(&text) {
+                if let Step::Done(o) = env.step(&text).unwrap() {
                     check(name, &text, &o);
                     correct += o.correct as usize;
                 }
@@ -292,7 +292,7 @@ fn random_replies_never_panic() {
     ] {
         let row = &envs.iter().find(|(n, _)| *n == name).unwrap().1;
         for cfg in &configs {
-            match make_env(name, row, cfg).unwrap().step(reply) {
+            match make_env(name, row, cfg).unwrap().step(reply).unwrap() {
                 Step::Done(o) => {
                     assert!(o.correct, "{name}: {reply:?} is correct: {o:?}");
                     check(name, reply, &o);

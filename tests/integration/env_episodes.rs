@@ -72,7 +72,7 @@ fn calculator_three_turns_with_a_scripted_model() {
     let mut outcome = None;
     for (i, turn) in script.iter().enumerate() {
         segments.push(Segment::model(toks(turn), vec![-1.0; turn.len()]));
-        match env.step(turn) {
+        match env.step(turn).unwrap() {
             Step::Continue { observation } => {
                 assert!(i < 2, "turn {i} should end the episode");
                 let text: String = observation.iter().map(|m| m.content.clone()).collect();
@@ -91,7 +91,7 @@ fn calculator_three_turns_with_a_scripted_model() {
     assert_eq!((outcome.reward, outcome.correct, outcome.truncated), (1.0, true, false));
     assert_eq!(outcome.info["turns"], json!(3));
     // After Done, the same outcome again.
-    assert_eq!(env.step("Answer: 1"), Step::Done(outcome));
+    assert_eq!(env.step("Answer: 1").unwrap(), Step::Done(outcome));
 
     // Masks cover exactly the model turns' tokens, and each masked target is a model token.
     let seq = build_sequence(&segments).unwrap();

@@ -6,7 +6,7 @@ use std::io::Write;
 
 use oxrl::env::arithmetic::Problem;
 use oxrl::env::{generate_arithmetic, load_prompts, make_env, ArithmeticSpec, EnvConfig, PromptOptions, Step};
-use oxrl::trainer::config::OnBadRow;
+use oxrl::trainer::sections::OnBadRow;
 
 fn jsonl(lines: &[&str]) -> tempfile::TempPath {
     let mut f = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
@@ -35,7 +35,7 @@ fn rows_become_prompts_with_stable_uids() {
     assert_eq!(got, [("0", "arithmetic"), ("q7", "countdown"), ("12", "math")]);
     assert_eq!(set.rows[1].source, format!("{}:3", path.display()));
     let mut env = set.rows[2].make_env(&EnvConfig::default()).unwrap();
-    assert!(matches!(env.step("\\boxed{1/2}"), Step::Done(o) if o.reward == 1.0));
+    assert!(matches!(env.step("\\boxed{1/2}").unwrap(), Step::Done(o) if o.reward == 1.0));
 }
 
 #[test]
@@ -117,7 +117,7 @@ fn arithmetic_generator_is_deterministic_and_held_out() {
         ops.insert(op);
         // The row builds its env and the right answer gets reward 1.
         let mut env = make_env(&p.env, &p.row, &EnvConfig::default()).unwrap();
-        assert!(matches!(env.step(&problem.answer().to_string()), Step::Done(o) if o.reward == 1.0));
+        assert!(matches!(env.step(&problem.answer().to_string()).unwrap(), Step::Done(o) if o.reward == 1.0));
     }
     assert_eq!(ops.len(), 3);
     assert_eq!(Problem { a: 23, op: '+', b: 58 }.prompt(), "What is 23 + 58?");
@@ -177,5 +177,5 @@ fn parquet_prompts_and_bad_rows_at_their_row() {
     assert_eq!(set.rows[0].uid, "0");
     let mut env = set.rows[0].make_env(&EnvConfig::default()).unwrap();
     assert_eq!(env.initial()[0].content, "Twice 21?");
-    assert!(matches!(env.step("#### 42"), Step::Done(o) if o.reward == 1.0));
+    assert!(matches!(env.step("#### 42").unwrap(), Step::Done(o) if o.reward == 1.0));
 }

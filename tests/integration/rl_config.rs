@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use oxrl::algo::{AdvantageEstimator, KlEstimator, Loss, LossReduction, PolicyObjective};
-use oxrl::trainer::config::ScheduleKind;
+use oxrl::trainer::sections::ScheduleKind;
 use oxrl::trainer::config_file::{self, schema_keys, ConfigPaths};
 use oxrl::trainer::rl::config::RlConfig;
 use serde::{Deserialize, Serialize};
@@ -395,7 +395,7 @@ fn keys_of_the_other_mode_are_refused_by_name() {
     let d = RlConfig::default();
     for mode in ["sync", "async"] {
         assert!(
-            load(&d.to_toml().unwrap().replace("path = \"\"", "path = \"m\""), &[&format!("mode=\"{mode}\"")]).is_ok()
+            load(&d.to_toml().unwrap().replacen("path = \"\"", "path = \"m\"", 1), &[&format!("mode=\"{mode}\"")]).is_ok()
         );
     }
     // In a file, the error names the file.

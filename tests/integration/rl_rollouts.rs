@@ -6,7 +6,7 @@ use crate::common;
 
 use std::cell::RefCell;
 
-use oxrl::env::{EnvConfig, PromptRow};
+use oxrl::env::{EnvConfig, EnvFactory, PromptRow};
 use oxrl::handle::Handle;
 use oxrl::model::tokenizer::Tokenizer;
 use oxrl::rollout::{Generation, Request, RequestOutput, SamplingParams, StopReason};
@@ -54,7 +54,7 @@ fn a_calculator_episode_runs_several_turns_and_masks_only_sampled_tokens() {
     };
     let cfg = EnvConfig { max_turns: 4, max_turn_tokens: 32, ..Default::default() };
     let params = SamplingParams { temperature: 1.0, ..Default::default() };
-    let episodes = generate_episodes(&script, &tok, &[row], &cfg, &params, 1, 5).unwrap();
+    let episodes = generate_episodes(&script, &tok, &[row], &EnvFactory::builtin(cfg.clone()), &params, 1, 5).unwrap();
     assert_eq!(episodes.len(), 1);
     let e = &episodes[0];
     assert_eq!((e.turns, e.reward, e.correct, e.truncated), (3, 1.0, true, false));
@@ -116,6 +116,6 @@ fn a_tool_call_on_the_last_allowed_turn_truncates_with_no_reward() {
         source: "test".into(),
     };
     let cfg = EnvConfig { max_turns: 2, max_turn_tokens: 16, ..Default::default() };
-    let episodes = generate_episodes(&script, &tok, &[row], &cfg, &SamplingParams::default(), 1, 0).unwrap();
+    let episodes = generate_episodes(&script, &tok, &[row], &EnvFactory::builtin(cfg.clone()), &SamplingParams::default(), 1, 0).unwrap();
     assert_eq!((episodes[0].turns, episodes[0].reward, episodes[0].truncated), (2, 0.0, true));
 }

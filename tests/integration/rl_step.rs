@@ -27,6 +27,9 @@ fn episode(group: usize, reward: f64, sampler: [f32; 3]) -> Episode {
         response_tokens: 3,
         min_version: 0,
         versions: vec![],
+        data_source: None,
+        reward_metrics: Default::default(),
+        user_error: false,
     }
 }
 

@@ -8,7 +8,13 @@
 //!         match env.step(text(reply)):
 //!             Done(outcome)        -> the episode ends with its reward
 //!             Continue(observation) -> tokens += the template text the observation adds
+//!         after env.max_turns turns without Done: the env's turn-limit outcome (Python envs:
+//!             truncated), or an error naming the env (a built-in broke its contract)
 //! ```
+//! Envs are built by the run's [`EnvFactory`] (built-ins, the user's Python reward function or
+//! env classes). A step answered elsewhere (Python) is started as soon as its reply is in and
+//! waited for after every other reply of the round, so a round's steps run as one batch in the
+//! worker pool; a step answered at once (the built-ins) is handled as its reply comes in.
 //! A turn's budget is `env.max_turn_tokens`, or the prompt row's own `max_tokens` when that is
 //! smaller ([`PromptRow::max_tokens`]: per-prompt budgets, e.g. a long-tail workload).
 //! Every prompt's first turn is one request of n samples (they share the prefill); every
@@ -31,8 +37,11 @@
 //! 500-step demo runs with one seed: identical rewards and losses, entropies 1e-8 apart), but two
 //! runs are not bit-identical.
 
+use std::collections::BTreeMap;
+
 use crate::env::{
-    build_sequence, messages_to_json, Env, EnvConfig, Message, PromptRow, Segment, Step, TrainingSequence,
+    build_sequence, messages_to_json, Env, EnvFactory, Message, Outcome, PendingStep, PromptRow, Segment, Step,
+    TrainingSequence,
 };
 use crate::handle::Handle;
 use crate::model::tokenizer::Tokenizer;
@@ -71,12 +80,22 @@ pub struct Episode {
     /// The weight version that sampled each sampled token, in order over the turns (an update
     /// in flight changes it mid-sequence).
     pub versions: Vec<u64>,
+    /// The row's `data_source` (verl's datasets), for per-source reward metrics.
+    #[serde(default)]
+    pub data_source: Option<String>,
+    /// Numbers the env logged (a reward function's extra keys), averaged per step in metrics.
+    #[serde(default)]
+    pub reward_metrics: BTreeMap<String, f64>,
+    /// The user's code failed and `reward.on_error = "zero"` scored the episode 0.
+    #[serde(default)]
+    pub user_error: bool,
 }
 
 /// An episode in progress.
 struct Running {
     group: usize,
     uid: String,
+    data_source: Option<String>,
     env: Box<dyn Env>,
     messages: Vec<Message>,
     segments: Vec<Segment>,
@@ -103,13 +122,13 @@ pub fn generate_episodes(
     client: &dyn TurnSampler,
     tok: &Tokenizer,
     prompts: &[PromptRow],
-    env_config: &EnvConfig,
+    envs: &EnvFactory,
     params: &SamplingParams,
     n: usize,
     seed: u64,
 ) -> Result<Vec<Episode>> {
     let seeds: Vec<u64> = (0..prompts.len()).map(|i| prompt_seed(seed, i)).collect();
-    generate_groups(client, tok, prompts, &seeds, env_config, params, n)
+    generate_groups(client, tok, prompts, &seeds, envs, params, n)
 }
 
 /// Runs `n` episodes of every prompt, prompt i's group seeded with `seeds[i]`; episodes come
@@ -119,23 +138,22 @@ pub fn generate_groups(
     tok: &Tokenizer,
     prompts: &[PromptRow],
     seeds: &[u64],
-    env_config: &EnvConfig,
+    envs: &EnvFactory,
     params: &SamplingParams,
     n: usize,
 ) -> Result<Vec<Episode>> {
     if seeds.len() != prompts.len() {
         return Err(Error::Other(format!("{} group seeds for {} prompts", seeds.len(), prompts.len())));
     }
+    let max_turn_tokens = envs.config.max_turn_tokens;
     // Each prompt's per-turn budget: the env's, capped by the row's own `max_tokens`.
-    let budgets: Vec<usize> = prompts
-        .iter()
-        .map(|p| p.max_tokens().map_or(env_config.max_turn_tokens, |m| m.min(env_config.max_turn_tokens)))
-        .collect();
+    let budgets: Vec<usize> =
+        prompts.iter().map(|p| p.max_tokens().map_or(max_turn_tokens, |m| m.min(max_turn_tokens))).collect();
     // First turns: one request of n samples per prompt.
     let mut running: Vec<Running> = vec![];
     let mut first: Vec<Handle<RequestOutput>> = vec![];
     for (i, p) in prompts.iter().enumerate() {
-        let envs = (0..n).map(|_| p.make_env(env_config)).collect::<Result<Vec<_>>>()?;
+        let envs = (0..n).map(|_| envs.make(p)).collect::<Result<Vec<_>>>()?;
         let messages = envs.first().map(|e| e.initial()).unwrap_or_default();
         let prompt = tok.encode(&render(tok, &messages, true)?, false)?;
         let stop_strings = envs.first().map(|e| e.stop_strings()).unwrap_or_default();
@@ -146,10 +164,12 @@ pub fn generate_groups(
             group: Some(i as u64),
             ..Request::new(prompt.clone(), request_params)
         }));
+        let data_source = p.row.get("data_source").and_then(|v| v.as_str()).map(str::to_string);
         for env in envs {
             running.push(Running {
                 group: i,
                 uid: p.uid.clone(),
+                data_source: data_source.clone(),
                 env,
                 messages: messages.clone(),
                 segments: vec![Segment::env(prompt.clone())],
@@ -174,57 +194,32 @@ pub fn generate_groups(
         }
     }
 
+    let turns = Turns { client, tok, prompts, seeds, budgets: &budgets, params, n };
     let mut done: Vec<Option<Episode>> = (0..running.len()).map(|_| None).collect();
     let mut round = 0usize;
     loop {
         let mut next: Vec<Option<Handle<RequestOutput>>> = (0..running.len()).map(|_| None).collect();
-        let mut any = false;
+        let mut waiting: Vec<(usize, Turn, PendingStep)> = vec![];
         for (k, reply) in replies.iter_mut().enumerate() {
             let Some(h) = reply.take() else { continue };
             let g = h.wait()?.samples.into_iter().next().ok_or_else(|| Error::Other("empty engine reply".into()))?;
             let ep = &mut running[k];
-            let text = tok.decode(&g.tokens, true)?;
+            let turn = Turn { text: tok.decode(&g.tokens, true)?, sampled: g.tokens.clone() };
             ep.turns += 1;
             ep.versions.extend(&g.versions);
             ep.tokens.extend(&g.tokens);
-            let sampled = g.tokens.clone();
             ep.segments.push(Segment::model(g.tokens, g.logprobs));
-            match ep.env.step(&text) {
-                Step::Done(outcome) => {
-                    let sequence = build_sequence(&ep.segments)?;
-                    done[k] = Some(Episode {
-                        group: ep.group,
-                        uid: ep.uid.clone(),
-                        response_tokens: sequence.num_model_tokens(),
-                        sequence,
-                        reward: outcome.reward,
-                        correct: outcome.correct,
-                        truncated: outcome.truncated,
-                        turns: ep.turns,
-                        min_version: ep.versions.iter().copied().min().unwrap_or(0),
-                        versions: std::mem::take(&mut ep.versions),
-                    });
-                }
-                Step::Continue { observation } => {
-                    let added = continuation_tokens(tok, &ep.messages, &text, &sampled, &observation)?;
-                    ep.messages.push(Message::assistant(text));
-                    ep.messages.extend(observation);
-                    ep.tokens.extend(&added);
-                    ep.segments.push(Segment::env(added));
-                    let turn_seed = prompt_seed(seeds[ep.group], 1_000_003 * (round + 1) + k % n);
-                    let stop_strings = ep.env.stop_strings();
-                    let request_params = SamplingParams {
-                        max_tokens: budgets[ep.group],
-                        seed: Some(turn_seed),
-                        stop_strings,
-                        ..params.clone()
-                    };
-                    next[k] = Some(client.submit(Request::new(ep.tokens.clone(), request_params)));
-                    any = true;
-                }
+            let pending = ep.env.start_step(&turn.text);
+            if pending.is_ready() {
+                next[k] = turns.advance(ep, k, round, turn, pending.wait()?, &mut done[k])?;
+            } else {
+                waiting.push((k, turn, pending));
             }
         }
-        if !any {
+        for (k, turn, pending) in waiting {
+            next[k] = turns.advance(&mut running[k], k, round, turn, pending.wait()?, &mut done[k])?;
+        }
+        if next.iter().all(Option::is_none) {
             break;
         }
         replies = next;
@@ -234,6 +229,96 @@ pub fn generate_groups(
         .enumerate()
         .map(|(k, e)| e.ok_or_else(|| Error::Other(format!("episode {k} did not finish"))))
         .collect()
+}
+
+/// One sampled model turn: its text and tokens.
+struct Turn {
+    text: String,
+    sampled: Vec<u32>,
+}
+
+/// What the episodes of one call share for their later turns.
+struct Turns<'a> {
+    client: &'a dyn TurnSampler,
+    tok: &'a Tokenizer,
+    prompts: &'a [PromptRow],
+    seeds: &'a [u64],
+    budgets: &'a [usize],
+    params: &'a SamplingParams,
+    n: usize,
+}
+
+impl Turns<'_> {
+    /// Takes the env's answer to episode `k`'s turn: the finished episode into `done`, or the
+    /// next turn submitted (returned).
+    fn advance(
+        &self,
+        ep: &mut Running,
+        k: usize,
+        round: usize,
+        turn: Turn,
+        step: Step,
+        done: &mut Option<Episode>,
+    ) -> Result<Option<Handle<RequestOutput>>> {
+        let step = match step {
+            Step::Continue { .. } if ep.turns >= ep.env.max_turns() => Step::Done(self.at_turn_limit(ep)?),
+            step => step,
+        };
+        match step {
+            Step::Done(outcome) => {
+                *done = Some(finished(ep, outcome)?);
+                Ok(None)
+            }
+            Step::Continue { observation } => {
+                let added = continuation_tokens(self.tok, &ep.messages, &turn.text, &turn.sampled, &observation)?;
+                ep.messages.push(Message::assistant(turn.text));
+                ep.messages.extend(observation);
+                ep.tokens.extend(&added);
+                ep.segments.push(Segment::env(added));
+                let turn_seed = prompt_seed(self.seeds[ep.group], 1_000_003 * (round + 1) + k % self.n);
+                let request_params = SamplingParams {
+                    max_tokens: self.budgets[ep.group],
+                    seed: Some(turn_seed),
+                    stop_strings: ep.env.stop_strings(),
+                    ..self.params.clone()
+                };
+                Ok(Some(self.client.submit(Request::new(ep.tokens.clone(), request_params))))
+            }
+        }
+    }
+
+    /// The outcome of an episode still going at its env's turn limit.
+    fn at_turn_limit(&self, ep: &mut Running) -> Result<Outcome> {
+        ep.env.at_turn_limit().ok_or_else(|| {
+            let p = &self.prompts[ep.group];
+            Error::Other(format!(
+                "env `{}` is not done after its max_turns ({}) model turns on row {}: an env must end its episodes",
+                p.env,
+                ep.env.max_turns(),
+                p.source
+            ))
+        })
+    }
+}
+
+/// A finished episode.
+fn finished(ep: &mut Running, outcome: Outcome) -> Result<Episode> {
+    let sequence = build_sequence(&ep.segments)?;
+    Ok(Episode {
+        group: ep.group,
+        uid: ep.uid.clone(),
+        response_tokens: sequence.num_model_tokens(),
+        sequence,
+        reward: outcome.reward,
+        correct: outcome.correct,
+        truncated: outcome.truncated,
+        turns: ep.turns,
+        min_version: ep.versions.iter().copied().min().unwrap_or(0),
+        versions: std::mem::take(&mut ep.versions),
+        data_source: ep.data_source.clone(),
+        reward_metrics: outcome.metrics,
+        user_error: outcome.user_error.is_some(),
+    })
 }
 
 /// The tokens that follow a sampled reply before the model's next turn: the template's closing

@@ -5,6 +5,7 @@
 
 use super::config::RlConfig;
 use super::episodes::{generate_groups, prompt_seed, Episode};
+use crate::env::EnvFactory;
 use crate::env::PromptRow;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
@@ -32,6 +33,7 @@ pub fn pass_rates(episodes: &[Episode]) -> (f64, f64) {
 /// Evaluates the policy on the engines of the world's processes: (pass@1, pass@n).
 pub fn evaluate(
     cfg: &RlConfig,
+    envs: &EnvFactory,
     world: &dyn World,
     engines: &EngineClient,
     tok: &Tokenizer,
@@ -42,8 +44,8 @@ pub fn evaluate(
     let groups: Vec<Vec<Episode>> = share(world, prompts.len(), |mine| {
         let rows: Vec<PromptRow> = mine.iter().map(|&i| prompts[i].clone()).collect();
         let seeds: Vec<u64> = mine.iter().map(|&i| prompt_seed(seed, i)).collect();
-        let (env, params) = (cfg.env.env_config(), cfg.sampling_params(true));
-        let episodes = generate_groups(engines, tok, &rows, &seeds, &env, &params, n)?;
+        let params = cfg.sampling_params(true);
+        let episodes = generate_groups(engines, tok, &rows, &seeds, envs, &params, n)?;
         Ok(episodes.chunks(n.max(1)).map(<[Episode]>::to_vec).collect())
     })?;
     let episodes: Vec<Episode> = (groups.into_iter().enumerate())

@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::episodes::{generate_groups, prompt_seed, Episode};
-use crate::env::{EnvConfig, PromptRow};
+use crate::env::{EnvFactory, PromptRow};
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineClient, SamplingParams};
 use crate::world::{share, World};
@@ -89,7 +89,7 @@ pub struct GroupSampler<'a> {
     pub world: &'a dyn World,
     pub engines: &'a EngineClient,
     pub tok: &'a Tokenizer,
-    pub env_config: EnvConfig,
+    pub envs: &'a EnvFactory,
     pub params: SamplingParams,
     pub n: usize,
     /// `train.seed`: with a group's identity, its sampling seed.
@@ -106,7 +106,7 @@ impl GroupSampler<'_> {
             let prompts: Vec<PromptRow> = mine.iter().map(|&i| prompts[i].clone()).collect();
             let seeds: Vec<u64> = mine.iter().map(|&i| ids[i].seed(self.train_seed)).collect();
             let episodes =
-                generate_groups(self.engines, self.tok, &prompts, &seeds, &self.env_config, &self.params, self.n)?;
+                generate_groups(self.engines, self.tok, &prompts, &seeds, self.envs, &self.params, self.n)?;
             let groups = mine.iter().zip(episodes.chunks(self.n.max(1)));
             Ok(groups.map(|(&i, chunk)| Group { id: ids[i], start_step, episodes: chunk.to_vec() }).collect())
         })
@@ -140,6 +140,9 @@ mod tests {
                 response_tokens: 0,
                 min_version: 0,
                 versions: vec![],
+                data_source: None,
+                reward_metrics: Default::default(),
+                user_error: false,
             })
             .collect()
     }

@@ -57,6 +57,7 @@ use self::run::RlRun;
 use self::step_metrics::RlStepMetrics;
 use self::sync_groups::SyncGroups;
 use crate::dispatch::Dispatch;
+use crate::env::EnvFactory;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
 use crate::trainer::run_dir::{check_resumable, RunOptions};
@@ -72,20 +73,38 @@ pub use crate::trainer::run_dir::EXPORT_DIR;
 /// `critic` when the config needs them) and the sampling engines of `engines`, which must hold
 /// the policy's initial weights.
 pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts: &RunOptions) -> Result<RlSummary> {
+    run_rl_with(cfg, &start_envs(cfg)?, dispatch, engines, opts)
+}
+
+/// The run's environments: the built-ins, and the user's Python code when the config names
+/// some (its worker pool starts here: a missing file, function or class is an error now).
+pub fn start_envs(cfg: &RlConfig) -> Result<EnvFactory> {
+    EnvFactory::start(cfg.env.env_config(), &cfg.reward, &cfg.env.python_modules)
+}
+
+/// [`run_rl`] with the environments of `envs` (started before the models are loaded, or with
+/// a library user's own Rust envs registered).
+pub fn run_rl_with(
+    cfg: &RlConfig,
+    envs: &EnvFactory,
+    dispatch: &Dispatch,
+    engines: &EngineClient,
+    opts: &RunOptions,
+) -> Result<RlSummary> {
     check_resumable(&cfg.output.run_dir, opts)?; // before the prompts are read
     let tok = Tokenizer::from_dir(&cfg.model.path)?;
-    let (train, eval) = load_rl_prompts(cfg)?;
+    let (train, eval) = load_rl_prompts(cfg, envs)?;
     if train.is_empty() {
         return Err(Error::input("the RL training set is empty"));
     }
     eprintln!("rl ({}): {} training prompts, {} eval prompts", cfg.mode, train.len(), eval.len());
     let world = world()?;
-    let (run, resumed) = RlRun::open(cfg, dispatch, world, engines, &tok, &eval, opts)?;
+    let (run, resumed) = RlRun::open(cfg, envs, dispatch, world, engines, &tok, &eval, opts)?;
     let sampler = GroupSampler {
         world,
         engines,
         tok: &tok,
-        env_config: cfg.env.env_config(),
+        envs,
         params: cfg.sampling_params(false),
         n: cfg.rollout.n_samples,
         train_seed: cfg.train.seed,
@@ -95,7 +114,6 @@ pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts:
     let alone = GroupSampler {
         world: &Single,
         params: sampler.params.clone(),
-        env_config: sampler.env_config.clone(),
         ..sampler
     };
     match cfg.mode {
@@ -140,6 +158,15 @@ fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary>
                 run.finish(true, reward_mean, before)?;
                 return Err(Error::EngineDown(format!(
                     "{why}; checkpoint at step {step}: start an engine and resume with --resume"
+                )));
+            }
+            // The user's code failed: keep the finished steps, to resume once it is fixed.
+            Err(Error::UserCode(why)) => {
+                let step = run.step;
+                drop(source);
+                run.finish(true, reward_mean, before)?;
+                return Err(Error::UserCode(format!(
+                    "{why}\ncheckpoint at step {step}: fix the code and resume with --resume"
                 )));
             }
             Err(e) => return Err(e),

@@ -23,6 +23,7 @@ use super::plan::RlPlan;
 use super::rollout_stats::RolloutStats;
 use super::state::{DataPosition, RlState};
 use super::step::{critic_datums, minibatches, policy_datums, prepare, StepRecipe};
+use crate::env::EnvFactory;
 use crate::algo::{KlController, Metrics};
 use crate::dispatch::Dispatch;
 use crate::env::PromptRow;
@@ -72,6 +73,8 @@ fn plot_rl(run_dir: &std::path::Path) -> Result<()> {
 /// One RL run in progress.
 pub struct RlRun<'a> {
     pub cfg: &'a RlConfig,
+    /// The environments (evaluation runs its prompts through them).
+    pub envs: &'a EnvFactory,
     pub dispatch: &'a Dispatch,
     /// The run's processes: evaluation shares its prompts among them.
     pub world: &'a dyn World,
@@ -90,8 +93,10 @@ impl<'a> RlRun<'a> {
     /// Opens the run directory (or resumes it: worker states, step, KL coefficient and
     /// evaluations restored, the restored weights pushed to the engines). Returns the resumed
     /// trainer state, whose data position the source of groups takes up.
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         cfg: &'a RlConfig,
+        envs: &'a EnvFactory,
         dispatch: &'a Dispatch,
         world: &'a dyn World,
         engines: &'a EngineClient,
@@ -115,6 +120,7 @@ impl<'a> RlRun<'a> {
         )?;
         let mut run = RlRun {
             cfg,
+            envs,
             dispatch,
             world,
             engines,
@@ -274,7 +280,7 @@ impl<'a> RlRun<'a> {
         let eval_now =
             !self.eval.is_empty() && ((t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == t.max_steps);
         if eval_now {
-            let (p1, pn) = evaluate(self.cfg, self.world, self.engines, self.tok, self.eval, t.seed ^ 0xE7A1)?;
+            let (p1, pn) = evaluate(self.cfg, self.envs, self.world, self.engines, self.tok, self.eval, t.seed ^ 0xE7A1)?;
             (line.eval_pass_at_1, line.eval_pass_at_n) = (Some(p1), Some(pn));
             self.evals.push((step, p1, pn));
             self.dir.progress().println(format!(
@@ -365,6 +371,9 @@ mod tests {
             response_tokens: 0,
             min_version: 0,
             versions: vec![],
+            data_source: None,
+            reward_metrics: Default::default(),
+            user_error: false,
         };
         let episodes = [episode(vec![0.0, -1.0, -2.0], vec![0.0, 1.0, 1.0]), episode(vec![-0.5], vec![1.0])];
         let trainer = [vec![-9.0, -1.25, -2.0], vec![-0.375]];

@@ -3,6 +3,8 @@
 //! written as `null` (serde_json's rule). The plots read the line by these keys
 //! ([`crate::trainer::plot::RL_PLOTS`]); a test holds every key they name to this type.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
 /// The line of one RL step.
@@ -63,9 +65,17 @@ pub struct RolloutMetrics {
     pub correct_mean: f64,
     /// Mean sampled tokens per episode.
     pub response_length_mean: f64,
+    /// Mean model turns per episode.
+    pub turns_mean: f64,
     /// Mean entropy of the sampled tokens' distributions.
     pub entropy_mean: f64,
     pub episodes_generated: usize,
+    /// Episodes scored 0 because the user's code failed (`reward.on_error = "zero"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reward_errors: Option<usize>,
+    /// Means of what envs logged: `reward/<key>`, `reward/<data_source>/<key>`.
+    #[serde(flatten)]
+    pub logged: BTreeMap<String, f64>,
 }
 
 /// The asynchronous source's part of the line.
@@ -107,7 +117,7 @@ mod tests {
     #[test]
     fn the_line_keeps_its_keys_in_their_order() {
         let keys = |m: &serde_json::Map<String, serde_json::Value>| m.keys().cloned().collect::<Vec<_>>().join(",");
-        let common = "step,reward_mean,correct_mean,response_length_mean,entropy_mean,episodes_generated,kl_mean,\
+        let common = "step,reward_mean,correct_mean,response_length_mean,turns_mean,entropy_mean,episodes_generated,kl_mean,\
                       kl_coef,clip_fraction,loss,grad_norm,lr,episodes_trained,time_reference_s,time_train_s,\
                       logprob_mismatch_max,eval_pass_at_1,eval_pass_at_n";
         assert_eq!(
