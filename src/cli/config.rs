@@ -7,8 +7,8 @@
 
 use std::path::PathBuf;
 
-use crate::trainer::config::SftConfig;
 use crate::trainer::RlConfig;
+use crate::trainer::SftConfig;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -28,8 +28,8 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::config::ModelSection;
 use super::metrics::MetricsWriter;
+use super::sections::ModelSection;
 use super::tracking::Tracker;
 use crate::dispatch::Dispatch;
 use crate::files::{read_json, write_dir_atomically, write_json};

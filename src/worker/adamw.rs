@@ -25,7 +25,7 @@ use crate::{Error, Result};
 /// The defaults are the crate's one table of AdamW defaults, Tinker's `AdamParams`:
 /// learning rate 1e-4, β1 0.9, β2 0.95, ε 1e-12, no weight decay, no gradient clipping. The SFT
 /// config's `[optimizer]` section takes its defaults from here too
-/// (`trainer::config::OptimizerSection`), so a Tinker client that leaves a field out and an
+/// (`trainer::sections::OptimizerSection`), so a Tinker client that leaves a field out and an
 /// `oxrl sft` run that does get the same step.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use oxrl::error::nearest_name;
-use oxrl::trainer::config::{OnBadRow, OptimizerSection, ScheduleKind, SftConfig, TrainOn};
 use oxrl::trainer::config_file::{self, edit_distance, parse_set, schema_keys, suggest};
+use oxrl::trainer::sections::{OnBadRow, OptimizerSection, ScheduleKind};
+use oxrl::trainer::sft::config::{SftConfig, TrainOn};
 use oxrl::worker::AdamParams;
 use serde::{Deserialize, Serialize};
 

@@ -11,8 +11,8 @@ use oxrl::env::{load_prompts, EnvConfig, EnvFactory, PromptOptions};
 use oxrl::handle::Handle;
 use oxrl::model::tokenizer::Tokenizer;
 use oxrl::rollout::{Generation, Request, RequestOutput, SamplingParams, StopReason};
-use oxrl::trainer::sections::OnBadRow;
 use oxrl::trainer::rl::episodes::{generate_episodes, TurnSampler};
+use oxrl::trainer::sections::OnBadRow;
 
 fn jsonl(lines: &[&str]) -> tempfile::TempPath {
     let mut f = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();

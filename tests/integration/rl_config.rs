@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use oxrl::algo::{AdvantageEstimator, KlEstimator, Loss, LossReduction, PolicyObjective};
-use oxrl::trainer::sections::ScheduleKind;
 use oxrl::trainer::config_file::{self, schema_keys, ConfigPaths};
 use oxrl::trainer::rl::config::RlConfig;
+use oxrl::trainer::sections::ScheduleKind;
 use serde::{Deserialize, Serialize};
 
 const MINIMAL: &str = "[model]\npath = \"m\"\n";

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use common::fixture_dir;
 use oxrl::model::tokenizer::{write_byte_level_tokenizer, Tokenizer};
 use oxrl::rows::read_rows;
-use oxrl::trainer::config::{DataSection, OnBadRow, SftConfig, TrainOn};
 use oxrl::trainer::data_loader::{permutation, DataLoader, LoaderPosition};
+use oxrl::trainer::sections::OnBadRow;
 use oxrl::trainer::sft::chat_mask::tokenize_conversation;
+use oxrl::trainer::sft::config::{DataSection, SftConfig, TrainOn};
 use oxrl::trainer::sft::data::{example_of, load_sft_dataset, parse_row, split_eval, Conversation, SftExample};
 use serde_json::{json, Value};
 

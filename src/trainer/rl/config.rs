@@ -3,8 +3,9 @@
 //! `[launch]` and `[output]`, resolved by [`config_file`](crate::trainer::config_file) (defaults ← file ← `--set`).
 //!
 //! Every field has a default, written on it; no field is an `Option` (an unset path is `""`, an
-//! unset limit `0`). `[model]`, `[optimizer]`, `[schedule]` and `[output]` are the SFT config's
-//! sections (with RL defaults: a constant schedule, `runs/rl`). Two tables are free-form
+//! unset limit `0`). `[model]`, `[optimizer]`, `[schedule]` and `[output]` are the sections the
+//! SFT config shares ([`crate::trainer::sections`]; with RL defaults: a constant schedule,
+//! `runs/rl`). Two tables are free-form
 //! ([`ConfigPaths::OPEN_KEYS`]): `algorithm.loss_config` (checked by the loss,
 //! [`LossName::build`]) and `algorithm.off_policy` (checked by
 //! [`OffPolicyCorrection::from_config`]); [`RlConfig::validate`] runs those parsers, so a bad key
@@ -23,8 +24,10 @@ use crate::env::EnvConfig;
 use crate::error::unknown_name_message as unknown;
 use crate::error::{Error, Result};
 use crate::rollout::{PauseMode, SamplingParams};
-use crate::trainer::config::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection};
 use crate::trainer::config_file::{ConfigPaths, Sources};
+use crate::trainer::sections::{
+    ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection,
+};
 use crate::trainer::tracking::TrackingSection;
 
 use super::plan::LossFault;

@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::model::tokenizer::Tokenizer;
-use crate::trainer::config::TrainOn;
+use crate::trainer::sft::config::TrainOn;
 
 /// A tokenized conversation: `trained[t]` says whether token `t` carries loss.
 #[derive(Clone, Debug, PartialEq)]

@@ -32,8 +32,8 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 use crate::model::tokenizer::Tokenizer;
 use crate::rows::{read_rows, OnBadRow, RawRow, RowLocation};
-use crate::trainer::config::{DataSection, TrainOn};
 use crate::trainer::sft::chat_mask::{tokenize_conversation, MaskError, MaskedTokens};
+use crate::trainer::sft::config::{DataSection, TrainOn};
 
 /// The eval split of oxrl, defined in [`crate::trainer::eval_split`]; re-exported where SFT used to own it.
 pub use crate::trainer::eval_split::split_eval;

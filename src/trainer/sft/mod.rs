@@ -18,6 +18,7 @@
 //! checkpoints, export) is [`crate::trainer::run_dir`]'s, shared with the RL trainers.
 
 pub mod chat_mask;
+pub mod config;
 pub mod data;
 pub mod state;
 
@@ -26,12 +27,12 @@ use std::time::Instant;
 
 use serde_json::Value;
 
+use self::config::SftConfig;
 use self::data::{load_sft_dataset, token_mean_datums, SftExample};
 use self::state::SftState;
 use crate::algo::Loss;
 use crate::dispatch::Dispatch;
 use crate::model::tokenizer::Tokenizer;
-use crate::trainer::config::SftConfig;
 use crate::trainer::data_loader::DataLoader;
 use crate::trainer::metrics::StepMetrics;
 use crate::trainer::model_ids::POLICY;

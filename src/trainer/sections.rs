@@ -1,39 +1,16 @@
-//! The SFT run configuration: one TOML file with sections `[model]`, `[data]`, `[optimizer]`,
-//! `[schedule]`, `[train]` and `[output]`, resolved by [`config_file`](super::config_file)
-//! (defaults ← file ← `--set`).
-//!
-//! Every field has a default, written on it. No field is an `Option` (see `config_file`): an
-//! unset path is `""`, an unset limit is `0`. A relative path written in the config file is
-//! relative to the file's directory; one given with `--set`, or a default, to the working
-//! directory ([`ConfigPaths`]).
-//!
-//! The sections other than `[data]` and `[train]` are meant to be shared by the RL config.
+//! The sections the SFT and the RL config share: `[model]` (with `[model.lora]`),
+//! `[optimizer]`, `[schedule]` and `[output]`, each with its checks, and the `[data]` setting
+//! both configs have, `on_bad_row` ([`OnBadRow`]). `[tracking]`, shared too, is
+//! [`super::tracking`]'s. The defaults here are SFT's; the RL config ([`super::rl::config`])
+//! sets its own for `[schedule]` and `[output]`. The SFT config is [`super::sft::config`].
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::config_file::{ConfigPaths, Sources};
-use super::tracking::TrackingSection;
+use super::config_file::Sources;
 use crate::error::Result;
 use crate::worker::AdamParams;
-
-/// A full SFT run.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftConfig {
-    pub model: ModelSection,
-    pub data: DataSection,
-    pub optimizer: OptimizerSection,
-    pub schedule: ScheduleSection,
-    pub train: TrainSection,
-    pub output: OutputSection,
-    pub tracking: TrackingSection,
-}
-
-impl ConfigPaths for SftConfig {
-    const PATH_KEYS: &'static [&'static str] = &["model.path", "data.train_file", "data.eval_file", "output.run_dir"];
-}
 
 /// `[model]`: which weights to train and how.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -110,54 +87,8 @@ impl Default for LoraSection {
     }
 }
 
-/// `[data]`: the SFT dataset (see [`sft::data`](super::sft::data)).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DataSection {
-    /// Training rows, `.jsonl` or `.parquet`. Default `""`: required.
-    pub train_file: PathBuf,
-    /// Evaluation rows. Default `""`: hold out `eval_fraction` of the training rows instead.
-    pub eval_file: PathBuf,
-    /// Fraction of training rows held out for evaluation when there is no `eval_file`, chosen
-    /// by `shuffle_seed`. Default 0: no evaluation.
-    pub eval_fraction: f64,
-    /// Longest tokenized conversation kept; longer ones are cut at the end. Default 2048.
-    pub max_length: usize,
-    /// Which assistant messages are trained. Default `all_assistant`.
-    pub train_on: TrainOn,
-    /// What a malformed row does: `error` stops the run (the default), `skip` drops it with a
-    /// warning and counts it.
-    pub on_bad_row: OnBadRow,
-    /// Seed of the per-epoch shuffle and of the eval split. Default 0.
-    pub shuffle_seed: u64,
-}
-
-impl Default for DataSection {
-    fn default() -> Self {
-        DataSection {
-            train_file: PathBuf::new(),
-            eval_file: PathBuf::new(),
-            eval_fraction: 0.0,
-            max_length: 2048,
-            train_on: TrainOn::AllAssistant,
-            on_bad_row: OnBadRow::Error,
-            shuffle_seed: 0,
-        }
-    }
-}
-
-/// Which assistant messages carry loss.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TrainOn {
-    /// Only the last assistant message of each conversation.
-    LastAssistant,
-    /// Every assistant message.
-    AllAssistant,
-}
-
 /// What a malformed dataset row does; defined with the row reader ([`crate::rows`]), re-exported
-/// here because it is a `[data]` setting.
+/// here because it is a `[data]` setting of both configs.
 pub use crate::rows::OnBadRow;
 
 /// `[optimizer]`: AdamW (decoupled weight decay, bias-corrected).
@@ -274,52 +205,6 @@ impl ScheduleSection {
 
 pub use crate::worker::schedule::ScheduleKind;
 
-/// `[train]`: the loop.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TrainSection {
-    /// Examples per optimizer step. Default 32.
-    pub batch_size: usize,
-    /// Examples per forward/backward call (gradients accumulate over the step's micro-batches;
-    /// it bounds memory, not the result). Must divide `batch_size`. Default 8.
-    pub micro_batch_size: usize,
-    /// Passes over the training set. Default 1.
-    pub epochs: usize,
-    /// Stop after this many optimizer steps, whatever `epochs` says; 0 (the default) lets
-    /// `epochs` decide.
-    pub max_steps: usize,
-    /// Evaluate every this many steps (and after the last); 0: only after the last. Default 50.
-    pub eval_every: usize,
-    /// Save a checkpoint every this many steps (and after the last); 0: only after the last.
-    /// Default 0.
-    pub checkpoint_every: usize,
-    /// Seed of everything random in the run other than the data order (LoRA init, ...).
-    /// Default 0.
-    pub seed: u64,
-    /// Data-parallel ranks (threads of this process, each with a copy of the model). The
-    /// result does not depend on it. Default 1.
-    pub data_parallel: usize,
-    /// At most this many padded tokens per micro-batch on a rank, packed by length; 0 (the
-    /// default) packs by `micro_batch_size` only.
-    pub max_tokens_per_microbatch: usize,
-}
-
-impl Default for TrainSection {
-    fn default() -> Self {
-        TrainSection {
-            batch_size: 32,
-            micro_batch_size: 8,
-            epochs: 1,
-            max_steps: 0,
-            eval_every: 50,
-            checkpoint_every: 0,
-            seed: 0,
-            data_parallel: 1,
-            max_tokens_per_microbatch: 0,
-        }
-    }
-}
-
 /// `[output]`: where the run writes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -332,53 +217,6 @@ pub struct OutputSection {
 impl Default for OutputSection {
     fn default() -> Self {
         OutputSection { run_dir: PathBuf::from("runs/sft") }
-    }
-}
-
-impl SftConfig {
-    /// Defaults ← `file` ← `--set` overrides, then [`validate`](Self::validate).
-    pub fn load(file: Option<&Path>, sets: &[String]) -> Result<Self> {
-        let (config, sources): (SftConfig, _) = super::config_file::resolve_with_sources(file, sets)?;
-        config.validate(&sources)?;
-        Ok(config)
-    }
-
-    /// Checks what types cannot: required fields and value ranges. Errors name the dotted key
-    /// and where its value came from (`Sources::none()` when there is no file).
-    pub fn validate(&self, sources: &Sources) -> Result<()> {
-        let err = |key: &str, msg: &str| sources.error(key, msg);
-        self.model.validate(sources)?;
-        if self.data.train_file.as_os_str().is_empty() {
-            return Err(err("data.train_file", "required: a .jsonl or .parquet file"));
-        }
-        if !(0.0..1.0).contains(&self.data.eval_fraction) {
-            return Err(err("data.eval_fraction", "must be in [0, 1)"));
-        }
-        if self.data.max_length < 2 {
-            return Err(err("data.max_length", "must be at least 2 (one input and one target token)"));
-        }
-        self.optimizer.validate(sources)?;
-        self.schedule.validate(sources)?;
-        let t = &self.train;
-        if t.batch_size == 0 {
-            return Err(err("train.batch_size", "must be positive"));
-        }
-        if t.micro_batch_size == 0 || !t.batch_size.is_multiple_of(t.micro_batch_size) {
-            return Err(err("train.micro_batch_size", "must be positive and divide train.batch_size"));
-        }
-        if t.epochs == 0 && t.max_steps == 0 {
-            return Err(err("train.epochs", "0 epochs and no train.max_steps: nothing to train"));
-        }
-        if self.output.run_dir.as_os_str().is_empty() {
-            return Err(err("output.run_dir", "required"));
-        }
-        self.tracking.validate(sources)?;
-        Ok(())
-    }
-
-    /// The resolved config as TOML, for `oxrl config show` and `RUN_DIR/config.toml`.
-    pub fn to_toml(&self) -> Result<String> {
-        super::config_file::to_toml_string(self)
     }
 }
 
