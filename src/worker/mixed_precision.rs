@@ -26,7 +26,7 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::config::WorkerConfig;
+use super::worker_config::WorkerConfig;
 use crate::Result;
 
 /// The checkpoint file of the f32 masters.

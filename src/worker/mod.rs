@@ -21,7 +21,6 @@ pub mod adamw;
 mod adamw_fused;
 pub mod batch;
 pub mod checkpoint;
-pub mod config;
 pub mod loss_fn;
 mod micro_batch;
 pub mod mixed_precision;
@@ -32,9 +31,10 @@ pub mod schedule;
 pub mod value_head;
 #[allow(clippy::module_inception)] // `Worker` in worker.rs: the file named for what it holds
 mod worker;
+pub mod worker_config;
 
 pub use adamw::AdamParams;
 pub use batch::{Datum, LossFnInputs, LossFnOutput};
-pub use config::WorkerConfig;
 pub use schedule::LrSchedule;
 pub use worker::{ForwardBackwardOutput, Worker};
+pub use worker_config::WorkerConfig;

@@ -15,13 +15,13 @@ use candle_core::{Tensor, Var};
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
-use super::config::WorkerConfig;
 use super::loss_fn::{needs_entropy, requirements};
 use super::micro_batch::{apply_loss, model_outputs, split};
 use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
 use super::value_head::ValueHead;
+use super::worker_config::WorkerConfig;
 use crate::algo::{Loss, Metrics};
 use crate::model::tape::Tape;
 use crate::model::{lora, SamplerWeights, Transformer};

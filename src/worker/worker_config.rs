@@ -1,4 +1,5 @@
-//! The worker's configuration, with its defaults.
+//! [`WorkerConfig`]: how one worker trains (every weight or LoRA adapters, its seed, a critic
+//! head, micro-batch limits, master weights), with its defaults.
 
 use crate::model::lora::LoraConfig;
 
