@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
 use crate::algo::{AdaptiveKlController, AdvantageKind, KlEstimator, LossReduction, ReductionKind};
-use crate::env::EnvConfig;
+use crate::env::{EnvConfig, RewardConfig};
 use crate::error::unknown_name_message as unknown;
 use crate::error::{Error, Result};
 use crate::rollout::{PauseMode, SamplingParams};
@@ -67,6 +67,7 @@ pub struct RlConfig {
     pub model: ModelSection,
     pub data: RlDataSection,
     pub env: EnvSection,
+    pub reward: RewardConfig,
     pub rollout: RolloutSection,
     pub algorithm: AlgorithmSection,
     pub critic: CriticSection,
@@ -86,6 +87,7 @@ impl Default for RlConfig {
             model: ModelSection::default(),
             data: RlDataSection::default(),
             env: EnvSection::default(),
+            reward: RewardConfig::default(),
             rollout: RolloutSection::default(),
             algorithm: AlgorithmSection::default(),
             critic: CriticSection::default(),
@@ -101,7 +103,8 @@ impl Default for RlConfig {
 }
 
 impl ConfigPaths for RlConfig {
-    const PATH_KEYS: &'static [&'static str] = &["model.path", "data.train_file", "data.eval_file", "output.run_dir"];
+    const PATH_KEYS: &'static [&'static str] =
+        &["model.path", "data.train_file", "data.eval_file", "output.run_dir", "reward.custom_function.path"];
     const OPEN_KEYS: &'static [&'static str] = &["algorithm.loss_config", "algorithm.off_policy"];
 }
 
@@ -185,6 +188,9 @@ pub struct EnvSection {
     pub system_prompt: String,
     /// Role of tool-result messages: `user` (the default; every template renders it) or `tool`.
     pub tool_role: String,
+    /// Python modules (file paths or import names) whose classes are environments in SkyRL-gym's
+    /// text-env shape, named by a row's `env_class`; run in the `[reward]` worker pool.
+    pub python_modules: Vec<String>,
 }
 
 impl Default for EnvSection {
@@ -196,6 +202,7 @@ impl Default for EnvSection {
             format_reward: -1.0,
             system_prompt: String::new(),
             tool_role: e.tool_role,
+            python_modules: vec![],
         }
     }
 }
@@ -503,6 +510,7 @@ impl RlConfig {
         if env.tool_role.is_empty() {
             return Err(err("env.tool_role", &"must not be empty (user or tool)"));
         }
+        self.validate_reward(sources)?;
 
         let r = &self.rollout;
         if r.n_samples == 0 {
@@ -637,6 +645,34 @@ impl RlConfig {
             Some((key, why)) => Err(sources.error(key, why)),
             None => Ok(()),
         }
+    }
+
+    /// `[reward]` and `env.python_modules`: what can be checked without starting Python (the
+    /// pool checks the rest at start: the function, the classes).
+    fn validate_reward(&self, sources: &Sources) -> Result<()> {
+        let err = |key: &str, msg: &dyn std::fmt::Display| sources.error(key, msg);
+        let r = &self.reward;
+        if let Some(f) = r.function() {
+            if !std::path::Path::new(&f.path).is_file() {
+                return Err(err("reward.custom_function.path", &format!("no file `{}`", f.path)));
+            }
+            if f.name.is_empty() {
+                return Err(err("reward.custom_function.name", &"must not be empty (default compute_score)"));
+            }
+        }
+        if r.workers == 0 {
+            return Err(err("reward.workers", &"must be positive"));
+        }
+        if r.python.is_empty() {
+            return Err(err("reward.python", &"must not be empty (default python3)"));
+        }
+        if !(r.timeout_s.is_finite() && r.timeout_s > 0.0) {
+            return Err(err("reward.timeout_s", &"must be positive"));
+        }
+        if let Some(i) = self.env.python_modules.iter().position(String::is_empty) {
+            return Err(err("env.python_modules", &format!("entry {i} is empty")));
+        }
+        Ok(())
     }
 
     fn validate_data(&self, sources: &Sources) -> Result<()> {
