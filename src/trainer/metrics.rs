@@ -126,8 +126,10 @@ impl MetricsWriter {
             .and_then(|_| self.file.flush())
             .map_err(|e| Error::file(&self.path, format!("cannot write: {e}")))?;
         if self.tracker.is_on() {
-            // Parsed back from the line: the backends get exactly the values the file holds.
-            let value: Value = serde_json::from_str(&line).map_err(|e| Error::file(&self.path, e))?;
+            // The record as a value, not the line parsed back: serde_json's parser may be off by
+            // a float's last bit, its serialiser is exact.
+            let value = serde_json::to_value(record)
+                .map_err(|e| Error::file(&self.path, format!("cannot serialise metrics: {e}")))?;
             self.tracker.log(&value)?;
         }
         Ok(())

@@ -5,9 +5,12 @@
 //! of `Event` messages, the first `file_version = "brain.Event:2"`, then one per metrics line,
 //! holding every scalar as a `simple_value` (f32) tagged with its key, flushed at once.
 //!
-//! A resumed run replays the kept lines into its new file first. TensorBoard reads a
-//! directory's files in name order and, when a tag's step goes back (the restart), drops what it
-//! had of that tag from that step on: it shows the latest value of every step.
+//! Before its first line a file says where its session starts: a `SessionLog` START event at
+//! that line's step, as TensorFlow writes at a restart. TensorBoard reads a directory's files in
+//! name order and, at a START, drops what it had from that step on. A resumed run replays the
+//! kept lines into its new file (starting at the first step), and a new run in a directory
+//! that already had event files starts at step 1: either way TensorBoard shows this process's
+//! value of every step, none of a run that died after its last checkpoint.
 //!
 //! The messages are TensorFlow's `event.proto` and `summary.proto`, the fields used here, as
 //! hand-written prost structs (no protoc); field numbers and types follow those files.
@@ -35,7 +38,7 @@ pub struct Event {
     pub wall_time: f64,
     #[prost(int64, tag = "2")]
     pub step: i64,
-    #[prost(oneof = "event::What", tags = "3, 5")]
+    #[prost(oneof = "event::What", tags = "3, 5, 7")]
     pub what: Option<event::What>,
 }
 
@@ -47,8 +50,20 @@ pub mod event {
         FileVersion(String),
         #[prost(message, tag = "5")]
         Summary(super::Summary),
+        #[prost(message, tag = "7")]
+        SessionLog(super::SessionLog),
     }
 }
+
+/// `tensorflow.SessionLog`, its status alone (`SessionStatus`, an enum, as its number).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SessionLog {
+    #[prost(int32, tag = "1")]
+    pub status: i32,
+}
+
+/// `SessionLog.SessionStatus.START`: a session (re)starts at the event's step.
+pub const SESSION_START: i32 = 1;
 
 /// `tensorflow.Summary`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -72,6 +87,8 @@ pub struct SummaryValue {
 pub struct EventWriter {
     path: PathBuf,
     file: BufWriter<File>,
+    /// Whether the session's START is written (before the first scalars).
+    started: bool,
 }
 
 impl EventWriter {
@@ -89,15 +106,20 @@ impl EventWriter {
                 Err(e) => return Err(Error::file(&path, format!("cannot create: {e}"))),
             }
         };
-        let mut writer = EventWriter { path, file: BufWriter::new(file) };
+        let mut writer = EventWriter { path, file: BufWriter::new(file), started: false };
         writer.write(&Event { wall_time: now(), step: 0, what: Some(event::What::FileVersion(FILE_VERSION.into())) })?;
         Ok(writer)
     }
 
     /// Writes one step's scalars as one event (each as f32, TensorBoard's `simple_value`) and
-    /// flushes it.
+    /// flushes it; the first time, after the session's START at this step.
     pub fn write_scalars(&mut self, step: u64, scalars: &[(&str, f64)]) -> Result<()> {
         let step = i64::try_from(step).map_err(|_| Error::file(&self.path, format!("step {step} beyond int64")))?;
+        if !self.started {
+            let start = SessionLog { status: SESSION_START };
+            self.write(&Event { wall_time: now(), step, what: Some(event::What::SessionLog(start)) })?;
+            self.started = true;
+        }
         let value = scalars
             .iter()
             .map(|&(tag, x)| SummaryValue { tag: tag.to_string(), simple_value: Some(x as f32) })
@@ -143,6 +165,7 @@ mod tests {
     /// `event_pb2`).
     const SUMMARY_EVENT: &str = "09000000000000f83f10072a0d0a0b0a046c6f7373150000803e";
     const VERSION_EVENT: &str = "09000000000000f83f1a0d627261696e2e4576656e743a32";
+    const START_EVENT: &str = "09000000000000f83f10033a020801";
 
     fn hex(bytes: &[u8]) -> String {
         bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -162,22 +185,31 @@ mod tests {
         let version = Event { wall_time: 1.5, step: 0, what: Some(event::What::FileVersion(FILE_VERSION.into())) };
         assert_eq!(hex(&version.encode_to_vec()), VERSION_EVENT);
         assert_eq!(Event::decode(version.encode_to_vec().as_slice()).unwrap(), version);
+        let start = Event {
+            wall_time: 1.5,
+            step: 3,
+            what: Some(event::What::SessionLog(SessionLog { status: SESSION_START })),
+        };
+        assert_eq!(hex(&start.encode_to_vec()), START_EVENT);
+        assert_eq!(Event::decode(start.encode_to_vec().as_slice()).unwrap(), start);
         // A zero is written, not left out.
         let zero = SummaryValue { tag: "x".into(), simple_value: Some(0.0) };
         assert_eq!(hex(&zero.encode_to_vec()), "0a01781500000000");
     }
 
     #[test]
-    fn a_file_holds_the_version_then_one_event_per_step() {
+    fn a_file_holds_the_version_the_start_then_one_event_per_step() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = EventWriter::create(dir.path()).unwrap();
         w.write_scalars(1, &[("loss", 2.5), ("lr", 1e-3)]).unwrap();
         w.write_scalars(2, &[("loss", 0.1)]).unwrap();
         // Flushed per step: the file is complete while the writer is open.
         let records = read_records(&std::fs::read(w.path()).unwrap()).unwrap();
-        let events: Vec<Event> = records.iter().map(|r| Event::decode(r.as_slice()).unwrap()).collect();
-        assert_eq!(events.len(), 3);
+        let mut events: Vec<Event> = records.iter().map(|r| Event::decode(r.as_slice()).unwrap()).collect();
+        assert_eq!(events.len(), 4);
         assert_eq!(events[0].what, Some(event::What::FileVersion("brain.Event:2".into())));
+        let start = events.remove(1);
+        assert_eq!((start.step, start.what), (1, Some(event::What::SessionLog(SessionLog { status: 1 }))));
         let scalars = |e: &Event| match &e.what {
             Some(event::What::Summary(s)) => {
                 (e.step, s.value.iter().map(|v| (v.tag.clone(), v.simple_value.unwrap())).collect::<Vec<_>>())
