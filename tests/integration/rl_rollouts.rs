@@ -119,3 +119,35 @@ fn a_tool_call_on_the_last_allowed_turn_truncates_with_no_reward() {
     let episodes = generate_episodes(&script, &tok, &[row], &EnvFactory::builtin(cfg.clone()), &SamplingParams::default(), 1, 0).unwrap();
     assert_eq!((episodes[0].turns, episodes[0].reward, episodes[0].truncated), (2, 0.0, true));
 }
+
+/// An env that keeps going past its own `max_turns` broke its contract: the trainer's episode
+/// loop stops it there with an error naming the env and the row (a library user's Rust env,
+/// registered on the factory).
+#[test]
+fn an_env_that_never_finishes_is_an_error_naming_it() {
+    struct Endless;
+    impl oxrl::env::Env for Endless {
+        fn initial(&self) -> Vec<oxrl::env::Message> {
+            vec![oxrl::env::Message::user("go")]
+        }
+        fn step(&mut self, _: &str) -> oxrl::Result<oxrl::env::Step> {
+            Ok(oxrl::env::Step::Continue { observation: vec![oxrl::env::Message::user("more")] })
+        }
+        fn max_turns(&self) -> usize {
+            2
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    common::tiny_byte_model(tmp.path(), 16, 512, 1);
+    let tok = Tokenizer::from_dir(tmp.path()).unwrap();
+    let script = Script { tok: Tokenizer::from_dir(tmp.path()).unwrap(), turns: vec!["a", "b", "c"], calls: RefCell::new(vec![]) };
+    let envs = EnvFactory::builtin(EnvConfig::default())
+        .register("endless", std::sync::Arc::new(|_: &serde_json::Value, _: &EnvConfig| Ok(Box::new(Endless) as Box<dyn oxrl::env::Env>)));
+    let row = PromptRow { uid: "q".into(), env: "endless".into(), row: json!({}), source: "rows.jsonl:7".into() };
+    let e = generate_episodes(&script, &tok, &[row], &envs, &SamplingParams::default(), 1, 0).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "env `endless` is not done after its max_turns (2) model turns on row rows.jsonl:7: an env must end its episodes"
+    );
+    assert_eq!(script.calls.borrow().len(), 2, "two turns sampled, no third");
+}
