@@ -1,9 +1,9 @@
 //! The client over N engines: routing, abort-and-continue, and pause / resume / weight updates
 //! for all of them — without a thread per request.
 //!
-//! Routing: a request with a `group` goes to the engine that took its group first (so the
-//! prompts of a GRPO group share an engine, and identical prompts admitted together share one
-//! prefill); otherwise, and for a new group, to the engine with the fewest requests in flight.
+//! Routing: a request with a `route_key` goes to the engine that took its key first (so the
+//! samples of one RL prompt share an engine, and identical prompts admitted together share one
+//! prefill); otherwise, and for a new key, to the engine with the fewest requests in flight.
 //!
 //! Abort-and-continue (docs/specs/algorithms.md) is event-driven: an engine hands each output to a
 //! callback of the client (on the engine thread). A sample whose stop reason is `abort` is
@@ -49,7 +49,8 @@ struct ClientState {
     /// What happened to the engines since [`EngineClient::take_events`] (which fell, which
     /// rejoined).
     events: Mutex<Vec<String>>,
-    groups: Mutex<HashMap<u64, usize>>,
+    /// The engine of each route key seen.
+    routes: Mutex<HashMap<u64, usize>>,
     pause: Mutex<PauseState>,
 }
 
@@ -100,7 +101,7 @@ impl EngineClient {
             probing,
             answering,
             events: Mutex::default(),
-            groups: Mutex::new(HashMap::new()),
+            routes: Mutex::new(HashMap::new()),
             pause: Mutex::default(),
         };
         Ok(EngineClient { shared: Arc::new(shared), sharing: None })
@@ -126,9 +127,9 @@ impl EngineClient {
         self.shared.in_flight.iter().map(|x| x.load(Ordering::SeqCst)).collect()
     }
 
-    /// The engine for a request of `group`.
-    pub fn route(&self, group: Option<u64>) -> usize {
-        self.shared.route(group)
+    /// The engine for a request with `route_key`.
+    pub fn route(&self, route_key: Option<u64>) -> usize {
+        self.shared.route(route_key)
     }
 
     /// Submits a request with abort-and-continue: a pause in `abort` mode is invisible in the
@@ -218,8 +219,8 @@ impl EngineClient {
             if shared.answering[i].swap(false, Ordering::SeqCst) {
                 shared.down[i].store(false, Ordering::SeqCst);
                 lock(&shared.events).push(format!("{} rejoined", shared.name(i)));
-                // Groups that moved away while it was down spread over all engines again.
-                lock(&shared.groups).clear();
+                // Keys that moved away while it was down spread over all engines again.
+                lock(&shared.routes).clear();
             } else if !shared.probing[i].swap(true, Ordering::SeqCst) {
                 let shared = self.shared.clone();
                 std::thread::spawn(move || {
@@ -296,13 +297,13 @@ impl ClientState {
             .expect("at least one engine")
     }
 
-    /// A group stays on its engine while that engine is up.
-    fn route(&self, group: Option<u64>) -> usize {
-        match group {
+    /// A route key stays on its engine while that engine is up.
+    fn route(&self, route_key: Option<u64>) -> usize {
+        match route_key {
             None => self.least_loaded(),
-            Some(g) => {
-                let mut groups = lock(&self.groups);
-                let engine = groups.entry(g).or_insert_with(|| self.least_loaded());
+            Some(key) => {
+                let mut routes = lock(&self.routes);
+                let engine = routes.entry(key).or_insert_with(|| self.least_loaded());
                 if self.is_down(*engine) {
                     *engine = self.least_loaded();
                 }
@@ -324,7 +325,7 @@ impl ClientState {
                 continuation(&pending.original, j, &state.samples[j])
             }
         };
-        let i = this.route(req.group);
+        let i = this.route(req.route_key);
         if this.is_down(i) {
             return Pending::fail(pending, this.all_down());
         }
@@ -491,7 +492,7 @@ pub fn continuation(original: &Request, sample: usize, so_far: &Generation) -> R
         prompt_logprobs: false,
         prompt_topk: 0,
         sample_topk: original.sample_topk,
-        group: original.group,
+        route_key: original.route_key,
         adapter: original.adapter.clone(),
         rng_skip: original.rng_skip + so_far.tokens.len(),
     }

@@ -66,8 +66,11 @@ pub struct Request {
     pub prompt_topk: usize,
     /// Also return the `sample_topk` most likely tokens at each sampled position.
     pub sample_topk: usize,
-    /// Requests of one group (e.g. the n prompts of a GRPO group) go to the same engine.
-    pub group: Option<u64>,
+    /// Requests with the same key go to the same engine while it is up (e.g. the samples of one
+    /// RL prompt, so that they share its prefill); `None`: the least loaded engine. `group` on
+    /// the wire, the name engine servers and clients already exchange.
+    #[serde(rename = "group")]
+    pub route_key: Option<u64>,
     /// Random draws to skip before sampling: a continuation after an abort passes the number of
     /// tokens it already has, so a seeded sample continues its own stream.
     pub rng_skip: usize,
@@ -85,7 +88,7 @@ impl Request {
             prompt_logprobs: false,
             prompt_topk: 0,
             sample_topk: 0,
-            group: None,
+            route_key: None,
             rng_skip: 0,
             adapter: None,
         }
@@ -100,4 +103,18 @@ pub struct RequestOutput {
     pub prompt_logprobs: Option<Vec<f32>>,
     /// One per prompt token after the first, when `prompt_topk` > 0.
     pub prompt_topk: Option<Vec<TopLogprobs>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_route_key_crosses_to_engine_servers_as_group() {
+        let request = Request { route_key: Some(3), ..Request::new(vec![1, 2], SamplingParams::default()) };
+        let wire = rmp_serde::to_vec_named(&request).unwrap();
+        let fields: serde_json::Value = rmp_serde::from_slice(&wire).unwrap();
+        assert_eq!((fields["group"].as_u64(), fields.get("route_key")), (Some(3), None));
+        assert_eq!(rmp_serde::from_slice::<Request>(&wire).unwrap(), request);
+    }
 }

@@ -413,7 +413,7 @@ fn client_cancel_in_flight_and_while_parked() {
 }
 
 #[test]
-fn client_routes_by_load_and_group_and_reports_health() {
+fn client_routes_by_load_and_route_key_and_reports_health() {
     let m = load("qwen2");
     let engines = (0..2)
         .map(|_| Engine::start(m.clone(), EngineConfig { max_batch: 8, ..Default::default() }).unwrap())
@@ -423,7 +423,7 @@ fn client_routes_by_load_and_group_and_reports_health() {
     assert_eq!(client.route(Some(77)), g);
     let reqs: Vec<Request> = (0..24u64)
         .map(|i| Request {
-            group: (i % 2 == 0).then_some(i / 4),
+            route_key: (i % 2 == 0).then_some(i / 4),
             ..Request::new(vec![1 + i as u32, 2, 3], params(20, 1.0, i))
         })
         .collect();

@@ -161,7 +161,7 @@ pub fn generate_groups(
             SamplingParams { max_tokens: budgets[i], seed: Some(seeds[i]), stop_strings, ..params.clone() };
         first.push(client.submit(Request {
             num_samples: n,
-            group: Some(i as u64),
+            route_key: Some(i as u64),
             ..Request::new(prompt.clone(), request_params)
         }));
         let data_source = p.row.get("data_source").and_then(|v| v.as_str()).map(str::to_string);
