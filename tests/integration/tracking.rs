@@ -337,7 +337,8 @@ fn unknown_backends_and_a_missing_jsonl_are_refused_with_the_key() {
         let sets = ["model.path=m".to_string(), format!("tracking.backends={backends}")];
         RlConfig::load(None, &sets).unwrap_err().to_string()
     };
-    let unknown = "unknown tracking backend `tensorbord`; did you mean `tensorboard`? (valid: jsonl, tensorboard, wandb)";
+    let unknown =
+        "unknown tracking backend `tensorbord`; did you mean `tensorboard`? (valid: jsonl, tensorboard, wandb)";
     for e in [sft(r#"["jsonl", "tensorbord"]"#), rl(r#"["jsonl", "tensorbord"]"#)] {
         assert!(e.contains("tracking.backends") && e.contains(unknown), "{e}");
     }

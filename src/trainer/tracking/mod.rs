@@ -141,7 +141,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let none = Tracker::start_for_config("[output]\nrun_dir = \"x\"\n", dir.path()).unwrap();
         assert!(!none.is_on());
-        let mut t = Tracker::start_for_config("[tracking]\nbackends = [\"jsonl\", \"tensorboard\"]\n", dir.path()).unwrap();
+        let mut t =
+            Tracker::start_for_config("[tracking]\nbackends = [\"jsonl\", \"tensorboard\"]\n", dir.path()).unwrap();
         assert!(t.is_on());
         t.log(&json!({"step": 1, "loss": 0.5})).unwrap();
         let e = t.log(&json!({"loss": 0.5})).unwrap_err().to_string();

@@ -107,7 +107,11 @@ impl EventWriter {
             }
         };
         let mut writer = EventWriter { path, file: BufWriter::new(file), started: false };
-        writer.write(&Event { wall_time: now(), step: 0, what: Some(event::What::FileVersion(FILE_VERSION.into())) })?;
+        writer.write(&Event {
+            wall_time: now(),
+            step: 0,
+            what: Some(event::What::FileVersion(FILE_VERSION.into())),
+        })?;
         Ok(writer)
     }
 
@@ -223,6 +227,9 @@ mod tests {
         let w2 = EventWriter::create(dir.path()).unwrap();
         assert_ne!(w2.path(), w.path());
         let name = w.path().file_name().unwrap().to_string_lossy().to_string();
-        assert!(name.starts_with("events.out.tfevents.") && name.ends_with(&format!(".{}.0", std::process::id())), "{name}");
+        assert!(
+            name.starts_with("events.out.tfevents.") && name.ends_with(&format!(".{}.0", std::process::id())),
+            "{name}"
+        );
     }
 }

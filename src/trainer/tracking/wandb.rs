@@ -67,8 +67,12 @@ impl WandbWorker {
             Error::input(format!("tracking backend `wandb`: cannot run tracking.python = `{python}`: {e}"))
         })?;
         let (stdout, stderr) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
-        let mut worker =
-            WandbWorker { stdin: child.stdin.take(), child, python: python.to_string(), stderr: StderrTail::read(stderr) };
+        let mut worker = WandbWorker {
+            stdin: child.stdin.take(),
+            child,
+            python: python.to_string(),
+            stderr: StderrTail::read(stderr),
+        };
         // The worker's one reply, read in a thread so that the wait can time out.
         let (tx, reply) = mpsc::channel();
         std::thread::spawn(move || {
@@ -177,7 +181,11 @@ impl WandbWorker {
     fn error(&self, what: &str) -> Error {
         let tail = self.stderr.text(Duration::from_secs(1));
         let tail = if tail.is_empty() { String::new() } else { format!("\nits stderr ended with:\n{tail}") };
-        Error::Other(format!("tracking backend `wandb` (worker `{} -c`, pid {}): {what}{tail}", self.python, self.pid()))
+        Error::Other(format!(
+            "tracking backend `wandb` (worker `{} -c`, pid {}): {what}{tail}",
+            self.python,
+            self.pid()
+        ))
     }
 }
 
