@@ -46,11 +46,33 @@ enum What {
     /// A weight push to an engine: in this process, to `oxrl engine` at --engine, or over MPI to
     /// the engine processes of the job (`mpirun -np 1 oxrl bench weight-push … : -np 1 oxrl engine …`).
     WeightPush(WeightPushArgs),
+    /// Reward calls per second through the Python worker pool, against the same function called
+    /// in a plain Python loop.
+    Reward(RewardArgs),
     /// Write the benchmark model (HF layout) and its workloads' tokens (bench_workloads.json).
     SaveModel {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+#[derive(clap::Args)]
+struct RewardArgs {
+    /// The reward file (a verl-style `compute_score`).
+    #[arg(long)]
+    path: PathBuf,
+    #[arg(long, default_value = "compute_score")]
+    name: String,
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Worker processes of the pool.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// Calls per repetition, submitted at once (as a step's episodes are).
+    #[arg(long, default_value_t = 2048)]
+    calls: usize,
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
 }
 
 #[derive(clap::Args)]
@@ -186,6 +208,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         What::Gemm(g) => gemm(g),
         What::AllReduce(a) => all_reduce(a),
         What::WeightPush(a) => weight_push(a),
+        What::Reward(a) => reward(a),
         What::SaveModel { out } => {
             bench_model::write(&out).with_context(|| format!("writing the benchmark model to {}", out.display()))?;
             eprintln!("wrote the benchmark model and {} to {}", bench_model::WORKLOADS_FILE, out.display());
@@ -367,6 +390,78 @@ fn weight_push(a: WeightPushArgs) -> anyhow::Result<()> {
 }
 
 /// `r` with the median and minimum of `ms` and the bandwidth of `bytes` at the median.
+/// The same function through the pool and in a Python loop (one process, no pipes): calls/s.
+fn reward(a: RewardArgs) -> anyhow::Result<()> {
+    use crate::env::python::{CallResult, PoolSpec, PythonPool};
+    let path = a.path.display().to_string();
+    let pool = PythonPool::start(PoolSpec {
+        python: a.python.clone(),
+        workers: a.workers,
+        timeout: std::time::Duration::from_secs(60),
+        start_timeout: std::time::Duration::from_secs(120),
+        reward: Some((path.clone(), a.name.clone())),
+        env_modules: vec![],
+    })?;
+    let call = |i: usize| {
+        let args = json!({"data_source": "bench", "solution_str": format!("{}", i % 100),
+                          "ground_truth": "42", "extra_info": {"index": i}});
+        let mut c = serde_json::Map::new();
+        c.insert("op".into(), json!("score"));
+        c.insert("args".into(), args);
+        c
+    };
+    let round = || -> anyhow::Result<()> {
+        let handles: Vec<_> = (0..a.calls).map(|i| pool.call(None, call(i))).collect();
+        for h in handles {
+            match h.wait()? {
+                CallResult::Ok(_) => {}
+                other => anyhow::bail!("reward call failed: {other:?}"),
+            }
+        }
+        Ok(())
+    };
+    round()?; // warm-up
+    let mut ms = vec![];
+    for _ in 0..a.reps {
+        let t = std::time::Instant::now();
+        round()?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let pool_ms = median(ms);
+    // The baseline: the same calls in a loop of the same interpreter.
+    let script = format!(
+        "import importlib.util, sys, time\n\
+         spec = importlib.util.spec_from_file_location('r', {path:?})\n\
+         m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n\
+         f = getattr(m, {name:?})\n\
+         args = [dict(data_source='bench', solution_str=str(i % 100), ground_truth='42', extra_info={{'index': i}}) for i in range({calls})]\n\
+         best = []\n\
+         for _ in range({reps} + 1):\n\
+         \x20   t = time.perf_counter()\n\
+         \x20   for kw in args: f(**kw)\n\
+         \x20   best.append((time.perf_counter() - t) * 1e3)\n\
+         best = sorted(best[1:])\n\
+         print(best[len(best) // 2])\n",
+        name = a.name,
+        calls = a.calls,
+        reps = a.reps,
+    );
+    let out = std::process::Command::new(&a.python).args(["-c", &script]).output()?;
+    anyhow::ensure!(out.status.success(), "the Python loop failed: {}", String::from_utf8_lossy(&out.stderr));
+    let loop_ms: f64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    let per_s = |ms: f64| a.calls as f64 / (ms / 1e3);
+    println!(
+        "{}",
+        json!({
+            "bench": "reward", "workers": a.workers, "calls": a.calls,
+            "pool_ms": pool_ms, "pool_calls_per_s": per_s(pool_ms),
+            "python_loop_ms": loop_ms, "python_loop_calls_per_s": per_s(loop_ms),
+            "pool_over_loop": per_s(pool_ms) / per_s(loop_ms),
+        })
+    );
+    Ok(())
+}
+
 fn with_bandwidth(mut r: serde_json::Value, ms: &[f64], bytes: usize) -> serde_json::Value {
     let med = median(ms.to_vec());
     r["median_ms"] = json!(med);

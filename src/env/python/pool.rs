@@ -6,8 +6,9 @@
 //!         error at start, before any model is loaded)
 //! call:   a call goes to a worker (round-robin, or an env instance's own worker); the
 //!         worker's thread sends what has queued as one batch line and reads one answer per call
-//!         timeout:  a call running longer than `timeout` kills its worker (the call answers
-//!                   TimedOut); the batch's other calls go again to the restarted worker
+//!         timeout:  a call running longer than `timeout` (calls run in order, each from the
+//!                   previous answer on) kills its worker (the call answers TimedOut); the
+//!                   batch's other calls go again to the restarted worker
 //!         death:    a worker that exits mid-batch is restarted and its calls sent again once;
 //!                   a call whose worker dies twice answers Died
 //! stop:   dropping the pool kills and reaps every worker
@@ -179,6 +180,10 @@ struct Process {
     python: String,
     /// Killed or exited: the next batch needs a fresh process.
     dead: bool,
+    /// The reward function is `async def`: a batch of scores runs at once.
+    reward_async: bool,
+    /// The batch in flight runs its calls at once.
+    concurrent: bool,
 }
 
 impl Process {
@@ -225,7 +230,16 @@ impl Process {
                 t.push_back(line);
             }
         });
-        let mut process = Process { child, stdin, lines, stderr_tail, python: spec.python.clone(), dead: false };
+        let mut process = Process {
+            child,
+            stdin,
+            lines,
+            stderr_tail,
+            python: spec.python.clone(),
+            dead: false,
+            reward_async: false,
+            concurrent: false,
+        };
         let setup = json!({
             "reward": spec.reward.as_ref().map(|(path, name)| json!({"path": path, "name": name})),
             "env_modules": spec.env_modules,
@@ -246,6 +260,7 @@ impl Process {
                     .map(|a| a.iter().filter_map(|c| c.as_str().map(String::from)).collect())
                     .unwrap_or_default();
                 let reward_async = ready["reward_async"].as_bool().unwrap_or(false);
+                process.reward_async = reward_async;
                 Ok((process, Ready { env_classes, reward_async }))
             }
             Err(RecvTimeoutError::Timeout) => Err(Error::UserCode(format!(
@@ -293,24 +308,23 @@ impl Process {
         if self.send_line(&line).is_err() {
             return self.died(pending);
         }
-        let mut started: HashMap<u64, Instant> = HashMap::new();
-        let sent_at = Instant::now();
+        self.concurrent = self.reward_async && calls.iter().all(|c| c["op"] == "score");
+        // Calls run in order, each from the previous answer on (an async function's all at once
+        // from the batch's arrival): the call running is the first unanswered one, running since
+        // the last answer.
+        let mut progress = Instant::now();
         while !pending.is_empty() {
-            let oldest = started.values().min().copied().unwrap_or(sent_at);
-            let wait = (oldest + timeout).saturating_duration_since(Instant::now());
+            let wait = (progress + timeout).saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(wait) {
                 Ok(line) => {
                     let Ok(v) = serde_json::from_str::<Value>(&line) else {
                         eprintln!("[python] {line}");
                         continue;
                     };
-                    if let Some(id) = v.get("started").and_then(Value::as_u64) {
-                        started.insert(id, Instant::now());
-                        continue;
-                    }
                     let Some(job) = v.get("id").and_then(Value::as_u64).and_then(|id| pending.remove(&id)) else {
                         continue;
                     };
+                    progress = Instant::now();
                     let result = if let Some(ok) = v.get("ok") {
                         CallResult::Ok(ok.clone())
                     } else if let Some(bad) = v.get("bad_return").and_then(Value::as_str) {
@@ -321,17 +335,13 @@ impl Process {
                     job.reply.send(Ok(result));
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    // The calls running past the limit time out; the rest go again.
-                    let now = Instant::now();
-                    let late: Vec<u64> = started
-                        .iter()
-                        .filter(|(id, t)| pending.contains_key(id) && now.duration_since(**t) >= timeout)
-                        .map(|(id, _)| *id)
-                        .collect();
-                    if late.is_empty() {
-                        // Not one call started within the limit: the worker is stuck.
-                        return self.died(pending);
-                    }
+                    // The running call times out (an async batch: every call still running);
+                    // the rest go again to a fresh worker.
+                    let late: Vec<u64> = if self.concurrent {
+                        pending.keys().copied().collect()
+                    } else {
+                        pending.keys().min().into_iter().copied().collect()
+                    };
                     for id in late {
                         if let Some(job) = pending.remove(&id) {
                             job.reply.send(Ok(CallResult::TimedOut(timeout)));

@@ -7,12 +7,12 @@ packages are what the user code sees. It speaks JSON lines:
     stdout, answer      {"ready": {"env_classes": [...], "reward_async": bool}}
                         | {"fatal": "message and traceback"}   (then it exits)
     stdin, then         {"calls": [{"id": N, "op": "score" | "env_step" | "env_close", ...}, ...]}
-    stdout, per call    {"started": N}, then {"id": N, "ok": ...} | {"id": N, "error": traceback}
+    stdout, per call    {"id": N, "ok": ...} | {"id": N, "error": traceback}
                         | {"id": N, "bad_return": "what was wrong"}
 
-A batch's calls run one after another (an `async def` reward function: all of the batch's
-calls at once on one event loop), each announced by `started` so that oxrl can time each call
-out on its own. Environment instances live here between calls; an `env_step` call carries what
+A batch's calls run one after another, in order (an `async def` reward function: all of the
+batch's calls at once on one event loop), each answered as it ends: oxrl times a call from the
+previous answer (or the batch's arrival), so each call is timed on its own. Environment instances live here between calls; an `env_step` call carries what
 rebuilds its instance (class, row, prompt and the earlier actions), so a restarted worker
 replays an episode it never saw. The user's own prints go to stderr: stdout is the protocol's.
 """
@@ -41,8 +41,7 @@ OUT = None
 
 
 def send(obj):
-    OUT.write(json.dumps(obj) + "\n")
-    OUT.flush()
+    OUT.write(json.dumps(obj) + "\n")  # line-buffered: each answer leaves at once
 
 
 def load_file(path, name):
@@ -249,7 +248,6 @@ class Worker:
             return
         ops = {"score": self.score, "env_init": self.env_init, "env_step": self.env_step, "env_close": self.env_close}
         for call in calls:
-            send({"started": call["id"]})
             run = ops[call["op"]]
             if call["op"] == "score" and self.reward_async:
                 self.answer(call, lambda: asyncio.run(self.reward(**call["args"])))
@@ -258,7 +256,6 @@ class Worker:
 
     async def score_all(self, calls):
         async def one(call):
-            send({"started": call["id"]})
             try:
                 value = score_result(await self.reward(**call["args"]))
                 send({"id": call["id"], "ok": value})
