@@ -2,16 +2,16 @@
 
 use super::run_args::RunArgs;
 use crate::launch::rl_runtime;
-use crate::trainer::rl::{run_rl_with, start_envs};
+use crate::trainer::rl::{run_rl_on, RlTask};
 use crate::trainer::RlConfig;
 
 pub fn run(a: RunArgs, threads: Option<usize>) -> anyhow::Result<()> {
     let cfg = RlConfig::load(Some(&a.config), &a.sets)?;
-    // The user's Python code is checked before any model is loaded.
-    let envs = start_envs(&cfg)?;
-    let (dispatch, engines) = rl_runtime(&cfg, threads)?;
     let opts = a.options()?;
-    let s = run_rl_with(&cfg, &envs, &dispatch, &engines, &opts)?;
+    // The user's Python code and data are checked before any model is loaded.
+    let task = RlTask::prepare(&cfg, &opts)?;
+    let (dispatch, engines) = rl_runtime(&cfg, threads)?;
+    let s = run_rl_on(&cfg, &task, &dispatch, &engines, &opts)?;
     let eval = s
         .evals
         .last()

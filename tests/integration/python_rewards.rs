@@ -381,6 +381,15 @@ fn a_missing_function_fails_before_the_model_loads() {
     assert!(!out.status.success());
     assert!(err.contains("has no function `compute_score`"), "{err}");
     assert!(!tmp.path().join("run").exists(), "nothing ran");
+    // A row naming an env class the modules do not define: its file:line, before the model too.
+    let rows = skyrl_rows(tmp.path(), "TwoTurnEnvv");
+    let modules = format!("env.python_modules=[\"{}\"]", fixture("python/text_envs.py").display());
+    let s = sets(&tmp.path().join("no-model"), &tmp.path().join("run"), &rows, &[&modules]);
+    std::fs::write(&config, RlConfig::load(None, &s).unwrap().to_toml().unwrap()).unwrap();
+    let out = common::oxrl_command().args(["rl", "--config"]).arg(&config).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("TwoTurnEnvv.jsonl: row 1") || err.contains("TwoTurnEnvv.jsonl:1"), "{err}");
+    assert!(err.contains("unknown env `TwoTurnEnvv`; did you mean `TwoTurnEnv`?"), "{err}");
 }
 
 /// Ctrl-C (a checkpoint, then exit) and a trainer killed outright both take the Python workers

@@ -57,7 +57,7 @@ use self::run::RlRun;
 use self::step_metrics::RlStepMetrics;
 use self::sync_groups::SyncGroups;
 use crate::dispatch::Dispatch;
-use crate::env::EnvFactory;
+use crate::env::{EnvFactory, PromptRow};
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::EngineClient;
 use crate::trainer::run_dir::{check_resumable, RunOptions};
@@ -73,33 +73,51 @@ pub use crate::trainer::run_dir::EXPORT_DIR;
 /// `critic` when the config needs them) and the sampling engines of `engines`, which must hold
 /// the policy's initial weights.
 pub fn run_rl(cfg: &RlConfig, dispatch: &Dispatch, engines: &EngineClient, opts: &RunOptions) -> Result<RlSummary> {
-    run_rl_with(cfg, &start_envs(cfg)?, dispatch, engines, opts)
+    run_rl_on(cfg, &RlTask::prepare(cfg, opts)?, dispatch, engines, opts)
 }
 
-/// The run's environments: the built-ins, and the user's Python code when the config names
-/// some (its worker pool starts here: a missing file, function or class is an error now).
-pub fn start_envs(cfg: &RlConfig) -> Result<EnvFactory> {
-    EnvFactory::start(cfg.env.env_config(), &cfg.reward, &cfg.env.python_modules)
+/// What a run trains on, made before any model is loaded (so that the user's code and data
+/// fail fast): the environments, with the user's Python code started and checked, and the
+/// prompts, every row checked against its env.
+pub struct RlTask {
+    pub envs: EnvFactory,
+    pub train: Vec<PromptRow>,
+    pub eval: Vec<PromptRow>,
 }
 
-/// [`run_rl`] with the environments of `envs` (started before the models are loaded, or with
-/// a library user's own Rust envs registered).
-pub fn run_rl_with(
+impl RlTask {
+    /// The config's environments and prompts.
+    pub fn prepare(cfg: &RlConfig, opts: &RunOptions) -> Result<RlTask> {
+        let envs = EnvFactory::start(cfg.env.env_config(), &cfg.reward, &cfg.env.python_modules)?;
+        RlTask::with_envs(cfg, envs, opts)
+    }
+
+    /// The config's prompts for the environments of `envs` (e.g. with a library user's Rust envs
+    /// registered).
+    pub fn with_envs(cfg: &RlConfig, envs: EnvFactory, opts: &RunOptions) -> Result<RlTask> {
+        check_resumable(&cfg.output.run_dir, opts)?; // before the prompts are read
+        let (train, eval) = load_rl_prompts(cfg, &envs)?;
+        if train.is_empty() {
+            return Err(Error::input("the RL training set is empty"));
+        }
+        eprintln!("rl ({}): {} training prompts, {} eval prompts", cfg.mode, train.len(), eval.len());
+        Ok(RlTask { envs, train, eval })
+    }
+}
+
+/// [`run_rl`] on a prepared task.
+pub fn run_rl_on(
     cfg: &RlConfig,
-    envs: &EnvFactory,
+    task: &RlTask,
     dispatch: &Dispatch,
     engines: &EngineClient,
     opts: &RunOptions,
 ) -> Result<RlSummary> {
-    check_resumable(&cfg.output.run_dir, opts)?; // before the prompts are read
+    check_resumable(&cfg.output.run_dir, opts)?;
     let tok = Tokenizer::from_dir(&cfg.model.path)?;
-    let (train, eval) = load_rl_prompts(cfg, envs)?;
-    if train.is_empty() {
-        return Err(Error::input("the RL training set is empty"));
-    }
-    eprintln!("rl ({}): {} training prompts, {} eval prompts", cfg.mode, train.len(), eval.len());
+    let (envs, train, eval) = (&task.envs, &task.train, &task.eval);
     let world = world()?;
-    let (run, resumed) = RlRun::open(cfg, envs, dispatch, world, engines, &tok, &eval, opts)?;
+    let (run, resumed) = RlRun::open(cfg, envs, dispatch, world, engines, &tok, eval, opts)?;
     let sampler = GroupSampler {
         world,
         engines,
@@ -117,14 +135,14 @@ pub fn run_rl_with(
         ..sampler
     };
     match cfg.mode {
-        Mode::Sync => train_loop(run, SyncGroups::new(cfg, &sampler, &train, resumed.as_ref())?),
+        Mode::Sync => train_loop(run, SyncGroups::new(cfg, &sampler, train, resumed.as_ref())?),
         Mode::Async if world.size() == 1 => std::thread::scope(|scope| {
-            let source = AsyncGroups::start(scope, cfg, &sampler, &train, resumed.as_ref())?;
+            let source = AsyncGroups::start(scope, cfg, &sampler, train, resumed.as_ref())?;
             train_loop(run, source)
         }),
         Mode::Async => std::thread::scope(|scope| {
             let source = match world.rank() {
-                0 => Some(AsyncGroups::start(scope, cfg, &alone, &train, resumed.as_ref())?),
+                0 => Some(AsyncGroups::start(scope, cfg, &alone, train, resumed.as_ref())?),
                 _ => None,
             };
             train_loop(run, BroadcastGroups::new(world, source, Some(cfg.async_rl.pause_mode())))
