@@ -62,12 +62,8 @@ impl EnvFactory {
         };
         let pool = PythonPool::start(spec)?;
         factory.python_classes = pool.ready().env_classes.clone();
-        factory.python = Some(Arc::new(UserCode::new(
-            pool,
-            reward.on_error,
-            reward.function().cloned(),
-            reward.timeout_s,
-        )));
+        factory.python =
+            Some(Arc::new(UserCode::new(pool, reward.on_error, reward.function().cloned(), reward.timeout_s)));
         Ok(factory)
     }
 
@@ -131,7 +127,9 @@ impl EnvFactory {
         let field_error = |e: super::fields::FieldError| Error::input(format!("{source}: env `{name}`: {e}"));
         if let Some(code) = &self.python {
             if name == REWARD_FUNCTION && code.function.is_some() {
-                return Ok(Box::new(RewardFnEnv::from_row(code.clone(), row, source, &self.config).map_err(field_error)?));
+                return Ok(Box::new(
+                    RewardFnEnv::from_row(code.clone(), row, source, &self.config).map_err(field_error)?,
+                ));
             }
             if self.python_classes.iter().any(|c| c == name) {
                 return Ok(Box::new(PythonTextEnv::start(code.clone(), name, row, source, &self.config)?));

@@ -106,7 +106,10 @@ fn each_fault_of_a_reward_function_is_reported() {
     }
     // A worker that dies is restarted and the call sent again once; twice is a failure.
     let dir = tempfile::tempdir().unwrap();
-    assert_eq!(one("dies_once", "a", 30.0, json!({"dir": dir.path()})), CallResult::Ok(json!({"score": 0.75, "extra": {}})));
+    assert_eq!(
+        one("dies_once", "a", 30.0, json!({"dir": dir.path()})),
+        CallResult::Ok(json!({"score": 0.75, "extra": {}}))
+    );
     match one("dies_always", "a", 30.0, Value::Null) {
         CallResult::Died(why) => {
             assert!(why.contains("died twice") && why.contains("about to die"), "{why}");
@@ -141,7 +144,8 @@ fn missing_files_functions_and_classes_fail_at_start() {
     assert!(e.contains("`not_a_function`") && e.contains("is not callable"), "{e}");
     let e = start_err(PoolSpec { python: "/no/such/python".into(), ..spec("python/faults.py", "good", 30.0) });
     assert!(e.contains("cannot start the Python interpreter `/no/such/python`"), "{e}");
-    let modules = |m: &str| PoolSpec { reward: None, env_modules: vec![m.into()], ..spec("python/faults.py", "good", 30.0) };
+    let modules =
+        |m: &str| PoolSpec { reward: None, env_modules: vec![m.into()], ..spec("python/faults.py", "good", 30.0) };
     let e = start_err(modules("no_such_module_xyz"));
     assert!(e.contains("ModuleNotFoundError") && e.contains("no_such_module_xyz"), "{e}");
     let e = start_err(modules(&fixture("python/faults.py").display().to_string()));
@@ -180,6 +184,19 @@ fn run(sets: &[String]) -> oxrl::Result<(Vec<Value>, Vec<u8>)> {
     let lines = std::fs::read_to_string(cfg.output.run_dir.join("metrics.jsonl")).unwrap();
     let weights = std::fs::read(cfg.output.run_dir.join("final/model.safetensors")).unwrap();
     Ok((lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect(), weights))
+}
+
+/// `sets` resolved and written to `dir/name.toml`, for the `oxrl` binary.
+fn write_config(dir: &Path, name: &str, sets: &[String]) -> PathBuf {
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(&config, RlConfig::load(None, sets).unwrap().to_toml().unwrap()).unwrap();
+    config
+}
+
+/// `oxrl rl --config config`'s exit status and stderr.
+fn oxrl_rl(config: &Path) -> (bool, String) {
+    let out = common::oxrl_command().args(["rl", "--config"]).arg(config).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
 }
 
 /// A metrics line without the keys that measure time.
@@ -228,8 +245,7 @@ fn a_python_reward_trains_what_the_builtin_env_trains_under_mpi() {
     let model = tmp.path().join("model");
     common::tiny_byte_model(&model, 32, 256, 7);
     let base = sets(&model, &tmp.path().join("unused"), &fixture("verl/arithmetic.parquet"), &[]);
-    let config = tmp.path().join("rl.toml");
-    std::fs::write(&config, RlConfig::load(None, &base).unwrap().to_toml().unwrap()).unwrap();
+    let config = write_config(tmp.path(), "rl", &base);
     let reward = format!("reward.custom_function.path=\"{}\"", fixture("python/arithmetic_reward.py").display());
     let both = |run: &str, extra: &[&str]| {
         let mut s = vec![format!("output.run_dir=\"{run}\"")];
@@ -261,8 +277,9 @@ fn verl_gsm8k_rows_train_with_the_math_env_and_extra_keys_are_logged() {
     assert_eq!(lines[0]["reward/openai/gsm8k/score"], lines[0]["reward_mean"]);
 
     let reward = format!("reward.custom_function.path={}", fixture("python/faults.py").display());
-    let (lines, _) = run(&sets(&model, &tmp.path().join("extras"), &data, &[&reward, "reward.custom_function.name=\"good\""]))
-        .unwrap();
+    let (lines, _) =
+        run(&sets(&model, &tmp.path().join("extras"), &data, &[&reward, "reward.custom_function.name=\"good\""]))
+            .unwrap();
     for l in &lines {
         // `good` scores 1 for the answer (two of the rows' answers are one digit), else 0.25;
         // `acc` is its verdict, `length` the reply's characters.
@@ -315,7 +332,10 @@ fn skyrl_rows_with_python_envs_train_and_the_turn_limit_holds() {
     }
     let raising = skyrl_rows(tmp.path(), "RaisingEnv");
     let e = run(&sets(&model, &tmp.path().join("raising"), &raising, &[&modules])).unwrap_err().to_string();
-    assert!(e.contains("env class `RaisingEnv` (step) raised on row") && e.contains("ValueError: the env broke"), "{e}");
+    assert!(
+        e.contains("env class `RaisingEnv` (step) raised on row") && e.contains("ValueError: the env broke"),
+        "{e}"
+    );
     assert!(e.contains("RaisingEnv.jsonl:"), "the row's file:line: {e}");
 }
 
@@ -328,10 +348,8 @@ fn a_raising_reward_stops_the_run_after_a_checkpoint_or_scores_zero() {
     common::tiny_byte_model(&model, 32, 256, 7);
     let data = fixture("verl/arithmetic.parquet");
     let reward = format!("reward.custom_function.path={}", fixture("python/faults.py").display());
-    let config = tmp.path().join("rl.toml");
     let name = "reward.custom_function.name=\"raises_after_32_calls\"";
-    let base = sets(&model, &tmp.path().join("raise"), &data, &[&reward, name]);
-    std::fs::write(&config, RlConfig::load(None, &base).unwrap().to_toml().unwrap()).unwrap();
+    let config = write_config(tmp.path(), "raise", &sets(&model, &tmp.path().join("raise"), &data, &[&reward, name]));
     let mut c = common::oxrl_command();
     c.args(["rl", "--config"]).arg(&config).args(["--set", "train.checkpoint_every=1"]);
     let child = c.stderr(std::process::Stdio::piped()).spawn().unwrap();
@@ -355,14 +373,24 @@ fn a_raising_reward_stops_the_run_after_a_checkpoint_or_scores_zero() {
     assert!(workers_of(pid).is_empty(), "python workers left behind: {:?}", workers_of(pid));
 
     // Scored 0 and counted instead.
-    let zero = sets(&model, &tmp.path().join("zero"), &data, &[&reward, "reward.custom_function.name=\"raises\"", "reward.on_error=\"zero\""]);
+    let zero = sets(
+        &model,
+        &tmp.path().join("zero"),
+        &data,
+        &[&reward, "reward.custom_function.name=\"raises\"", "reward.on_error=\"zero\""],
+    );
     let (lines, _) = run(&zero).unwrap();
     for l in &lines {
         assert_eq!(l["reward_errors"], 32, "{l}");
         assert_eq!(l["reward_mean"], 0.0, "{l}");
     }
     // A wrong return type is an error even so: it is a bug, not a case of the data.
-    let bad = sets(&model, &tmp.path().join("bad"), &data, &[&reward, "reward.custom_function.name=\"returns_nan\"", "reward.on_error=\"zero\""]);
+    let bad = sets(
+        &model,
+        &tmp.path().join("bad"),
+        &data,
+        &[&reward, "reward.custom_function.name=\"returns_nan\"", "reward.on_error=\"zero\""],
+    );
     let e = run(&bad).unwrap_err().to_string();
     assert!(e.contains("`returns_nan`") && e.contains("returned a bad value for row") && e.contains("is nan"), "{e}");
 }
@@ -373,21 +401,18 @@ fn a_raising_reward_stops_the_run_after_a_checkpoint_or_scores_zero() {
 fn a_missing_function_fails_before_the_model_loads() {
     let tmp = tempfile::tempdir().unwrap();
     let reward = format!("reward.custom_function.path={}", fixture("python/faults.py").display());
-    let s = sets(&tmp.path().join("no-model"), &tmp.path().join("run"), &fixture("verl/arithmetic.parquet"), &[&reward]);
-    let config = tmp.path().join("rl.toml");
-    std::fs::write(&config, RlConfig::load(None, &s).unwrap().to_toml().unwrap()).unwrap();
-    let out = common::oxrl_command().args(["rl", "--config"]).arg(&config).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let s =
+        sets(&tmp.path().join("no-model"), &tmp.path().join("run"), &fixture("verl/arithmetic.parquet"), &[&reward]);
+    let (ok, err) = oxrl_rl(&write_config(tmp.path(), "function", &s));
+    assert!(!ok);
     assert!(err.contains("has no function `compute_score`"), "{err}");
     assert!(!tmp.path().join("run").exists(), "nothing ran");
     // A row naming an env class the modules do not define: its file:line, before the model too.
     let rows = skyrl_rows(tmp.path(), "TwoTurnEnvv");
     let modules = format!("env.python_modules=[\"{}\"]", fixture("python/text_envs.py").display());
     let s = sets(&tmp.path().join("no-model"), &tmp.path().join("run"), &rows, &[&modules]);
-    std::fs::write(&config, RlConfig::load(None, &s).unwrap().to_toml().unwrap()).unwrap();
-    let out = common::oxrl_command().args(["rl", "--config"]).arg(&config).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (ok, err) = oxrl_rl(&write_config(tmp.path(), "class", &s));
+    assert!(!ok);
     assert!(err.contains("TwoTurnEnvv.jsonl: row 1") || err.contains("TwoTurnEnvv.jsonl:1"), "{err}");
     assert!(err.contains("unknown env `TwoTurnEnvv`; did you mean `TwoTurnEnv`?"), "{err}");
 }
@@ -401,9 +426,13 @@ fn no_python_worker_outlives_an_interrupted_or_killed_trainer() {
     common::tiny_byte_model(&model, 32, 256, 7);
     let reward = format!("reward.custom_function.path={}", fixture("python/arithmetic_reward.py").display());
     for (signal, run) in [("-INT", "interrupted"), ("-KILL", "killed")] {
-        let s = sets(&model, &tmp.path().join(run), &fixture("verl/arithmetic.parquet"), &[&reward, "train.max_steps=100000", "reward.workers=2"]);
-        let config = tmp.path().join(format!("{run}.toml"));
-        std::fs::write(&config, RlConfig::load(None, &s).unwrap().to_toml().unwrap()).unwrap();
+        let s = sets(
+            &model,
+            &tmp.path().join(run),
+            &fixture("verl/arithmetic.parquet"),
+            &[&reward, "train.max_steps=100000", "reward.workers=2"],
+        );
+        let config = write_config(tmp.path(), run, &s);
         let mut child = common::oxrl_command()
             .args(["rl", "--config"])
             .arg(&config)

@@ -116,7 +116,9 @@ fn a_tool_call_on_the_last_allowed_turn_truncates_with_no_reward() {
         source: "test".into(),
     };
     let cfg = EnvConfig { max_turns: 2, max_turn_tokens: 16, ..Default::default() };
-    let episodes = generate_episodes(&script, &tok, &[row], &EnvFactory::builtin(cfg.clone()), &SamplingParams::default(), 1, 0).unwrap();
+    let episodes =
+        generate_episodes(&script, &tok, &[row], &EnvFactory::builtin(cfg.clone()), &SamplingParams::default(), 1, 0)
+            .unwrap();
     assert_eq!((episodes[0].turns, episodes[0].reward, episodes[0].truncated), (2, 0.0, true));
 }
 
@@ -140,9 +142,15 @@ fn an_env_that_never_finishes_is_an_error_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     common::tiny_byte_model(tmp.path(), 16, 512, 1);
     let tok = Tokenizer::from_dir(tmp.path()).unwrap();
-    let script = Script { tok: Tokenizer::from_dir(tmp.path()).unwrap(), turns: vec!["a", "b", "c"], calls: RefCell::new(vec![]) };
-    let envs = EnvFactory::builtin(EnvConfig::default())
-        .register("endless", std::sync::Arc::new(|_: &serde_json::Value, _: &EnvConfig| Ok(Box::new(Endless) as Box<dyn oxrl::env::Env>)));
+    let script = Script {
+        tok: Tokenizer::from_dir(tmp.path()).unwrap(),
+        turns: vec!["a", "b", "c"],
+        calls: RefCell::new(vec![]),
+    };
+    let envs = EnvFactory::builtin(EnvConfig::default()).register(
+        "endless",
+        std::sync::Arc::new(|_: &serde_json::Value, _: &EnvConfig| Ok(Box::new(Endless) as Box<dyn oxrl::env::Env>)),
+    );
     let row = PromptRow { uid: "q".into(), env: "endless".into(), row: json!({}), source: "rows.jsonl:7".into() };
     let e = generate_episodes(&script, &tok, &[row], &envs, &SamplingParams::default(), 1, 0).unwrap_err().to_string();
     assert_eq!(

@@ -129,11 +129,7 @@ pub fn run_rl_on(
     };
     // Async over several processes: process 0 generates (sharing no groups out), the others
     // train on what it hands them.
-    let alone = GroupSampler {
-        world: &Single,
-        params: sampler.params.clone(),
-        ..sampler
-    };
+    let alone = GroupSampler { world: &Single, params: sampler.params.clone(), ..sampler };
     match cfg.mode {
         Mode::Sync => train_loop(run, SyncGroups::new(cfg, &sampler, train, resumed.as_ref())?),
         Mode::Async if world.size() == 1 => std::thread::scope(|scope| {
@@ -169,23 +165,21 @@ fn train_loop(mut run: RlRun, mut source: impl GroupSource) -> Result<RlSummary>
         let groups = match source.next_groups(run.step, &mut rollouts, &stop) {
             Ok(Some(groups)) => groups,
             Ok(None) => break true,
-            // No engine left: keep what was trained, to resume once one is up again.
-            Err(Error::EngineDown(why)) => {
+            // No engine left, or the user's code failed: keep what was trained, to resume once
+            // an engine is up again or the code is fixed.
+            Err(e @ (Error::EngineDown(_) | Error::UserCode(_))) => {
                 let step = run.step;
                 drop(source);
                 run.finish(true, reward_mean, before)?;
-                return Err(Error::EngineDown(format!(
-                    "{why}; checkpoint at step {step}: start an engine and resume with --resume"
-                )));
-            }
-            // The user's code failed: keep the finished steps, to resume once it is fixed.
-            Err(Error::UserCode(why)) => {
-                let step = run.step;
-                drop(source);
-                run.finish(true, reward_mean, before)?;
-                return Err(Error::UserCode(format!(
-                    "{why}\ncheckpoint at step {step}: fix the code and resume with --resume"
-                )));
+                return Err(match e {
+                    Error::EngineDown(why) => Error::EngineDown(format!(
+                        "{why}; checkpoint at step {step}: start an engine and resume with --resume"
+                    )),
+                    Error::UserCode(why) => Error::UserCode(format!(
+                        "{why}\ncheckpoint at step {step}: fix the code and resume with --resume"
+                    )),
+                    other => other,
+                });
             }
             Err(e) => return Err(e),
         };

@@ -117,7 +117,8 @@ mod tests {
     #[test]
     fn the_line_keeps_its_keys_in_their_order() {
         let keys = |m: &serde_json::Map<String, serde_json::Value>| m.keys().cloned().collect::<Vec<_>>().join(",");
-        let common = "step,reward_mean,correct_mean,response_length_mean,turns_mean,entropy_mean,episodes_generated,kl_mean,\
+        let common =
+            "step,reward_mean,correct_mean,response_length_mean,turns_mean,entropy_mean,episodes_generated,kl_mean,\
                       kl_coef,clip_fraction,loss,grad_norm,lr,episodes_trained,time_reference_s,time_train_s,\
                       logprob_mismatch_max,eval_pass_at_1,eval_pass_at_n";
         assert_eq!(
