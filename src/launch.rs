@@ -112,6 +112,7 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
             max_tokens_per_microbatch: (cfg.train.max_tokens_per_microbatch > 0)
                 .then_some(cfg.train.max_tokens_per_microbatch),
             master_weights: cfg.model.master_weights,
+            activation_checkpointing: cfg.train.activation_checkpointing,
         },
         ..WorkerSpec::new(&cfg.model.path)
     };
@@ -159,6 +160,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         micro_batch_size: (l.micro_batch_size > 0).then_some(l.micro_batch_size),
         max_tokens_per_microbatch: (l.max_tokens_per_microbatch > 0).then_some(l.max_tokens_per_microbatch),
         master_weights: cfg.model.master_weights,
+        activation_checkpointing: l.activation_checkpointing,
     };
     let base = WorkerSpec {
         dtype,

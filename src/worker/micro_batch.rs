@@ -13,7 +13,7 @@ use super::batch::{Datum, FloatField};
 use super::value_head::ValueHead;
 use crate::algo::{Loss, LossInputs, LossOutput};
 use crate::model::logprobs::{entropy as token_entropy, target_logprobs_and_lse};
-use crate::model::tape::Tape;
+use crate::model::tape::{Keep, Tape};
 use crate::model::Transformer;
 use crate::Result;
 
@@ -30,15 +30,17 @@ pub struct TokenOutputs {
 
 /// Runs the model on the datums `members` of `batch`. `critic` selects the value head;
 /// `entropy` asks for per-token entropies (policy only). The model runs on the [`Tape`] where it
-/// can (the CPU), recording for a `backward`: the caller then hands the tape candle's gradients.
+/// can (the CPU), keeping what `keep` says for a backward (anything but [`Keep::Nothing`]): the
+/// caller then hands the tape candle's gradients.
 pub fn model_outputs(
     model: &Transformer,
     value_head: Option<&ValueHead>,
     batch: &[Datum],
     members: &[usize],
     entropy: bool,
-    backward: bool,
+    keep: Keep,
 ) -> Result<TokenOutputs> {
+    let backward = keep != Keep::Nothing;
     let lengths: Vec<usize> = members.iter().map(|&i| batch[i].len()).collect();
     let t_max = *lengths.iter().max().expect("a micro-batch is never empty");
     let mut ids = Vec::with_capacity(members.len());
@@ -70,7 +72,7 @@ pub fn model_outputs(
             .collect()
     };
     let mut tape =
-        if Tape::serves(model) { Some(Tape::forward(model, &ids, &positions, &mask, backward)?) } else { None };
+        if Tape::serves(model) { Some(Tape::forward_keeping(model, &ids, &positions, &mask, keep)?) } else { None };
     // A policy: the head runs on the tape as well.
     if let (Some(t), None) = (tape.as_mut(), value_head) {
         let (logprobs, entropy) = if entropy {

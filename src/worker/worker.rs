@@ -23,7 +23,7 @@ use super::rng::WorkerRng;
 use super::value_head::ValueHead;
 use super::worker_config::WorkerConfig;
 use crate::algo::{Loss, Metrics};
-use crate::model::tape::Tape;
+use crate::model::tape::{Keep, Tape};
 use crate::model::{lora, SamplerWeights, Transformer};
 use crate::{Error, Result};
 
@@ -65,6 +65,13 @@ impl Worker {
             cfg.validate()?;
         }
         plan_micro_batches(&[1], config.micro_batch_size, config.max_tokens_per_microbatch)?;
+        if config.activation_checkpointing && !Tape::serves(&model) {
+            return Err(Error::input(format!(
+                "activation_checkpointing: only the CPU tape recomputes layers; a model on {:?} trains \
+                 through candle's graph, which keeps every activation",
+                model.device.location()
+            )));
+        }
         let mut rng = WorkerRng::new(config.seed);
         let mut params = match &config.lora {
             Some(cfg) => lora::attach_new(&mut model, cfg, rng.next_seed())?,
@@ -201,11 +208,16 @@ impl Worker {
         let lengths: Vec<usize> = batch.iter().map(Datum::len).collect();
         let plan = plan_micro_batches(&lengths, self.config.micro_batch_size, self.config.max_tokens_per_microbatch)?;
         let entropy = loss.is_some_and(needs_entropy);
+        let keep = match (backward, self.config.activation_checkpointing) {
+            (false, _) => Keep::Nothing,
+            (true, false) => Keep::Everything,
+            (true, true) => Keep::LayerInputs,
+        };
 
         let mut metrics = Metrics::new();
         let mut records = vec![LossFnOutput::default(); batch.len()];
         for members in &plan {
-            let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, backward)?;
+            let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, keep)?;
             let mut elementwise = None;
             if let Some(loss) = loss {
                 let (loss_out, weights) = apply_loss(loss, &out, batch, members)?;

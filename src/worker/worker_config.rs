@@ -1,10 +1,10 @@
 //! [`WorkerConfig`]: how one worker trains (every weight or LoRA adapters, its seed, a critic
-//! head, micro-batch limits, master weights), with its defaults.
+//! head, micro-batch limits, master weights, activation checkpointing), with its defaults.
 
 use crate::model::lora::LoraConfig;
 
 /// How a [`super::Worker`] trains. `Default`: full fine-tuning, seed 0, no critic head, the
-/// whole batch in one micro-batch, f32 master weights for a bf16/f16 model.
+/// whole batch in one micro-batch, f32 master weights for a bf16/f16 model, every activation kept.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerConfig {
     /// Train fresh LoRA adapters (only they get gradients and optimizer state) instead of
@@ -25,6 +25,10 @@ pub struct WorkerConfig {
     /// ([`super::mixed_precision`]). `false`: the parameters are updated in place in their own
     /// dtype (pure bf16). Ignored for f32 / f64 models. Default `true`.
     pub master_weights: bool,
+    /// Activation checkpointing: the forward keeps only each decoder layer's input and the
+    /// backward recomputes the layer from it ([`crate::model::tape::Keep::LayerInputs`]); the
+    /// gradients are the same bits. The CPU tape only: other devices refuse it. Default `false`.
+    pub activation_checkpointing: bool,
 }
 
 impl Default for WorkerConfig {
@@ -36,6 +40,7 @@ impl Default for WorkerConfig {
             micro_batch_size: None,
             max_tokens_per_microbatch: None,
             master_weights: true,
+            activation_checkpointing: false,
         }
     }
 }

@@ -10,6 +10,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod activation_checkpointing;
 mod algo_estimators;
 mod algo_gradients;
 mod algo_losses;

@@ -22,6 +22,12 @@
 //! compute in f64 and all others in f32 (bf16/f16 weights widened as they are read); other
 //! devices keep candle's autograd ([`Tape::serves`]). The logits of the rows the loss reads are
 //! kept for the backward ([M, V], as the candle path kept them).
+//!
+//! Activation checkpointing ([`Keep::LayerInputs`]): the forward keeps only each block's input
+//! (and the attention mask) and the backward runs the block's forward again from it, just before
+//! that block's backward, then drops what it recomputed. Every kernel is deterministic (fixed
+//! splits, fixed summation orders), so the recomputed activations, hence the gradients, are the
+//! bits of keeping everything; the price is one more forward of the body per backward.
 
 mod attention;
 mod head;
@@ -79,6 +85,17 @@ impl<T: Real> Grads<T> {
     }
 }
 
+/// How much of the forward a [`Tape`] keeps for its backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// Nothing: no backward will follow (scoring).
+    Nothing,
+    /// Every block's activations.
+    Everything,
+    /// Each block's input only: the backward recomputes the block (activation checkpointing).
+    LayerInputs,
+}
+
 /// What one block's backward reads.
 struct BlockRecord<T> {
     h_in: Vec<T>,
@@ -101,13 +118,27 @@ struct BlockRecord<T> {
     act: Vec<T>,
 }
 
-struct Record<T> {
-    model: Transformer,
+/// A block as the forward left it: all its activations, or its input to recompute them from.
+enum Kept<T> {
+    All(BlockRecord<T>),
+    Input(Vec<T>),
+}
+
+/// What every block's forward reads besides its input.
+struct Shared<T> {
     dims: Dims,
-    tokens: Vec<u32>,
     cos: Vec<T>,
     sin: Vec<T>,
-    blocks: Vec<BlockRecord<T>>,
+    /// The additive attention mask [B, T, T].
+    bias: Vec<T>,
+}
+
+struct Record<T> {
+    model: Transformer,
+    tokens: Vec<u32>,
+    /// `bias` is emptied unless a block is to be recomputed.
+    shared: Shared<T>,
+    blocks: Vec<Kept<T>>,
     h_last: Vec<T>,
     /// The body's output, the final hidden states [B·T, hidden].
     out: Vec<T>,
@@ -152,13 +183,25 @@ impl Tape {
         mask: &[Vec<u8>],
         record: bool,
     ) -> Result<Tape> {
+        let keep = if record { Keep::Everything } else { Keep::Nothing };
+        Tape::forward_keeping(model, input_ids, positions, mask, keep)
+    }
+
+    /// [`Tape::forward`] keeping what `keep` says for the backward.
+    pub fn forward_keeping(
+        model: &Transformer,
+        input_ids: &[Vec<u32>],
+        positions: &[Vec<u32>],
+        mask: &[Vec<u8>],
+        keep: Keep,
+    ) -> Result<Tape> {
         if !Tape::serves(model) {
             return Err(Error::input("tape: CPU models only"));
         }
         model.check_inputs(input_ids, positions, mask)?;
         let record = match model.dtype {
-            DType::F64 => Recorded::F64(run(model, input_ids, positions, mask, record)?),
-            _ => Recorded::F32(run(model, input_ids, positions, mask, record)?),
+            DType::F64 => Recorded::F64(run(model, input_ids, positions, mask, keep)?),
+            _ => Recorded::F32(run(model, input_ids, positions, mask, keep)?),
         };
         Ok(Tape { record, cut: Cut::None })
     }
@@ -241,7 +284,8 @@ impl Tape {
 
 impl<T: Real> Record<T> {
     fn hidden(&self) -> Result<Tensor> {
-        Ok(Tensor::from_slice(&self.out, self.out.len(), &Device::Cpu)?.reshape((self.dims.b, self.dims.t, ()))?)
+        let Dims { b, t, .. } = self.shared.dims;
+        Ok(Tensor::from_slice(&self.out, self.out.len(), &Device::Cpu)?.reshape((b, t, ()))?)
     }
 }
 
@@ -251,7 +295,7 @@ fn head_forward<T: Real>(
     targets: &[u32],
     entropy: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let n = r.dims.b * r.dims.t;
+    let n = r.shared.dims.b * r.shared.dims.t;
     if let Some(bad) = rows.iter().find(|&&i| i as usize >= n) {
         return Err(Error::input(format!("tape: row {bad} is beyond the batch's {n} positions")));
     }
@@ -290,21 +334,19 @@ fn run<T: Real>(
     input_ids: &[Vec<u32>],
     positions: &[Vec<u32>],
     mask: &[Vec<u8>],
-    record: bool,
+    keep: Keep,
 ) -> Result<Record<T>> {
     let c = &model.config;
     let (b, t) = (input_ids.len(), input_ids[0].len());
-    let n = b * t;
-    let (hd, d) = (c.hidden_size, c.head_dim);
-    let dims = Dims { b, t, h: c.num_attention_heads, kvh: c.num_key_value_heads, d };
-    let eps = c.rms_norm_eps;
-    let scale = 1.0 / (d as f64).sqrt();
+    let hd = c.hidden_size;
+    let dims = Dims { b, t, h: c.num_attention_heads, kvh: c.num_key_value_heads, d: c.head_dim };
     let (cos, sin) = model.rope.tables(positions, T::DTYPE)?;
     let (cos, sin) = (host::<T>(&cos)?, host::<T>(&sin)?);
     let bias = host::<T>(&attention_bias(mask, 0, t, &Device::Cpu)?.to_dtype(T::DTYPE)?)?;
+    let mut shared = Shared { dims, cos, sin, bias };
     let tokens = input_ids.concat();
 
-    let mut h = vec![T::of(0.0); n * hd];
+    let mut h = vec![T::of(0.0); b * t * hd];
     {
         let embed = Held::<T>::new(&model.embed_tokens)?;
         let embed = embed.slice()?;
@@ -314,58 +356,83 @@ fn run<T: Real>(
     }
     let mut blocks = Vec::with_capacity(model.layers.len());
     for layer in &model.layers {
-        let (a, m) = (&layer.self_attn, &layer.mlp);
-        let x_attn = rms_norm::forward(&h, Held::<T>::new(&layer.input_layernorm)?.slice()?, eps);
-        // Independent projections side by side (see linear::backward).
-        let (q, kv) = rayon::join(
-            || linear::forward(&a.q_proj, &x_attn, n),
-            || rayon::join(|| linear::forward(&a.k_proj, &x_attn, n), || linear::forward(&a.v_proj, &x_attn, n)),
-        );
-        let ((q, uq), (k, uk), (v, uv)) = (q?, kv.0?, kv.1?);
-        let (q_pre, k_pre, q, k) = match (&a.q_norm, &a.k_norm) {
-            (Some(qn), Some(kn)) => {
-                let qn_out = rms_norm::forward(&q, Held::<T>::new(qn)?.slice()?, eps);
-                let kn_out = rms_norm::forward(&k, Held::<T>::new(kn)?.slice()?, eps);
-                (q, k, qn_out, kn_out)
-            }
-            _ => (vec![], vec![], q, k),
-        };
-        let q = rope::forward_kernel(&q, &cos, &sin, (t, dims.h, d));
-        let k = rope::forward_kernel(&k, &cos, &sin, (t, dims.kvh, d));
-        let (p, attn) = attention::forward(&q, &k, &v, &bias, dims, scale);
-        let (o, uo) = linear::forward(&a.o_proj, &attn, n)?;
-        let h_mid = sum(&h, &o);
-        let x_mlp = rms_norm::forward(&h_mid, Held::<T>::new(&layer.post_attention_layernorm)?.slice()?, eps);
-        let (gate, up) =
-            rayon::join(|| linear::forward(&m.gate_proj, &x_mlp, n), || linear::forward(&m.up_proj, &x_mlp, n));
-        let ((gate, ug), (up, uu)) = (gate?, up?);
-        let act = swiglu::forward(&gate, &up);
-        let (down, ud) = linear::forward(&m.down_proj, &act, n)?;
-        let h_out = sum(&h_mid, &down);
-        let h_in = std::mem::replace(&mut h, h_out);
-        if !record {
-            continue;
+        let (h_out, rec) = block_forward(model, layer, h, &shared)?;
+        h = h_out;
+        match keep {
+            Keep::Nothing => {}
+            Keep::Everything => blocks.push(Kept::All(rec)),
+            Keep::LayerInputs => blocks.push(Kept::Input(rec.h_in)),
         }
-        blocks.push(BlockRecord {
-            h_in,
-            x_attn,
-            u: [uq, uk, uv, uo, ug, uu, ud],
-            q_pre,
-            k_pre,
-            q,
-            k,
-            v,
-            p,
-            attn,
-            h_mid,
-            x_mlp,
-            gate,
-            up,
-            act,
-        });
     }
-    let out = rms_norm::forward(&h, Held::<T>::new(&model.norm)?.slice()?, eps);
-    Ok(Record { model: model.clone(), dims, tokens, cos, sin, blocks, h_last: h, out, head: None })
+    if keep != Keep::LayerInputs {
+        shared.bias = vec![];
+    }
+    let out = rms_norm::forward(&h, Held::<T>::new(&model.norm)?.slice()?, c.rms_norm_eps);
+    Ok(Record { model: model.clone(), tokens, shared, blocks, h_last: h, out, head: None })
+}
+
+/// One block's forward from its input `h`: its output, and every activation its backward reads
+/// (the input included). The backward of a checkpointed tape calls it again on the same input:
+/// one function for both, so the recomputed activations are the forward's bits.
+fn block_forward<T: Real>(
+    model: &Transformer,
+    layer: &Block,
+    h: Vec<T>,
+    shared: &Shared<T>,
+) -> Result<(Vec<T>, BlockRecord<T>)> {
+    let c = &model.config;
+    let Shared { dims, cos, sin, bias } = shared;
+    let (t, d) = (dims.t, dims.d);
+    let n = dims.b * t;
+    let eps = c.rms_norm_eps;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (a, m) = (&layer.self_attn, &layer.mlp);
+    let x_attn = rms_norm::forward(&h, Held::<T>::new(&layer.input_layernorm)?.slice()?, eps);
+    // Independent projections side by side (see linear::backward).
+    let (q, kv) = rayon::join(
+        || linear::forward(&a.q_proj, &x_attn, n),
+        || rayon::join(|| linear::forward(&a.k_proj, &x_attn, n), || linear::forward(&a.v_proj, &x_attn, n)),
+    );
+    let ((q, uq), (k, uk), (v, uv)) = (q?, kv.0?, kv.1?);
+    let (q_pre, k_pre, q, k) = match (&a.q_norm, &a.k_norm) {
+        (Some(qn), Some(kn)) => {
+            let qn_out = rms_norm::forward(&q, Held::<T>::new(qn)?.slice()?, eps);
+            let kn_out = rms_norm::forward(&k, Held::<T>::new(kn)?.slice()?, eps);
+            (q, k, qn_out, kn_out)
+        }
+        _ => (vec![], vec![], q, k),
+    };
+    let q = rope::forward_kernel(&q, cos, sin, (t, dims.h, d));
+    let k = rope::forward_kernel(&k, cos, sin, (t, dims.kvh, d));
+    let (p, attn) = attention::forward(&q, &k, &v, bias, *dims, scale);
+    let (o, uo) = linear::forward(&a.o_proj, &attn, n)?;
+    let h_mid = sum(&h, &o);
+    drop(o);
+    let x_mlp = rms_norm::forward(&h_mid, Held::<T>::new(&layer.post_attention_layernorm)?.slice()?, eps);
+    let (gate, up) =
+        rayon::join(|| linear::forward(&m.gate_proj, &x_mlp, n), || linear::forward(&m.up_proj, &x_mlp, n));
+    let ((gate, ug), (up, uu)) = (gate?, up?);
+    let act = swiglu::forward(&gate, &up);
+    let (down, ud) = linear::forward(&m.down_proj, &act, n)?;
+    let h_out = sum(&h_mid, &down);
+    let rec = BlockRecord {
+        h_in: h,
+        x_attn,
+        u: [uq, uk, uv, uo, ug, uu, ud],
+        q_pre,
+        k_pre,
+        q,
+        k,
+        v,
+        p,
+        attn,
+        h_mid,
+        x_mlp,
+        gate,
+        up,
+        act,
+    };
+    Ok((h_out, rec))
 }
 
 /// dx of an RMSNorm added into `acc`, and the weight's gradient pushed when it trains.
@@ -390,14 +457,15 @@ fn rms_norm_backward<T: Real>(
 /// The backward from the gradient of the cut: the hidden states, or the head's log-probs.
 fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through_head: bool) -> Result<Grads<T>> {
     let head_record = r.head.take();
+    let blocks = std::mem::take(&mut r.blocks);
     let model = &r.model;
     let c = &model.config;
-    let Dims { b, t, h, kvh, d } = r.dims;
+    let Dims { b, t, h, kvh, d } = r.shared.dims;
     let n = b * t;
     let (hd, im) = (c.hidden_size, c.intermediate_size);
     let eps = c.rms_norm_eps;
     let scale = 1.0 / (d as f64).sqrt();
-    if r.blocks.len() != model.layers.len() {
+    if blocks.len() != model.layers.len() {
         return Err(Error::input("tape: backward of a forward that did not record"));
     }
     let mut grads = Grads { list: vec![] };
@@ -407,7 +475,12 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
     };
     let mut dh = vec![T::of(0.0); n * hd];
     rms_norm_backward(&r.h_last, &d_hidden, &model.norm, eps, &mut dh, &mut grads)?;
-    for (layer, rec) in model.layers.iter().zip(&r.blocks).rev() {
+    // Each block's activations are dropped once its backward has read them.
+    for (layer, kept) in model.layers.iter().zip(blocks).rev() {
+        let rec = match kept {
+            Kept::All(rec) => rec,
+            Kept::Input(h_in) => block_forward(model, layer, h_in, &r.shared)?.1,
+        };
         let (a, m) = (&layer.self_attn, &layer.mlp);
         let u = |k: usize| rec.u[k].as_deref();
         // h_out = h_mid + down(swiglu(gate(x), up(x))), x = rms_norm(h_mid)
@@ -426,9 +499,10 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         let mut d_attn = None;
         linear::backward(&a.o_proj, &rec.attn, u(3), &dh, n, &mut d_attn, &mut grads)?;
         let d_attn = d_attn.expect("set by the backward");
-        let (dq, dk, dv) = attention::backward(&rec.q, &rec.k, &rec.v, &rec.p, &d_attn, r.dims, scale);
-        let mut dq = rope::backward_kernel(&dq, &r.cos, &r.sin, (t, h, d));
-        let mut dk = rope::backward_kernel(&dk, &r.cos, &r.sin, (t, kvh, d));
+        let (dq, dk, dv) = attention::backward(&rec.q, &rec.k, &rec.v, &rec.p, &d_attn, r.shared.dims, scale);
+        let (cos, sin) = (&r.shared.cos, &r.shared.sin);
+        let mut dq = rope::backward_kernel(&dq, cos, sin, (t, h, d));
+        let mut dk = rope::backward_kernel(&dk, cos, sin, (t, kvh, d));
         if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
             let mut dq_pre = vec![T::of(0.0); dq.len()];
             rms_norm_backward(&rec.q_pre, &dq, qn, eps, &mut dq_pre, &mut grads)?;

@@ -455,6 +455,10 @@ pub struct LaunchSection {
     pub micro_batch_size: usize,
     /// At most this many padded tokens per micro-batch on a rank; 0 (the default): no limit.
     pub max_tokens_per_microbatch: usize,
+    /// Keep only each decoder layer's input in the forward and recompute the layer in the
+    /// backward, for every trained model: less memory for one more forward, the same gradients
+    /// bit for bit. CPU only. Default `false`.
+    pub activation_checkpointing: bool,
     /// Engines in processes of their own (`oxrl engine`), by URL (`http://host:port`): sampling
     /// goes to them instead of `engines` engines in this process. Each must serve the model of
     /// `model.path` in `model.dtype`. An API key, if they need one, is read from the environment
@@ -474,6 +478,7 @@ impl Default for LaunchSection {
             trainer_threads: 1,
             micro_batch_size: 0,
             max_tokens_per_microbatch: 0,
+            activation_checkpointing: false,
             remote_engines: vec![],
             remote_timeout_s: 60.0,
         }

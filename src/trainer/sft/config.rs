@@ -110,6 +110,10 @@ pub struct TrainSection {
     /// At most this many padded tokens per micro-batch on a rank, packed by length; 0 (the
     /// default) packs by `micro_batch_size` only.
     pub max_tokens_per_microbatch: usize,
+    /// Keep only each decoder layer's input in the forward and recompute the layer in the
+    /// backward: less memory for one more forward, the same gradients bit for bit. CPU only.
+    /// Default `false`.
+    pub activation_checkpointing: bool,
 }
 
 impl Default for TrainSection {
@@ -124,6 +128,7 @@ impl Default for TrainSection {
             seed: 0,
             data_parallel: 1,
             max_tokens_per_microbatch: 0,
+            activation_checkpointing: false,
         }
     }
 }

@@ -1,0 +1,177 @@
+//! Activation checkpointing (the tape keeps each layer's input and recomputes the layer in the
+//! backward) against keeping every activation: the same bits, for every fixture family (Llama
+//! with tied embeddings, Qwen2 with q/k/v biases, Qwen3 with head norms), full fine-tuning and
+//! LoRA on every projection including lm_head, in f32, f64 and bf16; on the tape itself (both
+//! cuts, with and without entropies) and through a worker's forward_backward + AdamW steps with
+//! micro-batches. Devices without the tape refuse the setting.
+
+use crate::common;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use common::*;
+use oxrl::model::lora::{self, LoraConfig};
+use oxrl::model::tape::{Keep, Tape};
+use oxrl::model::Transformer;
+use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+use serde_json::json;
+
+/// The model with every base weight trainable, or LoRA adapters on every projection (B random,
+/// so that every adapter tensor gets a non-zero gradient).
+fn trainable(arch: &str, dtype: DType, lora_rank: usize) -> (Transformer, Vec<(String, Var)>) {
+    let mut m = Transformer::load(&fixture_dir(arch), dtype, &Device::Cpu).unwrap();
+    let vars = if lora_rank == 0 {
+        m.make_trainable().unwrap()
+    } else {
+        let cfg = LoraConfig::new(lora_rank, 2.0 * lora_rank as f64, &["all-linear", "lm_head"]);
+        let vars = lora::attach_new(&mut m, &cfg, 7).unwrap();
+        for (i, (name, v)) in vars.iter().enumerate() {
+            if name.contains("lora_B") {
+                let n = v.as_tensor().elem_count();
+                let r: Vec<f64> = values(n, 100 + i as u64).into_iter().map(|x| x * 0.05).collect();
+                let r = Tensor::from_vec(r, v.as_tensor().shape(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                v.set(&r).unwrap();
+            }
+        }
+        vars
+    };
+    (m, vars)
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// The tape's gradients by parameter id, in the order it produced them.
+fn taped_bits(taped: &[(Tensor, Tensor)]) -> Vec<(candle_core::TensorId, Vec<u64>)> {
+    taped.iter().map(|(p, g)| (p.id(), bits(g))).collect()
+}
+
+/// What one recorded forward and its backward give: the output's bits and the gradients'.
+type Run = (Vec<u64>, Vec<(candle_core::TensorId, Vec<u64>)>, Vec<Option<Vec<u64>>>);
+
+/// One forward keeping `keep`, cut at the hidden states (`head` false) or at the log-probs with
+/// the entropies, a fixed linear loss on the cut, and the backward.
+fn run(arch: &str, m: &Transformer, vars: &[(String, Var)], keep: Keep, head: bool) -> Run {
+    let b = Golden::load(arch).batch();
+    let (rows, targets) = real_rows(arch);
+    let (rows, targets) = (rows.as_slice(), targets.as_slice());
+    let mut tape = Tape::forward_keeping(m, &b.ids, &b.positions, &b.mask, keep).unwrap();
+    let (out, store): (Tensor, GradStore) = if head {
+        let (lp, h) = tape.logprobs_and_entropy(rows, targets).unwrap();
+        let w = Tensor::from_vec(values(lp.elem_count(), 5), lp.shape(), &Device::Cpu).unwrap().to_dtype(lp.dtype());
+        let loss =
+            ((&lp * w.as_ref().unwrap()).unwrap().sum_all().unwrap() + (&h * 0.3).unwrap().sum_all().unwrap()).unwrap();
+        (lp, loss.backward().unwrap())
+    } else {
+        let hidden = tape.hidden().unwrap();
+        let w = Tensor::from_vec(values(hidden.elem_count(), 3), hidden.shape(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(hidden.dtype())
+            .unwrap();
+        let store = (&hidden * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        (hidden, store)
+    };
+    let out_bits = bits(&out);
+    let taped = tape.backward(&store).unwrap();
+    let candle_side = vars.iter().map(|(_, v)| store.get(v.as_tensor()).map(bits)).collect();
+    (out_bits, taped_bits(&taped), candle_side)
+}
+
+fn real_rows(arch: &str) -> (Vec<u32>, Vec<u32>) {
+    let b = Golden::load(arch).batch();
+    let t = b.ids[0].len();
+    let (mut rows, mut targets) = (vec![], vec![]);
+    for (r, valid) in b.valid.iter().enumerate() {
+        for (i, &v) in valid.iter().enumerate() {
+            if v != 0.0 {
+                rows.push((r * t + i) as u32);
+                targets.push(b.targets[r][i]);
+            }
+        }
+    }
+    (rows, targets)
+}
+
+#[test]
+fn checkpointed_tape_gradients_are_bit_identical() {
+    for arch in ARCHS {
+        for dtype in [DType::F32, DType::F64, DType::BF16] {
+            for lora_rank in [0, 3] {
+                let (m, vars) = trainable(arch, dtype, lora_rank);
+                for head in [false, true] {
+                    let what = format!("{arch} {dtype:?} lora {lora_rank} head cut {head}");
+                    let all = run(arch, &m, &vars, Keep::Everything, head);
+                    let ckpt = run(arch, &m, &vars, Keep::LayerInputs, head);
+                    assert_eq!(all.0, ckpt.0, "{what}: outputs");
+                    assert_eq!(all.1.len(), ckpt.1.len(), "{what}: gradient count");
+                    assert!(all.1.len() >= 9, "{what}: only {} gradients", all.1.len());
+                    for (i, (a, c)) in all.1.iter().zip(&ckpt.1).enumerate() {
+                        assert_eq!(a.0, c.0, "{what}: gradient {i} is of another tensor");
+                        assert!(a.1 == c.1, "{what}: gradient {i} differs");
+                        assert!(a.1.iter().any(|&x| x != 0), "{what}: gradient {i} is zero");
+                    }
+                    assert_eq!(all.2, ckpt.2, "{what}: candle's side");
+                }
+            }
+        }
+    }
+}
+
+/// 4 sequences of 8..20 tokens (ragged, so micro-batches pad).
+fn batch() -> Vec<Datum> {
+    (0..4)
+        .map(|r| {
+            let t = 8 + 4 * r;
+            let tok = |i: usize| ((r * 977 + i * 131) % 300) as u32;
+            Datum::supervised((0..t).map(tok).collect(), (1..=t).map(tok).collect(), vec![0.02; t])
+        })
+        .collect()
+}
+
+fn param_bits(w: &Worker) -> Vec<Vec<u64>> {
+    w.params().iter().map(|(_, v)| bits(v.as_tensor())).collect()
+}
+
+#[test]
+fn worker_with_checkpointing_trains_the_same_bits() {
+    let ce = loss("cross_entropy", &json!({}));
+    let p = AdamParams { learning_rate: 1e-2, weight_decay: 0.01, ..Default::default() };
+    for arch in ARCHS {
+        for lora in [None, Some(LoraConfig::new(4, 8.0, &["all-linear"]))] {
+            let trained = |activation_checkpointing: bool| {
+                let model = Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap();
+                let cfg = WorkerConfig {
+                    lora: lora.clone(),
+                    seed: 5,
+                    micro_batch_size: Some(2),
+                    activation_checkpointing,
+                    ..Default::default()
+                };
+                let mut w = Worker::new(model, cfg).unwrap();
+                let mut metrics = vec![];
+                for _ in 0..3 {
+                    let out = w.forward_backward(&batch(), Some(&ce), true).unwrap();
+                    let norm = w.optim_step(&p).unwrap();
+                    let lp: Vec<u32> =
+                        out.loss_fn_outputs.iter().flat_map(|o| o.logprobs.iter().map(|x| x.to_bits())).collect();
+                    metrics.push((out.metrics.value("loss:sum").unwrap().to_bits(), norm.to_bits(), lp));
+                }
+                (metrics, param_bits(&w))
+            };
+            let what = format!("{arch} lora {}", lora.is_some());
+            let (m_all, p_all) = trained(false);
+            let (m_ckpt, p_ckpt) = trained(true);
+            assert_eq!(m_all, m_ckpt, "{what}: losses, grad norms, log-probs");
+            assert!(p_all == p_ckpt, "{what}: parameters after 3 steps");
+        }
+    }
+}
