@@ -23,7 +23,7 @@
 //! (the threads that own workers and engines, each with its own tensor-math thread budget);
 //! [`rows`] (JSONL / Parquet dataset rows and the `on_bad_row` policy, shared by the SFT data of
 //! the trainer and the prompt sets of env); [`splitmix`] (SplitMix64, the generator of oxrl's own
-//! seed streams).
+//! seed streams); [`memory`] (the process's peak resident set size).
 
 pub mod actor;
 pub mod algo;
@@ -40,6 +40,7 @@ pub mod files;
 pub mod handle;
 pub mod launch;
 pub mod locks;
+pub mod memory;
 pub mod model;
 pub mod rollout;
 pub mod rows;

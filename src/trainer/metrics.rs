@@ -4,7 +4,7 @@
 //! serialisable to a JSON object with a `step` key, and [`read_metric_lines`] reads every line
 //! back as a JSON object. SFT writes [`StepMetrics`]: step, epoch, train loss, learning rate,
 //! pre-clip gradient norm, token counts and throughput, the eval loss on steps that evaluated,
-//! and any extra metrics (e.g. the worker's `name:reduction` keys) flattened in. Every line is
+//! the process's peak resident set size, and any extra metrics (e.g. the worker's `name:reduction` keys) flattened in. Every line is
 //! flushed as it is written, so a crash loses at most the step in flight. Non-finite numbers are
 //! written as `null` (JSON has no NaN; serde_json writes every non-finite float so) and read
 //! back into [`StepMetrics`] as NaN.
@@ -56,6 +56,10 @@ pub struct StepMetrics {
     /// Eval loss (trained-token mean over the eval set), on steps that evaluated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// Peak resident set size of the process writing the line, in GB (10⁹ bytes), since it
+    /// started ([`crate::memory`]); null where the system does not report it.
+    #[serde(default = "unknown", serialize_with = "finite_or_null", deserialize_with = "null_as_nan")]
+    pub peak_rss_gb: f64,
     /// Anything else, written as top-level keys.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -182,6 +186,35 @@ fn finite_or_null<S: Serializer>(x: &f64, s: S) -> std::result::Result<S::Ok, S:
     }
 }
 
+/// A key missing from a line (written before the key existed): unknown.
+fn unknown() -> f64 {
+    f64::NAN
+}
+
 fn null_as_nan<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SFT line's keys in their order (an evaluated step with one extra metric), the
+    /// memory key last among the typed ones; a line written before the key reads back NaN.
+    #[test]
+    fn the_line_keeps_its_keys_in_their_order() {
+        let mut m = StepMetrics { eval_loss: Some(1.0), peak_rss_gb: 0.5, ..Default::default() };
+        m.extra.insert("clip_fraction:mean".into(), Value::from(0.25));
+        let Value::Object(map) = serde_json::to_value(&m).unwrap() else { panic!("not an object") };
+        let keys: Vec<&str> = map.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys.join(","),
+            "step,epoch,loss,lr,grad_norm,trained_tokens,tokens,tokens_per_s,elapsed_s,eval_loss,peak_rss_gb,\
+             clip_fraction:mean"
+        );
+        let old = r#"{"step":1,"epoch":0,"loss":1.0,"lr":0.1,"grad_norm":1.0,"trained_tokens":1,"tokens":2,
+                      "tokens_per_s":1.0,"elapsed_s":1.0}"#;
+        let back: StepMetrics = serde_json::from_str(old).unwrap();
+        assert!(back.peak_rss_gb.is_nan() && back.extra.is_empty(), "{back:?}");
+    }
 }

@@ -63,6 +63,7 @@ mod sft_loop;
 mod sft_metrics;
 mod tokenizer;
 mod tracking;
+mod train_memory;
 mod worker_exactness;
 mod worker_losses;
 mod worker_mixed_precision;

@@ -289,6 +289,7 @@ impl<'a> RlRun<'a> {
                 self.cfg.rollout.eval_samples
             ));
         }
+        line.peak_rss_gb = crate::memory::peak_rss_gb();
         self.dir.write_metrics(&line)?;
         self.dir.progress().set_position(step as u64);
         self.dir.progress().set_message(format!("reward {:.3} kl {:.4}", rollouts.reward_mean(), metric("kl:mean")));

@@ -55,6 +55,9 @@ pub struct RlStepMetrics {
     pub eval_pass_at_1: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_pass_at_n: Option<f64>,
+    /// Peak resident set size of the process writing the line, in GB (10⁹ bytes), since it
+    /// started ([`crate::memory`]); null where the system does not report it.
+    pub peak_rss_gb: f64,
 }
 
 /// What the step's generated episodes looked like (every episode generated for it, filtered or
@@ -112,15 +115,15 @@ mod tests {
         }
     }
 
-    /// The keys and their order as the line was written before it was typed (a sync step, then
-    /// an async one, each with an update, an engine event and an evaluation).
+    /// The keys and their order as the line was written before it was typed, then `peak_rss_gb`
+    /// (a sync step, then an async one, each with an update, an engine event and an evaluation).
     #[test]
     fn the_line_keeps_its_keys_in_their_order() {
         let keys = |m: &serde_json::Map<String, serde_json::Value>| m.keys().cloned().collect::<Vec<_>>().join(",");
         let common =
             "step,reward_mean,correct_mean,response_length_mean,turns_mean,entropy_mean,episodes_generated,kl_mean,\
                       kl_coef,clip_fraction,loss,grad_norm,lr,episodes_trained,time_reference_s,time_train_s,\
-                      logprob_mismatch_max,eval_pass_at_1,eval_pass_at_n";
+                      logprob_mismatch_max,eval_pass_at_1,eval_pass_at_n,peak_rss_gb";
         assert_eq!(
             keys(&line(false)),
             format!("time_generate_s,time_sync_s,samples_per_s,weight_version,engine_events,{common}")

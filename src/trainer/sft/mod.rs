@@ -142,6 +142,7 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
             tokens_per_s: tokens as f64 / secs,
             elapsed_s: started.elapsed().as_secs_f64(),
             eval_loss,
+            peak_rss_gb: crate::memory::peak_rss_gb(),
             extra: Default::default(),
         })?;
         let pb = run.progress();

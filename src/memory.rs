@@ -1,0 +1,42 @@
+//! What this process holds in memory, as the kernel counts it: the peak resident set size
+//! (`VmHWM` of `/proc/self/status`, the high-water mark of pages in RAM over the process's life),
+//! read when asked. Other systems have no such file: the peak is then unknown (NaN, written as
+//! `null` in a metrics line).
+
+/// Bytes in the `gb` of `peak_rss_gb` (decimal gigabytes).
+pub const GB: f64 = 1e9;
+
+/// The process's peak resident set size in bytes, if the system reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    vm_hwm(&std::fs::read_to_string("/proc/self/status").ok()?)
+}
+
+/// The peak resident set size in gigabytes (10⁹ bytes), NaN where unknown.
+pub fn peak_rss_gb() -> f64 {
+    peak_rss_bytes().map_or(f64::NAN, |b| b as f64 / GB)
+}
+
+/// `VmHWM:   123456 kB` of a `/proc/PID/status` text, in bytes.
+fn vm_hwm(status: &str) -> Option<u64> {
+    let line = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    let kb: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_high_water_mark() {
+        let status = "Name:\toxrl\nVmPeak:\t  900 kB\nVmHWM:\t   1234 kB\nVmRSS:\t  1000 kB\n";
+        assert_eq!(vm_hwm(status), Some(1234 * 1024));
+        assert_eq!(vm_hwm("Name:\toxrl\n"), None);
+        assert_eq!(vm_hwm("VmHWM:\t12 MB\n"), None);
+        if cfg!(target_os = "linux") {
+            let gb = peak_rss_gb();
+            // This test process holds at least a megabyte and less than a terabyte.
+            assert!(gb > 1e-3 && gb < 1e3, "{gb}");
+        }
+    }
+}
