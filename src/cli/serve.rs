@@ -48,9 +48,15 @@ pub struct Args {
     /// Sampling sessions alive per API key.
     #[arg(long, default_value_t = Limits::default().max_samplers_per_key)]
     pub max_samplers_per_key: usize,
-    /// Connections open at once; more wait for a free one.
+    /// Connections open at once; past it, connections answer health and readiness checks only.
     #[arg(long, default_value_t = Limits::default().max_connections)]
     pub max_connections: usize,
+    /// Connections open at once from one address; more are answered 429 and closed.
+    #[arg(long, default_value_t = Limits::default().max_connections_per_peer)]
+    pub max_connections_per_peer: usize,
+    /// Seconds a client has to send a request's headers (and an idle keep-alive connection stays open).
+    #[arg(long, default_value_t = Limits::default().header_timeout_s)]
+    pub header_timeout_s: u64,
     /// Seconds a connection may send nothing while the server waits to read from it.
     #[arg(long, default_value_t = Limits::default().idle_timeout_s)]
     pub idle_timeout_s: u64,
@@ -96,6 +102,8 @@ pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
             max_models_per_key: args.max_models_per_key,
             max_samplers_per_key: args.max_samplers_per_key,
             max_connections: args.max_connections,
+            max_connections_per_peer: args.max_connections_per_peer,
+            header_timeout_s: args.header_timeout_s,
             idle_timeout_s: args.idle_timeout_s,
             result_retention_s: args.result_retention_s,
             max_recorded_tokens_per_key: args.max_recorded_tokens_per_key,

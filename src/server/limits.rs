@@ -23,10 +23,17 @@ pub struct Limits {
     pub max_models_per_key: usize,
     /// Sampling sessions alive per API key (`--max-samplers-per-key`). Default 64.
     pub max_samplers_per_key: usize,
-    /// Connections open at once (`--max-connections`); more wait for a free one. Default 512.
+    /// Connections open at once (`--max-connections`); past it, connections answer `healthz`
+    /// and `readyz` only (see [`super::connections`]). Default 512.
     pub max_connections: usize,
-    /// Seconds a connection may send nothing while the server waits to read from it
-    /// (`--idle-timeout-s`; more than the 30 s long poll). Default 60.
+    /// Connections open at once from one peer address (`--max-connections-per-peer`); more are
+    /// answered `429` and closed. Default 128.
+    pub max_connections_per_peer: usize,
+    /// Seconds a client has to send a request's headers, from the first byte it waits for
+    /// (`--header-timeout-s`); also how long an idle keep-alive connection stays open. Default 10.
+    pub header_timeout_s: u64,
+    /// Seconds a connection may send nothing while the server waits to read from it (a body
+    /// midway; `--idle-timeout-s`; more than the 30 s long poll). Default 60.
     pub idle_timeout_s: u64,
     /// Seconds a finished request's result is kept for `retrieve_future`
     /// (`--result-retention-s`); then it is deleted, so the database does not only grow.
@@ -54,6 +61,8 @@ impl Default for Limits {
             max_models_per_key: 32,
             max_samplers_per_key: 64,
             max_connections: 512,
+            max_connections_per_peer: 128,
+            header_timeout_s: 10,
             idle_timeout_s: 60,
             result_retention_s: 86_400,
             max_recorded_tokens_per_key: 1 << 24,

@@ -20,14 +20,17 @@
 //! Files: [`routes`] (endpoints, one file per resource), [`types`] (JSON request types and their
 //! validation), [`wire`] (datum and output conversions), [`proto`] (protobuf messages),
 //! [`limits`] (every limit, admission), [`provenance`] and [`stability_records`]
-//! (`stable_reinforce`), [`connections`] (connection cap, idle timeout), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
+//! (`stable_reinforce`), [`connections`] (which connections are taken, idle timeout), [`http`]
+//! (the accept loop, header deadline), [`body_limit`] (413 before the body), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
 //! paths), [`external_weights`] (exports to download: age encryption, signed URLs), [`errors`].
 
+pub mod body_limit;
 pub mod checkpoints;
 pub mod connections;
 pub mod errors;
 pub mod external_weights;
 pub mod futures;
+pub mod http;
 pub mod limits;
 pub mod models;
 pub mod proto;
@@ -158,22 +161,13 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         let names: Vec<&str> = state.served.iter().map(|m| m.name.as_str()).collect();
         eprintln!("oxrl serve: listening on http://{local} (models: {})", names.join(", "));
         spawn_session_reaper(state.clone());
-        serve(listener, state.clone()).with_graceful_shutdown(stop_signal()).await?;
+        http::serve_until(listener, state.clone(), stop_signal()).await?;
         drain(&state, config.drain).await;
         Ok(())
     })
 }
 
-/// The server on `listener`, its connections bounded by the state's limits (see
-/// [`connections`]); await it (or add a graceful shutdown) on a tokio runtime.
-pub fn serve(
-    listener: tokio::net::TcpListener,
-    state: Arc<AppState>,
-) -> axum::serve::Serve<connections::BoundedListener, axum::Router, axum::Router> {
-    let l = &state.limits;
-    let bounded = connections::BoundedListener::new(listener, l.max_connections, Duration::from_secs(l.idle_timeout_s));
-    axum::serve(bounded, routes::router(state))
-}
+pub use http::{serve, serve_until};
 
 /// SIGTERM (what service managers and `kill` send) or Ctrl-C.
 async fn stop_signal() {

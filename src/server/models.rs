@@ -91,6 +91,32 @@ pub fn lora_config(wire: &LoraConfigWire) -> ApiResult<LoraConfig> {
     Ok(LoraConfig::new(wire.rank, LORA_ALPHA, &targets))
 }
 
+/// A checkpoint saved with LoRA settings `saved` can be loaded into model `model_id` of
+/// settings `model` only when the trained parts agree (rank and which layers; the seed only
+/// initialised the saved weights): otherwise a user error naming both and what to change.
+pub fn check_loadable(checkpoint: &str, saved: &LoraConfigWire, model_id: &str, model: &LoraConfigWire) -> ApiResult<()> {
+    let parts = |c: &LoraConfigWire| {
+        let on = [(c.train_attn, "attention"), (c.train_mlp, "MLP"), (c.train_unembed, "unembedding")];
+        on.iter().filter(|(t, _)| *t).map(|(_, n)| *n).collect::<Vec<_>>().join(" + ")
+    };
+    if saved.rank != model.rank {
+        return Err(ApiError::user(format!(
+            "checkpoint `{checkpoint}` was saved at LoRA rank {}, but model `{model_id}` has rank {}: load it into a \
+             training client created with rank {} (or create one from the checkpoint: create_training_client_from_state)",
+            saved.rank, model.rank, saved.rank
+        )));
+    }
+    let (a, b) = (parts(saved), parts(model));
+    if a != b {
+        return Err(ApiError::user(format!(
+            "checkpoint `{checkpoint}` trains LoRA on {a}, but model `{model_id}` on {b}: load it into a training \
+             client created with the same train_attn / train_mlp / train_unembed (or create one from the checkpoint: \
+             create_training_client_from_state)"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs on a freshly built model before its queue opens (e.g. loading a checkpoint).
 pub type AfterBuild = Box<dyn FnOnce(&Dispatch, &str) -> crate::Result<()> + Send>;
 

@@ -97,7 +97,17 @@ impl Worker {
             let path = dir.join(lora::CONFIG_FILE);
             let saved = lora::LoraConfig::from_file(&path)?;
             if &saved != cfg {
-                return Err(Error::file(path, format!("LoRA config {saved:?} differs from this worker's {cfg:?}")));
+                let describe = |c: &lora::LoraConfig| {
+                    let rs = if c.use_rslora { ", rsLoRA" } else { "" };
+                    format!("rank {}, alpha {}, targets {}{rs}", c.rank, c.alpha, c.target_modules.join(" "))
+                };
+                return Err(Error::input(format!(
+                    "{}: the checkpoint's LoRA adapter ({}) differs from this model's ({}): load it into a model \
+                     created with the same LoRA settings",
+                    dir.display(),
+                    describe(&saved),
+                    describe(cfg)
+                )));
             }
         }
         // Nested fields are named by their dotted key (`rng.seed`).

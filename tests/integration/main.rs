@@ -56,6 +56,7 @@ mod rollout_topk;
 mod rollout_updates;
 mod rollout_versions;
 mod server_fuzz;
+mod server_hostile;
 mod server_protocol;
 mod server_sdk;
 mod sft_data;

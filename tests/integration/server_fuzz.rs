@@ -1154,6 +1154,9 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
         let (status, answer) = match send(port, &req) {
             Ok((status, answer)) => {
                 assert!(status < 500, "{status} for {}\nanswer: {answer}", context());
+                // Honest categories: a refused fuzzed request is the caller's doing.
+                let category = serde_json::from_str::<Value>(&answer).ok().map(|a| a["category"].clone());
+                assert_ne!(category, Some(json!("server")), "a server error for {}\nanswer: {answer}", context());
                 (status, answer)
             }
             Err(e) => panic!("{e} for {}\nserver log:\n{}", context(), server.log_text()),
@@ -1253,6 +1256,7 @@ fn a_panicking_worker_fails_only_its_model() {
         let step = call(port, key, "optim_step", json!({"model_id": model, "seq_id": 2, "adam_params": adam}));
         [created, fb, step].iter().map(|r| result_as(port, key, r["request_id"].as_str().unwrap())).collect()
     }
+    crate::server_protocol::expect_server_faults();
     let dir = tempfile::tempdir().unwrap();
     // Worker threads are `oxrl-{session}:train:{n}-{rank}`: model 7 of any session panics.
     let mut server = Server::start_with(dir.path(), &[("OXRL_FAILPOINT_PANIC", ":train:7-")]);

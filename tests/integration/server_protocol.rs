@@ -36,7 +36,25 @@ fn request_typed(port: u16, method: &str, path: &str, key: Option<&str>, content
     s.read_to_string(&mut raw).unwrap();
     let status = raw[9..12].parse().unwrap();
     let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    Reply { status, body: serde_json::from_str(body).unwrap_or(Value::String(body.to_string())) }
+    let body = serde_json::from_str(body).unwrap_or(Value::String(body.to_string()));
+    // The sweep of honest error categories: every request these tests refuse (directly or in
+    // its future, read through here too) is the caller's doing, so none may be reported as
+    // the server's fault — unless the test broke the server on purpose.
+    if !SERVER_FAULTS_EXPECTED.get() {
+        assert_ne!(body["category"], "server", "{method} {path}: a refusal reported as the server's fault: {body}");
+    }
+    Reply { status, body }
+}
+
+thread_local! {
+    /// Set by a test that breaks the server on purpose (files removed behind its back, a
+    /// worker made to panic): its `server` errors are honest.
+    static SERVER_FAULTS_EXPECTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// For the rest of the calling test: `server` errors are expected (see [`request`]'s sweep).
+pub(crate) fn expect_server_faults() {
+    SERVER_FAULTS_EXPECTED.set(true);
 }
 
 pub(crate) fn post(port: u16, path: &str, body: Value) -> Reply {
@@ -745,6 +763,7 @@ fn a_sampler_follows_its_checkpoint_when_it_is_saved_again_or_deleted() {
 ///: a checkpoint whose files were removed behind the server's back.
 #[test]
 fn errors_name_checkpoints_not_server_paths() {
+    expect_server_faults();
     let dir = tempfile::tempdir().unwrap();
     let port = serve(dir.path(), Duration::from_millis(300));
     let lora = json!({"rank": 2, "train_attn": true, "train_mlp": false, "train_unembed": false});

@@ -21,7 +21,7 @@ fn repo() -> PathBuf {
 
 /// The venv's python with the SDK installed, or None when there is no Python at all. Found once
 /// per test process (the tests run in parallel).
-fn sdk_python() -> Option<PathBuf> {
+pub(crate) fn sdk_python() -> Option<PathBuf> {
     static PYTHON: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
     PYTHON.get_or_init(find_sdk_python).clone()
 }

@@ -40,6 +40,7 @@ use crate::algo::Loss;
 pub fn router(state: Arc<AppState>) -> Router {
     let api = Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/get_server_capabilities", get(capabilities))
         .route("/client/config", post(empty_object))
         .route("/client/dynamic_config", post(dynamic_config))
@@ -88,17 +89,40 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), redact_errors))
         .layer(middleware::from_fn_with_state(state.clone(), check_api_key))
         .layer(DefaultBodyLimit::max(state.body_limit))
+        .layer(middleware::from_fn_with_state(state.clone(), super::body_limit::refuse_oversized))
         .with_state(state)
 }
 
-/// With an API-key file, every request but `healthz` and the signed external-weights downloads
+/// What a connection past the connection cap may do (see [`super::connections`]): `healthz`
+/// answers as always, `readyz` says the server is busy, anything else is a 503 to retry.
+pub fn health_only_router(state: Arc<AppState>) -> Router {
+    let message = Arc::new(format!(
+        "the server's connection limit is reached (oxrl serve --max-connections {}): retry",
+        state.limits.max_connections
+    ));
+    let m = message.clone();
+    Router::new()
+        .route("/api/v1/healthz", get(healthz))
+        .route("/api/v1/readyz", get(move || std::future::ready(busy(&m))))
+        .fallback(move || std::future::ready(busy(&message)))
+}
+
+/// A 503 with `Retry-After`, category `server`.
+fn busy(message: &str) -> Response {
+    let error = ApiError { status: axum::http::StatusCode::SERVICE_UNAVAILABLE, ..ApiError::server(message) };
+    let mut r = error.into_response();
+    r.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+    r
+}
+
+/// With an API-key file, every request but `healthz`, `readyz` and the signed external-weights downloads
 /// (whose signature is their credential: clients fetch them with plain urllib) needs a listed
 /// `X-API-Key`.
 async fn check_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(keys) = &state.api_keys {
         let path = req.uri().path();
         let signed = path.strip_prefix(ext::FILES_PREFIX).is_some_and(|rest| rest.split('/').count() == 3);
-        if path != "/api/v1/healthz" && !signed {
+        if path != "/api/v1/healthz" && path != "/api/v1/readyz" && !signed {
             let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
             if !key.is_some_and(|k| keys.contains(k)) {
                 return ApiError::unauthorized("missing or unknown API key (header X-API-Key)").into_response();
@@ -205,6 +229,11 @@ fn training_model(state: &AppState, headers: &HeaderMap, id: &str) -> ApiResult<
 
 async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
+}
+
+/// Ready to take work: answered on a connection under the connection cap (one past it gets a 503).
+async fn readyz() -> Json<Value> {
+    Json(json!({"status": "ready"}))
 }
 
 async fn empty_object() -> Json<Value> {

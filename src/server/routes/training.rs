@@ -217,7 +217,12 @@ pub(super) async fn load_weights(
             let seq_id =
                 req.seq_id.ok_or_else(|| ApiError::user("load_weights: `seq_id` is required with `model_id`"))?;
             let (id, uri) = (model.id.clone(), c.uri());
-            queue(&state, &model, seq_id, "load_weights", Ok(()), move |(), st, dispatch, rid| {
+            // A mismatch is the caller's to fix: refused in the request's turn with both settings
+            // named, never left to the worker (whose error would read as the server's).
+            let checked = serde_json::from_str::<types::LoraConfigWire>(&row.lora_config)
+                .map_err(|e| ApiError::server(format!("checkpoint `{uri}`: bad LoRA record: {e}")))
+                .and_then(|saved| crate::server::models::check_loadable(&uri, &saved, &id, &model.lora));
+            queue(&state, &model, seq_id, "load_weights", checked, move |(), st, dispatch, rid| {
                 let handle = load(dispatch, &id);
                 tokio::spawn(async move {
                     let result = handle.await.map_err(ApiError::from);
