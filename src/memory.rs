@@ -1,6 +1,6 @@
 //! What this process holds in memory, as the kernel counts it: the peak resident set size
-//! (`VmHWM` of `/proc/self/status`, the high-water mark of pages in RAM over the process's life),
-//! read when asked. Other systems have no such file: the peak is then unknown (NaN, written as
+//! (`VmHWM` of `/proc/self/status`, the high-water mark of pages in RAM over the process's life)
+//! and the resident set now (`VmRSS`), read when asked. Other systems have no such file: the peak is then unknown (NaN, written as
 //! `null` in a metrics line).
 
 /// Bytes in the `gb` of `peak_rss_gb` (decimal gigabytes).
@@ -8,7 +8,7 @@ pub const GB: f64 = 1e9;
 
 /// The process's peak resident set size in bytes, if the system reports it.
 pub fn peak_rss_bytes() -> Option<u64> {
-    vm_hwm(&std::fs::read_to_string("/proc/self/status").ok()?)
+    status_bytes(&std::fs::read_to_string("/proc/self/status").ok()?, "VmHWM")
 }
 
 /// The peak resident set size in gigabytes (10⁹ bytes), NaN where unknown.
@@ -16,9 +16,17 @@ pub fn peak_rss_gb() -> f64 {
     peak_rss_bytes().map_or(f64::NAN, |b| b as f64 / GB)
 }
 
-/// `VmHWM:   123456 kB` of a `/proc/PID/status` text, in bytes.
-fn vm_hwm(status: &str) -> Option<u64> {
-    let line = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+/// The resident set size now in gigabytes, NaN where unknown.
+pub fn resident_rss_gb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| status_bytes(&s, "VmRSS"))
+        .map_or(f64::NAN, |b| b as f64 / GB)
+}
+
+/// The field `name` (`VmHWM:   123456 kB`) of a `/proc/PID/status` text, in bytes.
+fn status_bytes(status: &str, name: &str) -> Option<u64> {
+    let line = status.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))?;
     let kb: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
     Some(kb * 1024)
 }
@@ -30,13 +38,16 @@ mod tests {
     #[test]
     fn reads_the_high_water_mark() {
         let status = "Name:\toxrl\nVmPeak:\t  900 kB\nVmHWM:\t   1234 kB\nVmRSS:\t  1000 kB\n";
-        assert_eq!(vm_hwm(status), Some(1234 * 1024));
-        assert_eq!(vm_hwm("Name:\toxrl\n"), None);
-        assert_eq!(vm_hwm("VmHWM:\t12 MB\n"), None);
+        assert_eq!(status_bytes(status, "VmHWM"), Some(1234 * 1024));
+        assert_eq!(status_bytes(status, "VmRSS"), Some(1000 * 1024));
+        assert_eq!(status_bytes("Name:\toxrl\n", "VmHWM"), None);
+        assert_eq!(status_bytes("VmHWM:\t12 MB\n", "VmHWM"), None);
         if cfg!(target_os = "linux") {
-            let gb = peak_rss_gb();
+            // Now first: the peak read after it is at least that.
+            let now = resident_rss_gb();
+            let peak = peak_rss_gb();
             // This test process holds at least a megabyte and less than a terabyte.
-            assert!(gb > 1e-3 && gb < 1e3, "{gb}");
+            assert!(peak > 1e-3 && peak < 1e3 && now <= peak, "{peak} {now}");
         }
     }
 }

@@ -1,6 +1,13 @@
-//! `oxrl bench train|decode|gemm|all-reduce|save-model`: the workloads on the benchmark model
-//! (or any HF model directory), one JSON line per measurement on stdout:
+//! `oxrl bench train|decode|gemm|all-reduce|memory|save-model`: the workloads on the
+//! benchmark model (or any HF model directory), one JSON line per measurement on stdout:
 //! `{"bench": "train", ..., "median_ms": …, "tokens_per_s": …}`.
+//!
+//! `memory` trains a model directory on `--ranks` data-parallel ranks of this process (and of
+//! each process under `mpirun`), `--batch` × `--seq` tokens per rank in one micro-batch, and
+//! prints the process's resident set once loaded and its peak over the steps (`VmHWM`) beside
+//! what [`crate::bench::memory`] predicts per rank for parameters, gradients, optimizer state and
+//! activations, and the median step time. Run each setting in a process of its own: the peak
+//! is the process's since it started.
 //!
 //! `all-reduce` sums a gradient of every parameter over the data-parallel ranks through the
 //! collective the trainers use: `--ranks` threads of this process, and under `mpirun -np W`
@@ -46,6 +53,8 @@ enum What {
     /// A weight push to an engine: in this process, to `oxrl engine` at --engine, or over MPI to
     /// the engine processes of the job (`mpirun -np 1 oxrl bench weight-push … : -np 1 oxrl engine …`).
     WeightPush(WeightPushArgs),
+    /// Peak memory of training steps (per process) against the per-rank prediction.
+    Memory(MemoryArgs),
     /// Reward calls per second through the Python worker pool, against the same function called
     /// in a plain Python loop.
     Reward(RewardArgs),
@@ -54,6 +63,34 @@ enum What {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+#[derive(clap::Args)]
+struct MemoryArgs {
+    /// An HF model directory (e.g. made by `oxrl init-model`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Parameter dtype: f32 or bf16 (bf16 keeps f32 master weights).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// How the ranks share the model's state: none (every rank holds all of it).
+    #[arg(long, default_value = "none")]
+    sharding: String,
+    /// Data-parallel ranks in this process (threads).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Keep only each layer's input in the forward and recompute the layer in the backward.
+    #[arg(long)]
+    activation_checkpointing: bool,
+    /// Sequences per rank per step (one micro-batch).
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    /// Timed steps (the median is reported), after one untimed step.
+    #[arg(long, default_value_t = 2)]
+    reps: usize,
 }
 
 #[derive(clap::Args)]
@@ -209,6 +246,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         What::AllReduce(a) => all_reduce(a),
         What::WeightPush(a) => weight_push(a),
         What::Reward(a) => reward(a),
+        What::Memory(a) => memory(a),
         What::SaveModel { out } => {
             bench_model::write(&out).with_context(|| format!("writing the benchmark model to {}", out.display()))?;
             eprintln!("wrote the benchmark model and {} to {}", bench_model::WORKLOADS_FILE, out.display());
@@ -239,6 +277,75 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     r["first_loss"] = json!(losses.first());
     r["last_loss"] = json!(losses.last());
     println!("{r}");
+    Ok(())
+}
+
+fn memory(a: MemoryArgs) -> anyhow::Result<()> {
+    use crate::bench::memory::predict;
+    use crate::dispatch::{Dispatch, MeshShape, WorkerSpec};
+    use crate::memory::{peak_rss_gb, resident_rss_gb, GB};
+    use crate::trainer::model_ids::POLICY;
+    use crate::worker::WorkerConfig;
+    anyhow::ensure!(
+        a.ranks > 0 && a.batch > 0 && a.seq > 0 && a.reps > 0,
+        "--ranks, --batch, --seq and --reps must be positive"
+    );
+    crate::dispatch::Sharding::from_name(&a.sharding)
+        .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?
+        .check_served()?;
+    let dtype = match weights::parse_dtype(&a.dtype) {
+        Ok(d @ (DType::F32 | DType::BF16)) => d,
+        _ => anyhow::bail!("--dtype `{}`: expected f32 or bf16", a.dtype),
+    };
+    let config = crate::model::ModelConfig::from_dir(&a.model)?;
+    let world = crate::world::world()?;
+    let spec = WorkerSpec {
+        dtype,
+        mesh: MeshShape::dp(a.ranks * world.size()),
+        threads: (crate::launch::cores() / a.ranks).max(1),
+        worker: WorkerConfig { activation_checkpointing: a.activation_checkpointing, ..Default::default() },
+        ..WorkerSpec::new(&a.model)
+    };
+    let dispatch = Dispatch::new(false);
+    dispatch.create_model(POLICY, &spec)?;
+    let loaded_gb = resident_rss_gb();
+    let ranks = a.ranks * world.size();
+    let datums = workloads::train_batch(a.batch * ranks, a.seq, config.vocab_size);
+    let loss = crate::algo::Loss::parse("cross_entropy", &json!({}))?;
+    let params = workloads::adam_params();
+    let mut losses = vec![];
+    let ms = measure_ms(1, a.reps, || {
+        let out = dispatch.forward_backward(POLICY, &datums, Some(&loss), false)?;
+        dispatch.optim_step(POLICY, &params)?;
+        losses.push(out.metrics.value("loss:sum").unwrap_or(f64::NAN));
+        Ok(())
+    })?;
+    let peak = peak_rss_gb();
+    // Every process's figures: the processes of a run are alike, but each is measured.
+    let mine = serde_json::to_vec(&json!({ "rss_loaded_gb": loaded_gb, "peak_rss_gb": peak }))?;
+    let all: Vec<serde_json::Value> =
+        world.all_gather(&mine)?.iter().map(|b| serde_json::from_slice(b)).collect::<Result<_, _>>()?;
+    if crate::world::is_writer() {
+        let p = predict(&config, dtype.size_in_bytes(), true, a.batch, a.seq, a.activation_checkpointing);
+        let gb = |b: f64| b / GB;
+        let med = median(ms.clone());
+        let r = json!({
+            "bench": "memory", "framework": "oxrl", "model": a.model.display().to_string(), "dtype": a.dtype,
+            "sharding": a.sharding, "activation_checkpointing": a.activation_checkpointing,
+            "processes": world.size(), "ranks_per_process": a.ranks, "batch_per_rank": a.batch, "seq_len": a.seq,
+            "threads_per_rank": spec.threads, "reps": a.reps,
+            "median_ms": med, "min_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min),
+            "tokens_per_s": (a.batch * ranks * a.seq) as f64 / (med / 1e3),
+            "last_loss": losses.last(),
+            "measured_per_process": all,
+            "predicted_per_rank_gb": {
+                "params": gb(p.params), "grads": gb(p.grads), "optimizer": gb(p.optimizer),
+                "activations": gb(p.activations), "total": gb(p.total()),
+            },
+            "predicted_per_process_gb": gb(p.total()) * a.ranks as f64,
+        });
+        println!("{r}");
+    }
     Ok(())
 }
 

@@ -13,11 +13,14 @@ pub mod collective;
 pub mod dispatch;
 pub mod mesh;
 pub mod residency;
+pub mod sharding;
 pub mod split;
 pub mod sum_across;
 pub mod worker_group;
 pub mod worker_spec;
 
 pub use dispatch::Dispatch;
+pub use mesh::MeshShape;
+pub use sharding::Sharding;
 pub use worker_group::WorkerGroup;
 pub use worker_spec::WorkerSpec;

@@ -97,6 +97,35 @@ fn bench_train_and_decode_print_one_json_line_per_measurement() {
     }
 }
 
+/// `bench memory`: the measured peak of each process and the per-rank prediction, which
+/// activation checkpointing lowers only in its activations.
+#[test]
+fn bench_memory_prints_the_peak_beside_the_prediction() {
+    let model = fixture_dir("qwen3");
+    let run = |extra: &[&str]| {
+        let base =
+            ["bench", "memory", "--model", model.to_str().unwrap(), "--batch", "2", "--seq", "16", "--reps", "1"];
+        let out = lines(&[&base[..], extra].concat());
+        assert_eq!(out.len(), 1);
+        out[0].clone()
+    };
+    let (all, ckpt) = (run(&["--ranks", "2"]), run(&["--ranks", "2", "--activation-checkpointing"]));
+    for r in [&all, &ckpt] {
+        assert_eq!((r["bench"].as_str(), r["ranks_per_process"].as_u64()), (Some("memory"), Some(2)), "{r}");
+        let m = &r["measured_per_process"][0];
+        assert!(m["peak_rss_gb"].as_f64().unwrap() >= m["rss_loaded_gb"].as_f64().unwrap(), "{r}");
+        let p = &r["predicted_per_rank_gb"];
+        let sum: f64 = ["params", "grads", "optimizer", "activations"].iter().map(|k| p[k].as_f64().unwrap()).sum();
+        assert!((p["total"].as_f64().unwrap() - sum).abs() < 1e-12, "{r}");
+        assert!((r["predicted_per_process_gb"].as_f64().unwrap() - 2.0 * sum).abs() < 1e-12, "{r}");
+        // Fixed seed and tokens: both settings train the same loss.
+        assert_eq!(r["last_loss"], all["last_loss"]);
+    }
+    let (pa, pc) = (&all["predicted_per_rank_gb"], &ckpt["predicted_per_rank_gb"]);
+    assert_eq!((&pa["params"], &pa["optimizer"]), (&pc["params"], &pc["optimizer"]));
+    assert!(pc["activations"].as_f64().unwrap() < pa["activations"].as_f64().unwrap());
+}
+
 #[test]
 fn bench_rejects_bad_arguments_clearly() {
     for (args, needle) in [
@@ -105,6 +134,9 @@ fn bench_rejects_bad_arguments_clearly() {
         (&["bench", "decode", "--model", "/nonexistent/model"][..], "/nonexistent/model"),
         (&["bench", "decode", "--top-p", "0"][..], "top_p must be in (0, 1]"),
         (&["bench", "gemm", "--size", "0"][..], "--size must be at least 1"),
+        (&["bench", "memory", "--model", "m", "--sharding", "optimiser"][..], "did you mean `optimizer`?"),
+        (&["bench", "memory", "--model", "m", "--sharding", "full"][..], "sharding = \"full\" is not available yet"),
+        (&["bench", "memory", "--model", "m", "--ranks", "0"][..], "must be positive"),
     ] {
         let out = oxrl(args);
         let stderr = String::from_utf8_lossy(&out.stderr);

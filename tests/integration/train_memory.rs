@@ -2,6 +2,8 @@
 //! `launch.activation_checkpointing` for RL): a run with them ends with the same exported weights,
 //! byte for byte, and the same metrics (every key but the timings and the memory) as the run
 //! without, on 2 in-process data-parallel ranks; and the metrics lines report `peak_rss_gb`.
+//! `train.sharding` / `launch.sharding`: an unknown name gets the nearest one, and a mode the
+//! workers do not serve yet is refused at load, naming the key and what is missing.
 
 use crate::common;
 
@@ -114,4 +116,34 @@ fn grpo_with_activation_checkpointing_ends_bit_identical() {
     assert_eq!(m0.len(), 2);
     assert_eq!(m0, m1, "metrics");
     assert!(w0 == w1, "exported weights differ");
+}
+
+#[test]
+fn sharding_names_are_checked_and_unserved_modes_refused() {
+    let sft = |value: &str| {
+        let sets = [
+            "model.path=\"m\"".to_string(),
+            "data.train_file=\"d.jsonl\"".into(),
+            format!("train.sharding=\"{value}\""),
+        ];
+        SftConfig::load(None, &sets).map(|c| c.train.sharding.name()).map_err(|e| e.to_string())
+    };
+    let rl = |value: &str| {
+        let sets = ["model.path=\"m\"".to_string(), format!("launch.sharding=\"{value}\"")];
+        RlConfig::load(None, &sets).map(|c| c.launch.sharding.name()).map_err(|e| e.to_string())
+    };
+    assert_eq!(sft("none"), Ok("none"));
+    assert_eq!(rl("none"), Ok("none"));
+    for (load, key) in
+        [(&sft as &dyn Fn(&str) -> Result<&'static str, String>, "train.sharding"), (&rl, "launch.sharding")]
+    {
+        let e = load("optimiser").unwrap_err();
+        assert!(e.contains(key) && e.contains("did you mean `optimizer`?"), "{e}");
+        for mode in ["optimizer", "gradients", "full"] {
+            let e = load(mode).unwrap_err();
+            assert!(e.contains(key) && e.contains(&format!("sharding = \"{mode}\" is not available yet")), "{e}");
+        }
+        let e = load("full").unwrap_err();
+        assert!(e.contains("gather each layer's parameters"), "{e}");
+    }
 }

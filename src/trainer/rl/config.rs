@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
 use crate::algo::{AdaptiveKlController, AdvantageKind, KlEstimator, LossReduction, ReductionKind};
+use crate::dispatch::Sharding;
 use crate::env::{EnvConfig, RewardConfig};
 use crate::error::unknown_name_message as unknown;
 use crate::error::{Error, Result};
@@ -459,6 +460,9 @@ pub struct LaunchSection {
     /// backward, for every trained model: less memory for one more forward, the same gradients
     /// bit for bit. CPU only. Default `false`.
     pub activation_checkpointing: bool,
+    /// How the data-parallel ranks of each trained model share its state
+    /// ([`crate::dispatch::Sharding`]): `none` (the default) only, yet.
+    pub sharding: Sharding,
     /// Engines in processes of their own (`oxrl engine`), by URL (`http://host:port`): sampling
     /// goes to them instead of `engines` engines in this process. Each must serve the model of
     /// `model.path` in `model.dtype`. An API key, if they need one, is read from the environment
@@ -479,6 +483,7 @@ impl Default for LaunchSection {
             micro_batch_size: 0,
             max_tokens_per_microbatch: 0,
             activation_checkpointing: false,
+            sharding: Sharding::None,
             remote_engines: vec![],
             remote_timeout_s: 60.0,
         }
@@ -600,6 +605,9 @@ impl RlConfig {
             if n == 0 {
                 return Err(err(key, &"must be positive"));
             }
+        }
+        if let Err(e) = l.sharding.check_served() {
+            return Err(err("launch.sharding", &e));
         }
         if !(l.remote_timeout_s > 0.0 && l.remote_timeout_s.is_finite()) {
             return Err(err("launch.remote_timeout_s", &"must be a positive number of seconds"));

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::dispatch::Sharding;
 use crate::error::Result;
 use crate::trainer::config_file::{ConfigPaths, Sources};
 use crate::trainer::sections::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleSection};
@@ -114,6 +115,9 @@ pub struct TrainSection {
     /// backward: less memory for one more forward, the same gradients bit for bit. CPU only.
     /// Default `false`.
     pub activation_checkpointing: bool,
+    /// How the data-parallel ranks share the model's state ([`crate::dispatch::Sharding`]):
+    /// `none` (the default) only, yet.
+    pub sharding: Sharding,
 }
 
 impl Default for TrainSection {
@@ -129,6 +133,7 @@ impl Default for TrainSection {
             data_parallel: 1,
             max_tokens_per_microbatch: 0,
             activation_checkpointing: false,
+            sharding: Sharding::None,
         }
     }
 }
@@ -163,6 +168,9 @@ impl SftConfig {
         }
         if t.micro_batch_size == 0 || !t.batch_size.is_multiple_of(t.micro_batch_size) {
             return Err(err("train.micro_batch_size", "must be positive and divide train.batch_size"));
+        }
+        if let Err(e) = t.sharding.check_served() {
+            return Err(err("train.sharding", &e.to_string()));
         }
         if t.epochs == 0 && t.max_steps == 0 {
             return Err(err("train.epochs", "0 epochs and no train.max_steps: nothing to train"));

@@ -1,0 +1,137 @@
+//! What one data-parallel rank holds while it trains, predicted from the model's config: the
+//! formula `oxrl bench memory` prints beside the measured peak.
+//!
+//! For full fine-tuning of a model stored in `dtype` (bytes per element `s`), with P parameters:
+//! - parameters: P·s (every rank holds the whole model);
+//! - gradients: P in the accumulators' dtype (f32 for a bf16/f16 model with master weights, else
+//!   the model's own);
+//! - optimizer state: two AdamW moments per parameter in the state dtype (f64 for an f64 model,
+//!   else f32), and the f32 master weights of a bf16/f16 model that keeps them;
+//! - activations, in the compute dtype (f64 for an f64 model, else f32: the tape widens), for a
+//!   micro-batch of B rows of T tokens (N = B·T): what the tape keeps for the backward. A layer
+//!   keeps N·(4·hidden + 2·H·D + 2·KV·D + 3·intermediate) (its input, the two normed inputs, the
+//!   residual, q, attention output, k, v, gate, up and their product; Qwen3's head norms add
+//!   N·(H·D + KV·D) for q and k before them) and B·H·T² attention probabilities. Without
+//!   checkpointing every layer keeps all of it; with checkpointing each layer keeps its input
+//!   (N·hidden) and one layer's worth is alive again while its backward recomputes it. The head
+//!   keeps the final hidden states before and after the norm (2·N·hidden) and the logits of the
+//!   rows the loss reads (N·V).
+//!
+//! Temporaries of the backward (one layer's gradients in flight) and the allocator's slack are
+//! not counted: the measured peak is above the prediction by about them.
+
+use crate::model::ModelConfig;
+
+/// Predicted bytes of one rank, by kind.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RankMemory {
+    pub params: f64,
+    pub grads: f64,
+    /// AdamW moments and master weights.
+    pub optimizer: f64,
+    pub activations: f64,
+}
+
+impl RankMemory {
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optimizer + self.activations
+    }
+}
+
+/// The number of parameters the config describes.
+pub fn param_count(c: &ModelConfig) -> usize {
+    let (hd, d, h, kv, im) =
+        (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
+    let bias = |on: bool, n: usize| if on { n } else { 0 };
+    let attention =
+        hd * h * d + 2 * hd * kv * d + h * d * hd + bias(c.qkv_bias, h * d + 2 * kv * d) + bias(c.o_bias, hd);
+    let mlp = 3 * hd * im + bias(c.mlp_bias, 2 * im + hd);
+    let norms = 2 * hd + bias(c.qk_norm, 2 * d);
+    let head = if c.tie_word_embeddings { 0 } else { c.vocab_size * hd };
+    c.vocab_size * hd + c.num_hidden_layers * (attention + mlp + norms) + hd + head
+}
+
+/// One rank's predicted memory for full fine-tuning of a model stored with `param_bytes` bytes
+/// per element (`master_weights`: a bf16/f16 model keeps f32 masters) on `batch` × `seq` tokens.
+pub fn predict(
+    c: &ModelConfig,
+    param_bytes: usize,
+    master_weights: bool,
+    batch: usize,
+    seq: usize,
+    checkpointing: bool,
+) -> RankMemory {
+    let p = param_count(c) as f64;
+    let half = param_bytes < 4;
+    let wide = if param_bytes == 8 { 8.0 } else { 4.0 };
+    let masters = half && master_weights;
+    let grads = p * if masters { 4.0 } else { param_bytes as f64 };
+    let optimizer = p * (2.0 * wide + if masters { 4.0 } else { 0.0 });
+    let (hd, d, h, kv, im) =
+        (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
+    let n = batch * seq;
+    let qk_norm = if c.qk_norm { h * d + kv * d } else { 0 };
+    let layer = n * (4 * hd + 2 * h * d + 2 * kv * d + 3 * im + qk_norm) + batch * h * seq * seq;
+    let layers = c.num_hidden_layers;
+    let kept = if checkpointing { layers * n * hd + layer } else { layers * layer };
+    let head = 2 * n * hd + n * c.vocab_size;
+    RankMemory { params: p * param_bytes as f64, grads, optimizer, activations: (kept + head) as f64 * wide }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::init::write_random_model;
+    use crate::model::model_config::{Arch, ModelShape};
+    use crate::model::Transformer;
+    use candle_core::{DType, Device};
+
+    /// The count is the loaded model's, for each family, tied or not.
+    #[test]
+    fn param_count_is_the_models() {
+        for (arch, tie) in [(Arch::Llama, true), (Arch::Qwen2, false), (Arch::Qwen3, false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let shape = ModelShape {
+                vocab_size: 300,
+                hidden_size: 32,
+                intermediate_size: 48,
+                num_layers: 2,
+                num_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 8,
+                rope_theta: 1e4,
+                max_position_embeddings: 64,
+                tie_word_embeddings: tie,
+            };
+            write_random_model(dir.path(), arch, &shape, 0, DType::F32).unwrap();
+            let m = Transformer::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+            assert_eq!(param_count(&m.config), m.num_params(), "{arch:?}");
+        }
+    }
+
+    /// Checkpointing keeps one layer's input per layer plus one layer: on a deep model with long
+    /// rows, far less than every layer.
+    #[test]
+    fn checkpointing_keeps_less() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = ModelShape {
+            vocab_size: 300,
+            hidden_size: 64,
+            intermediate_size: 256,
+            num_layers: 12,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            rope_theta: 1e4,
+            max_position_embeddings: 512,
+            tie_word_embeddings: true,
+        };
+        write_random_model(dir.path(), Arch::Qwen2, &shape, 0, DType::F32).unwrap();
+        let c = ModelConfig::from_dir(dir.path()).unwrap();
+        let (all, ckpt) = (predict(&c, 4, true, 4, 256, false), predict(&c, 4, true, 4, 256, true));
+        assert_eq!((all.params, all.grads, all.optimizer), (ckpt.params, ckpt.grads, ckpt.optimizer));
+        assert!(ckpt.activations * 3.0 < all.activations, "{ckpt:?} vs {all:?}");
+        let bf16 = predict(&c, 2, true, 1, 1, false);
+        assert_eq!((bf16.grads, bf16.optimizer), (all.grads, all.optimizer + all.params));
+    }
+}
