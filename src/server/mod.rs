@@ -21,7 +21,8 @@
 //! validation), [`wire`] (datum and output conversions), [`proto`] (protobuf messages),
 //! [`limits`] (every limit, admission), [`provenance`] and [`stability_records`]
 //! (`stable_reinforce`), [`connections`] (which connections are taken, idle timeout), [`http`]
-//! (the accept loop, header deadline), [`body_limit`] (413 before the body), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
+//! (the accept loop, header deadline), [`body_limit`] (413 before the body), [`fair_share`]
+//! (sampling turns between tenants), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
 //! paths), [`external_weights`] (exports to download: age encryption, signed URLs), [`errors`].
 
 pub mod body_limit;
@@ -29,6 +30,7 @@ pub mod checkpoints;
 pub mod connections;
 pub mod errors;
 pub mod external_weights;
+pub mod fair_share;
 pub mod futures;
 pub mod http;
 pub mod limits;
@@ -134,7 +136,7 @@ pub fn state(config: &ServerConfig) -> anyhow::Result<Arc<AppState>> {
     Ok(Arc::new(AppState {
         served,
         models: Arc::new(Models::new(config.threads)),
-        samplers: samplers::Samplers::default(),
+        samplers: samplers::Samplers::new(config.limits.max_samples),
         futures: futures::Futures::new(store.clone(), config.long_poll, config.data_dir.clone()),
         store,
         api_keys,

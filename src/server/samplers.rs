@@ -4,13 +4,17 @@
 //! Every sampler of a base runs on that base's one continuous-batching [`Engine`]: a sampler's
 //! adapter is registered on the engine under the sampler id and its requests name it, so the
 //! requests of many LoRA clients decode together in one batch (per-row adapters, see
-//! [`crate::model::row_adapters`]), each exactly as it would alone.
+//! [`crate::model::row_adapters`]), each exactly as it would alone. The engine decodes up to
+//! twice `--max-samples` rows; its requests pass its [`FairShare`] first (one key at most
+//! `--max-samples` rows at once, waiting requests let through round-robin across keys and
+//! sessions).
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::errors::{ApiError, ApiResult};
+use super::fair_share::FairShare;
 use super::models::ServedModel;
 use crate::handle::Handle;
 use crate::locks::lock;
@@ -27,6 +31,8 @@ pub struct Sampler {
     /// Whether its adapter is registered on the engine (under `id`).
     has_adapter: bool,
     engine: Arc<Engine>,
+    /// The engine's turns between tenants.
+    pub share: Arc<FairShare>,
 }
 
 impl Drop for Sampler {
@@ -38,10 +44,11 @@ impl Drop for Sampler {
     }
 }
 
-#[derive(Default)]
 pub struct Samplers {
-    /// One engine per served base (by name), loaded at its first sampler.
-    engines: Mutex<HashMap<String, Arc<Engine>>>,
+    /// Rows one key may have decoding at once (`--max-samples`); an engine decodes twice that.
+    per_key_rows: usize,
+    /// One engine per served base (by name), loaded at its first sampler, with its turns.
+    engines: Mutex<HashMap<String, (Arc<Engine>, Arc<FairShare>)>>,
     samplers: Mutex<HashMap<String, Arc<Sampler>>>,
     /// Ephemeral samplers (from `save_weights_and_get_sampling_client`), oldest first, with the
     /// directory of their adapter.
@@ -55,12 +62,22 @@ pub struct Samplers {
 pub const MAX_EPHEMERAL: usize = 32;
 
 impl Samplers {
+    /// Samplers whose engines let one key decode `per_key_rows` rows at once.
+    pub fn new(per_key_rows: usize) -> Self {
+        Samplers {
+            per_key_rows: per_key_rows.max(1),
+            engines: Mutex::default(),
+            samplers: Mutex::default(),
+            ephemeral: Mutex::default(),
+        }
+    }
+
     pub fn get(&self, id: &str) -> ApiResult<Arc<Sampler>> {
         lock(&self.samplers).get(id).cloned().ok_or_else(|| ApiError::not_found(format!("no sampling session `{id}`")))
     }
 
     /// The engine of `base`, started (model loaded) at the first call.
-    fn engine(&self, base: &ServedModel) -> crate::Result<Arc<Engine>> {
+    fn engine(&self, base: &ServedModel) -> crate::Result<(Arc<Engine>, Arc<FairShare>)> {
         let mut engines = lock(&self.engines);
         if let Some(e) = engines.get(&base.name) {
             return Ok(e.clone());
@@ -71,10 +88,12 @@ impl Samplers {
             Some(t) => t.eos_token_ids().to_vec(),
             None => model.config.eos_token_ids.clone(),
         };
-        let config = EngineConfig { eos_token_ids, tokenizer, threads: 1, ..Default::default() };
+        let max_batch = 2 * self.per_key_rows;
+        let config = EngineConfig { eos_token_ids, tokenizer, threads: 1, max_batch, ..Default::default() };
         let engine = Arc::new(Engine::start(model, config)?);
-        engines.insert(base.name.clone(), engine.clone());
-        Ok(engine)
+        let share = FairShare::new(max_batch, self.per_key_rows);
+        engines.insert(base.name.clone(), (engine.clone(), share.clone()));
+        Ok((engine, share))
     }
 
     /// Creates sampler `id` over `base` with the adapter in `adapter_dir` (blocking: loads
@@ -89,7 +108,7 @@ impl Samplers {
         if let Some(s) = lock(&self.samplers).get(id) {
             return Ok(s.clone());
         }
-        let engine = self.engine(base)?;
+        let (engine, share) = self.engine(base)?;
         if let Some(dir) = adapter_dir {
             // Read here (not on the engine thread, which keeps decoding), with shapes checked
             // against the engine's base (a cheap clone: tensors are shared).
@@ -97,7 +116,8 @@ impl Samplers {
             engine.add_adapter(id, Arc::new(Adapter::load_peft(&model, dir)?)).wait()?;
         }
         let has_adapter = adapter_dir.is_some();
-        let sampler = Arc::new(Sampler { id: id.to_string(), base: base.clone(), model_path, has_adapter, engine });
+        let sampler =
+            Arc::new(Sampler { id: id.to_string(), base: base.clone(), model_path, has_adapter, engine, share });
         lock(&self.samplers).insert(id.to_string(), sampler.clone());
         Ok(sampler)
     }

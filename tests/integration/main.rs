@@ -55,6 +55,7 @@ mod rollout_engine;
 mod rollout_topk;
 mod rollout_updates;
 mod rollout_versions;
+mod server_fairness;
 mod server_fuzz;
 mod server_hostile;
 mod server_protocol;

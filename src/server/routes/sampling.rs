@@ -131,6 +131,7 @@ pub(super) async fn asample(
         ..crate::rollout::Request::new(prompt, params)
     };
     let key = api_key(&headers);
+    let key_for_turns = key.clone();
     let request_id = state.futures.create(None, "sample", key.as_deref())?;
     // `record_stability_info`: the sequences are kept for `stable_reinforce`, owned by this key
     // (and the sampling session's session).
@@ -138,10 +139,25 @@ pub(super) async fn asample(
         let session = req.sampling_session_id.as_deref().filter(|id| !id.starts_with("path:"));
         (key, session.and_then(|id| id.split(':').next()).map(String::from), Arc::new(request.prompt.clone()))
     });
-    let handle = sampler.submit(request);
-    state.futures.set_canceller(&request_id, handle.canceller());
+    // Its turn on the engine: round-robin across keys, then the caller's sessions (see
+    // fair_share). Cancelling while it waits ends it without sampling.
+    let tenant = (key_for_turns, req.sampling_session_id.as_deref().and_then(|id| id.split(':').next()).map(String::from));
+    let waiting = Arc::new(tokio::sync::Notify::new());
+    let give_up = waiting.clone();
+    state.futures.set_canceller(&request_id, Some(Arc::new(move || give_up.notify_one())));
+    let rows = request.num_samples;
     let (st, rid) = (state.clone(), request_id.clone());
     tokio::spawn(async move {
+        let ticket = tokio::select! {
+            ticket = sampler.share.admit(tenant, rows) => ticket,
+            () = waiting.notified() => {
+                let cancelled = ApiError::user("the sampling request was cancelled (cancel_future)");
+                st.futures.complete(&rid, to_outcome(Err(cancelled)));
+                return;
+            }
+        };
+        let handle = sampler.submit(request);
+        st.futures.set_canceller(&rid, handle.canceller());
         let outcome = match handle.await {
             Ok(out) if out.samples.iter().any(|g| g.stop_reason == crate::rollout::StopReason::Cancelled) => {
                 to_outcome(Err(ApiError::user("the sampling request was cancelled (cancel_future)")))
@@ -159,6 +175,7 @@ pub(super) async fn asample(
             }
             Err(e) => to_outcome(Err(e.into())),
         };
+        drop(ticket);
         st.futures.complete(&rid, outcome);
     });
     let ids: Vec<String> = (0..req.num_samples).map(|j| format!("{request_id}:{j}")).collect();
