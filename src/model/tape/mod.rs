@@ -120,7 +120,7 @@ struct BlockRecord<T> {
 
 /// A block as the forward left it: all its activations, or its input to recompute them from.
 enum Kept<T> {
-    All(BlockRecord<T>),
+    All(Box<BlockRecord<T>>),
     Input(Vec<T>),
 }
 
@@ -360,7 +360,7 @@ fn run<T: Real>(
         h = h_out;
         match keep {
             Keep::Nothing => {}
-            Keep::Everything => blocks.push(Kept::All(rec)),
+            Keep::Everything => blocks.push(Kept::All(Box::new(rec))),
             Keep::LayerInputs => blocks.push(Kept::Input(rec.h_in)),
         }
     }
@@ -478,7 +478,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
     // Each block's activations are dropped once its backward has read them.
     for (layer, kept) in model.layers.iter().zip(blocks).rev() {
         let rec = match kept {
-            Kept::All(rec) => rec,
+            Kept::All(rec) => *rec,
             Kept::Input(h_in) => block_forward(model, layer, h_in, &r.shared)?.1,
         };
         let (a, m) = (&layer.self_attn, &layer.mlp);
