@@ -105,8 +105,7 @@ impl GroupSampler<'_> {
         share(self.world, ids.len(), |mine| {
             let prompts: Vec<PromptRow> = mine.iter().map(|&i| prompts[i].clone()).collect();
             let seeds: Vec<u64> = mine.iter().map(|&i| ids[i].seed(self.train_seed)).collect();
-            let episodes =
-                generate_groups(self.engines, self.tok, &prompts, &seeds, self.envs, &self.params, self.n)?;
+            let episodes = generate_groups(self.engines, self.tok, &prompts, &seeds, self.envs, &self.params, self.n)?;
             let groups = mine.iter().zip(episodes.chunks(self.n.max(1)));
             Ok(groups.map(|(&i, chunk)| Group { id: ids[i], start_step, episodes: chunk.to_vec() }).collect())
         })

@@ -23,9 +23,9 @@ use super::plan::RlPlan;
 use super::rollout_stats::RolloutStats;
 use super::state::{DataPosition, RlState};
 use super::step::{critic_datums, minibatches, policy_datums, prepare, StepRecipe};
-use crate::env::EnvFactory;
 use crate::algo::{KlController, Metrics};
 use crate::dispatch::Dispatch;
+use crate::env::EnvFactory;
 use crate::env::PromptRow;
 use crate::model::tokenizer::Tokenizer;
 use crate::rollout::{EngineClient, PauseMode};
@@ -280,7 +280,8 @@ impl<'a> RlRun<'a> {
         let eval_now =
             !self.eval.is_empty() && ((t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == t.max_steps);
         if eval_now {
-            let (p1, pn) = evaluate(self.cfg, self.envs, self.world, self.engines, self.tok, self.eval, t.seed ^ 0xE7A1)?;
+            let (p1, pn) =
+                evaluate(self.cfg, self.envs, self.world, self.engines, self.tok, self.eval, t.seed ^ 0xE7A1)?;
             (line.eval_pass_at_1, line.eval_pass_at_n) = (Some(p1), Some(pn));
             self.evals.push((step, p1, pn));
             self.dir.progress().println(format!(
