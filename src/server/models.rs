@@ -94,7 +94,12 @@ pub fn lora_config(wire: &LoraConfigWire) -> ApiResult<LoraConfig> {
 /// A checkpoint saved with LoRA settings `saved` can be loaded into model `model_id` of
 /// settings `model` only when the trained parts agree (rank and which layers; the seed only
 /// initialised the saved weights): otherwise a user error naming both and what to change.
-pub fn check_loadable(checkpoint: &str, saved: &LoraConfigWire, model_id: &str, model: &LoraConfigWire) -> ApiResult<()> {
+pub fn check_loadable(
+    checkpoint: &str,
+    saved: &LoraConfigWire,
+    model_id: &str,
+    model: &LoraConfigWire,
+) -> ApiResult<()> {
     let parts = |c: &LoraConfigWire| {
         let on = [(c.train_attn, "attention"), (c.train_mlp, "MLP"), (c.train_unembed, "unembedding")];
         on.iter().filter(|(t, _)| *t).map(|(_, n)| *n).collect::<Vec<_>>().join(" + ")

@@ -141,7 +141,8 @@ pub(super) async fn asample(
     });
     // Its turn on the engine: round-robin across keys, then the caller's sessions (see
     // fair_share). Cancelling while it waits ends it without sampling.
-    let tenant = (key_for_turns, req.sampling_session_id.as_deref().and_then(|id| id.split(':').next()).map(String::from));
+    let tenant =
+        (key_for_turns, req.sampling_session_id.as_deref().and_then(|id| id.split(':').next()).map(String::from));
     let waiting = Arc::new(tokio::sync::Notify::new());
     let give_up = waiting.clone();
     state.futures.set_canceller(&request_id, Some(Arc::new(move || give_up.notify_one())));
