@@ -23,7 +23,7 @@ pub const DRAIN_MAX: u64 = 1 << 30;
 /// The 413 for a body of `length` bytes over `limit` bytes.
 pub fn too_large(length: u64, limit: usize) -> ApiError {
     let mib = limit >> 20;
-    let limit_text = if limit % (1 << 20) == 0 { format!("{mib} MiB") } else { format!("{limit} bytes") };
+    let limit_text = if limit.is_multiple_of(1 << 20) { format!("{mib} MiB") } else { format!("{limit} bytes") };
     ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
         ..ApiError::user(format!(

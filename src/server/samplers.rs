@@ -44,11 +44,14 @@ impl Drop for Sampler {
     }
 }
 
+/// A base's engine and its turns between tenants.
+type EngineAndTurns = (Arc<Engine>, Arc<FairShare>);
+
 pub struct Samplers {
     /// Rows one key may have decoding at once (`--max-samples`); an engine decodes twice that.
     per_key_rows: usize,
     /// One engine per served base (by name), loaded at its first sampler, with its turns.
-    engines: Mutex<HashMap<String, (Arc<Engine>, Arc<FairShare>)>>,
+    engines: Mutex<HashMap<String, EngineAndTurns>>,
     samplers: Mutex<HashMap<String, Arc<Sampler>>>,
     /// Ephemeral samplers (from `save_weights_and_get_sampling_client`), oldest first, with the
     /// directory of their adapter.
@@ -77,7 +80,7 @@ impl Samplers {
     }
 
     /// The engine of `base`, started (model loaded) at the first call.
-    fn engine(&self, base: &ServedModel) -> crate::Result<(Arc<Engine>, Arc<FairShare>)> {
+    fn engine(&self, base: &ServedModel) -> crate::Result<EngineAndTurns> {
         let mut engines = lock(&self.engines);
         if let Some(e) = engines.get(&base.name) {
             return Ok(e.clone());
