@@ -218,7 +218,7 @@ fn seeded_sync_rl_runs_are_identical_at_1_and_2_threads() {
         let lines: Vec<serde_json::Value> = metric_lines(&run_dir)
             .into_iter()
             .map(|mut l| {
-                l.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time_") && k != "samples_per_s");
+                l.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time_") && k != "samples_per_s" && k != "peak_rss_gb");
                 l
             })
             .collect();

@@ -202,7 +202,7 @@ fn oxrl_rl(config: &Path) -> (bool, String) {
 /// A metrics line without the keys that measure time.
 fn untimed(line: &Value) -> Map<String, Value> {
     let mut m = line.as_object().unwrap().clone();
-    m.retain(|k, _| !k.starts_with("time_") && k != "samples_per_s" && k != "elapsed_s");
+    m.retain(|k, _| !k.starts_with("time_") && !matches!(k.as_str(), "samples_per_s" | "elapsed_s" | "peak_rss_gb"));
     m
 }
 
