@@ -1,4 +1,4 @@
-//! `oxrl bench train|decode|gemm|all-reduce|memory|save-model`: the workloads on the
+//! `oxrl bench train|decode|gemm|all-reduce|memory|save-model`: workloads on the
 //! benchmark model (or any HF model directory), one JSON line per measurement on stdout:
 //! `{"bench": "train", ..., "median_ms": …, "tokens_per_s": …}`.
 //!

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 
 pub const ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
@@ -205,4 +205,31 @@ pub fn rl_killed_after(config: &std::path::Path, checkpoint: &std::path::Path) {
     }
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
+}
+
+/// A tensor of `t`'s shape and dtype with `values(seed)` scaled by `scale`.
+pub fn random_like(t: &Tensor, seed: u64, scale: f64) -> Tensor {
+    let v: Vec<f64> = values(t.elem_count(), seed).into_iter().map(|x| x * scale).collect();
+    Tensor::from_vec(v, t.shape(), &Device::Cpu).unwrap().to_dtype(t.dtype()).unwrap()
+}
+
+/// A fixture model with its trainable variables: every base weight (`lora_rank` 0), or LoRA
+/// adapters on every projection including lm_head (B random, so that every adapter tensor gets a
+/// non-zero gradient).
+pub fn trainable(arch: &str, dtype: DType, lora_rank: usize) -> (oxrl::model::Transformer, Vec<(String, Var)>) {
+    use oxrl::model::lora::{self, LoraConfig};
+    let mut m = oxrl::model::Transformer::load(&fixture_dir(arch), dtype, &Device::Cpu).unwrap();
+    let vars = if lora_rank == 0 {
+        m.make_trainable().unwrap()
+    } else {
+        let cfg = LoraConfig::new(lora_rank, 2.0 * lora_rank as f64, &["all-linear", "lm_head"]);
+        let vars = lora::attach_new(&mut m, &cfg, 7).unwrap();
+        for (i, (name, v)) in vars.iter().enumerate() {
+            if name.contains("lora_B") {
+                v.set(&random_like(v.as_tensor(), 100 + i as u64, 0.05)).unwrap();
+            }
+        }
+        vars
+    };
+    (m, vars)
 }

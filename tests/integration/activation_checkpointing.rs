@@ -10,33 +10,11 @@ use crate::common;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
-use oxrl::model::lora::{self, LoraConfig};
+use oxrl::model::lora::LoraConfig;
 use oxrl::model::tape::{Keep, Tape};
 use oxrl::model::Transformer;
 use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
 use serde_json::json;
-
-/// The model with every base weight trainable, or LoRA adapters on every projection (B random,
-/// so that every adapter tensor gets a non-zero gradient).
-fn trainable(arch: &str, dtype: DType, lora_rank: usize) -> (Transformer, Vec<(String, Var)>) {
-    let mut m = Transformer::load(&fixture_dir(arch), dtype, &Device::Cpu).unwrap();
-    let vars = if lora_rank == 0 {
-        m.make_trainable().unwrap()
-    } else {
-        let cfg = LoraConfig::new(lora_rank, 2.0 * lora_rank as f64, &["all-linear", "lm_head"]);
-        let vars = lora::attach_new(&mut m, &cfg, 7).unwrap();
-        for (i, (name, v)) in vars.iter().enumerate() {
-            if name.contains("lora_B") {
-                let n = v.as_tensor().elem_count();
-                let r: Vec<f64> = values(n, 100 + i as u64).into_iter().map(|x| x * 0.05).collect();
-                let r = Tensor::from_vec(r, v.as_tensor().shape(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
-                v.set(&r).unwrap();
-            }
-        }
-        vars
-    };
-    (m, vars)
-}
 
 fn bits(t: &Tensor) -> Vec<u64> {
     t.flatten_all()

@@ -11,33 +11,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
 use oxrl::model::logprobs::{entropy, target_logprobs_and_lse};
-use oxrl::model::lora::{self, LoraConfig};
 use oxrl::model::tape::Tape;
 use oxrl::model::Transformer;
-
-fn random_like(t: &Tensor, seed: u64, scale: f64) -> Tensor {
-    let v: Vec<f64> = values(t.elem_count(), seed).into_iter().map(|x| x * scale).collect();
-    Tensor::from_vec(v, t.shape(), &Device::Cpu).unwrap().to_dtype(t.dtype()).unwrap()
-}
-
-/// The model with its trainable variables: every base weight, or LoRA adapters on every
-/// projection (B random, so that every adapter tensor gets a non-zero gradient).
-fn trainable(arch: &str, dtype: DType, lora_rank: usize) -> (Transformer, Vec<(String, Var)>) {
-    let mut m = Transformer::load(&fixture_dir(arch), dtype, &Device::Cpu).unwrap();
-    let vars = if lora_rank == 0 {
-        m.make_trainable().unwrap()
-    } else {
-        let cfg = LoraConfig::new(lora_rank, 2.0 * lora_rank as f64, &["all-linear", "lm_head"]);
-        let vars = lora::attach_new(&mut m, &cfg, 7).unwrap();
-        for (i, (name, v)) in vars.iter().enumerate() {
-            if name.contains("lora_B") {
-                v.set(&random_like(v.as_tensor(), 100 + i as u64, 0.05)).unwrap();
-            }
-        }
-        vars
-    };
-    (m, vars)
-}
 
 /// Each variable's gradient: candle's part plus the tape's parts (a tied embedding has both).
 fn gradient(var: &Var, store: &GradStore, taped: &[(Tensor, Tensor)]) -> Option<Tensor> {
