@@ -233,3 +233,79 @@ pub fn trainable(arch: &str, dtype: DType, lora_rank: usize) -> (oxrl::model::Tr
     };
     (m, vars)
 }
+
+/// `oxrl serve` as a child process of the test, killed (and reaped) on drop.
+pub struct ServeProcess {
+    pub child: std::process::Child,
+    pub port: u16,
+    pub log: PathBuf,
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ServeProcess {
+    /// `oxrl serve` of a tiny byte-level model (`hidden` wide, `positions` long, `seed`; made in
+    /// `dir/tiny` unless it is there) for the API keys `keys`, with extra `flags` and environment
+    /// `env`, its stderr in `dir/server.log`; returns once `healthz` answers.
+    pub fn start(
+        dir: &std::path::Path,
+        (hidden, positions, seed): (usize, usize, u64),
+        keys: &[&str],
+        flags: &[&str],
+        env: &[(&str, &str)],
+    ) -> ServeProcess {
+        let model = dir.join("tiny");
+        if !model.exists() {
+            tiny_byte_model(&model, hidden, positions, seed);
+        }
+        std::fs::write(dir.join("keys"), format!("{}\n", keys.join("\n"))).unwrap();
+        let log = dir.join("server.log");
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = oxrl_command()
+            .arg("serve")
+            .arg("--model")
+            .arg(&model)
+            .args(["--port", &port.to_string(), "--data-dir"])
+            .arg(dir.join("data"))
+            .arg("--api-keys")
+            .arg(dir.join("keys"))
+            .args(flags)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .envs(env.iter().copied())
+            .spawn()
+            .unwrap();
+        let mut server = ServeProcess { child, port, log };
+        let start = std::time::Instant::now();
+        while !server.healthy() {
+            assert!(server.child.try_wait().unwrap().is_none(), "the server exited: {}", server.log_text());
+            assert!(start.elapsed() < std::time::Duration::from_secs(60), "the server did not come up");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        server
+    }
+
+    /// Whether `GET /api/v1/healthz` answers 200 within 5 s.
+    pub fn healthy(&self) -> bool {
+        use std::io::{Read, Write};
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.port));
+        let timeout = std::time::Duration::from_secs(5);
+        let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, timeout) else { return false };
+        let _ = s.set_read_timeout(Some(timeout));
+        let request =
+            format!("GET /api/v1/healthz HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n", self.port);
+        let mut answer = String::new();
+        s.write_all(request.as_bytes()).is_ok()
+            && s.read_to_string(&mut answer).is_ok()
+            && answer.starts_with("HTTP/1.1 200")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}

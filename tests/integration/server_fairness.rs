@@ -2,7 +2,7 @@
 //! make another key's small request wait behind its queue.
 
 use crate::common;
-use crate::server_hostile::Server;
+use crate::server_hostile::serve;
 use crate::server_protocol::{post_as, result_as};
 
 use std::time::{Duration, Instant};
@@ -44,7 +44,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 fn a_saturating_tenant_does_not_delay_a_small_one() {
     let dir = tempfile::tempdir().unwrap();
     common::tiny_byte_model(&dir.path().join("tiny"), 64, 512, 7);
-    let server = Server::start(dir.path(), &[]);
+    let server = serve(dir.path(), &[]);
     let port = server.port;
     let small = |i: u64| sample_body(1, 8, i);
     sample(port, "k2", small(0)); // the engine is loaded at the first sample

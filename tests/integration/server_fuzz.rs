@@ -16,7 +16,6 @@ use crate::server_protocol::{fwdbwd_body, lora_model, post, post_as, request, re
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use oxrl::server::proto;
@@ -158,69 +157,27 @@ fn send_within(port: u16, r: &Req, timeout: Duration) -> Result<(u16, String), S
     Ok((status, body))
 }
 
-struct Server {
-    child: Child,
-    port: u16,
-    log: std::path::PathBuf,
+type Server = common::ServeProcess;
+
+/// `oxrl serve` over a tiny model (hidden 32, 64 positions, seed 3) with keys k1, k2 and a
+/// 1 MiB body limit, with these environment variables; returns once `healthz` answers.
+fn serve_with(dir: &Path, env: &[(&str, &str)]) -> Server {
+    common::ServeProcess::start(dir, (32, 64, 3), &["k1", "k2"], &["--max-body-mib", "1"], env)
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn serve(dir: &Path) -> Server {
+    serve_with(dir, &[])
 }
 
-impl Server {
-    fn start(dir: &Path) -> Server {
-        Server::start_with(dir, &[])
-    }
-
-    /// [`Server::start`] with these environment variables.
-    fn start_with(dir: &Path, env: &[(&str, &str)]) -> Server {
-        let model = dir.join("tiny");
-        common::tiny_byte_model(&model, 32, 64, 3);
-        std::fs::write(dir.join("keys"), "k1\nk2\n").unwrap();
-        let log = dir.join("server.log");
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = common::oxrl_command()
-            .arg("serve")
-            .arg("--model")
-            .arg(&model)
-            .args(["--port", &port.to_string(), "--max-body-mib", "1", "--data-dir"])
-            .arg(dir.join("data"))
-            .arg("--api-keys")
-            .arg(dir.join("keys"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .envs(env.iter().copied())
-            .spawn()
-            .unwrap();
-        let mut server = Server { child, port, log };
-        let start = Instant::now();
-        let health = Req { key: None, ..Req::json("GET", "healthz", Value::Null) };
-        while !matches!(send(port, &health), Ok((200, _))) {
-            assert!(server.child.try_wait().unwrap().is_none(), "the server exited: {}", server.log_text());
-            assert!(start.elapsed() < Duration::from_secs(60), "the server did not come up");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        server
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// The process runs, answers `healthz`, and has logged no panic.
-    fn check_alive(&mut self, context: &str) {
-        let status = self.child.try_wait().unwrap();
-        assert!(status.is_none(), "{context}: the server exited ({status:?}); its log:\n{}", self.log_text());
-        let health = Req { key: None, ..Req::json("GET", "healthz", Value::Null) };
-        let r = send(self.port, &health);
-        assert!(matches!(r, Ok((200, _))), "{context}: healthz answered {r:?}");
-        let log = self.log_text();
-        assert!(!log.contains("panicked"), "{context}: the server panicked; its log:\n{log}");
-    }
+/// The process runs, answers `healthz`, and has logged no panic.
+fn check_alive(server: &mut Server, context: &str) {
+    let status = server.child.try_wait().unwrap();
+    assert!(status.is_none(), "{context}: the server exited ({status:?}); its log:\n{}", server.log_text());
+    let health = Req { key: None, ..Req::json("GET", "healthz", Value::Null) };
+    let r = send(server.port, &health);
+    assert!(matches!(r, Ok((200, _))), "{context}: healthz answered {r:?}");
+    let log = server.log_text();
+    assert!(!log.contains("panicked"), "{context}: the server panicked; its log:\n{log}");
 }
 
 /// The ids a run starts from; the fuzzer swaps them with each other and with made-up ones.
@@ -1099,7 +1056,7 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
     let count = env_number("OXRL_FUZZ_COUNT").map(|c| c as usize).unwrap_or(DEFAULT_COUNT);
     println!("server fuzz: seed {seed:#x} ({count} requests; replay with OXRL_FUZZ_SEED={seed:#x})");
     let dir = tempfile::tempdir().unwrap();
-    let mut server = Server::start(dir.path());
+    let mut server = serve(dir.path());
     let port = server.port;
 
     // The fixture: a model with a state and a sampler checkpoint, a sampler, key k2's session
@@ -1180,11 +1137,11 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
             }
         }
         if index % 100 == 99 {
-            server.check_alive(&format!("seed {seed:#x}, after request {index}"));
+            check_alive(&mut server, &format!("seed {seed:#x}, after request {index}"));
         }
     }
     let fuzz_time = start.elapsed();
-    server.check_alive(&format!("seed {seed:#x}, after the fuzzing"));
+    check_alive(&mut server, &format!("seed {seed:#x}, after the fuzzing"));
 
     // Every accepted request's future ends, in a result or a user error: a server error there is
     // a fault the HTTP status did not show (a worker's panic, say). The model's queue may still
@@ -1228,7 +1185,7 @@ fn fuzzed_requests_get_no_5xx_no_hang_and_no_crash() {
     let adam = json!({"learning_rate": 0.01});
     let out = done(port, &post(port, "optim_step", json!({"model_id": model, "seq_id": 2, "adam_params": adam}))).1;
     assert!(out["metrics"]["grad_norm:mean"].as_f64().unwrap() > 0.0, "seed {seed:#x}: {out}");
-    server.check_alive(&format!("seed {seed:#x}, at the end"));
+    check_alive(&mut server, &format!("seed {seed:#x}, at the end"));
 }
 
 /// A panic in one training model's worker thread (injected: `OXRL_FAILPOINT_PANIC`, cargo
@@ -1259,7 +1216,7 @@ fn a_panicking_worker_fails_only_its_model() {
     crate::server_protocol::expect_server_faults();
     let dir = tempfile::tempdir().unwrap();
     // Worker threads are `oxrl-{session}:train:{n}-{rank}`: model 7 of any session panics.
-    let mut server = Server::start_with(dir.path(), &[("OXRL_FAILPOINT_PANIC", ":train:7-")]);
+    let mut server = serve_with(dir.path(), &[("OXRL_FAILPOINT_PANIC", ":train:7-")]);
     let failed = train_step(server.port, "k1", 7);
     let server_errors = failed.iter().filter(|o| o["category"] == "server").count();
     assert!(server_errors >= 2, "model 7's requests did not fail with server errors: {failed:?}");
@@ -1268,7 +1225,7 @@ fn a_panicking_worker_fails_only_its_model() {
     // Another key's model beside it trains as on a fresh server.
     let ok = train_step(server.port, "k2", 0);
     let fresh_dir = tempfile::tempdir().unwrap();
-    let fresh = Server::start(fresh_dir.path());
+    let fresh = serve(fresh_dir.path());
     let expected = train_step(fresh.port, "k2", 0);
     assert!(ok[1]["metrics"]["loss:sum"].as_f64().is_some_and(f64::is_finite), "{ok:?}");
     assert_eq!(ok[1]["metrics"]["loss:sum"], expected[1]["metrics"]["loss:sum"]);

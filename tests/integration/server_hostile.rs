@@ -10,7 +10,7 @@ use crate::server_protocol::{lora_model, post, result};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,56 +21,12 @@ use serde_json::json;
 /// clients' 127.0.0.1 (Linux routes all of 127/8 to `lo`).
 const HOSTILE: &str = "127.0.0.2";
 
-pub(crate) struct Server {
-    child: Child,
-    pub(crate) port: u16,
-    log: std::path::PathBuf,
-}
+pub(crate) type Server = common::ServeProcess;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    /// `oxrl serve` over a tiny model (hidden 64, 128 positions, seed 7) with keys k1, k2 and
-    /// `flags`; returns once `healthz` answers.
-    pub(crate) fn start(dir: &Path, flags: &[&str]) -> Server {
-        let model = dir.join("tiny");
-        if !model.exists() {
-            common::tiny_byte_model(&model, 64, 128, 7);
-        }
-        std::fs::write(dir.join("keys"), "k1\nk2\ntml-oxrl-test\n").unwrap();
-        let log = dir.join("server.log");
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = common::oxrl_command()
-            .arg("serve")
-            .arg("--model")
-            .arg(&model)
-            .args(["--port", &port.to_string(), "--data-dir"])
-            .arg(dir.join("data"))
-            .arg("--api-keys")
-            .arg(dir.join("keys"))
-            .args(flags)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut server = Server { child, port, log };
-        let start = Instant::now();
-        while get(port, "/api/v1/healthz", Duration::from_secs(5)).is_err() {
-            assert!(server.child.try_wait().unwrap().is_none(), "the server exited: {}", server.log_text());
-            assert!(start.elapsed() < Duration::from_secs(60), "the server did not come up");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        server
-    }
-
-    pub(crate) fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
+/// `oxrl serve` over a tiny model (hidden 64, 128 positions, seed 7) with keys k1, k2 and
+/// `flags`; returns once `healthz` answers.
+pub(crate) fn serve(dir: &Path, flags: &[&str]) -> Server {
+    common::ServeProcess::start(dir, (64, 128, 7), &["k1", "k2", "tml-oxrl-test"], flags, &[])
 }
 
 /// GET `path` from 127.0.0.1 with `timeout` for the whole exchange: the raw answer.
@@ -182,10 +138,10 @@ fn slow_clients_from_one_address_cannot_starve_the_server() {
     let dir = tempfile::tempdir().unwrap();
     let fresh_dir = tempfile::tempdir().unwrap();
     let expected = {
-        let fresh = Server::start(fresh_dir.path(), &[]);
+        let fresh = serve(fresh_dir.path(), &[]);
         sdk_step(&python, fresh.port)
     };
-    let server = Server::start(dir.path(), &[]);
+    let server = serve(dir.path(), &[]);
     let port = server.port;
     let until = Instant::now() + Duration::from_secs(seconds);
     let attack = slow_clients(port, 1000, until);
@@ -225,10 +181,8 @@ fn slow_clients_from_one_address_cannot_starve_the_server() {
 #[test]
 fn health_is_answered_at_the_connection_cap_and_a_peer_is_capped() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir.path(),
-        &["--max-connections", "8", "--max-connections-per-peer", "8", "--header-timeout-s", "30"],
-    );
+    let server =
+        serve(dir.path(), &["--max-connections", "8", "--max-connections-per-peer", "8", "--header-timeout-s", "30"]);
     let port = server.port;
     let held: Vec<std::net::TcpStream> = (0..8)
         .map(|_| {
@@ -290,7 +244,7 @@ fn tokio_free_connect(from: &str, port: u16) -> std::net::TcpStream {
 #[test]
 fn a_body_over_the_limit_is_a_413_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(dir.path(), &["--max-body-mib", "1"]);
+    let server = serve(dir.path(), &["--max-body-mib", "1"]);
     let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let body = vec![b' '; 48 << 20];
@@ -314,7 +268,7 @@ fn a_body_over_the_limit_is_a_413_naming_the_flag() {
 #[test]
 fn a_rank_mismatch_load_weights_is_a_user_error() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(dir.path(), &[]);
+    let server = serve(dir.path(), &[]);
     let port = server.port;
     let (_, rank4) = lora_model(port, json!({"rank": 4}));
     let r = post(port, "save_weights", json!({"model_id": rank4, "path": "r4", "seq_id": 1}));
