@@ -309,3 +309,19 @@ impl ServeProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
+
+/// The real (unpadded) positions of the golden batch, flattened over [B, T], and their targets.
+pub fn real_rows(b: &Batch) -> (Vec<u32>, Vec<u32>) {
+    let t = b.ids[0].len();
+    let mut rows = vec![];
+    let mut targets = vec![];
+    for (r, valid) in b.valid.iter().enumerate() {
+        for (i, &v) in valid.iter().enumerate() {
+            if v != 0.0 {
+                rows.push((r * t + i) as u32);
+                targets.push(b.targets[r][i]);
+            }
+        }
+    }
+    (rows, targets)
+}

@@ -40,7 +40,7 @@ type Run = (Vec<u64>, Vec<(candle_core::TensorId, Vec<u64>)>, Vec<Option<Vec<u64
 /// the entropies, a fixed linear loss on the cut, and the backward.
 fn run(arch: &str, m: &Transformer, vars: &[(String, Var)], keep: Keep, head: bool) -> Run {
     let b = Golden::load(arch).batch();
-    let (rows, targets) = real_rows(arch);
+    let (rows, targets) = real_rows(&Golden::load(arch).batch());
     let (rows, targets) = (rows.as_slice(), targets.as_slice());
     let mut tape = Tape::forward_keeping(m, &b.ids, &b.positions, &b.mask, keep).unwrap();
     let (out, store): (Tensor, GradStore) = if head {
@@ -62,21 +62,6 @@ fn run(arch: &str, m: &Transformer, vars: &[(String, Var)], keep: Keep, head: bo
     let taped = tape.backward(&store).unwrap();
     let candle_side = vars.iter().map(|(_, v)| store.get(v.as_tensor()).map(bits)).collect();
     (out_bits, taped_bits(&taped), candle_side)
-}
-
-fn real_rows(arch: &str) -> (Vec<u32>, Vec<u32>) {
-    let b = Golden::load(arch).batch();
-    let t = b.ids[0].len();
-    let (mut rows, mut targets) = (vec![], vec![]);
-    for (r, valid) in b.valid.iter().enumerate() {
-        for (i, &v) in valid.iter().enumerate() {
-            if v != 0.0 {
-                rows.push((r * t + i) as u32);
-                targets.push(b.targets[r][i]);
-            }
-        }
-    }
-    (rows, targets)
 }
 
 #[test]

@@ -32,22 +32,6 @@ fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
     assert!(err < tol, "{what}: off by {err} relative");
 }
 
-/// The real (unpadded) positions of the golden batch, flattened over [B, T], and their targets.
-fn real_rows(b: &Batch) -> (Vec<u32>, Vec<u32>) {
-    let t = b.ids[0].len();
-    let mut rows = vec![];
-    let mut targets = vec![];
-    for (r, valid) in b.valid.iter().enumerate() {
-        for (i, &v) in valid.iter().enumerate() {
-            if v != 0.0 {
-                rows.push((r * t + i) as u32);
-                targets.push(b.targets[r][i]);
-            }
-        }
-    }
-    (rows, targets)
-}
-
 /// Compares the tape with candle's graph for one model: the hidden-state cut (a random linear
 /// function of the final hidden states) and the log-prob cut (a weighted sum of the targets'
 /// log-probs through the head).
