@@ -39,7 +39,8 @@ fn median(mut v: Vec<Duration>) -> Duration {
 /// behind A's queue. B's tokens then ride the saturated batch's steps, which on a CPU cost
 /// about what its 65 rows cost, so the bound is B's median latency alone twice plus its 8
 /// tokens and 4 steps of waiting at the saturated engine's step time (A's time over its decode
-/// steps), all measured here. (Waiting behind A's queue, B would take most of A's time.)
+/// steps), all measured here, with a margin of 4 for a loaded machine. (Waiting behind A's
+/// queue, B would take most of A's time: hundreds of steps.)
 #[test]
 fn a_saturating_tenant_does_not_delay_a_small_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -75,12 +76,14 @@ fn a_saturating_tenant_does_not_delay_a_small_one() {
     // decode steps are its requests × tokens.
     let step = a_time / (requests as u32 * tokens as u32);
     let loaded = median(loaded);
-    let bound = 2 * solo + (8 + 4) * step;
+    // Four times the steps: on a loaded machine (CI runs the suite's tests side by side) one
+    // step's cost varies that much; waiting behind A's queue would be hundreds of steps.
+    let bound = 2 * solo + 4 * (8 + 4) * step;
     println!(
         "fairness: B alone {solo:?}, B beside A {loaded:?} (ratio {:.2}); A {a_time:?} = {step:?} per decode step; \
-         bound 2 × alone + 12 steps = {bound:?}",
+         bound 2 × alone + 48 steps = {bound:?}",
         loaded.as_secs_f64() / solo.as_secs_f64()
     );
-    assert!(loaded <= bound, "B beside A took {loaded:?}, over 2 × {solo:?} + 12 × {step:?}");
+    assert!(loaded <= bound, "B beside A took {loaded:?}, over 2 × {solo:?} + 48 × {step:?}");
     assert!(loaded * 10 < a_time, "B beside A took {loaded:?}, a tenth of A's {a_time:?} or more");
 }
