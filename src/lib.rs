@@ -28,6 +28,7 @@
 pub mod actor;
 pub mod algo;
 pub mod bench;
+pub mod child_process;
 pub mod choice;
 pub mod cli;
 pub mod dates;

@@ -197,7 +197,7 @@ impl Process {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .env("PYTHONUNBUFFERED", "1");
-        isolate(&mut command);
+        crate::child_process::detach(&mut command);
         let mut child = command.spawn().map_err(|e| {
             Error::UserCode(format!("reward.python: cannot start the Python interpreter `{}`: {e}", spec.python))
         })?;
@@ -382,23 +382,6 @@ impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// Puts the worker in its own process group (Ctrl-C reaches only the trainer, which stops the
-/// pool itself) and, on Linux, has it killed when the thread that started it ends.
-fn isolate(command: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    command.process_group(0);
-    #[cfg(target_os = "linux")]
-    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
     }
 }
 

@@ -62,7 +62,7 @@ impl WandbWorker {
     pub fn start(python: &str, init: &WandbInit, timeout: Duration) -> Result<Self> {
         let mut cmd = Command::new(python);
         cmd.arg("-c").arg(WORKER_SCRIPT).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        detach(&mut cmd);
+        crate::child_process::detach(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| {
             Error::input(format!("tracking backend `wandb`: cannot run tracking.python = `{python}`: {e}"))
         })?;
@@ -172,7 +172,7 @@ impl WandbWorker {
     fn kill(&mut self) {
         self.stdin = None;
         if let Ok(None) = self.child.try_wait() {
-            kill_group(&mut self.child);
+            crate::child_process::kill_group(&mut self.child);
             let _ = self.child.wait();
         }
     }
@@ -244,49 +244,4 @@ fn wait_for(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
             _ => return None,
         }
     }
-}
-
-/// Runs the worker in a process group of its own with SIGINT ignored and, on Linux, killed
-/// with the thread that starts it.
-#[cfg(unix)]
-fn detach(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    cmd.process_group(0);
-    let parent = std::process::id();
-    // SAFETY: between fork and exec the closure only makes async-signal-safe calls (signal,
-    // prctl, getppid) and allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            libc::signal(libc::SIGINT, libc::SIG_IGN);
-            #[cfg(target_os = "linux")]
-            {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The parent died before prctl: no signal will come.
-                if libc::getppid() as u32 != parent {
-                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-                }
-            }
-            let _ = parent;
-            Ok(())
-        });
-    }
-}
-
-#[cfg(not(unix))]
-fn detach(_cmd: &mut Command) {}
-
-/// Kills the child's process group (its own: [`detach`]), so anything it started goes too.
-#[cfg(unix)]
-fn kill_group(child: &mut Child) {
-    // SAFETY: kill(2) with a process group id; no memory is touched.
-    unsafe {
-        libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
-    }
-}
-
-#[cfg(not(unix))]
-fn kill_group(child: &mut Child) {
-    let _ = child.kill();
 }
