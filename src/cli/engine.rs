@@ -30,6 +30,17 @@ pub struct Args {
     /// Largest request body, in MiB (a full weight push is one body).
     #[arg(long, default_value_t = 8192)]
     pub max_body_mib: usize,
+    /// A LoRA adapter to serve beside the model, `NAME=DIR` (PEFT layout); requests whose
+    /// `model` is NAME sample with it. Repeatable.
+    #[arg(long = "lora", value_parser = parse_adapter)]
+    pub adapters: Vec<(String, PathBuf)>,
+}
+
+fn parse_adapter(arg: &str) -> Result<(String, PathBuf), String> {
+    match arg.split_once('=') {
+        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => Ok((name.to_string(), PathBuf::from(dir))),
+        _ => Err(format!("expected NAME=DIR, got `{arg}`")),
+    }
 }
 
 pub fn run_cmd(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
@@ -43,5 +54,6 @@ pub fn run_cmd(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
         lora_rank: a.lora_rank,
         api_keys: a.api_keys,
         body_limit: a.max_body_mib << 20,
+        adapters: a.adapters,
     })
 }

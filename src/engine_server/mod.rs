@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! client ──HTTP──► auth (Bearer key, if any) ──► oxrl API (MessagePack, rollout::engine_api)
-//!                                             └► OpenAI API (JSON: models, completions, chat)
+//!                                             └► OpenAI API (JSON or server-sent events:
+//!                                                models, completions, chat with tool calls)
 //!                                                        │
 //!                                             one Engine (its own thread and thread budget)
 //! ```
@@ -12,10 +13,18 @@
 //! seeds and weights a remote engine returns the tokens and log-probs an in-process one does.
 //! Weights arrive whole (safetensors) and the engine applies them between two decode steps
 //! (`WeightUpdate::apply` checks every tensor first): no request sees half an update, and a
-//! refused push leaves the old version serving. Files: [`oxrl_routes`], [`openai`].
+//! refused push leaves the old version serving. LoRA adapters given at start (`--lora
+//! NAME=DIR`, PEFT layout) are served beside the model under their names. Files:
+//! [`oxrl_routes`]; the OpenAI API: [`openai`] (shared), [`completions`], [`chat`],
+//! [`tool_calls`], [`streaming`], [`jobs`].
 
+pub mod chat;
+pub mod completions;
+pub mod jobs;
 pub mod openai;
 pub mod oxrl_routes;
+pub mod streaming;
+pub mod tool_calls;
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -29,6 +38,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use candle_core::Device;
 
+use crate::model::row_adapters::Adapter;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{weights, SamplerWeights, Transformer};
 use crate::rollout::engine::Ticket;
@@ -57,6 +67,8 @@ pub struct EngineServerConfig {
     pub api_keys: Option<PathBuf>,
     /// Largest request body in bytes (a full weight push is one body).
     pub body_limit: usize,
+    /// LoRA adapters (PEFT directories) served under their names beside the model.
+    pub adapters: Vec<(String, PathBuf)>,
 }
 
 /// What every handler shares.
@@ -69,6 +81,11 @@ pub struct EngineServer {
     pub dtype: String,
     pub device: Device,
     pub lora_rank: usize,
+    /// The names of the LoRA adapters it serves (a request's `model` names one).
+    pub adapters: Vec<String>,
+    /// The model's context (max_position_embeddings) and vocabulary size.
+    pub context: usize,
+    pub vocab_size: usize,
     api_keys: Option<HashSet<String>>,
     /// The engine's ticket of each request in flight, by the caller's ticket.
     pub tickets: Mutex<HashMap<Ticket, Ticket>>,
@@ -81,6 +98,13 @@ impl EngineServer {
         let device = weights::parse_device(&config.device)?;
         let tokenizer = Arc::new(Tokenizer::from_dir(&config.model)?);
         let model = Transformer::load(&config.model, dtype, &device)?;
+        let mut adapters = vec![];
+        for (name, dir) in &config.adapters {
+            anyhow::ensure!(!adapters.iter().any(|(n, _)| n == name), "two LoRA adapters are named `{name}`");
+            let adapter = Adapter::load_peft(&model, dir).map_err(|e| anyhow::anyhow!("LoRA adapter `{name}`: {e}"))?;
+            adapters.push((name.clone(), Arc::new(adapter)));
+        }
+        let (context, vocab_size) = (model.config.max_position_embeddings, model.config.vocab_size);
         let mut eos_token_ids = tokenizer.eos_token_ids().to_vec();
         if eos_token_ids.is_empty() {
             eos_token_ids = model.config.eos_token_ids.clone();
@@ -95,6 +119,9 @@ impl EngineServer {
                 threads: config.threads.max(1),
             },
         )?;
+        for (name, adapter) in &adapters {
+            engine.add_adapter(name, adapter.clone()).wait()?;
+        }
         let name = config.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
         let api_keys = config.api_keys.as_deref().map(read_api_keys).transpose()?;
         Ok(Arc::new(EngineServer {
@@ -105,6 +132,9 @@ impl EngineServer {
             dtype: config.dtype.clone(),
             device,
             lora_rank: config.lora_rank,
+            adapters: adapters.into_iter().map(|(n, _)| n).collect(),
+            context,
+            vocab_size,
             api_keys,
             tickets: Mutex::new(HashMap::new()),
         }))
@@ -149,8 +179,8 @@ pub fn router(state: Arc<EngineServer>, body_limit: usize) -> Router {
         .route(api::RESUME, post(oxrl_routes::resume))
         .route(api::WEIGHTS, post(oxrl_routes::weights))
         .route("/v1/models", get(openai::models))
-        .route("/v1/completions", post(openai::completions))
-        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
         .fallback(|| async { (StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(middleware::from_fn_with_state(state.clone(), check_api_key))
         .layer(DefaultBodyLimit::max(body_limit))

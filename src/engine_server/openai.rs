@@ -1,15 +1,18 @@
-//! The OpenAI-compatible API of `oxrl engine`: `GET /v1/models`, `POST /v1/completions` and
-//! `POST /v1/chat/completions`, so users evaluate a policy with their usual clients.
+//! The OpenAI-compatible API of `oxrl engine`: `GET /v1/models`, `POST /v1/completions`
+//! ([`super::completions`]) and `POST /v1/chat/completions` ([`super::chat`]), so users evaluate
+//! a policy with their usual clients (the `openai` client, lm-evaluation-harness, agent loops).
+//! This file: what both endpoints share — errors, the request fields they take, the model list.
 //!
-//! What is taken: `model` (the served name or path), `prompt` (a string or token ids) or
-//! `messages` (rendered with the model's chat template), `max_tokens` (chat also
-//! `max_completion_tokens`; default 16 for completions, the model's context for chat), `n`,
-//! `temperature` (default 1; 0 = greedy), `top_p`, `seed`, `stop` (a string or a list), and
-//! log-probs (`logprobs: k` for completions; `logprobs: true` + `top_logprobs: k` for chat).
-//! Each choice also carries `token_ids`, the sampled ids (an extension: the token-level truth
-//! that RL and evaluation need). Not supported (an error names the field): `stream`, `echo`,
-//! `suffix`, `best_of`, `tools`, and sampling penalties other than 0. Text is decoded without
-//! special tokens.
+//! Taken by both: `model` (the served name or path, or the name of a LoRA adapter the engine
+//! holds: the request samples with it), `max_tokens`, `n`, `temperature` (default 1; 0 =
+//! greedy), `top_p`, `top_k` and `ignore_eos` (extensions, as vLLM's), `seed` (sample j of a prompt draws from
+//! `seed + j`), `stop` (a string or a list; the text ends before it, the token ids keep the token
+//! that completed it), `stream` with `stream_options.include_usage` ([`super::streaming`]),
+//! `user`. `best_of` must equal `n`; penalties must be 0. Refused with a 400 naming the field:
+//! `suffix`, `logit_bias` (unless empty), `functions`, `function_call`, and any other field whose
+//! value asks for something the engine does not do. Each choice carries `token_ids` (an
+//! extension: the sampled ids, the token-level truth RL and evaluation need). `usage` counts
+//! each prompt's tokens once and every sampled token.
 
 use std::sync::Arc;
 
@@ -17,35 +20,40 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::EngineServer;
-use crate::rollout::request::{Generation, Request, StopReason};
+use crate::rollout::request::{Generation, StopReason, TopLogprobs};
 use crate::rollout::SamplingParams;
 
-/// An OpenAI-shaped error.
-pub struct OpenAiError(StatusCode, String, Option<&'static str>);
+/// An OpenAI-shaped error: status, message, the parameter at fault.
+#[derive(Debug)]
+pub struct OpenAiError(pub StatusCode, pub String, pub Option<String>);
 
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
-        let body =
-            json!({"error": {"message": self.1, "type": "invalid_request_error", "param": self.2, "code": null}});
+        let kind = if self.0.is_server_error() { "server_error" } else { "invalid_request_error" };
+        let body = json!({"error": {"message": self.1, "type": kind, "param": self.2, "code": null}});
         (self.0, Json(body)).into_response()
     }
 }
 
-fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
-    OpenAiError(StatusCode::BAD_REQUEST, message.into(), Some(param))
+pub fn invalid(param: &str, message: impl Into<String>) -> OpenAiError {
+    OpenAiError(StatusCode::BAD_REQUEST, message.into(), Some(param.to_string()))
 }
 
-type OpenAiResult = Result<Json<Value>, OpenAiError>;
-
-pub async fn models(State(s): State<Arc<EngineServer>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": s.name, "object": "model", "created": 0, "owned_by": "oxrl"}]}))
+/// An engine error: the request's fault (400) or the engine's (500).
+pub fn engine_error(e: crate::Error) -> OpenAiError {
+    match e {
+        crate::Error::Input(m) => OpenAiError(StatusCode::BAD_REQUEST, m, None),
+        e => OpenAiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), None),
+    }
 }
 
-/// The body as a JSON object.
-fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, OpenAiError> {
+/// A request body, as a JSON object.
+pub type Body = Map<String, Value>;
+
+pub fn object(body: &[u8]) -> Result<Body, OpenAiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => Ok(o),
         Ok(_) => Err(invalid("body", "the body must be a JSON object")),
@@ -53,37 +61,49 @@ fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, OpenAiError> {
     }
 }
 
-fn check_model(s: &EngineServer, o: &serde_json::Map<String, Value>) -> Result<(), OpenAiError> {
+/// The adapter `model` names (None: the engine's own weights), or a 404.
+pub fn adapter_of(s: &EngineServer, o: &Body) -> Result<Option<String>, OpenAiError> {
     let model = o.get("model").and_then(Value::as_str).ok_or_else(|| invalid("model", "`model` is required"))?;
-    if !s.serves(model) {
-        return Err(OpenAiError(
-            StatusCode::NOT_FOUND,
-            format!("the model `{model}` does not exist here; this engine serves `{}`", s.name),
-            Some("model"),
-        ));
+    if s.serves(model) {
+        return Ok(None);
     }
-    for field in ["stream", "echo", "suffix", "best_of", "tools", "functions"] {
-        if o.get(field).is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
-            return Err(invalid(field_name(field), format!("`{field}` is not supported by oxrl engine")));
+    if s.adapters.iter().any(|a| a == model) {
+        return Ok(Some(model.to_string()));
+    }
+    let mut known = vec![s.name.clone()];
+    known.extend(s.adapters.iter().cloned());
+    Err(OpenAiError(
+        StatusCode::NOT_FOUND,
+        format!("the model `{model}` does not exist here; this engine serves {}", known.join(", ")),
+        Some("model".into()),
+    ))
+}
+
+/// The fields no endpoint takes, and those whose only accepted value is a default.
+pub fn refuse_unsupported(o: &Body, refused: &[&str]) -> Result<(), OpenAiError> {
+    let set = |f: &str| o.get(f).is_some_and(|v| !v.is_null());
+    for field in refused.iter().chain(&["functions", "function_call"]) {
+        if set(field) {
+            return Err(invalid(field, format!("`{field}` is not supported by oxrl engine")));
         }
     }
-    for field in ["presence_penalty", "frequency_penalty"] {
-        if o.get(field).and_then(Value::as_f64).is_some_and(|p| p != 0.0) {
-            return Err(invalid(field_name(field), format!("`{field}` other than 0 is not supported")));
+    match o.get("logit_bias") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(_) => return Err(invalid("logit_bias", "`logit_bias` is not supported by oxrl engine")),
+    }
+    for field in ["presence_penalty", "frequency_penalty", "repetition_penalty"] {
+        let neutral = if field == "repetition_penalty" { 1.0 } else { 0.0 };
+        if let Some(v) = o.get(field).filter(|v| !v.is_null()) {
+            if v.as_f64() != Some(neutral) {
+                return Err(invalid(field, format!("`{field}` other than {neutral} is not supported")));
+            }
         }
     }
     Ok(())
 }
 
-/// A static name for a field (OpenAI errors carry the parameter's name).
-fn field_name(field: &str) -> &'static str {
-    ["stream", "echo", "suffix", "best_of", "tools", "functions", "presence_penalty", "frequency_penalty"]
-        .into_iter()
-        .find(|f| *f == field)
-        .unwrap_or("body")
-}
-
-fn uint(o: &serde_json::Map<String, Value>, key: &'static str) -> Result<Option<usize>, OpenAiError> {
+pub fn uint(o: &Body, key: &str) -> Result<Option<usize>, OpenAiError> {
     match o.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -93,15 +113,24 @@ fn uint(o: &serde_json::Map<String, Value>, key: &'static str) -> Result<Option<
     }
 }
 
-fn number(o: &serde_json::Map<String, Value>, key: &'static str, default: f64) -> Result<f64, OpenAiError> {
+pub fn flag(o: &Body, key: &str) -> Result<bool, OpenAiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid(key, format!("`{key}` must be true or false"))),
+    }
+}
+
+fn number(o: &Body, key: &str, default: f64) -> Result<f64, OpenAiError> {
     match o.get(key) {
         None | Some(Value::Null) => Ok(default),
         Some(v) => v.as_f64().ok_or_else(|| invalid(key, format!("`{key}` must be a number"))),
     }
 }
 
-/// The sampling settings common to both endpoints, with `max_tokens` as given.
-fn sampling(o: &serde_json::Map<String, Value>, max_tokens: usize) -> Result<(SamplingParams, usize), OpenAiError> {
+/// What both endpoints take about sampling: the engine's parameters with `max_tokens` as given,
+/// and `n`.
+pub fn sampling(o: &Body, max_tokens: usize) -> Result<(SamplingParams, usize), OpenAiError> {
     let stop_strings = match o.get("stop") {
         None | Some(Value::Null) => vec![],
         Some(Value::String(s)) => vec![s.clone()],
@@ -114,150 +143,124 @@ fn sampling(o: &serde_json::Map<String, Value>, max_tokens: usize) -> Result<(Sa
     let params = SamplingParams {
         max_tokens,
         temperature: number(o, "temperature", 1.0)?,
-        top_k: 0,
+        top_k: uint(o, "top_k")?.unwrap_or(0),
         top_p: number(o, "top_p", 1.0)?,
-        seed: uint(o, "seed")?.map(|s| s as u64),
+        seed: match o.get("seed") {
+            None | Some(Value::Null) => None,
+            // Negative seeds (some clients send -1 or random i64s) map onto the u64 range.
+            Some(v) => Some(
+                v.as_i64()
+                    .map(|i| i as u64)
+                    .or(v.as_u64())
+                    .ok_or_else(|| invalid("seed", "`seed` must be an integer"))?,
+            ),
+        },
         stop_token_ids: vec![],
         stop_strings,
-        ignore_eos: false,
+        ignore_eos: flag(o, "ignore_eos")?,
     };
+    if params.stop_strings.iter().any(String::is_empty) {
+        return Err(invalid("stop", "a stop string is empty"));
+    }
     params.validate().map_err(|e| invalid("body", e.to_string()))?;
     let n = uint(o, "n")?.unwrap_or(1);
     if n == 0 || n > 128 {
         return Err(invalid("n", "`n` must be between 1 and 128"));
     }
+    if let Some(b) = uint(o, "best_of")? {
+        if b != n {
+            return Err(invalid("best_of", format!("`best_of` ({b}) other than `n` ({n}) is not supported")));
+        }
+    }
     Ok((params, n))
 }
 
-fn finish_reason(g: &Generation) -> &'static str {
+/// `stream` and `stream_options.include_usage`.
+pub fn streaming(o: &Body) -> Result<(bool, bool), OpenAiError> {
+    let stream = flag(o, "stream")?;
+    let usage = match o.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(so)) if stream => flag(so, "include_usage")
+            .map_err(|_| invalid("stream_options", "`stream_options.include_usage` must be true or false"))?,
+        Some(Value::Object(_)) => return Err(invalid("stream_options", "`stream_options` needs `stream: true`")),
+        Some(_) => return Err(invalid("stream_options", "`stream_options` must be an object")),
+    };
+    Ok((stream, usage))
+}
+
+/// The prompt length plus `max_tokens` must fit the model, and the ids its vocabulary: checked
+/// before anything runs, so that a streamed request is refused with a status rather than in
+/// its stream.
+pub fn check_prompt(s: &EngineServer, param: &str, prompt: &[u32], max_tokens: usize) -> Result<(), OpenAiError> {
+    if prompt.is_empty() {
+        return Err(invalid(param, "the prompt is empty"));
+    }
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= s.vocab_size) {
+        return Err(invalid(param, format!("token id {bad} is out of range for the vocabulary of {}", s.vocab_size)));
+    }
+    if prompt.len() + max_tokens > s.context {
+        return Err(invalid(
+            "max_tokens",
+            format!(
+                "the prompt's {} tokens + max_tokens {max_tokens} exceed the model's context of {}",
+                prompt.len(),
+                s.context
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub fn finish_reason(g: &Generation) -> &'static str {
     match g.stop_reason {
         StopReason::Length => "length",
         _ => "stop",
     }
 }
 
-fn usage(prompt: usize, samples: &[Generation]) -> Value {
-    let completion: usize = samples.iter().map(|g| g.tokens.len()).sum();
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+pub fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens})
 }
 
-/// Runs the request on the engine.
-async fn run(s: &EngineServer, req: Request) -> Result<Vec<Generation>, OpenAiError> {
-    let out = s.engine.submit(req).await.map_err(|e| invalid("body", e.to_string()))?;
-    Ok(out.samples)
-}
-
-fn text(s: &EngineServer, tokens: &[u32]) -> Result<String, OpenAiError> {
+/// Text of `tokens` without special tokens.
+pub fn text(s: &EngineServer, tokens: &[u32]) -> Result<String, OpenAiError> {
     s.tokenizer.decode(tokens, true).map_err(|e| OpenAiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), None))
 }
 
-/// Each token's text, for the log-prob listings.
-fn pieces(s: &EngineServer, tokens: &[u32]) -> Result<Vec<String>, OpenAiError> {
-    tokens.iter().map(|&t| text(s, &[t])).collect()
+/// One token's text as log-prob listings name it (special tokens included).
+pub fn piece(s: &EngineServer, token: u32) -> String {
+    s.tokenizer.decode(&[token], false).unwrap_or_default()
 }
 
-pub async fn completions(State(s): State<Arc<EngineServer>>, body: axum::body::Bytes) -> OpenAiResult {
-    let o = object(&body)?;
-    check_model(&s, &o)?;
-    let prompt: Vec<u32> = match o.get("prompt") {
-        Some(Value::String(p)) => s.tokenizer.encode(p, true).map_err(|e| invalid("prompt", e.to_string()))?,
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            s.tokenizer.encode(a[0].as_str().unwrap_or_default(), true).map_err(|e| invalid("prompt", e.to_string()))?
+/// A completion's text: its tokens decoded, ending before the first stop string it holds when
+/// one ended it.
+pub fn completion_text(s: &EngineServer, g: &Generation, stops: &[String]) -> Result<String, OpenAiError> {
+    let mut t = text(s, &g.tokens)?;
+    if g.stop_reason == StopReason::Stop {
+        if let Some(cut) = stops.iter().filter_map(|stop| t.find(stop.as_str())).min() {
+            t.truncate(cut);
         }
-        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => {
-            a.iter().map(|v| v.as_u64().unwrap_or_default() as u32).collect()
-        }
-        _ => return Err(invalid("prompt", "`prompt` must be a string or a list of token ids (one prompt)")),
-    };
-    if prompt.is_empty() {
-        return Err(invalid("prompt", "the prompt is empty"));
     }
-    let (params, n) = sampling(&o, uint(&o, "max_tokens")?.unwrap_or(16))?;
-    let logprobs = uint(&o, "logprobs")?;
-    let mut req = Request::new(prompt.clone(), params);
-    req.num_samples = n;
-    req.sample_topk = logprobs.unwrap_or(0).min(20);
-    let samples = run(&s, req).await?;
-    let mut choices = vec![];
-    for (i, g) in samples.iter().enumerate() {
-        let lp = match logprobs {
-            None => Value::Null,
-            Some(_) => {
-                let top: Vec<Value> = g
-                    .topk
-                    .iter()
-                    .map(|k| {
-                        let pairs: serde_json::Map<String, Value> =
-                            k.iter().map(|(t, l)| (text(&s, &[*t]).unwrap_or_default(), json!(l))).collect();
-                        Value::Object(pairs)
-                    })
-                    .collect();
-                json!({"tokens": pieces(&s, &g.tokens)?, "token_logprobs": g.logprobs, "top_logprobs": top, "text_offset": []})
-            }
-        };
-        choices.push(json!({
-            "index": i, "text": text(&s, &g.tokens)?, "logprobs": lp, "finish_reason": finish_reason(g),
-            "token_ids": g.tokens,
-        }));
-    }
-    Ok(Json(json!({
-        "id": format!("cmpl-{}", rand::random::<u64>()), "object": "text_completion", "created": now(),
-        "model": s.name, "choices": choices, "usage": usage(prompt.len(), &samples),
-    })))
+    Ok(t)
 }
 
-pub async fn chat_completions(State(s): State<Arc<EngineServer>>, body: axum::body::Bytes) -> OpenAiResult {
-    let o = object(&body)?;
-    check_model(&s, &o)?;
-    let messages = o.get("messages").and_then(Value::as_array).filter(|a| !a.is_empty());
-    let messages = messages.ok_or_else(|| invalid("messages", "`messages` must be a non-empty list"))?;
-    let prompt = s.tokenizer.encode_chat(messages, true, None).map_err(|e| invalid("messages", e.to_string()))?;
-    let max_tokens = match uint(&o, "max_completion_tokens")? {
-        Some(m) => Some(m),
-        None => uint(&o, "max_tokens")?,
-    };
-    let context = s.engine.inspect(|m| m.config.max_position_embeddings).await.unwrap_or(2048);
-    let (params, n) = sampling(&o, max_tokens.unwrap_or(context.saturating_sub(prompt.len()).max(1)))?;
-    let logprobs = o.get("logprobs").and_then(Value::as_bool).unwrap_or(false);
-    let top = uint(&o, "top_logprobs")?.unwrap_or(0);
-    if top > 20 {
-        return Err(invalid("top_logprobs", "`top_logprobs` must be at most 20"));
-    }
-    let mut req = Request::new(prompt.clone(), params);
-    req.num_samples = n;
-    req.sample_topk = if logprobs { top } else { 0 };
-    let samples = run(&s, req).await?;
-    let mut choices = vec![];
-    for (i, g) in samples.iter().enumerate() {
-        let lp = if logprobs {
-            let content: Vec<Value> = (pieces(&s, &g.tokens)?.into_iter().enumerate())
-                .map(|(k, piece)| {
-                    let alternatives: Vec<Value> = g.topk.get(k).map_or(vec![], |alts| {
-                        alts.iter()
-                            .map(|(t, l)| {
-                                let p = text(&s, &[*t]).unwrap_or_default();
-                                json!({"token": p, "logprob": l, "bytes": p.as_bytes()})
-                            })
-                            .collect()
-                    });
-                    json!({"token": piece, "logprob": g.logprobs[k], "bytes": piece.as_bytes(), "top_logprobs": alternatives})
-                })
-                .collect();
-            json!({"content": content})
-        } else {
-            Value::Null
-        };
-        choices.push(json!({
-            "index": i, "message": {"role": "assistant", "content": text(&s, &g.tokens)?},
-            "logprobs": lp, "finish_reason": finish_reason(g), "token_ids": g.tokens,
-        }));
-    }
-    Ok(Json(json!({
-        "id": format!("chatcmpl-{}", rand::random::<u64>()), "object": "chat.completion", "created": now(),
-        "model": s.name, "choices": choices, "usage": usage(prompt.len(), &samples),
-    })))
+/// Top log-probs as a token-text → log-prob map (completions' form).
+pub fn top_map(s: &EngineServer, top: &TopLogprobs) -> Value {
+    Value::Object(top.iter().map(|(t, l)| (piece(s, *t), json!(l))).collect())
 }
 
-fn now() -> u64 {
+pub fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The served model, and each LoRA adapter the engine holds (`parent`: the model).
+pub async fn models(State(s): State<Arc<EngineServer>>) -> Json<Value> {
+    let mut data = vec![json!({"id": s.name, "object": "model", "created": 0, "owned_by": "oxrl", "root": s.path,
+                               "parent": null, "max_model_len": s.context})];
+    for a in &s.adapters {
+        data.push(json!({"id": a, "object": "model", "created": 0, "owned_by": "oxrl", "root": a,
+                         "parent": s.name, "max_model_len": s.context}));
+    }
+    Json(json!({"object": "list", "data": data}))
 }

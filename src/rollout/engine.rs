@@ -7,7 +7,8 @@
 //! samples without a thread per request). Pause, resume and weight updates complete once
 //! applied, so `pause(Keep); update_weights(..); resume()` from one caller happens between two
 //! decode steps. A single request can be cancelled: it completes with what it has, stop reason
-//! `cancelled`. A failed step fails the requests in flight (with the reason) and the engine
+//! `cancelled`. A request can be watched ([`Engine::submit_watched`]): after each decode step its
+//! new tokens go to the watcher (streaming servers), before its output goes to its sink. A failed step fails the requests in flight (with the reason) and the engine
 //! carries on; if the thread dies, every handle yields an error instead of hanging.
 
 use std::collections::HashMap;
@@ -15,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::engine_core::{EngineConfig, EngineCore, EngineStats, PauseMode, RequestId};
-use super::request::{Request, RequestOutput, StopReason};
+use super::request::{Request, RequestOutput, StopReason, TopLogprobs};
 use crate::actor::{Actor, ActorState};
 use crate::handle::{self, Handle};
 use crate::locks::lock;
@@ -28,6 +29,25 @@ pub type Sink = Box<dyn FnOnce(Result<RequestOutput>) + Send>;
 
 /// A request's number on its engine, chosen at submission (so it can be cancelled at once).
 pub type Ticket = u64;
+
+/// The tokens one sample of a watched request gained in one decode step, with their log-probs
+/// (and top log-probs when asked for).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delta {
+    pub sample: usize,
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub topk: Vec<TopLogprobs>,
+}
+
+/// Where a watched request's deltas go (called on the engine thread).
+pub type Watcher = Box<dyn FnMut(Delta) + Send>;
+
+/// A watcher and how many tokens of each sample it has been given.
+struct Watch {
+    sent: HashMap<usize, usize>,
+    watcher: Watcher,
+}
 
 /// What an engine reports about itself.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -45,6 +65,7 @@ pub struct EngineState {
     core: EngineCore,
     sinks: HashMap<RequestId, (Ticket, Sink)>,
     tickets: HashMap<Ticket, RequestId>,
+    watches: HashMap<RequestId, Watch>,
     completed: u64,
     failed_steps: u64,
     last_error: Option<String>,
@@ -57,10 +78,14 @@ impl ActorState for EngineState {
 
     fn work(&mut self) {
         match self.core.step() {
-            Ok(outs) => self.deliver(outs),
+            Ok(outs) => {
+                self.report_progress();
+                self.deliver(outs)
+            }
             Err(e) => {
                 let msg = format!("engine step failed: {e}");
                 self.tickets.clear();
+                self.watches.clear();
                 for (_, (_, sink)) in self.sinks.drain() {
                     sink(Err(Error::Other(msg.clone())));
                 }
@@ -73,19 +98,42 @@ impl ActorState for EngineState {
 }
 
 impl EngineState {
-    fn add(&mut self, ticket: Ticket, req: Request, sink: Sink) {
+    fn add(&mut self, ticket: Ticket, req: Request, sink: Sink, watcher: Option<Watcher>) {
         match self.core.add_request(req) {
             Ok(id) => {
                 self.sinks.insert(id, (ticket, sink));
                 self.tickets.insert(ticket, id);
+                if let Some(watcher) = watcher {
+                    self.watches.insert(id, Watch { sent: HashMap::new(), watcher });
+                }
             }
             Err(e) => sink(Err(e)),
+        }
+    }
+
+    /// Gives each watcher the tokens its request's samples gained since it last heard.
+    fn report_progress(&mut self) {
+        for (id, w) in &mut self.watches {
+            for (sample, g) in self.core.progress(*id) {
+                let sent = w.sent.entry(sample).or_insert(0);
+                if g.tokens.len() > *sent {
+                    let from = *sent;
+                    *sent = g.tokens.len();
+                    (w.watcher)(Delta {
+                        sample,
+                        tokens: g.tokens[from..].to_vec(),
+                        logprobs: g.logprobs[from..].to_vec(),
+                        topk: g.topk.get(from..).map_or(vec![], <[_]>::to_vec),
+                    });
+                }
+            }
         }
     }
 
     fn deliver(&mut self, outs: Vec<(RequestId, RequestOutput)>) {
         for (id, out) in outs {
             self.completed += 1;
+            self.watches.remove(&id);
             if let Some((ticket, sink)) = self.sinks.remove(&id) {
                 self.tickets.remove(&ticket);
                 sink(Ok(out));
@@ -142,6 +190,7 @@ impl Engine {
                 core: EngineCore::new(model, config)?,
                 sinks: HashMap::new(),
                 tickets: HashMap::new(),
+                watches: HashMap::new(),
                 completed: 0,
                 failed_steps: 0,
                 last_error: None,
@@ -158,12 +207,18 @@ impl Engine {
     /// Queues a request under `ticket` whose output goes to `sink` (called on the engine
     /// thread, or at once on this one if the engine has stopped).
     pub fn submit_with(&self, ticket: Ticket, req: Request, sink: Sink) {
+        self.submit_watched(ticket, req, sink, None)
+    }
+
+    /// [`Engine::submit_with`], the request's new tokens going to `watcher` after each decode
+    /// step (those of the step that completes the request arrive in its output only).
+    pub fn submit_watched(&self, ticket: Ticket, req: Request, sink: Sink, watcher: Option<Watcher>) {
         // If the thread is gone the job never runs: the sink is then answered here.
         let slot = Arc::new(Mutex::new(Some(sink)));
         let job_slot = slot.clone();
         let posted = self.actor.post(move |s| {
             if let Some(sink) = lock(&job_slot).take() {
-                s.add(ticket, req, sink);
+                s.add(ticket, req, sink, watcher);
             }
         });
         if let Err(e) = posted {

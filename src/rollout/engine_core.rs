@@ -244,6 +244,15 @@ impl EngineCore {
         Ok(())
     }
 
+    /// Each sample of request `id` decoded so far (running or finished), with its sample
+    /// index; empty once the request has completed (its output has everything).
+    pub fn progress(&self, id: RequestId) -> Vec<(usize, &Generation)> {
+        let Some(a) = self.active.get(&id) else { return vec![] };
+        let finished = a.samples.iter().enumerate().filter_map(|(i, g)| g.as_ref().map(|g| (i, g)));
+        let running = self.rows.iter().filter(|r| r.id == id).map(|r| (r.sample, &r.gen));
+        finished.chain(running).collect()
+    }
+
     /// Whether a `step` would do anything.
     pub fn has_work(&self) -> bool {
         !self.ready.is_empty() || (!self.paused && (!self.rows.is_empty() || !self.waiting.is_empty()))

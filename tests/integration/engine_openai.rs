@@ -13,7 +13,7 @@ use crate::remote_engine::EngineProcess;
 const OPENAI: &str = "openai==3.57.0";
 
 /// The venv's python with the `openai` client, or None when there is no Python at all.
-fn openai_python() -> Option<PathBuf> {
+pub fn openai_python() -> Option<PathBuf> {
     let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv-tinker/bin/python");
     let has_client = |p: &PathBuf| Command::new(p).args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
     if python.exists() && has_client(&python) {

@@ -23,11 +23,17 @@ struct LogprobLse;
 
 /// (log p(y), logsumexp) of one row of logits.
 pub(crate) fn row_forward<T: Real>(row: &[T], y: u32) -> (T, T) {
+    let lse = row_lse(row);
+    (row[y as usize] - lse, lse)
+}
+
+/// logsumexp of one row of logits, as [`row_forward`] computes it: log p(v) = row[v] − this is
+/// the bits of `row_forward(row, v).0` for every v.
+pub(crate) fn row_lse<T: Real>(row: &[T]) -> T {
     // The maximum in 16 lanes (the sequential fold's value; a zero maximum's sign cannot reach
     // lse = ln Σ + m, as ln Σ ≥ +0).
     let m = super::max(row);
-    let lse = T::sum_exp(row, m).ln() + m;
-    (row[y as usize] - lse, lse)
+    T::sum_exp(row, m).ln() + m
 }
 
 /// The row's logit gradient for the output gradients (g_lp, g_lse), in place of the logits z:
