@@ -11,6 +11,11 @@
 //! exists, so views stay valid; a clone or any row surgery starts without spare buffers, so two
 //! caches never write into the same one. The first append (a prefill) keeps its tensors as they
 //! are; the buffer comes with the second.
+//!
+//! A Gated DeltaNet layer (Qwen3.5) caches no keys and values but a fixed-size state per row
+//! (its recurrent state and last conv inputs, [`super::delta_net::state_len`] floats): it does
+//! not grow with the sequence, and row surgery selects, concatenates and splits it by row (a
+//! row with nothing cached yet starts from zeros).
 
 use candle_core::{Tensor, D};
 
@@ -27,12 +32,19 @@ pub struct KvCache {
     buffers: Vec<Option<(Tensor, Tensor)>>,
     /// [B][S] key mask of the cached positions.
     key_mask: Vec<Vec<u8>>,
+    /// Per layer, a DeltaNet layer's per-row state [B, state_len] once it holds any.
+    states: Vec<Option<Tensor>>,
 }
 
 impl Clone for KvCache {
     /// Shares the cached tensors (immutable views) but not the spare buffers.
     fn clone(&self) -> Self {
-        KvCache { layers: self.layers.clone(), buffers: vec![None; self.layers.len()], key_mask: self.key_mask.clone() }
+        KvCache {
+            layers: self.layers.clone(),
+            buffers: vec![None; self.layers.len()],
+            key_mask: self.key_mask.clone(),
+            states: self.states.clone(),
+        }
     }
 }
 
@@ -42,7 +54,17 @@ impl KvCache {
     }
 
     fn from_parts(layers: Vec<Option<(Tensor, Tensor)>>, key_mask: Vec<Vec<u8>>) -> Self {
-        KvCache { buffers: vec![None; layers.len()], layers, key_mask }
+        KvCache { buffers: vec![None; layers.len()], states: vec![None; layers.len()], layers, key_mask }
+    }
+
+    /// Layer i's DeltaNet state slot ([B, state_len] once a forward has filled it).
+    pub(crate) fn state_mut(&mut self, i: usize) -> &mut Option<Tensor> {
+        &mut self.states[i]
+    }
+
+    /// Layer i's DeltaNet state, once it holds any.
+    pub fn state(&self, i: usize) -> Option<&Tensor> {
+        self.states.get(i)?.as_ref()
     }
 
     /// Number of cached positions.
@@ -139,6 +161,16 @@ impl KvCache {
         }
         let key_mask = rows.iter().map(|&r| self.key_mask[r].clone()).collect();
         let mut out = Self::from_parts(layers, key_mask);
+        let idx = Tensor::from_vec(
+            rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+            rows.len(),
+            &candle_core::Device::Cpu,
+        )?;
+        for (slot, s) in out.states.iter_mut().zip(&self.states) {
+            if let Some(s) = s {
+                *slot = Some(s.index_select(&idx.to_device(s.device())?, 0)?);
+            }
+        }
         out.trim_left()?;
         Ok(out)
     }
@@ -199,7 +231,20 @@ impl KvCache {
                 key_mask.push([vec![0u8; len - p.seq_len()], row.clone()].concat());
             }
         }
-        Ok(Self::from_parts(layers, key_mask))
+        let mut out = Self::from_parts(layers, key_mask);
+        for l in 0..num_layers {
+            let Some(like) = parts.iter().find_map(|p| p.states[l].as_ref()) else { continue };
+            let mut rows = Vec::with_capacity(parts.len());
+            for p in &parts {
+                rows.push(match &p.states[l] {
+                    Some(s) => s.clone(),
+                    // Nothing cached for these rows yet: the zero state they start from.
+                    None => Tensor::zeros((p.num_rows(), like.dim(1)?), like.dtype(), like.device())?,
+                });
+            }
+            out.states[l] = Some(Tensor::cat(&rows, 0)?);
+        }
+        Ok(out)
     }
 
     /// Every row as a cache of its own, in order (leading padding dropped): one contiguous copy
@@ -222,6 +267,11 @@ impl KvCache {
                 });
             }
             let mut one = Self::from_parts(row, vec![mask.clone()]);
+            for (slot, s) in one.states.iter_mut().zip(&self.states) {
+                if let Some(s) = s {
+                    *slot = Some(s.narrow(0, r, 1)?);
+                }
+            }
             one.trim_left()?;
             out.push(one);
         }

@@ -26,9 +26,23 @@ pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 const PREFIX: &str = "base_model.model.";
 
-/// The projection names a LoRA may target.
-pub const TARGETABLE: [&str; 8] =
-    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"];
+/// The projection names a LoRA may target (the `in_proj_*` and `out_proj` of Qwen3.5's DeltaNet
+/// layers among them).
+pub const TARGETABLE: [&str; 13] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_a",
+    "in_proj_b",
+    "out_proj",
+    "lm_head",
+];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {

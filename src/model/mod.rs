@@ -1,5 +1,7 @@
-//! Decoder-only transformers (Llama, Qwen2, Qwen3) in the Hugging Face format.
+//! Decoder-only transformers (Llama, Qwen2, Qwen3, Qwen3.5) in the Hugging Face format.
 
+pub mod attention_gate;
+pub mod delta_net;
 pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;

@@ -1,10 +1,17 @@
-//! `config.json` of a Hugging Face decoder-only model, for the Llama, Qwen2 and Qwen3 families.
+//! `config.json` of a Hugging Face decoder-only model, for the Llama, Qwen2, Qwen3 and Qwen3.5
+//! families.
 //!
-//! The three families share one shape (pre-norm blocks of GQA attention with RoPE and a SwiGLU
-//! MLP); they differ only in details captured here as flags:
+//! The families share one shape (pre-norm blocks of a token mixer and a SwiGLU MLP); they differ
+//! only in details captured here as flags:
 //! - Llama: optional `attention_bias` / `mlp_bias`, optional Llama-3 `rope_scaling`;
 //! - Qwen2: biases on the q/k/v projections (never on o_proj);
-//! - Qwen3: per-head RMSNorm on q and k before RoPE, and an explicit `head_dim`.
+//! - Qwen3: per-head RMSNorm on q and k before RoPE, and an explicit `head_dim`;
+//! - Qwen3.5 (`qwen3_5_text`): `layer_types` mixes Gated DeltaNet layers (`linear_attention`,
+//!   [`DeltaNetConfig`]) with gated full-attention layers (an output gate from a doubled q_proj,
+//!   q/k norms, RoPE on the first `partial_rotary_factor` of each head); every RMSNorm but the
+//!   DeltaNet's gated one scales by `1 + weight`. Released checkpoints (`qwen3_5`, a
+//!   vision-language model) keep these settings under `text_config` and the language model's
+//!   weights under `model.language_model.*`; the vision tower and an MTP head are left aside.
 //!
 //! RoPE settings are read from `rope_parameters` (transformers ≥ 5: `rope_theta` and the scaling
 //! in one object) or from the older `rope_theta` + `rope_scaling`.
@@ -26,7 +33,12 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    /// Qwen3.5's hybrid stack (`qwen3_5_text`).
+    Qwen3_5,
 }
+
+/// The names `model_type` errors list.
+const SUPPORTED: &str = "llama, qwen2, qwen3, qwen3_5_text, qwen3_5";
 
 impl Arch {
     pub fn parse(name: &str) -> Option<Arch> {
@@ -34,6 +46,9 @@ impl Arch {
             "llama" | "llamaforcausallm" => Some(Arch::Llama),
             "qwen2" | "qwen2forcausallm" => Some(Arch::Qwen2),
             "qwen3" | "qwen3forcausallm" => Some(Arch::Qwen3),
+            "qwen3_5" | "qwen3_5_text" | "qwen3_5forcausallm" | "qwen3_5forconditionalgeneration" => {
+                Some(Arch::Qwen3_5)
+            }
             _ => None,
         }
     }
@@ -42,6 +57,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3_5 => "qwen3_5_text",
         }
     }
     pub fn hf_class(self) -> &'static str {
@@ -49,7 +65,41 @@ impl Arch {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Qwen3_5 => "Qwen3_5ForCausalLM",
         }
+    }
+}
+
+/// What a decoder layer mixes tokens with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerType {
+    /// Softmax attention over a KV cache.
+    FullAttention,
+    /// A Gated DeltaNet: a recurrent state and a short causal convolution.
+    LinearAttention,
+}
+
+/// The Gated DeltaNet layers' sizes (`linear_*` fields of a Qwen3.5 config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaNetConfig {
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    /// The causal depthwise convolution's width.
+    pub conv_kernel: usize,
+}
+
+impl DeltaNetConfig {
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+    /// Channels of the convolution: q, k and v.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
     }
 }
 
@@ -97,7 +147,21 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
-    /// The file as read, so that saving writes back every field transformers expects.
+    /// Each layer's token mixer (all full attention but for Qwen3.5).
+    pub layer_types: Vec<LayerType>,
+    /// The DeltaNet layers' sizes (Qwen3.5).
+    pub delta_net: Option<DeltaNetConfig>,
+    /// The rotated leading part of each head (`head_dim` but for a partial rotary factor).
+    pub rotary_dim: usize,
+    /// RMSNorm scales by `1 + weight` (Qwen3.5; its weights start at 0).
+    pub norm_unit_offset: bool,
+    /// q_proj also gives a per-channel gate, σ(gate) applied to the attention output (Qwen3.5).
+    pub attn_output_gate: bool,
+    /// The language model's weights are under `model.language_model.*` (a `qwen3_5`
+    /// vision-language checkpoint).
+    pub language_model_prefix: bool,
+    /// The file as read, so that saving writes back every field transformers expects (for a
+    /// vision-language checkpoint, its text model's config: oxrl exports the language model).
     pub raw: Value,
 }
 
@@ -122,16 +186,25 @@ impl ModelConfig {
 
     /// Parses a config JSON value; `path` is only used in error messages.
     pub fn from_value(raw: Value, path: &Path) -> Result<Self> {
-        let f = JsonFields::new(path, &raw)?;
+        let top = JsonFields::new(path, &raw)?;
+        // A vision-language Qwen3.5: the language model's settings are its `text_config`.
+        let vision_language = top.get("model_type").and_then(Value::as_str) == Some("qwen3_5")
+            || (top.get("model_type").is_none()
+                && top.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str)
+                    == Some("Qwen3_5ForConditionalGeneration"));
+        if vision_language {
+            return Self::from_vision_language(&raw, path);
+        }
+        let f = top;
 
         let arch = match f.get("model_type") {
             Some(Value::String(t)) => Arch::parse(t).ok_or_else(|| {
-                f.err("model_type", format!("unsupported architecture `{t}` (supported: llama, qwen2, qwen3)"))
+                f.err("model_type", format!("unsupported architecture `{t}` (supported: {SUPPORTED})"))
             })?,
             Some(v) => return Err(f.err("model_type", format!("expected a string, got {v}"))),
             None => match f.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str()) {
                 Some(t) => Arch::parse(t).ok_or_else(|| {
-                    f.err("architectures", format!("unsupported architecture `{t}` (supported: llama, qwen2, qwen3)"))
+                    f.err("architectures", format!("unsupported architecture `{t}` (supported: {SUPPORTED})"))
                 })?,
                 None => return Err(f.err("model_type", "missing (required to know the architecture)")),
             },
@@ -167,12 +240,50 @@ impl ModelConfig {
         if f.bool_or("use_sliding_window", false)? {
             return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
         }
-        if let Some(types) = f.get("layer_types") {
-            let types = types.as_array().ok_or_else(|| f.err("layer_types", "expected a list"))?;
-            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
-                return Err(f.err("layer_types", format!("{t} layers are not supported (only \"full_attention\")")));
+        let num_hidden_layers = positive(&f, "num_hidden_layers")?;
+        let layer_types = parse_layer_types(&f, arch, num_hidden_layers)?;
+        let delta_net = match layer_types.contains(&LayerType::LinearAttention) {
+            true => Some(DeltaNetConfig {
+                num_key_heads: positive(&f, "linear_num_key_heads")?,
+                num_value_heads: positive(&f, "linear_num_value_heads")?,
+                key_head_dim: positive(&f, "linear_key_head_dim")?,
+                value_head_dim: positive(&f, "linear_value_head_dim")?,
+                conv_kernel: f.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            }),
+            false => None,
+        };
+        if let Some(dn) = &delta_net {
+            if dn.num_value_heads % dn.num_key_heads != 0 {
+                return Err(f.err(
+                    "linear_num_key_heads",
+                    format!("{} must divide linear_num_value_heads = {}", dn.num_key_heads, dn.num_value_heads),
+                ));
+            }
+            if dn.conv_kernel == 0 {
+                return Err(f.err("linear_conv_kernel_dim", "must be positive"));
             }
         }
+        let rotary_dim = match arch {
+            Arch::Qwen3_5 => {
+                let factor = f
+                    .get("rope_parameters")
+                    .and_then(|p| p.get("partial_rotary_factor"))
+                    .or_else(|| f.get("partial_rotary_factor"))
+                    .map(|v| v.as_f64().ok_or_else(|| f.err("partial_rotary_factor", "expected a number")))
+                    .transpose()?
+                    .unwrap_or(0.25);
+                // transformers: int(head_dim · factor).
+                let dim = (head_dim as f64 * factor) as usize;
+                if !(factor > 0.0 && factor <= 1.0) || dim % 2 != 0 || dim == 0 {
+                    return Err(f.err(
+                        "partial_rotary_factor",
+                        format!("{factor} gives {dim} rotary dims of head_dim {head_dim} (must be even, positive)"),
+                    ));
+                }
+                dim
+            }
+            _ => head_dim,
+        };
         if f.get("quantization_config").is_some() {
             return Err(f.err("quantization_config", "quantised checkpoints are not supported"));
         }
@@ -210,7 +321,7 @@ impl ModelConfig {
             vocab_size: positive(&f, "vocab_size")?,
             hidden_size,
             intermediate_size: positive(&f, "intermediate_size")?,
-            num_hidden_layers: positive(&f, "num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -222,12 +333,48 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             mlp_bias: f.bool_or("mlp_bias", false)?,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3_5),
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
             pad_token_id: f.token_ids("pad_token_id")?.first().copied(),
+            layer_types,
+            delta_net,
+            rotary_dim,
+            norm_unit_offset: arch == Arch::Qwen3_5,
+            attn_output_gate: arch == Arch::Qwen3_5,
+            language_model_prefix: false,
             raw: raw.clone(),
         })
+    }
+
+    /// A `qwen3_5` vision-language config: its `text_config` read as a `qwen3_5_text` config
+    /// (with the file's `tie_word_embeddings` and token ids where the text config lacks them);
+    /// the vision tower's settings are left aside.
+    fn from_vision_language(raw: &Value, path: &Path) -> Result<Self> {
+        let top = JsonFields::new(path, raw)?;
+        let Some(Value::Object(text)) = top.get("text_config") else {
+            return Err(top.err("text_config", "missing or not an object (required for model_type qwen3_5)"));
+        };
+        let mut text = text.clone();
+        text.insert("model_type".into(), Value::String(Arch::Qwen3_5.model_type().into()));
+        text.insert("architectures".into(), serde_json::json!([Arch::Qwen3_5.hf_class()]));
+        for key in ["tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype"] {
+            if let (false, Some(v)) = (text.contains_key(key), top.get(key)) {
+                text.insert(key.into(), v.clone());
+            }
+        }
+        // transformers reads the top-level flag for the vision-language model.
+        if let Some(v) = top.get("tie_word_embeddings") {
+            text.insert("tie_word_embeddings".into(), v.clone());
+        }
+        let mut c = Self::from_value(Value::Object(text), &path.join("text_config"))?;
+        c.language_model_prefix = true;
+        Ok(c)
+    }
+
+    /// Whether layer `i` is a Gated DeltaNet layer.
+    pub fn is_linear_attention(&self, i: usize) -> bool {
+        self.layer_types.get(i) == Some(&LayerType::LinearAttention)
     }
 
     /// A fresh config of the given shape, with the fields transformers needs to load it.
@@ -290,6 +437,55 @@ pub struct ModelShape {
     pub rope_theta: f64,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
+}
+
+/// `layer_types`: every layer full attention for the dense families (the only value they accept);
+/// for Qwen3.5 the list, or by default every `full_attention_interval`-th layer (4) full
+/// attention and the others DeltaNet layers, as transformers fills it in.
+fn parse_layer_types(f: &JsonFields, arch: Arch, layers: usize) -> Result<Vec<LayerType>> {
+    let Some(types) = f.get("layer_types") else {
+        if arch != Arch::Qwen3_5 {
+            return Ok(vec![LayerType::FullAttention; layers]);
+        }
+        let interval = f.opt_usize("full_attention_interval")?.unwrap_or(4);
+        if interval == 0 {
+            return Err(f.err("full_attention_interval", "must be positive"));
+        }
+        return Ok((0..layers)
+            .map(|i| match (i + 1) % interval {
+                0 => LayerType::FullAttention,
+                _ => LayerType::LinearAttention,
+            })
+            .collect());
+    };
+    let types = types.as_array().ok_or_else(|| f.err("layer_types", "expected a list"))?;
+    // The dense families only need every entry to be full attention (files may carry a longer
+    // list than the layers they keep).
+    if arch == Arch::Qwen3_5 && types.len() != layers {
+        return Err(f.err("layer_types", format!("{} entries for num_hidden_layers = {layers}", types.len())));
+    }
+    let types: Vec<LayerType> = types
+        .iter()
+        .map(|t| match (t.as_str(), arch) {
+            (Some("full_attention"), _) => Ok(LayerType::FullAttention),
+            (Some("linear_attention"), Arch::Qwen3_5) => Ok(LayerType::LinearAttention),
+            (Some("linear_attention"), _) => Err(f.err(
+                "layer_types",
+                format!(
+                    "\"linear_attention\" layers are Qwen3.5's (model_type qwen3_5_text), not {}'s",
+                    arch.model_type()
+                ),
+            )),
+            _ => Err(f.err(
+                "layer_types",
+                format!("{t} layers are not supported (\"full_attention\", or \"linear_attention\" for Qwen3.5)"),
+            )),
+        })
+        .collect::<Result<_>>()?;
+    Ok(match arch {
+        Arch::Qwen3_5 => types,
+        _ => vec![LayerType::FullAttention; layers],
+    })
 }
 
 /// RoPE scaling from `rope_parameters` (transformers ≥ 5) or `rope_scaling` (older files).

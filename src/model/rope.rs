@@ -12,7 +12,8 @@ use candle_core::{DType, Device, Tensor};
 use super::model_config::{ModelConfig, RopeScaling};
 use crate::{Error, Result};
 
-/// cos/sin tables of shape [max_position_embeddings, head_dim / 2].
+/// cos/sin tables of shape [max_position_embeddings, rotary_dim / 2] (rotary_dim = head_dim but
+/// for a partial rotary factor, whose frequencies are those of a head of rotary_dim).
 #[derive(Debug, Clone)]
 pub struct Rope {
     cos: Tensor,
@@ -21,7 +22,7 @@ pub struct Rope {
 }
 
 pub fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
-    let d = cfg.head_dim;
+    let d = cfg.rotary_dim;
     let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d as f64)).collect();
     match cfg.rope_scaling {
         RopeScaling::None | RopeScaling::Linear { .. } => base,
@@ -70,7 +71,7 @@ impl Rope {
         })
     }
 
-    /// cos and sin for `positions` (B rows of T), each [B, 1, T, head_dim/2] in `dtype`.
+    /// cos and sin for `positions` (B rows of T), each [B, 1, T, rotary_dim/2] in `dtype`.
     pub fn tables(&self, positions: &[Vec<u32>], dtype: DType) -> Result<(Tensor, Tensor)> {
         let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
         // Checked on the host, where the positions are: no device round trip per forward.

@@ -1,4 +1,4 @@
-//! The decoder-only transformer shared by Llama, Qwen2 and Qwen3.
+//! The decoder-only transformer shared by Llama, Qwen2, Qwen3 and Qwen3.5.
 //!
 //! ```text
 //! h = embed(tokens)
@@ -6,6 +6,10 @@
 //!                  h = h + down(silu(gate(x)) * up(x))          with x = rms_norm(h)
 //! logits = lm_head(rms_norm(h))                                (lm_head = embed when tied)
 //! ```
+//! Qwen3.5's blocks mix tokens either with a Gated DeltaNet ([`super::delta_net`]: a recurrent
+//! state per row, carried in the cache instead of keys and values) or with gated attention
+//! (`attn ⊙ σ(gate)` before o_proj, the gate from a doubled q_proj; RoPE on the first
+//! `rotary_dim` of each head); its RMSNorms scale by `1 + weight`.
 //! Attention is causal and masks padded keys (left or right padding), with per-row position ids.
 //! Grouped-query attention is computed without copying keys/values: the query heads that share a
 //! key/value head are folded into the row dimension of one matmul. Softmax and RMSNorm run in
@@ -19,6 +23,7 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
+use super::delta_net::GatedDeltaNet;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::model_config::ModelConfig;
@@ -42,6 +47,15 @@ pub struct Attention {
     /// Qwen3 only: RMSNorm weights over head_dim.
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
+    /// q_proj gives [q | gate] per head, and the output is gated (Qwen3.5).
+    pub output_gate: bool,
+}
+
+/// A block's token mixer.
+#[derive(Debug, Clone)]
+pub enum Mixer {
+    Attention(Attention),
+    DeltaNet(GatedDeltaNet),
 }
 
 #[derive(Debug, Clone)]
@@ -54,7 +68,7 @@ pub struct Mlp {
 #[derive(Debug, Clone)]
 pub struct Block {
     pub input_layernorm: Tensor,
-    pub self_attn: Attention,
+    pub mixer: Mixer,
     pub post_attention_layernorm: Tensor,
     pub mlp: Mlp,
 }
@@ -80,6 +94,31 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         return ops::rms_norm::rms_norm(x, &weight.to_dtype(x.dtype())?, eps);
     }
     ops::rms_norm::rms_norm(x, weight, eps)
+}
+
+/// The weight an RMSNorm scales by: `1 + w` in x's dtype for Qwen3.5 (as transformers, in
+/// f32), else w itself.
+pub fn norm_weight(w: &Tensor, cfg: &ModelConfig, dtype: DType) -> Result<Tensor> {
+    match cfg.norm_unit_offset {
+        true => Ok((w.to_dtype(dtype)? + 1.0)?),
+        false => Ok(w.clone()),
+    }
+}
+
+/// [`rms_norm`] with the model's norm weight ([`norm_weight`]).
+pub fn model_norm(x: &Tensor, w: &Tensor, cfg: &ModelConfig) -> Result<Tensor> {
+    rms_norm(x, &norm_weight(w, cfg, x.dtype())?, cfg.rms_norm_eps)
+}
+
+/// Rotates the first `rotary_dim` channels of y [B, H, T, D] and passes the rest (all of them
+/// rotate unless the config says otherwise); contiguous.
+fn rotate(y: &Tensor, cfg: &ModelConfig, cos_sin: &(Tensor, Tensor)) -> Result<Tensor> {
+    let (d, rd) = (cfg.head_dim, cfg.rotary_dim);
+    if rd == d {
+        return ops::rope::rope(y, &cos_sin.0, &cos_sin.1);
+    }
+    let rot = ops::rope::rope(&y.narrow(D::Minus1, 0, rd)?, &cos_sin.0, &cos_sin.1)?;
+    Ok(Tensor::cat(&[rot, y.narrow(D::Minus1, rd, d - rd)?.contiguous()?], D::Minus1)?.contiguous()?)
 }
 
 /// Softmax over the last dimension with the max subtracted first (detached: it cancels).
@@ -113,7 +152,9 @@ pub fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Devi
 
 impl Attention {
     /// The projections of x [B, T, hidden] into heads: (q, k, v) [B, heads, T, d], q and k
-    /// normalised (Qwen3) and rotated; q is None when `queries` is false.
+    /// normalised (Qwen3) and rotated, and the output gate [B, T, heads·d] (Qwen3.5); q and the
+    /// gate are None when `queries` is false.
+    #[allow(clippy::type_complexity)]
     fn project(
         &self,
         x: &Tensor,
@@ -121,7 +162,7 @@ impl Attention {
         cos_sin: &(Tensor, Tensor),
         adapters: Option<(&RowAdapters, usize)>,
         queries: bool,
-    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+    ) -> Result<(Option<(Tensor, Option<Tensor>)>, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
         let proj = |lin: &Linear, k: usize| RowAdapters::forward(ad, lin, x, first + k);
@@ -129,18 +170,25 @@ impl Attention {
         let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, d))?.transpose(1, 2)?) };
         // Normalised in the [B, T, heads, d] layout the projection wrote (no copy), then rotated
         // and made contiguous in [B, heads, T, d] in one pass.
-        let rotate = |y: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {
+        let normed_rotated = |y: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {
             let y = match norm {
-                Some(w) => rms_norm(&y.transpose(1, 2)?, w, cfg.rms_norm_eps)?.transpose(1, 2)?,
+                Some(w) => model_norm(&y.transpose(1, 2)?, w, cfg)?.transpose(1, 2)?,
                 None => y,
             };
-            ops::rope::rope(&y, &cos_sin.0, &cos_sin.1)
+            rotate(&y, cfg, cos_sin)
         };
-        let q = match queries {
-            true => Some(rotate(heads(proj(&self.q_proj, 0)?, h)?, &self.q_norm)?),
-            false => None,
+        let q = match (queries, self.output_gate) {
+            (false, _) => None,
+            (true, false) => Some((normed_rotated(heads(proj(&self.q_proj, 0)?, h)?, &self.q_norm)?, None)),
+            (true, true) => {
+                // Per head [q | gate], d each.
+                let qg = proj(&self.q_proj, 0)?.reshape((b, t, h, 2 * d))?;
+                let q = qg.narrow(3, 0, d)?.transpose(1, 2)?;
+                let gate = qg.narrow(3, d, d)?.contiguous()?.reshape((b, t, h * d))?;
+                Some((normed_rotated(q, &self.q_norm)?, Some(gate)))
+            }
         };
-        let k = rotate(heads(proj(&self.k_proj, 1)?, kvh)?, &self.k_norm)?;
+        let k = normed_rotated(heads(proj(&self.k_proj, 1)?, kvh)?, &self.k_norm)?;
         let v = heads(proj(&self.v_proj, 2)?, kvh)?.contiguous()?;
         Ok((q, k, v))
     }
@@ -155,7 +203,7 @@ impl Attention {
         adapters: Option<(&RowAdapters, usize)>,
     ) -> Result<Tensor> {
         let (q, k, v) = self.project(x, cfg, cos_sin, adapters, true)?;
-        let q = q.expect("queries were asked for");
+        let (q, gate) = q.expect("queries were asked for");
         let cached = cache.is_some();
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, &k, &v)?,
@@ -171,6 +219,10 @@ impl Attention {
             ops::cached_attention::cached_attention(&q, &k, &v, bias, scale)?
         } else {
             ops::cached_attention::reference(&q, &k, &v, bias, scale)?
+        };
+        let out = match gate {
+            Some(g) => super::attention_gate::apply(&out, &g)?,
+            None => out,
         };
         let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
         RowAdapters::forward(ad, &self.o_proj, &out, first + 3)
@@ -214,14 +266,29 @@ impl Transformer {
     pub fn load(dir: &std::path::Path, dtype: DType, device: &Device) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let mut w = NamedTensors::load_dir(dir, device)?;
-        let m = Self::build(config, dtype, device, &mut |name, shape| w.take(name, shape, dtype))?;
+        // A vision-language checkpoint keeps the language model under model.language_model.
+        let prefixed = config.language_model_prefix;
+        let m = Self::build(config, dtype, device, &mut |name, shape| match name.strip_prefix("model.") {
+            Some(rest) if prefixed => w.take(&format!("model.language_model.{rest}"), shape, dtype),
+            _ => w.take(name, shape, dtype),
+        })?;
         // Left over tensors are a sign of a mismatched config; only buffers that transformers
-        // itself ignores are allowed.
+        // itself ignores are allowed, and for Qwen3.5 the vision tower and the multi-token
+        // prediction head, which text training leaves aside.
         let tied = m.config.tie_word_embeddings;
+        let qwen3_5 = m.config.arch == super::model_config::Arch::Qwen3_5;
+        let mtp = std::cell::Cell::new(false);
         w.reject_leftovers(
-            |name| name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight"),
+            |name| {
+                mtp.set(mtp.get() || (qwen3_5 && name.starts_with("mtp.")));
+                let aside = qwen3_5 && (name.starts_with("model.visual.") || name.starts_with("mtp."));
+                aside || name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
+            },
             "not part of this model's config",
         )?;
+        if mtp.get() {
+            eprintln!("note: {}: the multi-token prediction head (mtp.*) is not used", dir.display());
+        }
         Ok(m)
     }
 
@@ -237,30 +304,59 @@ impl Transformer {
             (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
         let embed_tokens = source("model.embed_tokens.weight", &[c.vocab_size, hd])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        let q_out = if c.attn_output_gate { 2 * h * d } else { h * d };
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let mut lin =
                 |name: &str, out: usize, inp: usize, bias: bool| linear(source, &format!("{p}.{name}"), out, inp, bias);
-            let mut self_attn = Attention {
-                q_proj: lin("self_attn.q_proj", h * d, hd, c.qkv_bias)?,
-                k_proj: lin("self_attn.k_proj", kvh * d, hd, c.qkv_bias)?,
-                v_proj: lin("self_attn.v_proj", kvh * d, hd, c.qkv_bias)?,
-                o_proj: lin("self_attn.o_proj", hd, h * d, c.o_bias)?,
-                q_norm: None,
-                k_norm: None,
+            let mixer = match (c.is_linear_attention(i), c.delta_net) {
+                (true, Some(dn)) => {
+                    let (cd, vd, nv) = (dn.conv_dim(), dn.value_dim(), dn.num_value_heads);
+                    let in_proj_qkv = lin("linear_attn.in_proj_qkv", cd, hd, false)?;
+                    let in_proj_z = lin("linear_attn.in_proj_z", vd, hd, false)?;
+                    let in_proj_b = lin("linear_attn.in_proj_b", nv, hd, false)?;
+                    let in_proj_a = lin("linear_attn.in_proj_a", nv, hd, false)?;
+                    let out_proj = lin("linear_attn.out_proj", hd, vd, false)?;
+                    let q = format!("{p}.linear_attn");
+                    Mixer::DeltaNet(GatedDeltaNet {
+                        in_proj_qkv,
+                        in_proj_z,
+                        in_proj_b,
+                        in_proj_a,
+                        out_proj,
+                        conv1d: source(&format!("{q}.conv1d.weight"), &[cd, 1, dn.conv_kernel])?,
+                        a_log: source(&format!("{q}.A_log"), &[nv])?,
+                        dt_bias: source(&format!("{q}.dt_bias"), &[nv])?,
+                        norm: source(&format!("{q}.norm.weight"), &[dn.value_head_dim])?,
+                    })
+                }
+                _ => {
+                    let mut self_attn = Attention {
+                        q_proj: lin("self_attn.q_proj", q_out, hd, c.qkv_bias)?,
+                        k_proj: lin("self_attn.k_proj", kvh * d, hd, c.qkv_bias)?,
+                        v_proj: lin("self_attn.v_proj", kvh * d, hd, c.qkv_bias)?,
+                        o_proj: lin("self_attn.o_proj", hd, h * d, c.o_bias)?,
+                        q_norm: None,
+                        k_norm: None,
+                        output_gate: c.attn_output_gate,
+                    };
+                    if c.qk_norm {
+                        self_attn.q_norm = Some(source(&format!("{p}.self_attn.q_norm.weight"), &[d])?);
+                        self_attn.k_norm = Some(source(&format!("{p}.self_attn.k_norm.weight"), &[d])?);
+                    }
+                    Mixer::Attention(self_attn)
+                }
             };
+            let mut lin =
+                |name: &str, out: usize, inp: usize, bias: bool| linear(source, &format!("{p}.{name}"), out, inp, bias);
             let mlp = Mlp {
                 gate_proj: lin("mlp.gate_proj", im, hd, c.mlp_bias)?,
                 up_proj: lin("mlp.up_proj", im, hd, c.mlp_bias)?,
                 down_proj: lin("mlp.down_proj", hd, im, c.mlp_bias)?,
             };
-            if c.qk_norm {
-                self_attn.q_norm = Some(source(&format!("{p}.self_attn.q_norm.weight"), &[d])?);
-                self_attn.k_norm = Some(source(&format!("{p}.self_attn.k_norm.weight"), &[d])?);
-            }
             layers.push(Block {
                 input_layernorm: source(&format!("{p}.input_layernorm.weight"), &[hd])?,
-                self_attn,
+                mixer,
                 post_attention_layernorm: source(&format!("{p}.post_attention_layernorm.weight"), &[hd])?,
                 mlp,
             });
@@ -287,11 +383,21 @@ impl Transformer {
                     f(&format!("{p}.{name}.bias"), b)?;
                 }
             }
-            if let Some(w) = l.self_attn.q_norm.as_mut() {
-                f(&format!("{p}.self_attn.q_norm.weight"), w)?;
-            }
-            if let Some(w) = l.self_attn.k_norm.as_mut() {
-                f(&format!("{p}.self_attn.k_norm.weight"), w)?;
+            match &mut l.mixer {
+                Mixer::Attention(a) => {
+                    if let Some(w) = a.q_norm.as_mut() {
+                        f(&format!("{p}.self_attn.q_norm.weight"), w)?;
+                    }
+                    if let Some(w) = a.k_norm.as_mut() {
+                        f(&format!("{p}.self_attn.k_norm.weight"), w)?;
+                    }
+                }
+                Mixer::DeltaNet(dn) => {
+                    f(&format!("{p}.linear_attn.conv1d.weight"), &mut dn.conv1d)?;
+                    f(&format!("{p}.linear_attn.A_log"), &mut dn.a_log)?;
+                    f(&format!("{p}.linear_attn.dt_bias"), &mut dn.dt_bias)?;
+                    f(&format!("{p}.linear_attn.norm.weight"), &mut dn.norm)?;
+                }
             }
             f(&format!("{p}.post_attention_layernorm.weight"), &mut l.post_attention_layernorm)?;
         }
@@ -302,6 +408,12 @@ impl Transformer {
             f("lm_head.weight", &mut self.lm_head.weight)?;
         }
         Ok(())
+    }
+
+    /// The index of layer `layer`'s first projection (the number of projections before it); of
+    /// lm_head for `layer` = the number of layers.
+    pub fn first_linear(&self, layer: usize) -> usize {
+        self.layers[..layer].iter().map(Block::num_linears).sum()
     }
 
     /// Every base parameter by HF name, sorted by name.
@@ -440,23 +552,38 @@ impl Transformer {
         if h.dtype() != self.compute_dtype() {
             h = h.to_dtype(self.compute_dtype())?;
         }
-        let eps = self.config.rms_norm_eps;
+        let cfg = &self.config;
         let last = self.layers.len().saturating_sub(1);
+        let mut first = 0;
         for (i, layer) in self.layers.iter().enumerate() {
-            let x = rms_norm(&h, &layer.input_layernorm, eps)?;
-            let adapters = adapters.map(|a| (a, i * Block::LINEARS));
-            if let (false, true, Some(c)) = (hidden, i == last, cache.as_deref_mut()) {
-                let (_, k, v) = layer.self_attn.project(&x, &self.config, &cos_sin, adapters, false)?;
-                c.append(i, &k, &v)?;
-                return Ok(None);
-            }
-            let cache = cache.as_deref_mut().map(|c| (c, i));
-            let a = layer.self_attn.forward(&x, &self.config, &cos_sin, &bias, cache, adapters)?;
+            let x = model_norm(&h, &layer.input_layernorm, cfg)?;
+            let adapters = adapters.map(|a| (a, first));
+            first += layer.num_linears();
+            let a = match &layer.mixer {
+                Mixer::Attention(attn) => {
+                    if let (false, true, Some(c)) = (hidden, i == last, cache.as_deref_mut()) {
+                        let (_, k, v) = attn.project(&x, cfg, &cos_sin, adapters, false)?;
+                        c.append(i, &k, &v)?;
+                        return Ok(None);
+                    }
+                    let cache = cache.as_deref_mut().map(|c| (c, i));
+                    attn.forward(&x, cfg, &cos_sin, &bias, cache, adapters)?
+                }
+                Mixer::DeltaNet(dn) => {
+                    let dnc = cfg.delta_net.as_ref().expect("a DeltaNet layer has its config");
+                    let state = cache.as_deref_mut().map(|c| c.state_mut(i));
+                    let a = dn.forward(&x, dnc, cfg.rms_norm_eps, mask, state, adapters)?;
+                    if !hidden && i == last {
+                        return Ok(None);
+                    }
+                    a
+                }
+            };
             h = (h + a)?;
-            let x = rms_norm(&h, &layer.post_attention_layernorm, eps)?;
+            let x = model_norm(&h, &layer.post_attention_layernorm, cfg)?;
             h = (h + layer.mlp.forward(&x, adapters)?)?;
         }
-        hidden.then(|| rms_norm(&h, &self.norm, eps)).transpose()
+        hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose()
     }
 
     /// Checks a batch's shapes and token ids; returns (rows, tokens per row).
@@ -497,7 +624,7 @@ impl Transformer {
 
     /// [`Transformer::logits`] with per-row LoRA adapters.
     pub fn logits_adapted(&self, hidden: &Tensor, adapters: Option<&RowAdapters>) -> Result<Tensor> {
-        let index = self.layers.len() * Block::LINEARS;
+        let index = self.first_linear(self.layers.len());
         Ok(RowAdapters::forward(adapters, &self.lm_head, hidden, index)?.to_dtype(DType::F32)?)
     }
 
@@ -517,6 +644,11 @@ impl Transformer {
         KvCache::new(self.config.num_hidden_layers)
     }
 
+    /// Whether any layer is a DeltaNet (its cache carries states, not keys and values).
+    pub fn is_hybrid(&self) -> bool {
+        self.config.delta_net.is_some()
+    }
+
     /// Writes config.json and model.safetensors (in `dtype`) to `dir`, in the HF layout.
     pub fn save(&self, dir: &std::path::Path, dtype: DType) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
@@ -532,21 +664,45 @@ impl Transformer {
 }
 
 impl Block {
-    /// Projections per block: q, k, v, o, gate, up, down, in this order (projection index
-    /// `layer · LINEARS + k`; lm_head comes after the last block's).
+    /// Projections of an attention block: q, k, v, o, gate, up, down, in this order (a
+    /// projection's index is its block's first, [`Transformer::first_linear`], + k; lm_head
+    /// comes after the last block's).
     pub const LINEARS: usize = 7;
 
-    /// The projections of one block by their name inside it.
-    pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); Block::LINEARS] {
-        let (a, m) = (&mut self.self_attn, &mut self.mlp);
-        [
-            ("self_attn.q_proj", &mut a.q_proj),
-            ("self_attn.k_proj", &mut a.k_proj),
-            ("self_attn.v_proj", &mut a.v_proj),
-            ("self_attn.o_proj", &mut a.o_proj),
+    /// Projections of this block: the mixer's ([`Block::LINEARS`] − 3 for attention,
+    /// [`GatedDeltaNet::LINEARS`] for a DeltaNet), then gate, up, down.
+    pub fn num_linears(&self) -> usize {
+        match &self.mixer {
+            Mixer::Attention(_) => Block::LINEARS,
+            Mixer::DeltaNet(_) => GatedDeltaNet::LINEARS + 3,
+        }
+    }
+
+    /// The projections of one block by their name inside it, in index order.
+    pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        let m = &mut self.mlp;
+        let mut out: Vec<(&'static str, &mut Linear)> = match &mut self.mixer {
+            Mixer::Attention(a) => vec![
+                ("self_attn.q_proj", &mut a.q_proj),
+                ("self_attn.k_proj", &mut a.k_proj),
+                ("self_attn.v_proj", &mut a.v_proj),
+                ("self_attn.o_proj", &mut a.o_proj),
+            ],
+            Mixer::DeltaNet(dn) => dn.linears_mut().into_iter().collect(),
+        };
+        out.extend([
             ("mlp.gate_proj", &mut m.gate_proj),
             ("mlp.up_proj", &mut m.up_proj),
             ("mlp.down_proj", &mut m.down_proj),
-        ]
+        ]);
+        out
+    }
+
+    /// The block's attention (None for a DeltaNet block).
+    pub fn attention(&self) -> Option<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) => None,
+        }
     }
 }

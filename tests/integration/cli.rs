@@ -158,12 +158,12 @@ fn init_model_writes_loadable_models() {
         assert_eq!(saved.contains_key("lm_head.weight"), !tied, "{arch}");
         assert_eq!(saved.contains_key("model.layers.0.self_attn.q_proj.bias"), arch == "qwen2", "{arch}");
         // Random init: weights ~ N(0, 0.02²), norms 1, biases 0.
-        let q: Vec<f32> = m.layers[1].self_attn.q_proj.weight.flatten_all().unwrap().to_vec1().unwrap();
+        let q: Vec<f32> = m.layers[1].attention().unwrap().q_proj.weight.flatten_all().unwrap().to_vec1().unwrap();
         let mean = q.iter().sum::<f32>() / q.len() as f32;
         let std = (q.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / q.len() as f32).sqrt();
         assert!(mean.abs() < 0.003 && (std - 0.02).abs() < 0.002, "{arch}: q_proj mean {mean} std {std}");
         assert!(m.norm.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().all(|&x| x == 1.0));
-        if let Some(b) = &m.layers[0].self_attn.q_proj.bias {
+        if let Some(b) = &m.layers[0].attention().unwrap().q_proj.bias {
             assert!(b.to_vec1::<f32>().unwrap().iter().all(|&x| x == 0.0));
         }
         // The byte-level tokenizer comes with it.

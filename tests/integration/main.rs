@@ -32,6 +32,7 @@ mod model_errors;
 mod model_features;
 mod model_golden;
 mod model_named_tensors;
+mod model_qwen3_5;
 mod model_tape;
 #[cfg(feature = "mpi")]
 mod mpi_rl;

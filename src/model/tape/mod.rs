@@ -30,15 +30,18 @@
 //! bits of keeping everything; the price is one more forward of the body per backward.
 
 mod attention;
+mod delta_net;
 mod head;
 mod linear;
 mod matmul;
+mod rotary;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Storage, Tensor, Var, WithDType};
 
-use super::ops::{rms_norm, rope, swiglu, Real};
-use super::transformer::{attention_bias, Block, Transformer};
+use super::attention_gate;
+use super::ops::{rms_norm, swiglu, Real};
+use super::transformer::{attention_bias, Attention, Block, Mixer, Transformer};
 use crate::{Error, Result};
 use attention::Dims;
 
@@ -100,8 +103,24 @@ pub enum Keep {
 struct BlockRecord<T> {
     h_in: Vec<T>,
     x_attn: Vec<T>,
-    /// x·Aᵀ of each projection with an adapter, in [`Block::LINEARS`] order.
-    u: [Option<Vec<T>>; Block::LINEARS],
+    /// x·Aᵀ of each projection with an adapter, in [`Block::linears_mut`] order.
+    u: Vec<Option<Vec<T>>>,
+    mixer: MixerRecord<T>,
+    h_mid: Vec<T>,
+    x_mlp: Vec<T>,
+    gate: Vec<T>,
+    up: Vec<T>,
+    act: Vec<T>,
+}
+
+/// What a token mixer's backward reads.
+enum MixerRecord<T> {
+    Attention(AttnRecord<T>),
+    DeltaNet(delta_net::TapeRecord<T>),
+}
+
+/// What an attention mixer's backward reads.
+struct AttnRecord<T> {
     /// q and k projections before the Qwen3 head norms (empty without them).
     q_pre: Vec<T>,
     k_pre: Vec<T>,
@@ -110,12 +129,11 @@ struct BlockRecord<T> {
     k: Vec<T>,
     v: Vec<T>,
     p: Vec<T>,
+    /// The o_proj input (gated when the attention has an output gate).
     attn: Vec<T>,
-    h_mid: Vec<T>,
-    x_mlp: Vec<T>,
-    gate: Vec<T>,
-    up: Vec<T>,
-    act: Vec<T>,
+    /// With an output gate: the attention output before it, and the gate [B·T, H·D].
+    attn_raw: Vec<T>,
+    out_gate: Vec<T>,
 }
 
 /// A block as the forward left it: all its activations, or its input to recompute them from.
@@ -131,6 +149,8 @@ struct Shared<T> {
     sin: Vec<T>,
     /// The additive attention mask [B, T, T].
     bias: Vec<T>,
+    /// The key mask [B][T] (which tokens a DeltaNet layer reads).
+    mask: Vec<Vec<u8>>,
 }
 
 struct Record<T> {
@@ -343,7 +363,7 @@ fn run<T: Real>(
     let (cos, sin) = model.rope.tables(positions, T::DTYPE)?;
     let (cos, sin) = (host::<T>(&cos)?, host::<T>(&sin)?);
     let bias = host::<T>(&attention_bias(mask, 0, t, &Device::Cpu)?.to_dtype(T::DTYPE)?)?;
-    let mut shared = Shared { dims, cos, sin, bias };
+    let mut shared = Shared { dims, cos, sin, bias, mask: mask.to_vec() };
     let tokens = input_ids.concat();
 
     let mut h = vec![T::of(0.0); b * t * hd];
@@ -367,7 +387,7 @@ fn run<T: Real>(
     if keep != Keep::LayerInputs {
         shared.bias = vec![];
     }
-    let out = rms_norm::forward(&h, Held::<T>::new(&model.norm)?.slice()?, c.rms_norm_eps);
+    let out = model_norm(model, &h, &model.norm)?;
     Ok(Record { model: model.clone(), tokens, shared, blocks, h_last: h, out, head: None })
 }
 
@@ -380,74 +400,164 @@ fn block_forward<T: Real>(
     h: Vec<T>,
     shared: &Shared<T>,
 ) -> Result<(Vec<T>, BlockRecord<T>)> {
-    let c = &model.config;
-    let Shared { dims, cos, sin, bias } = shared;
-    let (t, d) = (dims.t, dims.d);
-    let n = dims.b * t;
-    let eps = c.rms_norm_eps;
-    let scale = 1.0 / (d as f64).sqrt();
-    let (a, m) = (&layer.self_attn, &layer.mlp);
-    let x_attn = rms_norm::forward(&h, Held::<T>::new(&layer.input_layernorm)?.slice()?, eps);
-    // Independent projections side by side (see linear::backward).
-    let (q, kv) = rayon::join(
-        || linear::forward(&a.q_proj, &x_attn, n),
-        || rayon::join(|| linear::forward(&a.k_proj, &x_attn, n), || linear::forward(&a.v_proj, &x_attn, n)),
-    );
-    let ((q, uq), (k, uk), (v, uv)) = (q?, kv.0?, kv.1?);
-    let (q_pre, k_pre, q, k) = match (&a.q_norm, &a.k_norm) {
-        (Some(qn), Some(kn)) => {
-            let qn_out = rms_norm::forward(&q, Held::<T>::new(qn)?.slice()?, eps);
-            let kn_out = rms_norm::forward(&k, Held::<T>::new(kn)?.slice()?, eps);
-            (q, k, qn_out, kn_out)
+    let n = shared.dims.b * shared.dims.t;
+    let m = &layer.mlp;
+    let x_attn = model_norm(model, &h, &layer.input_layernorm)?;
+    let (o, mut u, mixer) = match &layer.mixer {
+        Mixer::Attention(a) => attention_forward(model, a, &x_attn, shared)?,
+        Mixer::DeltaNet(dn) => {
+            let (o, u, rec) = delta_net::forward(model, dn, &x_attn, shared)?;
+            (o, u, MixerRecord::DeltaNet(rec))
         }
-        _ => (vec![], vec![], q, k),
     };
-    let q = rope::forward_kernel(&q, cos, sin, (t, dims.h, d));
-    let k = rope::forward_kernel(&k, cos, sin, (t, dims.kvh, d));
-    let (p, attn) = attention::forward(&q, &k, &v, bias, *dims, scale);
-    let (o, uo) = linear::forward(&a.o_proj, &attn, n)?;
     let h_mid = sum(&h, &o);
     drop(o);
-    let x_mlp = rms_norm::forward(&h_mid, Held::<T>::new(&layer.post_attention_layernorm)?.slice()?, eps);
+    let x_mlp = model_norm(model, &h_mid, &layer.post_attention_layernorm)?;
     let (gate, up) =
         rayon::join(|| linear::forward(&m.gate_proj, &x_mlp, n), || linear::forward(&m.up_proj, &x_mlp, n));
     let ((gate, ug), (up, uu)) = (gate?, up?);
     let act = swiglu::forward(&gate, &up);
     let (down, ud) = linear::forward(&m.down_proj, &act, n)?;
     let h_out = sum(&h_mid, &down);
-    let rec = BlockRecord {
-        h_in: h,
-        x_attn,
-        u: [uq, uk, uv, uo, ug, uu, ud],
-        q_pre,
-        k_pre,
-        q,
-        k,
-        v,
-        p,
-        attn,
-        h_mid,
-        x_mlp,
-        gate,
-        up,
-        act,
-    };
+    u.extend([ug, uu, ud]);
+    let rec = BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act };
     Ok((h_out, rec))
 }
 
-/// dx of an RMSNorm added into `acc`, and the weight's gradient pushed when it trains.
+/// An attention mixer's forward: the o_proj output, the adapters' u of q, k, v, o, and the
+/// record.
+#[allow(clippy::type_complexity)]
+fn attention_forward<T: Real>(
+    model: &Transformer,
+    a: &Attention,
+    x_attn: &[T],
+    shared: &Shared<T>,
+) -> Result<(Vec<T>, Vec<Option<Vec<T>>>, MixerRecord<T>)> {
+    let c = &model.config;
+    let Shared { dims, cos, sin, bias, .. } = shared;
+    let (t, d, h) = (dims.t, dims.d, dims.h);
+    let n = dims.b * t;
+    let scale = 1.0 / (d as f64).sqrt();
+    // Independent projections side by side (see linear::backward).
+    let (q, kv) = rayon::join(
+        || linear::forward(&a.q_proj, x_attn, n),
+        || rayon::join(|| linear::forward(&a.k_proj, x_attn, n), || linear::forward(&a.v_proj, x_attn, n)),
+    );
+    let ((q, uq), (k, uk), (v, uv)) = (q?, kv.0?, kv.1?);
+    // With an output gate q_proj gives [q | gate] per head.
+    let (q, out_gate) = match a.output_gate {
+        true => {
+            let (mut qs, mut gs) = (Vec::with_capacity(n * h * d), Vec::with_capacity(n * h * d));
+            for head in q.chunks(2 * d) {
+                qs.extend_from_slice(&head[..d]);
+                gs.extend_from_slice(&head[d..]);
+            }
+            (qs, gs)
+        }
+        false => (q, vec![]),
+    };
+    let (q_pre, k_pre, q, k) = match (&a.q_norm, &a.k_norm) {
+        (Some(qn), Some(kn)) => {
+            let qn_out = model_norm(model, &q, qn)?;
+            let kn_out = model_norm(model, &k, kn)?;
+            (q, k, qn_out, kn_out)
+        }
+        _ => (vec![], vec![], q, k),
+    };
+    let q = rotary::forward(&q, cos, sin, (t, dims.h, d), c.rotary_dim);
+    let k = rotary::forward(&k, cos, sin, (t, dims.kvh, d), c.rotary_dim);
+    let (p, attn) = attention::forward(&q, &k, &v, bias, *dims, scale);
+    let (attn, attn_raw) = match a.output_gate {
+        true => (attention_gate::forward(&attn, &out_gate), attn),
+        false => (attn, vec![]),
+    };
+    let (o, uo) = linear::forward(&a.o_proj, &attn, n)?;
+    let rec = AttnRecord { q_pre, k_pre, q, k, v, p, attn, attn_raw, out_gate };
+    Ok((o, vec![uq, uk, uv, uo], MixerRecord::Attention(rec)))
+}
+
+/// An attention mixer's backward from the gradient of its output `dh`: the gradient of its
+/// input x_attn.
+#[allow(clippy::too_many_arguments)]
+fn attention_backward<T: Real>(
+    model: &Transformer,
+    a: &Attention,
+    rec: &AttnRecord<T>,
+    x_attn: &[T],
+    u: &[Option<Vec<T>>],
+    dh: &[T],
+    shared: &Shared<T>,
+    grads: &mut Grads<T>,
+) -> Result<Vec<T>> {
+    let dims = shared.dims;
+    let Dims { b, t, h, kvh, d } = dims;
+    let n = b * t;
+    let scale = 1.0 / (d as f64).sqrt();
+    let rd = model.config.rotary_dim;
+    let u = |k: usize| u[k].as_deref();
+    let mut d_attn = None;
+    linear::backward(&a.o_proj, &rec.attn, u(3), dh, n, &mut d_attn, grads)?;
+    let mut d_attn = d_attn.expect("set by the backward");
+    let mut d_gate = vec![];
+    if a.output_gate {
+        (d_attn, d_gate) = attention_gate::backward(&rec.attn_raw, &rec.out_gate, &d_attn);
+    }
+    let (dq, dk, dv) = attention::backward(&rec.q, &rec.k, &rec.v, &rec.p, &d_attn, dims, scale);
+    let (cos, sin) = (&shared.cos, &shared.sin);
+    let mut dq = rotary::backward(&dq, cos, sin, (t, h, d), rd);
+    let mut dk = rotary::backward(&dk, cos, sin, (t, kvh, d), rd);
+    if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+        let mut dq_pre = vec![T::of(0.0); dq.len()];
+        rms_norm_backward(model, &rec.q_pre, &dq, qn, &mut dq_pre, grads)?;
+        let mut dk_pre = vec![T::of(0.0); dk.len()];
+        rms_norm_backward(model, &rec.k_pre, &dk, kn, &mut dk_pre, grads)?;
+        (dq, dk) = (dq_pre, dk_pre);
+    }
+    if a.output_gate {
+        // Back to q_proj's [q | gate] per head.
+        let mut both = Vec::with_capacity(2 * dq.len());
+        for (q, g) in dq.chunks(d).zip(d_gate.chunks(d)) {
+            both.extend_from_slice(q);
+            both.extend_from_slice(g);
+        }
+        dq = both;
+    }
+    let mut dx = None;
+    linear::backward(&a.q_proj, x_attn, u(0), &dq, n, &mut dx, grads)?;
+    linear::backward(&a.k_proj, x_attn, u(1), &dk, n, &mut dx, grads)?;
+    linear::backward(&a.v_proj, x_attn, u(2), &dv, n, &mut dx, grads)?;
+    Ok(dx.expect("set by the backward"))
+}
+
+/// The weight a model's RMSNorm scales by, as `T`: `1 + w` for Qwen3.5 (summed in `T`, as the
+/// candle path sums it), else w.
+fn norm_weight<T: Real>(model: &Transformer, w: &Tensor) -> Result<Vec<T>> {
+    let held = Held::<T>::new(w)?;
+    let ws = held.slice()?;
+    Ok(match model.config.norm_unit_offset {
+        true => ws.iter().map(|&x| x + T::of(1.0)).collect(),
+        false => ws.to_vec(),
+    })
+}
+
+/// A model's RMSNorm of x ([`norm_weight`]).
+fn model_norm<T: Real>(model: &Transformer, x: &[T], w: &Tensor) -> Result<Vec<T>> {
+    Ok(rms_norm::forward(x, &norm_weight::<T>(model, w)?, model.config.rms_norm_eps))
+}
+
+/// dx of a model's RMSNorm added into `acc`, and the weight's gradient pushed when it trains
+/// (the same for w as for 1 + w).
 fn rms_norm_backward<T: Real>(
+    model: &Transformer,
     x: &[T],
     gy: &[T],
     w: &Tensor,
-    eps: f64,
     acc: &mut [T],
     grads: &mut Grads<T>,
 ) -> Result<()> {
-    let held = Held::<T>::new(w)?;
-    let ws = held.slice()?;
+    let ws = norm_weight::<T>(model, w)?;
     let mut dw = vec![T::of(0.0); ws.len()];
-    rms_norm::backward(x, gy, ws, eps, acc, &mut dw);
+    rms_norm::backward(x, gy, &ws, model.config.rms_norm_eps, acc, &mut dw);
     if w.is_variable() {
         grads.push(w, dw);
     }
@@ -460,11 +570,9 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
     let blocks = std::mem::take(&mut r.blocks);
     let model = &r.model;
     let c = &model.config;
-    let Dims { b, t, h, kvh, d } = r.shared.dims;
+    let Dims { b, t, .. } = r.shared.dims;
     let n = b * t;
     let (hd, im) = (c.hidden_size, c.intermediate_size);
-    let eps = c.rms_norm_eps;
-    let scale = 1.0 / (d as f64).sqrt();
     if blocks.len() != model.layers.len() {
         return Err(Error::input("tape: backward of a forward that did not record"));
     }
@@ -474,48 +582,39 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         _ => g.to_vec(),
     };
     let mut dh = vec![T::of(0.0); n * hd];
-    rms_norm_backward(&r.h_last, &d_hidden, &model.norm, eps, &mut dh, &mut grads)?;
+    rms_norm_backward(model, &r.h_last, &d_hidden, &model.norm, &mut dh, &mut grads)?;
     // Each block's activations are dropped once its backward has read them.
     for (layer, kept) in model.layers.iter().zip(blocks).rev() {
         let rec = match kept {
             Kept::All(rec) => *rec,
             Kept::Input(h_in) => block_forward(model, layer, h_in, &r.shared)?.1,
         };
-        let (a, m) = (&layer.self_attn, &layer.mlp);
+        let m = &layer.mlp;
+        let mlp_u = rec.u.len() - 3;
         let u = |k: usize| rec.u[k].as_deref();
         // h_out = h_mid + down(swiglu(gate(x), up(x))), x = rms_norm(h_mid)
         let mut d_act = None;
-        linear::backward(&m.down_proj, &rec.act, u(6), &dh, n, &mut d_act, &mut grads)?;
+        linear::backward(&m.down_proj, &rec.act, u(mlp_u + 2), &dh, n, &mut d_act, &mut grads)?;
         let d_act = d_act.expect("set by the backward");
         let (mut d_gate, mut d_up) = (vec![T::of(0.0); n * im], vec![T::of(0.0); n * im]);
         swiglu::backward(&rec.gate, &rec.up, &d_act, &mut d_gate, &mut d_up);
         drop(d_act);
         let mut dx = None;
-        linear::backward(&m.gate_proj, &rec.x_mlp, u(4), &d_gate, n, &mut dx, &mut grads)?;
-        linear::backward(&m.up_proj, &rec.x_mlp, u(5), &d_up, n, &mut dx, &mut grads)?;
+        linear::backward(&m.gate_proj, &rec.x_mlp, u(mlp_u), &d_gate, n, &mut dx, &mut grads)?;
+        linear::backward(&m.up_proj, &rec.x_mlp, u(mlp_u + 1), &d_up, n, &mut dx, &mut grads)?;
         let dx = dx.expect("set by the backward");
-        rms_norm_backward(&rec.h_mid, &dx, &layer.post_attention_layernorm, eps, &mut dh, &mut grads)?;
-        // h_mid = h_in + o_proj(attention(rope(q), rope(k), v)), q, k, v from rms_norm(h_in)
-        let mut d_attn = None;
-        linear::backward(&a.o_proj, &rec.attn, u(3), &dh, n, &mut d_attn, &mut grads)?;
-        let d_attn = d_attn.expect("set by the backward");
-        let (dq, dk, dv) = attention::backward(&rec.q, &rec.k, &rec.v, &rec.p, &d_attn, r.shared.dims, scale);
-        let (cos, sin) = (&r.shared.cos, &r.shared.sin);
-        let mut dq = rope::backward_kernel(&dq, cos, sin, (t, h, d));
-        let mut dk = rope::backward_kernel(&dk, cos, sin, (t, kvh, d));
-        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-            let mut dq_pre = vec![T::of(0.0); dq.len()];
-            rms_norm_backward(&rec.q_pre, &dq, qn, eps, &mut dq_pre, &mut grads)?;
-            let mut dk_pre = vec![T::of(0.0); dk.len()];
-            rms_norm_backward(&rec.k_pre, &dk, kn, eps, &mut dk_pre, &mut grads)?;
-            (dq, dk) = (dq_pre, dk_pre);
-        }
-        let mut dx = None;
-        linear::backward(&a.q_proj, &rec.x_attn, u(0), &dq, n, &mut dx, &mut grads)?;
-        linear::backward(&a.k_proj, &rec.x_attn, u(1), &dk, n, &mut dx, &mut grads)?;
-        linear::backward(&a.v_proj, &rec.x_attn, u(2), &dv, n, &mut dx, &mut grads)?;
-        let dx = dx.expect("set by the backward");
-        rms_norm_backward(&rec.h_in, &dx, &layer.input_layernorm, eps, &mut dh, &mut grads)?;
+        rms_norm_backward(model, &rec.h_mid, &dx, &layer.post_attention_layernorm, &mut dh, &mut grads)?;
+        // h_mid = h_in + mixer(rms_norm(h_in))
+        let dx = match (&layer.mixer, &rec.mixer) {
+            (Mixer::Attention(a), MixerRecord::Attention(ar)) => {
+                attention_backward(model, a, ar, &rec.x_attn, &rec.u, &dh, &r.shared, &mut grads)?
+            }
+            (Mixer::DeltaNet(dn), MixerRecord::DeltaNet(dr)) => {
+                delta_net::backward(model, dn, dr, &rec.x_attn, &rec.u, &dh, &r.shared, &mut grads)?
+            }
+            _ => return Err(Error::Other("tape: a block's record does not match its mixer".into())),
+        };
+        rms_norm_backward(model, &rec.h_in, &dx, &layer.input_layernorm, &mut dh, &mut grads)?;
     }
     if model.embed_tokens.is_variable() {
         let mut d_embed = vec![T::of(0.0); c.vocab_size * hd];
