@@ -113,6 +113,7 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
                 .then_some(cfg.train.max_tokens_per_microbatch),
             master_weights: cfg.model.master_weights,
             activation_checkpointing: cfg.train.activation_checkpointing,
+            sharding: cfg.train.sharding,
         },
         ..WorkerSpec::new(&cfg.model.path)
     };
@@ -161,6 +162,8 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         max_tokens_per_microbatch: (l.max_tokens_per_microbatch > 0).then_some(l.max_tokens_per_microbatch),
         master_weights: cfg.model.master_weights,
         activation_checkpointing: l.activation_checkpointing,
+        // The frozen reference has no optimizer state to split: only the trained models shard.
+        sharding: Default::default(),
     };
     let base = WorkerSpec {
         dtype,
@@ -171,13 +174,14 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         ..WorkerSpec::new(&cfg.model.path)
     };
     let dispatch = Dispatch::new(false);
-    let policy = WorkerConfig { lora: lora_config(&cfg.model), ..base.worker.clone() };
+    let trained = WorkerConfig { sharding: l.sharding, ..base.worker.clone() };
+    let policy = WorkerConfig { lora: lora_config(&cfg.model), ..trained.clone() };
     dispatch.create_model(POLICY, &WorkerSpec { worker: policy, ..base.clone() })?;
     if cfg.needs_reference() {
         dispatch.create_model(REFERENCE, &base)?;
     }
     if cfg.needs_critic() {
-        let critic = WorkerConfig { critic: true, ..base.worker.clone() };
+        let critic = WorkerConfig { critic: true, ..trained };
         dispatch.create_model(CRITIC, &WorkerSpec { worker: critic, ..base.clone() })?;
     }
 

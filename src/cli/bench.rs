@@ -290,7 +290,7 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         a.ranks > 0 && a.batch > 0 && a.seq > 0 && a.reps > 0,
         "--ranks, --batch, --seq and --reps must be positive"
     );
-    crate::dispatch::Sharding::from_name(&a.sharding)
+    crate::worker::Sharding::from_name(&a.sharding)
         .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?
         .check_served()?;
     let dtype = match weights::parse_dtype(&a.dtype) {

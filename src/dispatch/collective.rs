@@ -29,6 +29,18 @@ pub trait Collective: Send + Sync {
     /// Every rank's `bytes`, in global rank order (how ranks in other processes share their
     /// outputs). Every rank calls it, at the same point of the same call.
     fn all_gather_bytes(&self, rank: usize, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+    /// The sum over all ranks of tensor `i`, kept by rank `owners[i]` alone (`None` on the
+    /// others): a reduce-scatter by whole tensors, added in rank order like the all-reduce.
+    fn reduce_to_owners(&self, rank: usize, tensors: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>>;
+    /// Every rank's `Some` tensors (each index `Some` on at most one rank) on every rank (`root`
+    /// `None`) or on rank `root` alone. `sizes[i]`: tensor i's element count, on every rank.
+    fn gather_owned(
+        &self,
+        rank: usize,
+        mine: Vec<Option<Tensor>>,
+        sizes: &[usize],
+        root: Option<usize>,
+    ) -> Result<Vec<Option<Tensor>>>;
     /// Called when a rank fails before reaching a collective: wakes every waiting rank with
     /// an error instead of letting it wait forever. The collective stays failed afterwards.
     fn abort(&self, reason: &str);
@@ -38,6 +50,8 @@ pub trait Collective: Send + Sync {
 #[derive(Clone)]
 enum Payload {
     Tensors(Vec<Tensor>),
+    /// Tensors some of which are elsewhere (`None`).
+    Owned(Vec<Option<Tensor>>),
     Bytes(Vec<Vec<u8>>),
 }
 
@@ -88,8 +102,15 @@ impl InProcess {
     }
 }
 
+impl InProcess {
+    /// The global rank of local rank `rank`: process p's ranks are p·n .. (p+1)·n.
+    fn global_rank(&self, rank: usize) -> usize {
+        self.world.map_or(0, |w| w.rank()) * self.n + rank
+    }
+}
+
 /// The sum over `deposits` (one list per rank), added in rank order.
-fn sum_in_rank_order(deposits: Vec<Vec<Tensor>>) -> Result<Vec<Tensor>> {
+pub(super) fn sum_in_rank_order(deposits: Vec<Vec<Tensor>>) -> Result<Vec<Tensor>> {
     let mut it = deposits.into_iter();
     let first = it.next().expect("world size > 0");
     let dtypes: Vec<DType> = first.iter().map(|t| t.dtype()).collect();
@@ -169,15 +190,41 @@ impl InProcess {
 fn tensors(p: Payload) -> Vec<Tensor> {
     match p {
         Payload::Tensors(t) => t,
-        Payload::Bytes(_) => unreachable!("a tensor rendezvous holds tensors"),
+        _ => unreachable!("a tensor rendezvous holds tensors"),
+    }
+}
+
+fn owned(p: Payload) -> Vec<Option<Tensor>> {
+    match p {
+        Payload::Owned(t) => t,
+        _ => unreachable!("an owned-tensor rendezvous holds owned tensors"),
     }
 }
 
 fn bytes(p: Payload) -> Vec<Vec<u8>> {
     match p {
         Payload::Bytes(b) => b,
-        Payload::Tensors(_) => unreachable!("a byte rendezvous holds bytes"),
+        _ => unreachable!("a byte rendezvous holds bytes"),
     }
+}
+
+/// The union of the ranks' `Some` tensors, by index; an error if two ranks hold the same one.
+fn union(all: Vec<Vec<Option<Tensor>>>) -> Result<Vec<Option<Tensor>>> {
+    let mut it = all.into_iter();
+    let mut acc = it.next().unwrap_or_default();
+    for (r, other) in it.enumerate() {
+        if other.len() != acc.len() {
+            return Err(Error::Other("gather: ranks passed different numbers of tensors".into()));
+        }
+        for (i, (a, b)) in acc.iter_mut().zip(other).enumerate() {
+            if let Some(b) = b {
+                if a.replace(b).is_some() {
+                    return Err(Error::Other(format!("gather: rank {} and another rank both hold tensor {i}", r + 1)));
+                }
+            }
+        }
+    }
+    Ok(acc)
 }
 
 impl Collective for InProcess {
@@ -230,6 +277,52 @@ impl Collective for InProcess {
             Ok(Payload::Bytes(global))
         };
         self.rendezvous(rank, Payload::Bytes(vec![mine]), combine).map(bytes)
+    }
+
+    fn reduce_to_owners(&self, rank: usize, mine: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>> {
+        let global = self.global_rank(rank);
+        let keep = |all: Vec<Option<Tensor>>| -> Vec<Option<Tensor>> {
+            all.into_iter().zip(owners).map(|(t, &o)| if o == global { t } else { None }).collect()
+        };
+        let Some(world) = self.world else {
+            // One process: the all-reduce's sum (computed once, shared), each rank keeping its own.
+            return Ok(keep(self.all_reduce_sum(rank, mine)?.into_iter().map(Some).collect()));
+        };
+        let owners_of = owners.to_vec();
+        let combine = move |all: Vec<Payload>| {
+            let local: Vec<Vec<Tensor>> = all.into_iter().map(tensors).collect();
+            Ok(Payload::Owned(super::owned_across::reduce_to_owners(world, &local, &owners_of)?))
+        };
+        Ok(keep(self.rendezvous(rank, Payload::Tensors(mine), combine).map(owned)?))
+    }
+
+    fn gather_owned(
+        &self,
+        rank: usize,
+        mine: Vec<Option<Tensor>>,
+        sizes: &[usize],
+        root: Option<usize>,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let n = mine.len();
+        let device = mine.iter().flatten().next().map(|t| t.device().clone()).unwrap_or(candle_core::Device::Cpu);
+        let (world, sizes) = (self.world, sizes.to_vec());
+        let root_process = root.map(|r| r / self.n);
+        let combine = move |all: Vec<Payload>| {
+            let here = union(all.into_iter().map(owned).collect())?;
+            Ok(Payload::Owned(match world {
+                None => here,
+                Some(world) => super::owned_across::gather(world, here, &sizes, root_process, &device)?,
+            }))
+        };
+        let all = if self.n == 1 && self.world.is_none() {
+            mine
+        } else {
+            self.rendezvous(rank, Payload::Owned(mine), combine).map(owned)?
+        };
+        Ok(match root {
+            Some(r) if r != self.global_rank(rank) => vec![None; n],
+            _ => all,
+        })
     }
 
     fn abort(&self, reason: &str) {

@@ -2,7 +2,9 @@
 //!
 //! A trainer calls a model by id ([`Dispatch`]) as if there were one worker; its
 //! [`WorkerGroup`] splits batches over the data-parallel mesh, runs each worker as an actor on
-//! its own thread and thread budget, all-reduces gradients with SUM before the optimizer step,
+//! its own thread and thread budget, all-reduces gradients with SUM before the optimizer step
+//! (or, under sharding, delivers each sum to the rank that owns the parameter and gathers the
+//! updated parameters after it),
 //! keeps the outputs of collection ranks only, and moves colocated models between device and
 //! host. Launchers build the models from [`WorkerSpec`]s; the trainer never learns the device or
 //! the dp size; it asks for the batch-size multiple it needs ([`Dispatch::batch_multiple`]).
@@ -12,8 +14,8 @@ pub mod collective;
 #[allow(clippy::module_inception)]
 pub mod dispatch;
 pub mod mesh;
+pub mod owned_across;
 pub mod residency;
-pub mod sharding;
 pub mod split;
 pub mod sum_across;
 pub mod worker_group;
@@ -21,6 +23,5 @@ pub mod worker_spec;
 
 pub use dispatch::Dispatch;
 pub use mesh::MeshShape;
-pub use sharding::Sharding;
 pub use worker_group::WorkerGroup;
 pub use worker_spec::WorkerSpec;

@@ -16,6 +16,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use candle_core::Tensor;
+
 use super::collective::{Collective, InProcess};
 use super::mesh::{MeshCoord, MeshInfo, MeshRegistry, MeshShape};
 use super::residency::Parts;
@@ -26,7 +28,7 @@ use crate::handle::Handle;
 use crate::locks::lock;
 use crate::model::SamplerWeights;
 use crate::worker::placement::HostCopy;
-use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, Worker};
+use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, RankExchange, ShardPlan, Worker};
 use crate::world::{decode, encode};
 use crate::{Error, Result};
 
@@ -60,6 +62,40 @@ pub struct WorkerGroup {
     order: Mutex<()>,
     /// Real datum count of each staged mini-batch.
     staged_real: Mutex<BTreeMap<usize, usize>>,
+    /// The ranks split the optimizer state ([`crate::worker::Sharding`]).
+    sharded: bool,
+}
+
+/// A rank's side of its data-parallel group's collective, as a sharded worker's step needs it.
+struct GroupExchange {
+    collective: Arc<dyn Collective>,
+    rank: usize,
+    /// Every trainable parameter's element count (the gathers' buckets).
+    sizes: Vec<usize>,
+}
+
+impl GroupExchange {
+    fn of(s: &RankState) -> Self {
+        GroupExchange { collective: s.collective.clone(), rank: s.local_rank, sizes: s.worker.param_sizes() }
+    }
+}
+
+impl RankExchange for GroupExchange {
+    fn all_reduce(&self, tensors: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        self.collective.all_reduce_sum(self.rank, tensors)
+    }
+
+    fn reduce_to_owners(&self, tensors: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>> {
+        self.collective.reduce_to_owners(self.rank, tensors, owners)
+    }
+
+    fn gather_owned(&self, mine: Vec<Option<Tensor>>, root: Option<usize>) -> Result<Vec<Option<Tensor>>> {
+        self.collective.gather_owned(self.rank, mine, &self.sizes, root)
+    }
+
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.collective.all_gather_bytes(self.rank, bytes)
+    }
 }
 
 /// Handles that every rank waits for: the first rank to arrive waits, the others find them done.
@@ -143,7 +179,12 @@ impl WorkerGroup {
                 .clone();
             let (build, mesh_name) = (build.clone(), id.to_string());
             let actor = Actor::spawn(&format!("oxrl-{id}-{i}"), threads, move || {
-                let worker = build(coord)?;
+                let mut worker = build(coord)?;
+                let mode = worker.config().sharding;
+                if mode.is_sharded() {
+                    // Over the data-parallel group: the ranks sharing this rank's (tp, sp, pp).
+                    worker.shard(ShardPlan::new(mode, coord.dp, shape.dp, &worker.param_sizes()))?;
+                }
                 let mut registry = MeshRegistry::default();
                 let info = registry.register(&mesh_name, &shape, coord)?;
                 let local_rank = coord.dp - first_local;
@@ -160,14 +201,17 @@ impl WorkerGroup {
             .map_err(|e| Error::Other(format!("model `{id}`, rank {i}: {e}")))?;
             ranks.push(actor);
         }
-        Ok(WorkerGroup {
+        let mut group = WorkerGroup {
             id: id.to_string(),
             shape,
             processes: world.size(),
             ranks,
             order: Mutex::new(()),
             staged_real: Mutex::new(BTreeMap::new()),
-        })
+            sharded: false,
+        };
+        group.sharded = group.inspect(|w| w.shard_plan().is_some())?.into_iter().any(|s| s);
+        Ok(group)
     }
 
     pub fn id(&self) -> &str {
@@ -322,18 +366,23 @@ impl WorkerGroup {
         })
     }
 
-    /// All-reduces gradients (SUM over dp) and applies AdamW on every rank; the handle yields
-    /// the pre-clip global gradient norm.
+    /// All-reduces gradients (SUM over dp) and applies AdamW on every rank — or, sharded, each
+    /// rank updates the parameters it owns and the group gathers them; the handle yields the
+    /// pre-clip global gradient norm.
     pub fn submit_optim_step(&self, params: AdamParams) -> Handle<f64> {
         self.submit_each(
             move |s| {
                 let (collective, rank) = (s.collective.clone(), s.local_rank);
-                let reduced = s.worker.reduce_gradients(|g| collective.all_reduce_sum(rank, g));
-                if let Err(e) = &reduced {
+                let stepped = if s.worker.shard_plan().is_some() {
+                    let ex = GroupExchange::of(s);
+                    s.worker.optim_step_sharded(&params, &ex)
+                } else {
+                    s.worker.reduce_gradients(|g| collective.all_reduce_sum(rank, g)).and_then(|_| s.worker.optim_step(&params))
+                };
+                if let Err(e) = &stepped {
                     s.collective.abort(&format!("rank {rank}: {e}"));
                 }
-                reduced?;
-                s.worker.optim_step(&params)
+                stepped
             },
             |norms: Vec<f64>| Ok(norms[0]),
         )
@@ -357,12 +406,20 @@ impl WorkerGroup {
         )
     }
 
-    /// Writes the training state (from dp rank 0).
+    /// Writes the training state (from dp rank 0; sharded, every rank sends its slice of the
+    /// optimizer state there first).
     pub fn submit_save_state(&self, dir: &Path) -> Handle<()> {
+        let dir = dir.to_path_buf();
+        if self.sharded {
+            let write = crate::world::is_writer();
+            return self.submit_unit(move |s| {
+                let ex = GroupExchange::of(s);
+                s.worker.save_state_sharded(&dir, write && s.info.collect, &ex)
+            });
+        }
         if !crate::world::is_writer() {
             return Handle::ready(Ok(())); // process 0 writes the checkpoint
         }
-        let dir = dir.to_path_buf();
         self.submit_on_rank0(move |s| s.worker.save_state(&dir))
     }
 

@@ -211,7 +211,11 @@ impl RunDir {
     pub fn save_checkpoint<S: Serialize>(&self, dispatch: &Dispatch, state: &TrainerState<S>) -> Result<PathBuf> {
         let dir = self.root.join(CHECKPOINTS).join(format!("step_{:06}", state.step));
         if self.metrics.is_none() {
-            return Ok(dir); // process 0 writes it
+            // Process 0 writes it; the others send it their slices of a sharded model's state.
+            for id in &self.models {
+                dispatch.save_state(id, &dir.join(id))?;
+            }
+            return Ok(dir);
         }
         write_dir_atomically(&dir, |tmp| {
             for id in &self.models {

@@ -94,8 +94,13 @@ impl Moments {
 
 /// Global L2 norm of the gradients, in f64.
 pub fn global_norm(grads: &[&Tensor]) -> Result<f64> {
+    Ok(norm_of_squares(&square_sums(grads)?))
+}
+
+/// Σ g² of each gradient, in f64 (one host transfer for all of them).
+pub fn square_sums(grads: &[&Tensor]) -> Result<Vec<f64>> {
     if grads.is_empty() {
-        return Ok(0.0);
+        return Ok(vec![]);
     }
     let square_sum = |g: &Tensor| -> Result<Tensor> {
         match super::adamw_fused::sum_squares(g)? {
@@ -104,9 +109,15 @@ pub fn global_norm(grads: &[&Tensor]) -> Result<f64> {
         }
     };
     let squares = grads.iter().map(|g| square_sum(g)).collect::<Result<Vec<_>>>()?;
-    // One host transfer for all parameters.
-    let total: f64 = Tensor::stack(&squares, 0)?.to_vec1::<f64>()?.iter().sum();
-    Ok(total.sqrt())
+    Ok(Tensor::stack(&squares, 0)?.to_vec1::<f64>()?)
+}
+
+/// The L2 norm from the gradients' [`square_sums`], added in parameter order.
+pub fn norm_of_squares(squares: &[f64]) -> f64 {
+    if squares.is_empty() {
+        return 0.0;
+    }
+    squares.iter().sum::<f64>().sqrt()
 }
 
 /// The factor torch's `clip_grad_norm_` multiplies the gradients by.

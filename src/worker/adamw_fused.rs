@@ -126,7 +126,10 @@ impl candle_core::CustomOp1 for SumSquares {
         dispatch_real!(s, T => {
             let x = data::<T>(s, l)?;
             // Eight partial sums per chunk: one chained f64 sum is bound by the add latency.
-            let total: f64 = x
+            // The chunks' sums are added in chunk order (not by rayon's reduction tree, which
+            // follows work stealing), so the norm is the same bits at any thread count and on
+            // whichever rank computes it.
+            let partials: Vec<f64> = x
                 .par_chunks(CHUNK)
                 .map(|c| {
                     let mut acc = [0f64; 8];
@@ -140,7 +143,8 @@ impl candle_core::CustomOp1 for SumSquares {
                     let tail: f64 = lanes.remainder().iter().map(|&v| v.to_f64() * v.to_f64()).sum();
                     acc.iter().sum::<f64>() + tail
                 })
-                .sum();
+                .collect();
+            let total: f64 = partials.iter().sum();
             Ok((CpuStorage::F64(vec![total]), Shape::from(1)))
         })
     }

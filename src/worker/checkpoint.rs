@@ -16,9 +16,14 @@
 //! existing checkpoint of the same name is first renamed aside and removed after the swap, so a
 //! crash leaves either the old or the new complete checkpoint (in the worst case under the
 //! aside name), never a half one. Accumulated gradients are not saved; loading drops them.
+//!
+//! A sharded worker's state is saved through its group (`super::sharded_step`): the owners'
+//! moments and masters are gathered and written in the same layout, so a checkpoint does not
+//! depend on the sharding or the rank count that wrote it; loading keeps the owned part.
 
 use std::path::Path;
 
+use candle_core::Tensor;
 use serde_json::{json, Value};
 
 use super::adamw::{state_dtype, Moments};
@@ -43,12 +48,28 @@ fn moment_name(kind: &str, param: &str) -> String {
 impl Worker {
     /// Writes the full training state to `dir` (atomically, see the module documentation).
     pub fn save_state(&self, dir: &Path) -> Result<()> {
+        if self.shard.is_some() {
+            return Err(Error::Other(
+                "a sharded worker holds a slice of the optimizer state: save through its group".into(),
+            ));
+        }
+        self.write_state(dir, &self.moments, self.masters.as_deref())
+    }
+
+    /// Writes the state with these moments and masters (by parameter: this worker's own, or
+    /// the ones a sharded group gathered).
+    pub(super) fn write_state(
+        &self,
+        dir: &Path,
+        moments: &[Option<Moments>],
+        masters: Option<&[Option<Tensor>]>,
+    ) -> Result<()> {
         write_dir_atomically(dir, |tmp| {
             self.write_params(tmp)?;
             let path = tmp.join(OPTIMIZER_FILE);
             let mut optimizer = NamedTensors::new(&path);
             let mut param_steps = serde_json::Map::new();
-            for ((name, _), moments) in self.params.iter().zip(&self.moments) {
+            for ((name, _), moments) in self.params.iter().zip(moments) {
                 if let Some(m) = moments {
                     for (kind, t) in MOMENTS.iter().zip([&m.exp_avg, &m.exp_avg_sq]) {
                         optimizer.insert(moment_name(kind, name), t.clone())?;
@@ -57,10 +78,11 @@ impl Worker {
                 }
             }
             optimizer.save_file(&path)?;
-            if let Some(masters) = &self.masters {
+            if let Some(masters) = masters {
                 let path = tmp.join(MASTER_FILE);
                 let mut tensors = NamedTensors::new(&path);
                 for ((name, _), m) in self.params.iter().zip(masters) {
+                    let m = m.as_ref().ok_or_else(|| Error::Other(format!("no master weight of `{name}` to save")))?;
                     tensors.insert(name.clone(), m.clone())?;
                 }
                 tensors.save_file(&path)?;
@@ -146,7 +168,7 @@ impl Worker {
                     None => stored,
                 };
                 let value = master.to_dtype(p.dtype())?;
-                masters.push(master);
+                masters.push(Some(master));
                 value
             } else {
                 tensors.take(name, p.dims(), p.dtype())?
@@ -178,6 +200,7 @@ impl Worker {
         self.step = step;
         self.rng = rng;
         self.zero_grad();
+        self.drop_unowned_state();
         Ok(())
     }
 

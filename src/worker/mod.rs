@@ -28,6 +28,8 @@ pub mod packing;
 pub mod placement;
 pub mod rng;
 pub mod schedule;
+mod sharded_step;
+pub mod sharding;
 pub mod value_head;
 #[allow(clippy::module_inception)] // `Worker` in worker.rs: the file named for what it holds
 mod worker;
@@ -36,5 +38,7 @@ pub mod worker_config;
 pub use adamw::AdamParams;
 pub use batch::{Datum, LossFnInputs, LossFnOutput};
 pub use schedule::LrSchedule;
+pub use sharded_step::RankExchange;
+pub use sharding::{ShardPlan, Sharding};
 pub use worker::{ForwardBackwardOutput, Worker};
 pub use worker_config::WorkerConfig;

@@ -25,7 +25,7 @@ use crate::{Error, Result};
 #[derive(Debug, Default)]
 pub struct HostCopy {
     params: Option<Vec<Tensor>>,
-    masters: Option<Vec<Tensor>>,
+    masters: Option<Vec<Option<Tensor>>>,
     grads: Option<Vec<Option<Tensor>>>,
     moments: Option<Vec<Option<Moments>>>,
 }
@@ -46,17 +46,7 @@ impl Worker {
     /// Parameters without a gradient contribute zeros, so every rank passes the same shapes.
     pub fn reduce_gradients(&mut self, reduce: impl FnOnce(Vec<Tensor>) -> Result<Vec<Tensor>>) -> Result<()> {
         self.check_resident()?;
-        let mut local = Vec::with_capacity(self.params.len());
-        for (i, (_, var)) in self.params.iter().enumerate() {
-            local.push(match self.grads[i].take() {
-                Some(g) => g,
-                // In the accumulators' dtype (f32 under mixed precision), so that ranks add up.
-                None => match &self.masters {
-                    Some(m) => m[i].zeros_like()?,
-                    None => var.as_tensor().zeros_like()?,
-                },
-            });
-        }
+        let local = self.take_local_gradients()?;
         let reduced = reduce(local)?;
         if reduced.len() != self.params.len() {
             return Err(Error::Other(format!(
@@ -87,7 +77,7 @@ impl Worker {
         let params: usize = self.params.iter().map(|(_, v)| bytes(v.as_tensor())).sum();
         let grads: usize = self.grads.iter().flatten().map(bytes).sum();
         let moments: usize = self.moments.iter().flatten().map(|m| bytes(&m.exp_avg) + bytes(&m.exp_avg_sq)).sum();
-        let masters: usize = self.masters.iter().flatten().map(bytes).sum();
+        let masters: usize = self.masters.iter().flatten().flatten().map(bytes).sum();
         params + grads + moments + masters
     }
 
@@ -103,7 +93,7 @@ impl Worker {
             host.params = Some(params);
             host.grads = Some(grads);
             host.masters = match self.masters.take() {
-                Some(m) => Some(m.iter().map(to_host).collect::<Result<Vec<_>>>()?),
+                Some(m) => Some(m.iter().map(|t| t.as_ref().map(to_host).transpose()).collect::<Result<Vec<_>>>()?),
                 None => None,
             };
             self.offloaded = true;
@@ -139,7 +129,9 @@ impl Worker {
                 self.grads =
                     grads.into_iter().map(|g| g.map(|g| to_device(g, &device)).transpose()).collect::<Result<_>>()?;
                 self.masters = match host.masters.take() {
-                    Some(m) => Some(m.into_iter().map(|t| to_device(t, &device)).collect::<Result<Vec<_>>>()?),
+                    Some(m) => Some(
+                        m.into_iter().map(|t| t.map(|t| to_device(t, &device)).transpose()).collect::<Result<Vec<_>>>()?,
+                    ),
                     None => None,
                 };
                 self.offloaded = false;

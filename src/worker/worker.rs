@@ -20,6 +20,7 @@ use super::micro_batch::{apply_loss, model_outputs, split};
 use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
+use super::sharding::ShardPlan;
 use super::value_head::ValueHead;
 use super::worker_config::WorkerConfig;
 use crate::algo::{Loss, Metrics};
@@ -48,8 +49,12 @@ pub struct Worker {
     /// AdamW moments per parameter, created at its first update.
     pub(super) moments: Vec<Option<Moments>>,
     /// Mixed precision: the f32 master of each parameter (the parameter is its rounding), and
-    /// the accumulators are f32. `None`: the parameters are their own masters.
-    pub(super) masters: Option<Vec<Tensor>>,
+    /// the accumulators are f32; `None` for a parameter another rank owns (sharding). `None`
+    /// as a whole: the parameters are their own masters.
+    pub(super) masters: Option<Vec<Option<Tensor>>>,
+    /// Sharded: the parameters this rank owns, the only ones it keeps optimizer state for and
+    /// updates ([`super::sharded_step`]). `None`: it updates every parameter.
+    pub(super) shard: Option<ShardPlan>,
     /// Optimizer steps applied.
     pub(super) step: u64,
     pub(super) rng: WorkerRng,
@@ -85,7 +90,11 @@ impl Worker {
             None
         };
         let n = params.len();
-        let masters = if keeps_masters(model.dtype, &config) { Some(masters_of(&params)?) } else { None };
+        let masters = if keeps_masters(model.dtype, &config) {
+            Some(masters_of(&params)?.into_iter().map(Some).collect())
+        } else {
+            None
+        };
         Ok(Worker {
             model,
             config,
@@ -94,6 +103,7 @@ impl Worker {
             grads: vec![None; n],
             moments: vec![None; n],
             masters,
+            shard: None,
             step: 0,
             rng,
             offloaded: false,
@@ -124,10 +134,16 @@ impl Worker {
         self.moments[i].as_ref()
     }
 
-    /// The f32 master weights by parameter (mixed precision), in [`Worker::params`] order;
-    /// `None` when the parameters are their own masters (an f32 model, or `master_weights` off).
-    pub fn master_weights(&self) -> Option<&[Tensor]> {
+    /// The f32 master weights by parameter (mixed precision), in [`Worker::params`] order
+    /// (`None` for a parameter another rank owns); `None` as a whole when the parameters are
+    /// their own masters (an f32 model, or `master_weights` off).
+    pub fn master_weights(&self) -> Option<&[Option<Tensor>]> {
         self.masters.as_deref()
+    }
+
+    /// The parameters this rank owns under sharding (`None`: unsharded, it updates them all).
+    pub fn shard_plan(&self) -> Option<&ShardPlan> {
+        self.shard.as_ref()
     }
 
     /// Optimizer steps applied so far.
@@ -291,23 +307,34 @@ impl Worker {
             return Ok(norm);
         }
         let coef = clip_coefficient(norm, params.grad_clip_norm);
-        for (i, (_, var)) in self.params.iter().enumerate() {
-            let Some(grad) = self.grads[i].take() else { continue };
-            let grad = if coef < 1.0 { (grad * coef)? } else { grad };
-            if self.moments[i].is_none() {
-                self.moments[i] = Some(Moments::zeros(var.as_tensor())?);
-            }
-            let state = self.moments[i].as_mut().expect("just set");
-            match self.masters.as_mut() {
-                Some(masters) => {
-                    masters[i] = adamw::step_value(&masters[i], &grad, state, params)?;
-                    var.set(&masters[i].to_dtype(var.dtype())?)?;
-                }
-                None => adamw::update(var, &grad, state, params)?,
+        for i in 0..self.params.len() {
+            if let Some(grad) = self.grads[i].take() {
+                self.update_param(i, grad, coef, params)?;
             }
         }
         self.step += 1;
         self.zero_grad();
         Ok(norm)
+    }
+
+    /// AdamW on parameter `i` with its summed gradient times the clip coefficient `coef`.
+    pub(super) fn update_param(&mut self, i: usize, grad: Tensor, coef: f64, params: &AdamParams) -> Result<()> {
+        let var = &self.params[i].1;
+        let grad = if coef < 1.0 { (grad * coef)? } else { grad };
+        if self.moments[i].is_none() {
+            self.moments[i] = Some(Moments::zeros(var.as_tensor())?);
+        }
+        let state = self.moments[i].as_mut().expect("just set");
+        match self.masters.as_mut() {
+            Some(masters) => {
+                let master = masters[i]
+                    .as_mut()
+                    .ok_or_else(|| Error::Other(format!("no master weight of `{}` on this rank", self.params[i].0)))?;
+                *master = adamw::step_value(master, &grad, state, params)?;
+                var.set(&master.to_dtype(var.dtype())?)?;
+            }
+            None => adamw::update(var, &grad, state, params)?,
+        }
+        Ok(())
     }
 }

@@ -1,6 +1,7 @@
 //! [`WorkerConfig`]: how one worker trains (every weight or LoRA adapters, its seed, a critic
-//! head, micro-batch limits, master weights, activation checkpointing), with its defaults.
+//! head, micro-batch limits, master weights, activation checkpointing, sharding), with its defaults.
 
+use super::sharding::Sharding;
 use crate::model::lora::LoraConfig;
 
 /// How a [`super::Worker`] trains. `Default`: full fine-tuning, seed 0, no critic head, the
@@ -29,6 +30,9 @@ pub struct WorkerConfig {
     /// backward recomputes the layer from it ([`crate::model::tape::Keep::LayerInputs`]); the
     /// gradients are the same bits. The CPU tape only: other devices refuse it. Default `false`.
     pub activation_checkpointing: bool,
+    /// What this worker keeps of the training state when it is one of several data-parallel
+    /// ranks ([`Sharding`]); dispatch gives it its [`super::ShardPlan`]. Default `none`.
+    pub sharding: Sharding,
 }
 
 impl Default for WorkerConfig {
@@ -41,6 +45,7 @@ impl Default for WorkerConfig {
             max_tokens_per_microbatch: None,
             master_weights: true,
             activation_checkpointing: false,
+            sharding: Sharding::None,
         }
     }
 }

@@ -123,6 +123,14 @@ impl MpiWorld {
     }
 }
 
+/// `len` zero bytes in an allocated buffer, also when `len` is 0: an empty `Vec`'s dangling
+/// pointer is 1, which Open MPI reads as `MPI_IN_PLACE` and refuses.
+fn zeroed(len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len.max(1));
+    v.resize(len, 0);
+    v
+}
+
 impl World for MpiWorld {
     fn rank(&self) -> usize {
         self.rank
@@ -143,11 +151,12 @@ impl World for MpiWorld {
         for r in 0..rounds(lens.iter().copied().max().unwrap_or(0), bucket) {
             let counts: Vec<Count> = lens.iter().map(|&n| piece(n, r, bucket) as Count).collect();
             let displs = offsets(&counts);
-            let mut recv = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
-            let mine = &bytes[(r * bucket).min(bytes.len())..][..piece(bytes.len(), r, bucket)];
+            let mut recv = zeroed(counts.iter().map(|&c| c as usize).sum());
+            let mut mine = zeroed(0);
+            mine.extend_from_slice(&bytes[(r * bucket).min(bytes.len())..][..piece(bytes.len(), r, bucket)]);
             {
                 let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
-                world.all_gather_varcount_into(mine, &mut partition);
+                world.all_gather_varcount_into(&mine[..], &mut partition);
             }
             for (p, o) in out.iter_mut().enumerate() {
                 o.extend_from_slice(&recv[displs[p] as usize..][..counts[p] as usize]);
@@ -177,11 +186,11 @@ impl World for MpiWorld {
             let send_counts: Vec<Count> = send_lens.iter().map(|&n| piece(n, r, bucket) as Count).collect();
             let recv_counts: Vec<Count> = recv_lens.iter().map(|&n| piece(n, r, bucket) as Count).collect();
             let (send_displs, recv_displs) = (offsets(&send_counts), offsets(&recv_counts));
-            let mut send = Vec::with_capacity(send_counts.iter().map(|&c| c as usize).sum());
+            let mut send = zeroed(0);
             for (p, part) in parts.iter().enumerate() {
                 send.extend_from_slice(&part[(r * bucket).min(part.len())..][..send_counts[p] as usize]);
             }
-            let mut recv = vec![0u8; recv_counts.iter().map(|&c| c as usize).sum()];
+            let mut recv = zeroed(recv_counts.iter().map(|&c| c as usize).sum());
             {
                 let send = Partition::new(&send[..], &send_counts[..], &send_displs[..]);
                 let mut recv = PartitionMut::new(&mut recv[..], &recv_counts[..], &recv_displs[..]);

@@ -1,5 +1,5 @@
 //! SFT over several processes under `mpirun` (the cargo feature `mpi`): the same parameters, bit
-//! for bit, as the same data-parallel ranks as threads of one process; a bit-exact resume after
+//! for bit, as the same data-parallel ranks as threads of one process, sharded or not; a bit-exact resume after
 //! a kill, under mpirun or as threads of one process; a killed process ends the run instead of
 //! hanging it. The processes are spawned by
 //! this test binary, so the runner counts these tests.
@@ -83,6 +83,41 @@ fn two_processes_train_what_two_threads_do() {
     for (x, y) in a.iter().zip(&b) {
         assert_eq!((&x["loss"], &x["grad_norm"]), (&y["loss"], &y["grad_norm"]));
     }
+}
+
+/// Sharding across processes: `mpirun -np 2` under `gradients` and `-np 3` under `optimizer`
+/// end with the parameters (and losses, gradient norms) of the same ranks unsharded as threads
+/// of one process, bit for bit, the norm clipped; the checkpoints the sharded processes wrote
+/// (the optimizer state gathered to process 0) resume as unsharded threads to the same end.
+#[test]
+fn sharded_processes_train_what_unsharded_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), 3);
+    let clip = "optimizer.grad_clip_norm=0.05";
+    let model = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
+    for (np, mode) in [(2, "gradients"), (3, "optimizer")] {
+        let (mpi, threads) = (format!("output.run_dir=\"mpi{np}\""), format!("output.run_dir=\"dp{np}\""));
+        ok(mpirun(np, &config, &[&mpi, &format!("train.sharding=\"{mode}\""), clip]).output().unwrap());
+        oxrl_sft(&config, &[&threads, &format!("train.data_parallel={np}"), clip]);
+        assert!(model(&format!("mpi{np}")) == model(&format!("dp{np}")), "mpirun -np {np} under {mode} differs");
+        let lines = |run: String| std::fs::read_to_string(dir.path().join(run).join("metrics.jsonl")).unwrap();
+        let norms = |text: String| -> Vec<(serde_json::Value, serde_json::Value)> {
+            text.lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+                .map(|v| (v["loss"].clone(), v["grad_norm"].clone()))
+                .collect()
+        };
+        assert_eq!(norms(lines(format!("mpi{np}"))), norms(lines(format!("dp{np}"))), "{mode} at {np}");
+    }
+    // Resume the -np 2 run from its step-2 checkpoint as two unsharded threads.
+    let (from, to) = (dir.path().join("mpi2"), dir.path().join("resumed"));
+    assert!(Command::new("cp").arg("-r").arg(&from).arg(&to).status().unwrap().success());
+    std::fs::remove_dir_all(to.join("checkpoints/step_000003")).unwrap();
+    std::fs::remove_dir_all(to.join("final")).unwrap();
+    let mut c = common::oxrl_command();
+    c.current_dir(dir.path()).args(["sft", "--resume", "--config"]).arg(&config);
+    ok(c.args(["--set", "output.run_dir=\"resumed\"", "--set", "train.data_parallel=2", "--set", clip]).output().unwrap());
+    assert!(model("resumed") == model("dp2"), "the sharded checkpoint resumed unsharded differs");
 }
 
 /// The oxrl processes mpirun started (its children), once there are `n`.

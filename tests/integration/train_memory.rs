@@ -2,15 +2,19 @@
 //! `launch.activation_checkpointing` for RL): a run with them ends with the same exported weights,
 //! byte for byte, and the same metrics (every key but the timings and the memory) as the run
 //! without, on 2 in-process data-parallel ranks; and the metrics lines report `peak_rss_gb`.
-//! `train.sharding` / `launch.sharding`: an unknown name gets the nearest one, and a mode the
-//! workers do not serve yet is refused at load, naming the key and what is missing.
+//! `train.sharding` / `launch.sharding`: `optimizer` and `gradients` end with the weights and
+//! metrics of `none`, bit for bit, at 2 and 3 ranks, each rank holding about 1/N of the optimizer
+//! state; checkpoints resume under another sharding; an unknown name gets the nearest one, and
+//! `full` is refused at load, naming the key and what is missing.
 
 use crate::common;
 
 use std::path::Path;
 
 use common::fixture_dir;
+use oxrl::dispatch::Dispatch;
 use oxrl::launch::{rl_runtime, sft_dispatch};
+use oxrl::trainer::model_ids::POLICY;
 use oxrl::trainer::rl::run_rl;
 use oxrl::trainer::run_dir::EXPORT_DIR;
 use oxrl::trainer::{RlConfig, RunOptions, SftConfig};
@@ -45,6 +49,12 @@ fn outcome(run: &Path, weights: &str) -> (Vec<Value>, Vec<u8>) {
 }
 
 fn sft(dir: &Path, name: &str, lora: bool, extra: &[&str]) -> (Vec<Value>, Vec<u8>) {
+    sft_with(dir, name, lora, extra, &RunOptions::default()).0
+}
+
+/// An SFT run of 3 steps on 2 in-process ranks (unless `extra` says otherwise): its outcome
+/// and its dispatch (the workers as they ended).
+fn sft_with(dir: &Path, name: &str, lora: bool, extra: &[&str], opts: &RunOptions) -> ((Vec<Value>, Vec<u8>), Dispatch) {
     let data = dir.join("data.jsonl");
     std::fs::write(&data, ROWS.join("\n") + "\n").unwrap();
     let run = dir.join(name);
@@ -65,8 +75,11 @@ fn sft(dir: &Path, name: &str, lora: bool, extra: &[&str]) -> (Vec<Value>, Vec<u
     sets.extend(extra.iter().map(|s| s.to_string()));
     let cfg = SftConfig::load(None, &sets).unwrap();
     let dispatch = sft_dispatch(&cfg, Some(1)).unwrap();
-    oxrl::trainer::sft::run_sft(&cfg, &dispatch, &RunOptions::default()).unwrap();
-    outcome(&run, if lora { "adapter_model.safetensors" } else { "model.safetensors" })
+    oxrl::trainer::sft::run_sft(&cfg, &dispatch, opts).unwrap();
+    if opts.stop_after.is_some() {
+        return ((vec![], vec![]), dispatch);
+    }
+    (outcome(&run, if lora { "adapter_model.safetensors" } else { "model.safetensors" }), dispatch)
 }
 
 fn grpo(dir: &Path, name: &str, extra: &[&str]) -> (Vec<Value>, Vec<u8>) {
@@ -118,6 +131,100 @@ fn grpo_with_activation_checkpointing_ends_bit_identical() {
     assert!(w0 == w1, "exported weights differ");
 }
 
+/// Every sharding mode ends where `none` does, bit for bit: full fine-tuning and LoRA in f32,
+/// and a bf16 model (sliced f32 masters), with the gradient norm clipped (so the norm, gathered
+/// from the owners, decides every update); 2 and 3 ranks.
+#[test]
+fn sft_sharded_ends_bit_identical() {
+    let cases: &[(bool, &[&str])] = &[
+        (false, &["optimizer.grad_clip_norm=0.05"]),
+        (true, &["optimizer.grad_clip_norm=0.05"]),
+        (false, &["model.dtype=\"bf16\"", "optimizer.grad_clip_norm=0.05"]),
+        (false, &["train.data_parallel=3", "optimizer.grad_clip_norm=0.05"]),
+    ];
+    for (lora, extra) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let (m0, w0) = sft(dir.path(), "none", *lora, extra);
+        assert_eq!(m0.len(), 3);
+        for mode in ["optimizer", "gradients"] {
+            let setting = format!("train.sharding=\"{mode}\"");
+            let sets: Vec<&str> = extra.iter().copied().chain([setting.as_str()]).collect();
+            let (m1, w1) = sft(dir.path(), mode, *lora, &sets);
+            assert_eq!(m0, m1, "{mode}, lora {lora}, {extra:?}: metrics");
+            assert!(w0 == w1, "{mode}, lora {lora}, {extra:?}: exported weights differ");
+        }
+    }
+}
+
+/// Each rank keeps the moments of about 1/N of the parameters (N = 2, 3), and all of them
+/// together are exactly the unsharded rank's.
+#[test]
+fn sharded_ranks_hold_their_share_of_the_optimizer_state() {
+    let moment_bytes = |d: &Dispatch| -> Vec<usize> {
+        d.model(POLICY)
+            .unwrap()
+            .inspect(|w| {
+                w.params()
+                    .iter()
+                    .filter_map(|(n, _)| w.moments(n))
+                    .map(|m| (m.exp_avg.elem_count() + m.exp_avg_sq.elem_count()) * 4)
+                    .sum()
+            })
+            .unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (_, none) = sft_with(dir.path(), "none", false, &["train.max_steps=1"], &RunOptions::default());
+    let whole = moment_bytes(&none)[0];
+    assert!(moment_bytes(&none).iter().all(|&b| b == whole) && whole > 0);
+    for n in [2, 3] {
+        for mode in ["optimizer", "gradients"] {
+            let sets = [format!("train.data_parallel={n}"), format!("train.sharding=\"{mode}\""), "train.max_steps=1".into()];
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+            let (_, d) = sft_with(dir.path(), &format!("{mode}{n}"), false, &sets, &RunOptions::default());
+            let per_rank = moment_bytes(&d);
+            assert_eq!(per_rank.len(), n);
+            assert_eq!(per_rank.iter().sum::<usize>(), whole, "{mode} at {n}: the slices do not add up");
+            for (r, b) in per_rank.iter().enumerate() {
+                let share = *b as f64 / (whole as f64 / n as f64);
+                assert!((0.9..=1.1).contains(&share), "{mode} at {n}: rank {r} holds {share:.3} of its 1/N share");
+            }
+        }
+    }
+}
+
+/// A checkpoint does not depend on the layout that wrote it: a run stopped at step 2 under one
+/// sharding and resumed under another ends where the uninterrupted `none` run does.
+#[test]
+fn checkpoints_resume_across_shardings() {
+    let dir = tempfile::tempdir().unwrap();
+    let every = ["train.checkpoint_every=1", "model.dtype=\"bf16\""];
+    let (m0, w0) = sft(dir.path(), "straight", false, &every);
+    for (first, then) in [("gradients", "none"), ("none", "optimizer"), ("optimizer", "gradients")] {
+        let name = format!("{first}-{then}");
+        let with = |mode: &str| -> Vec<String> {
+            every.iter().map(|s| s.to_string()).chain([format!("train.sharding=\"{mode}\"")]).collect()
+        };
+        let (a, b) = (with(first), with(then));
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let b: Vec<&str> = b.iter().map(String::as_str).collect();
+        sft_with(dir.path(), &name, false, &a, &RunOptions { stop_after: Some(2), ..Default::default() });
+        let ((m1, w1), _) = sft_with(dir.path(), &name, false, &b, &RunOptions { resume: true, ..Default::default() });
+        assert_eq!(m0[2], m1[m1.len() - 1], "{first} then {then}: the last step's metrics");
+        assert!(w0 == w1, "{first} then {then}: the resumed run's weights differ");
+    }
+}
+
+#[test]
+fn grpo_sharded_ends_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m0, w0) = grpo(dir.path(), "plain", &[]);
+    for mode in ["optimizer", "gradients"] {
+        let (m1, w1) = grpo(dir.path(), mode, &[&format!("launch.sharding=\"{mode}\"")]);
+        assert_eq!(m0, m1, "{mode}: metrics");
+        assert!(w0 == w1, "{mode}: exported weights differ");
+    }
+}
+
 #[test]
 fn sharding_names_are_checked_and_unserved_modes_refused() {
     let sft = |value: &str| {
@@ -132,18 +239,17 @@ fn sharding_names_are_checked_and_unserved_modes_refused() {
         let sets = ["model.path=\"m\"".to_string(), format!("launch.sharding=\"{value}\"")];
         RlConfig::load(None, &sets).map(|c| c.launch.sharding.name()).map_err(|e| e.to_string())
     };
-    assert_eq!(sft("none"), Ok("none"));
-    assert_eq!(rl("none"), Ok("none"));
+    for mode in ["none", "optimizer", "gradients"] {
+        assert_eq!(sft(mode), Ok(mode));
+        assert_eq!(rl(mode), Ok(mode));
+    }
     for (load, key) in
         [(&sft as &dyn Fn(&str) -> Result<&'static str, String>, "train.sharding"), (&rl, "launch.sharding")]
     {
         let e = load("optimiser").unwrap_err();
         assert!(e.contains(key) && e.contains("did you mean `optimizer`?"), "{e}");
-        for mode in ["optimizer", "gradients", "full"] {
-            let e = load(mode).unwrap_err();
-            assert!(e.contains(key) && e.contains(&format!("sharding = \"{mode}\" is not available yet")), "{e}");
-        }
         let e = load("full").unwrap_err();
+        assert!(e.contains(key) && e.contains("sharding = \"full\" is not available yet"), "{e}");
         assert!(e.contains("gather each layer's parameters"), "{e}");
     }
 }

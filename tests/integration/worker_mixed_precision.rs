@@ -6,7 +6,7 @@
 
 use crate::common;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use common::*;
 use oxrl::model::Transformer;
 use oxrl::worker::mixed_precision::MASTER_FILE;
@@ -52,6 +52,11 @@ fn train(w: &mut Worker, steps: usize, p: &AdamParams) -> Vec<f64> {
     losses
 }
 
+/// The worker's f32 masters, every parameter's (an unsharded worker keeps them all).
+fn masters(w: &Worker) -> Vec<Tensor> {
+    w.master_weights().unwrap().iter().map(|m| m.clone().expect("an unsharded worker keeps every master")).collect()
+}
+
 #[test]
 fn bf16_mixed_precision_tracks_f32_after_20_steps() {
     let p = params();
@@ -65,7 +70,7 @@ fn bf16_mixed_precision_tracks_f32_after_20_steps() {
     assert!(f32_losses[0] - f > 0.5, "f32 training barely moved: {f32_losses:?}");
     assert!((m - f).abs() < 1e-2, "bf16 mixed {m} vs f32 {f}: |Δ| = {}", (m - f).abs());
     // The masters are f32 and the parameters are exactly their bf16 rounding.
-    for ((name, var), master) in mixed.params().iter().zip(mixed.master_weights().unwrap()) {
+    for ((name, var), master) in mixed.params().iter().zip(masters(&mixed)) {
         assert_eq!((var.dtype(), master.dtype()), (DType::BF16, DType::F32), "{name}");
         let rounded = master.to_dtype(DType::BF16).unwrap();
         assert_eq!(max_abs_diff(&rounded, var.as_tensor()), 0.0, "{name}");
@@ -98,8 +103,8 @@ fn mixed_precision_checkpoint_resumes_exactly_from_f32_masters() {
     assert!(dir.path().join(MASTER_FILE).exists());
     let mut b = worker(DType::BF16, true);
     b.load_state(dir.path()).unwrap();
-    for (x, y) in a.master_weights().unwrap().iter().zip(b.master_weights().unwrap()) {
-        assert_eq!(max_abs_diff(x, y), 0.0);
+    for (x, y) in masters(&a).iter().zip(masters(&b)) {
+        assert_eq!(max_abs_diff(x, &y), 0.0);
     }
     let (la, lb) = (train(&mut a, 2, &p), train(&mut b, 2, &p));
     assert_eq!(la, lb, "a resumed mixed-precision run must continue bit-for-bit");
@@ -122,21 +127,20 @@ fn lora_adapters_get_masters_and_survive_offload() {
     let model = Transformer::load(&fixture_dir("qwen3"), DType::BF16, &Device::Cpu).unwrap();
     let lora = Some(LoraConfig::new(4, 8.0, &["all-linear"]));
     let mut w = Worker::new(model, WorkerConfig { lora, ..Default::default() }).unwrap();
-    let masters = w.master_weights().unwrap();
-    assert_eq!(masters.len(), w.params().len());
+    let before = masters(&w);
+    assert_eq!(before.len(), w.params().len());
     assert!(w.params().iter().all(|(n, _)| n.contains("lora_")), "only adapters are trained");
-    let before: Vec<_> = masters.to_vec();
     let losses = train(&mut w, 3, &params());
     assert!(losses[3] < losses[0], "{losses:?}");
-    let after = w.master_weights().unwrap().to_vec();
+    let after = masters(&w);
     assert!(before.iter().zip(&after).any(|(a, b)| max_abs_diff(a, b) > 0.0), "the masters were updated");
 
     let mut host = HostCopy::default();
     w.offload(true, true, &mut host).unwrap();
     assert!(w.master_weights().is_none(), "offloaded masters leave the device");
     w.backload(true, true, &mut host).unwrap();
-    for ((x, y), (name, var)) in after.iter().zip(w.master_weights().unwrap()).zip(w.params()) {
-        assert_eq!(max_abs_diff(x, y), 0.0, "{name}");
+    for ((x, y), (name, var)) in after.iter().zip(masters(&w)).zip(w.params()) {
+        assert_eq!(max_abs_diff(x, &y), 0.0, "{name}");
         assert_eq!(max_abs_diff(&x.to_dtype(DType::BF16).unwrap(), var.as_tensor()), 0.0, "{name}");
     }
 }
@@ -151,8 +155,8 @@ fn f32_checkpoint_gives_bf16_worker_full_precision_masters() {
     f.save_state(dir.path()).unwrap();
     let mut b = worker(DType::BF16, true);
     b.load_state(dir.path()).unwrap();
-    for (((name, fv), master), (_, bv)) in f.params().iter().zip(b.master_weights().unwrap()).zip(b.params()) {
-        assert_eq!(max_abs_diff(fv.as_tensor(), master), 0.0, "{name}");
+    for (((name, fv), master), (_, bv)) in f.params().iter().zip(masters(&b)).zip(b.params()) {
+        assert_eq!(max_abs_diff(fv.as_tensor(), &master), 0.0, "{name}");
         assert_eq!(max_abs_diff(&master.to_dtype(DType::BF16).unwrap(), bv.as_tensor()), 0.0, "{name}");
     }
 }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
 use crate::algo::{AdaptiveKlController, AdvantageKind, KlEstimator, LossReduction, ReductionKind};
-use crate::dispatch::Sharding;
+use crate::worker::Sharding;
 use crate::env::{EnvConfig, RewardConfig};
 use crate::error::unknown_name_message as unknown;
 use crate::error::{Error, Result};
@@ -461,7 +461,8 @@ pub struct LaunchSection {
     /// bit for bit. CPU only. Default `false`.
     pub activation_checkpointing: bool,
     /// How the data-parallel ranks of each trained model share its state
-    /// ([`crate::dispatch::Sharding`]): `none` (the default) only, yet.
+    /// ([`crate::worker::Sharding`]): `none` (the default), `optimizer` (ZeRO-1) or `gradients`
+    /// (ZeRO-2) — the same weights and metrics bit for bit whichever.
     pub sharding: Sharding,
     /// Engines in processes of their own (`oxrl engine`), by URL (`http://host:port`): sampling
     /// goes to them instead of `engines` engines in this process. Each must serve the model of

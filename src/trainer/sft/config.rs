@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dispatch::Sharding;
+use crate::worker::Sharding;
 use crate::error::Result;
 use crate::trainer::config_file::{ConfigPaths, Sources};
 use crate::trainer::sections::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleSection};
@@ -115,8 +115,9 @@ pub struct TrainSection {
     /// backward: less memory for one more forward, the same gradients bit for bit. CPU only.
     /// Default `false`.
     pub activation_checkpointing: bool,
-    /// How the data-parallel ranks share the model's state ([`crate::dispatch::Sharding`]):
-    /// `none` (the default) only, yet.
+    /// How the data-parallel ranks share the model's state ([`crate::worker::Sharding`]):
+    /// `none` (the default), `optimizer` (ZeRO-1) or `gradients` (ZeRO-2) — the same weights
+    /// and metrics bit for bit whichever.
     pub sharding: Sharding,
 }
 

@@ -1,0 +1,194 @@
+//! The optimizer step of a rank that owns a slice of the parameters ([`super::ShardPlan`]):
+//! ZeRO-1 (`optimizer`) and ZeRO-2 (`gradients`).
+//!
+//! ```text
+//! summed gradients   optimizer: all-reduce, then keep only the owned ones
+//!                    gradients: reduce to owners (each sum lands on its owner alone)
+//! norm               each owner's Σ g² per parameter, all-gathered, added in parameter order
+//! update             AdamW on the owned parameters (moments and masters live only there)
+//! parameters         every owner's new values all-gathered; the others are set from them
+//! ```
+//! Every step is the arithmetic of the unsharded one: the same sums in the same rank order, the
+//! same per-parameter squares added in the same order, the same update code on the same inputs.
+//! So the weights, the norm and every metric are the bits of `sharding = "none"`.
+//!
+//! Checkpoints stay layout-free: saving gathers the owners' moments and masters to rank 0,
+//! which writes them as an unsharded worker would; loading reads the whole state and keeps the
+//! owned part. A checkpoint resumes under any sharding and rank count.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use super::mixed_precision::MASTER_DTYPE;
+use super::adamw::{clip_coefficient, norm_of_squares, square_sums, AdamParams, Moments};
+use super::sharding::{ShardPlan, Sharding};
+use super::worker::Worker;
+use crate::world::{decode, encode};
+use crate::{Error, Result};
+
+/// What a sharded step exchanges with the other data-parallel ranks (dispatch serves it over
+/// its collective). Every rank calls each method at the same point with tensors of the same
+/// shapes in the same order.
+pub trait RankExchange {
+    /// The sum over every rank of each tensor, on every rank.
+    fn all_reduce(&self, tensors: Vec<Tensor>) -> Result<Vec<Tensor>>;
+    /// The sum over every rank of tensor `i`, on rank `owners[i]` only (`None` elsewhere).
+    fn reduce_to_owners(&self, tensors: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>>;
+    /// Every rank's `Some` tensors (each index `Some` on at most one rank), on every rank
+    /// (`root` `None`) or on rank `root` alone (the others get `None`s).
+    fn gather_owned(&self, mine: Vec<Option<Tensor>>, root: Option<usize>) -> Result<Vec<Option<Tensor>>>;
+    /// Every rank's bytes, in rank order.
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+}
+
+impl Worker {
+    /// Makes this worker one of `plan.ranks` ranks owning the parameters `plan` gives it: the
+    /// optimizer state of the others is dropped.
+    pub fn shard(&mut self, plan: ShardPlan) -> Result<()> {
+        if plan.owners.len() != self.params.len() {
+            return Err(Error::Other(format!(
+                "a shard plan of {} parameters for a worker of {}",
+                plan.owners.len(),
+                self.params.len()
+            )));
+        }
+        self.shard = Some(plan);
+        self.drop_unowned_state();
+        Ok(())
+    }
+
+    /// The sizes [`ShardPlan::new`] splits: each trainable parameter's element count.
+    pub fn param_sizes(&self) -> Vec<usize> {
+        self.params.iter().map(|(_, v)| v.elem_count()).collect()
+    }
+
+    /// Forgets the moments and masters of parameters another rank owns.
+    pub(super) fn drop_unowned_state(&mut self) {
+        let Some(plan) = &self.shard else { return };
+        for i in 0..self.params.len() {
+            if !plan.owns(i) {
+                self.moments[i] = None;
+                if let Some(masters) = self.masters.as_mut() {
+                    masters[i] = None;
+                }
+            }
+        }
+    }
+
+    /// Every parameter's accumulated gradient, zeros where there is none (in the accumulators'
+    /// dtype: f32 under mixed precision), so that every rank passes the same shapes.
+    pub(super) fn take_local_gradients(&mut self) -> Result<Vec<Tensor>> {
+        let mut local = Vec::with_capacity(self.params.len());
+        for (i, (_, var)) in self.params.iter().enumerate() {
+            local.push(match self.grads[i].take() {
+                Some(g) => g,
+                None => {
+                    let v = var.as_tensor();
+                    let dtype = if self.masters.is_some() { MASTER_DTYPE } else { v.dtype() };
+                    Tensor::zeros(v.shape(), dtype, v.device())?
+                }
+            });
+        }
+        Ok(local)
+    }
+
+    /// One AdamW step of a sharded rank on its accumulated gradients (see the module
+    /// documentation); returns the global gradient norm before clipping, as
+    /// [`Worker::optim_step`] does, with the same handling of a non-finite norm.
+    pub fn optim_step_sharded(&mut self, params: &AdamParams, ex: &dyn RankExchange) -> Result<f64> {
+        params.validate()?;
+        self.check_resident()?;
+        let plan = self.shard.clone().ok_or_else(|| Error::Other("optim_step_sharded on an unsharded worker".into()))?;
+        let local = self.take_local_gradients()?;
+        let owned: Vec<Option<Tensor>> = match plan.mode {
+            Sharding::Gradients => ex.reduce_to_owners(local, &plan.owners)?,
+            _ => ex.all_reduce(local)?.into_iter().enumerate().map(|(i, g)| plan.owns(i).then_some(g)).collect(),
+        };
+        if owned.len() != self.params.len() {
+            return Err(Error::Other(format!("{} summed gradients for {} parameters", owned.len(), self.params.len())));
+        }
+
+        // The norm: the owners' squares, in parameter order.
+        let mine: Vec<(usize, &Tensor)> = owned.iter().enumerate().filter_map(|(i, g)| Some((i, g.as_ref()?))).collect();
+        let squares = square_sums(&mine.iter().map(|(_, g)| *g).collect::<Vec<_>>())?;
+        let indexed: Vec<(usize, f64)> = mine.iter().map(|(i, _)| *i).zip(squares).collect();
+        let mut by_param: Vec<Option<f64>> = vec![None; self.params.len()];
+        for (rank, bytes) in ex.all_gather_bytes(encode(&indexed)?)?.iter().enumerate() {
+            let theirs: Vec<(usize, f64)> = decode(bytes)?;
+            for (i, sq) in theirs {
+                match by_param.get_mut(i) {
+                    Some(slot @ None) => *slot = Some(sq),
+                    _ => return Err(Error::Other(format!("rank {rank} sent the square sum of parameter {i} twice"))),
+                }
+            }
+        }
+        let all: Vec<f64> = by_param
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| s.ok_or_else(|| Error::Other(format!("no rank owns parameter {i}'s gradient"))))
+            .collect::<Result<_>>()?;
+        let norm = norm_of_squares(&all);
+        self.zero_grad();
+        if !norm.is_finite() {
+            return Ok(norm);
+        }
+
+        let coef = clip_coefficient(norm, params.grad_clip_norm);
+        for (i, grad) in owned.into_iter().enumerate() {
+            if let Some(grad) = grad {
+                self.update_param(i, grad, coef, params)?;
+            }
+        }
+        // Every rank takes the owners' new parameters.
+        let mine = (0..self.params.len()).map(|i| plan.owns(i).then(|| self.params[i].1.as_tensor().clone())).collect();
+        let gathered = ex.gather_owned(mine, None)?;
+        for (i, value) in gathered.into_iter().enumerate() {
+            if plan.owns(i) {
+                continue;
+            }
+            let value = value.ok_or_else(|| Error::Other(format!("no rank sent parameter {i}")))?;
+            self.params[i].1.set(&value)?;
+        }
+        self.step += 1;
+        Ok(norm)
+    }
+
+    /// The whole optimizer state (moments and masters by parameter) gathered on rank 0 of a
+    /// sharded group, which then writes the checkpoint as an unsharded worker would (`write`:
+    /// whether this rank's process writes). Every rank of the group calls it.
+    pub fn save_state_sharded(&self, dir: &Path, write: bool, ex: &dyn RankExchange) -> Result<()> {
+        let plan = self.shard.as_ref().ok_or_else(|| Error::Other("save_state_sharded on an unsharded worker".into()))?;
+        let pick = |f: &dyn Fn(&Moments) -> &Tensor| -> Vec<Option<Tensor>> {
+            self.moments.iter().map(|m| m.as_ref().map(|m| f(m).clone())).collect()
+        };
+        let exp_avg = ex.gather_owned(pick(&|m| &m.exp_avg), Some(0))?;
+        let exp_avg_sq = ex.gather_owned(pick(&|m| &m.exp_avg_sq), Some(0))?;
+        let masters = match &self.masters {
+            Some(m) => Some(ex.gather_owned(m.clone(), Some(0))?),
+            None => None,
+        };
+        let steps: Vec<(usize, u64)> =
+            self.moments.iter().enumerate().filter_map(|(i, m)| Some((i, m.as_ref()?.step))).collect();
+        let all_steps = ex.all_gather_bytes(encode(&steps)?)?;
+        if plan.rank != 0 || !write {
+            return Ok(());
+        }
+        let mut step_of: Vec<Option<u64>> = vec![None; self.params.len()];
+        for bytes in &all_steps {
+            for (i, step) in decode::<Vec<(usize, u64)>>(bytes)? {
+                *step_of.get_mut(i).ok_or_else(|| Error::Other(format!("a step count for parameter {i}")))? = Some(step);
+            }
+        }
+        let moments: Vec<Option<Moments>> = exp_avg
+            .into_iter()
+            .zip(exp_avg_sq)
+            .zip(step_of)
+            .map(|((m, v), step)| match (m, v, step) {
+                (Some(exp_avg), Some(exp_avg_sq), Some(step)) => Some(Moments { exp_avg, exp_avg_sq, step }),
+                _ => None,
+            })
+            .collect();
+        self.write_state(dir, &moments, masters.as_deref())
+    }
+}
