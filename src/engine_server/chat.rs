@@ -7,7 +7,8 @@
 //! `function.arguments`, JSON text in OpenAI's form, as the objects templates expect), and a
 //! content given as a list of text parts is joined. `max_tokens` (or `max_completion_tokens`)
 //! defaults to the rest of the model's context. `logprobs: true` with `top_logprobs: k` (at most
-//! 20) lists each token of the reply.
+//! 20) lists each token of the reply. An answer also carries `prompt_token_ids` (an extension:
+//! the rendered conversation's ids, what a trainer needs beside each choice's `token_ids`).
 //!
 //! With tools (and `tool_choice` `auto`, the default), the reply is read for tool calls in the
 //! model's syntax ([`super::tool_calls`]): found, they are `message.tool_calls` (ids `call_…`,
@@ -73,6 +74,7 @@ async fn answer(s: Arc<EngineServer>, body: &[u8]) -> Result<Response, OpenAiErr
     let mut body = header(&c, "chat.completion");
     body["choices"] = Value::Array(choices);
     body["usage"] = usage(&c, &out);
+    body["prompt_token_ids"] = json!(c.prompt);
     Ok(Json(body).into_response())
 }
 

@@ -63,7 +63,8 @@ fn json_form(body: &str) -> Option<Parsed> {
     while !rest.is_empty() {
         let mut values = Deserializer::from_str(rest).into_iter::<Value>();
         let value = values.next()?.ok()?;
-        calls.push(call(&value, "parameters").or_else(|| call(&value, "arguments"))?);
+        let key = if value.get("parameters").is_some() { "parameters" } else { "arguments" };
+        calls.push(call(&value, key)?);
         rest = rest[values.byte_offset()..].trim_start();
         rest = rest.strip_prefix(';').unwrap_or(rest).trim_start();
     }
