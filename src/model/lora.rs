@@ -227,6 +227,7 @@ fn attach_with(
 
 /// Fresh trainable adapters (A uniform, B zero): returns the variables by PEFT name.
 pub fn attach_new(model: &mut Transformer, cfg: &LoraConfig, seed: u64) -> Result<Vec<(String, Var)>> {
+    model.check_trainable()?;
     let (dtype, device) = (model.dtype, model.device.clone());
     let mut rng = StdRng::seed_from_u64(seed);
     attach_with(model, cfg, true, &mut |_, out, inp| {

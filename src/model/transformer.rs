@@ -230,11 +230,12 @@ impl Attention {
 }
 
 impl Mlp {
+    /// `adapters` with the index of gate_proj (up and down follow).
     fn forward(&self, x: &Tensor, adapters: Option<(&RowAdapters, usize)>) -> Result<Tensor> {
         let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
         let proj = |lin: &Linear, k: usize, x: &Tensor| RowAdapters::forward(ad, lin, x, first + k);
-        let gate = proj(&self.gate_proj, 4, x)?;
-        proj(&self.down_proj, 6, &ops::swiglu::swiglu(&gate, &proj(&self.up_proj, 5, x)?)?)
+        let gate = proj(&self.gate_proj, 0, x)?;
+        proj(&self.down_proj, 2, &ops::swiglu::swiglu(&gate, &proj(&self.up_proj, 1, x)?)?)
     }
 }
 
@@ -462,6 +463,7 @@ impl Transformer {
 
     /// Turns every base parameter into a trainable variable and returns them by HF name.
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        self.check_trainable()?;
         let mut vars = vec![];
         self.visit_params_mut(&mut |name, t| {
             let var = Var::from_tensor(t)?;
@@ -557,6 +559,7 @@ impl Transformer {
         let mut first = 0;
         for (i, layer) in self.layers.iter().enumerate() {
             let x = model_norm(&h, &layer.input_layernorm, cfg)?;
+            let mlp_adapters = adapters.map(|a| (a, first + layer.num_linears() - 3));
             let adapters = adapters.map(|a| (a, first));
             first += layer.num_linears();
             let a = match &layer.mixer {
@@ -581,7 +584,7 @@ impl Transformer {
             };
             h = (h + a)?;
             let x = model_norm(&h, &layer.post_attention_layernorm, cfg)?;
-            h = (h + layer.mlp.forward(&x, adapters)?)?;
+            h = (h + layer.mlp.forward(&x, mlp_adapters)?)?;
         }
         hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose()
     }
@@ -642,6 +645,18 @@ impl Transformer {
 
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.config.num_hidden_layers)
+    }
+
+    /// An error unless this model can be trained: a DeltaNet layer's backward is the CPU tape's
+    /// ([`super::tape`]; on another device candle's graph would not reach its parameters).
+    pub fn check_trainable(&self) -> Result<()> {
+        if self.is_hybrid() && !super::tape::Tape::serves(self) {
+            return Err(Error::input(format!(
+                "Qwen3.5's Gated DeltaNet layers train on the CPU only (the hand-written tape), not on {}",
+                weights::device_name(&self.device)
+            )));
+        }
+        Ok(())
     }
 
     /// Whether any layer is a DeltaNet (its cache carries states, not keys and values).

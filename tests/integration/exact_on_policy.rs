@@ -110,7 +110,7 @@ fn sampler_equals_trainer(arch: &str, lora: Option<LoraConfig>, dtype: DType) {
 
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_full() {
-    for arch in ["llama", "qwen2", "qwen3"] {
+    for arch in ["llama", "qwen2", "qwen3", "qwen3_5"] {
         sampler_equals_trainer(arch, None, DType::F32);
     }
 }
@@ -120,12 +120,13 @@ fn sampler_logprobs_are_the_trainers_bits_full() {
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_bf16() {
     sampler_equals_trainer("qwen3", None, DType::BF16);
+    sampler_equals_trainer("qwen3_5", None, DType::BF16);
     sampler_equals_trainer("llama", Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::BF16);
 }
 
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_lora() {
-    for arch in ["llama", "qwen2", "qwen3"] {
+    for arch in ["llama", "qwen2", "qwen3", "qwen3_5"] {
         sampler_equals_trainer(arch, Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::F32);
     }
 }
@@ -148,7 +149,17 @@ fn adapter(base: &Transformer, cfg: LoraConfig, seed: u64) -> Arc<Adapter> {
 /// same at 1 and 2 threads.
 #[test]
 fn sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
-    let base = load("qwen3");
+    sixty_four_mixed_requests("qwen3");
+}
+
+/// The same for Qwen3.5: each row's DeltaNet state is its own, whatever the batch.
+#[test]
+fn qwen3_5_sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
+    sixty_four_mixed_requests("qwen3_5");
+}
+
+fn sixty_four_mixed_requests(arch: &str) {
+    let base = load(arch);
     let adapters = [
         ("a", adapter(&base, LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj"]), 5)),
         ("b", adapter(&base, LoraConfig::new(8, 16.0, &["all-linear"]), 6)),
@@ -195,7 +206,7 @@ fn sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
     for threads in [1, 2] {
         let together = pool(threads).install(|| fingerprint(&run_all(&mut with_adapters(64), &reqs)));
         for (i, (got, want)) in together.iter().zip(&solo).enumerate() {
-            assert_eq!(got, want, "request {i} at {threads} threads differs from its solo run");
+            assert_eq!(got, want, "{arch}: request {i} at {threads} threads differs from its solo run");
         }
     }
 }
@@ -218,7 +229,9 @@ fn seeded_sync_rl_runs_are_identical_at_1_and_2_threads() {
         let lines: Vec<serde_json::Value> = metric_lines(&run_dir)
             .into_iter()
             .map(|mut l| {
-                l.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time_") && k != "samples_per_s" && k != "peak_rss_gb");
+                l.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| !k.starts_with("time_") && k != "samples_per_s" && k != "peak_rss_gb");
                 l
             })
             .collect();

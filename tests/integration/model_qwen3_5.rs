@@ -225,3 +225,21 @@ fn qwen3_5_lora_adapter_logprobs_match_peft() {
     let moved = max_abs_diff(&golden_logprobs(&load(), &b), g.get("lora.target_logprobs"));
     assert!(moved > 1e-2, "the adapter changes nothing ({moved})");
 }
+
+/// The engine's greedy decode (prefill, then the DeltaNet states and the attention's KV cache
+/// one token at a time) gives transformers' 12 greedy tokens, in the core and on the engine
+/// thread.
+#[test]
+fn qwen3_5_greedy_tokens_equal_transformers() {
+    use oxrl::rollout::{Engine, EngineConfig, EngineCore, Request, SamplingParams, StopReason};
+    let (prompt, want) = Golden::load(ARCH).greedy();
+    let params = SamplingParams { max_tokens: want.len(), temperature: 0.0, ignore_eos: true, ..Default::default() };
+    let mut e = EngineCore::new(load(), EngineConfig { eos_token_ids: vec![2], ..Default::default() }).unwrap();
+    e.add_request(Request::new(prompt.clone(), params.clone())).unwrap();
+    let out = e.run_until_idle().unwrap().pop().unwrap().1;
+    assert_eq!(out.samples[0].tokens, want, "engine core");
+    assert_eq!(out.samples[0].stop_reason, StopReason::Length);
+    let e = Engine::start(load(), EngineConfig::default()).unwrap();
+    let out = e.generate(Request::new(prompt, params)).unwrap();
+    assert_eq!(out.samples[0].tokens, want, "engine thread");
+}

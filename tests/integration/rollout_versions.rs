@@ -31,11 +31,11 @@ enum Landing {
     Direct,
 }
 
-fn spec(lora: Option<LoraConfig>) -> WorkerSpec {
+fn spec(arch: &str, lora: Option<LoraConfig>) -> WorkerSpec {
     WorkerSpec {
         dtype: DType::F32,
         worker: WorkerConfig { lora, seed: 7, ..Default::default() },
-        ..WorkerSpec::new(fixture_dir(ARCH))
+        ..WorkerSpec::new(fixture_dir(arch))
     }
 }
 
@@ -47,14 +47,19 @@ fn lora_cfg() -> LoraConfig {
 /// kept at version 0, so both versions can be scored after the samples are done.
 struct Trainer {
     d: Dispatch,
+    arch: &'static str,
 }
 
 impl Trainer {
     fn new(lora: Option<LoraConfig>) -> Self {
+        Self::of(ARCH, lora)
+    }
+
+    fn of(arch: &'static str, lora: Option<LoraConfig>) -> Self {
         let d = Dispatch::new(false);
-        d.create_model("policy", &spec(lora.clone())).unwrap();
-        d.create_model("frozen", &spec(lora)).unwrap();
-        Trainer { d }
+        d.create_model("policy", &spec(arch, lora.clone())).unwrap();
+        d.create_model("frozen", &spec(arch, lora)).unwrap();
+        Trainer { d, arch }
     }
 
     fn weights(&self) -> SamplerWeights {
@@ -86,7 +91,11 @@ impl Trainer {
 }
 
 fn base() -> Transformer {
-    Transformer::load(&fixture_dir(ARCH), DType::F32, &Device::Cpu).unwrap()
+    base_of(ARCH)
+}
+
+fn base_of(arch: &str) -> Transformer {
+    Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap()
 }
 
 fn params(max_tokens: usize, seed: u64) -> SamplingParams {
@@ -127,7 +136,7 @@ fn check(t: &Trainer, prompt: &[u32], g: &Generation, at: Option<usize>, what: &
 
 /// A core with version 0 of the trainer's weights.
 fn core_at_v0(t: &Trainer) -> EngineCore {
-    let mut e = EngineCore::new(base(), EngineConfig::default()).unwrap();
+    let mut e = EngineCore::new(base_of(t.arch), EngineConfig::default()).unwrap();
     e.update_weights(t.weights().update(), 0).unwrap();
     e
 }
@@ -137,8 +146,13 @@ fn core_at_v0(t: &Trainer) -> EngineCore {
 /// `before` steps, lands version 1 as `landing` says, runs to the end. Deterministic: the
 /// update lands after exactly `before` tokens.
 fn core_run(lora: Option<LoraConfig>, landing: Landing) {
-    let what = format!("lora={} {landing:?}", lora.is_some());
-    let t = Trainer::new(lora);
+    core_run_on(ARCH, lora, landing)
+}
+
+/// [`core_run`] on a fixture family (Qwen3.5: its rebuilt DeltaNet states as well).
+fn core_run_on(arch: &'static str, lora: Option<LoraConfig>, landing: Landing) {
+    let what = format!("{arch} lora={} {landing:?}", lora.is_some());
+    let t = Trainer::of(arch, lora);
     let mut e = core_at_v0(&t);
     let reqs = [
         Request { num_samples: 2, ..Request::new(vec![3, 14, 15, 92, 65, 35, 8], params(24, 5)) },
@@ -224,6 +238,18 @@ fn abort_mode_update_mid_sample_gives_the_trainers_logprobs_per_version() {
 #[test]
 fn update_between_steps_without_a_pause_gives_the_trainers_logprobs_per_version() {
     core_run(None, Landing::Direct);
+}
+
+/// Qwen3.5's DeltaNet layers carry a state per row instead of keys and values: a `keep`
+/// update recomputes it, an `abort` continuation prefills it again; LoRA on the DeltaNet's
+/// projections and the attention's.
+#[test]
+fn qwen3_5_updates_mid_sample_give_the_trainers_logprobs_per_version() {
+    let lora = LoraConfig::new(4, 8.0, &["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "up_proj", "lm_head"]);
+    for landing in [Landing::Pause(PauseMode::Keep), Landing::Pause(PauseMode::Abort), Landing::Direct] {
+        core_run_on("qwen3_5", None, landing);
+        core_run_on("qwen3_5", Some(lora.clone()), landing);
+    }
 }
 
 /// Waits until `f` holds (or `deadline` passes); returns whether it held.
