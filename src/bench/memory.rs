@@ -17,10 +17,13 @@
 //!   keeps the final hidden states before and after the norm (2·N·hidden) and the logits of the
 //!   rows the loss reads (N·V).
 //!
+//! Under sharding ([`RankMemory::sharded`]) the optimizer state is split over the ranks.
+//!
 //! Temporaries of the backward (one layer's gradients in flight) and the allocator's slack are
 //! not counted: the measured peak is above the prediction by about them.
 
 use crate::model::ModelConfig;
+use crate::worker::Sharding;
 
 /// Predicted bytes of one rank, by kind.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,6 +38,15 @@ pub struct RankMemory {
 impl RankMemory {
     pub fn total(&self) -> f64 {
         self.params + self.grads + self.optimizer + self.activations
+    }
+
+    /// The same rank as one of `ranks` under `sharding`: `optimizer` and `gradients` keep
+    /// 1/ranks of the optimizer state. (The gradient accumulators stay whole: each rank's
+    /// backward fills all of them before the sum; `gradients` keeps only the owned part of the
+    /// sum, which is transient here.)
+    pub fn sharded(self, sharding: Sharding, ranks: usize) -> Self {
+        let share = if sharding.is_sharded() { 1.0 / ranks.max(1) as f64 } else { 1.0 };
+        RankMemory { optimizer: self.optimizer * share, ..self }
     }
 }
 

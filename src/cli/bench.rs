@@ -73,7 +73,8 @@ struct MemoryArgs {
     /// Parameter dtype: f32 or bf16 (bf16 keeps f32 master weights).
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// How the ranks share the model's state: none (every rank holds all of it).
+    /// How the ranks share the model's state: none (every rank holds all of it), optimizer or
+    /// gradients (each rank keeps the optimizer state of its slice of the parameters).
     #[arg(long, default_value = "none")]
     sharding: String,
     /// Data-parallel ranks in this process (threads).
@@ -290,9 +291,8 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         a.ranks > 0 && a.batch > 0 && a.seq > 0 && a.reps > 0,
         "--ranks, --batch, --seq and --reps must be positive"
     );
-    crate::worker::Sharding::from_name(&a.sharding)
-        .map_err(|e| anyhow::anyhow!("--sharding: {e}"))?
-        .check_served()?;
+    let sharding = crate::worker::Sharding::from_name(&a.sharding).map_err(|e| anyhow::anyhow!("--sharding: {e}"))?;
+    sharding.check_served()?;
     let dtype = match weights::parse_dtype(&a.dtype) {
         Ok(d @ (DType::F32 | DType::BF16)) => d,
         _ => anyhow::bail!("--dtype `{}`: expected f32 or bf16", a.dtype),
@@ -303,7 +303,7 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         dtype,
         mesh: MeshShape::dp(a.ranks * world.size()),
         threads: (crate::launch::cores() / a.ranks).max(1),
-        worker: WorkerConfig { activation_checkpointing: a.activation_checkpointing, ..Default::default() },
+        worker: WorkerConfig { activation_checkpointing: a.activation_checkpointing, sharding, ..Default::default() },
         ..WorkerSpec::new(&a.model)
     };
     let dispatch = Dispatch::new(false);
@@ -321,12 +321,18 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         Ok(())
     })?;
     let peak = peak_rss_gb();
+    // The optimizer state each of this process's ranks holds, by the tensors' own sizes.
+    let optimizer_gb: Vec<f64> =
+        dispatch.model(POLICY)?.inspect(|w| w.optimizer_bytes())?.into_iter().map(|b| b as f64 / GB).collect();
     // Every process's figures: the processes of a run are alike, but each is measured.
-    let mine = serde_json::to_vec(&json!({ "rss_loaded_gb": loaded_gb, "peak_rss_gb": peak }))?;
+    let mine = serde_json::to_vec(
+        &json!({ "rss_loaded_gb": loaded_gb, "peak_rss_gb": peak, "optimizer_gb_per_rank": optimizer_gb }),
+    )?;
     let all: Vec<serde_json::Value> =
         world.all_gather(&mine)?.iter().map(|b| serde_json::from_slice(b)).collect::<Result<_, _>>()?;
     if crate::world::is_writer() {
-        let p = predict(&config, dtype.size_in_bytes(), true, a.batch, a.seq, a.activation_checkpointing);
+        let p = predict(&config, dtype.size_in_bytes(), true, a.batch, a.seq, a.activation_checkpointing)
+            .sharded(sharding, ranks);
         let gb = |b: f64| b / GB;
         let med = median(ms.clone());
         let r = json!({

@@ -37,6 +37,10 @@ fn to_host(t: &Tensor) -> Result<Tensor> {
     Ok(t.detach().to_device(&Device::Cpu)?.copy()?)
 }
 
+fn bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
 fn to_device(t: Tensor, device: &Device) -> Result<Tensor> {
     Ok(if device.is_cpu() { t } else { t.to_device(device)? })
 }
@@ -73,12 +77,17 @@ impl Worker {
 
     /// Bytes of trainable parameters, gradients and moments the worker holds on its device.
     pub fn resident_bytes(&self) -> usize {
-        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let params: usize = self.params.iter().map(|(_, v)| bytes(v.as_tensor())).sum();
         let grads: usize = self.grads.iter().flatten().map(bytes).sum();
+        params + grads + self.optimizer_bytes()
+    }
+
+    /// Bytes of optimizer state the worker holds: AdamW moments and f32 master weights (under
+    /// sharding, those of its own parameters).
+    pub fn optimizer_bytes(&self) -> usize {
         let moments: usize = self.moments.iter().flatten().map(|m| bytes(&m.exp_avg) + bytes(&m.exp_avg_sq)).sum();
         let masters: usize = self.masters.iter().flatten().flatten().map(bytes).sum();
-        params + grads + moments + masters
+        moments + masters
     }
 
     /// Moves the parameters and their gradients (`model`) and/or the moments (`optimizer`) to

@@ -98,7 +98,7 @@ fn bench_train_and_decode_print_one_json_line_per_measurement() {
 }
 
 /// `bench memory`: the measured peak of each process and the per-rank prediction, which
-/// activation checkpointing lowers only in its activations.
+/// activation checkpointing lowers only in its activations and sharding in its optimizer state.
 #[test]
 fn bench_memory_prints_the_peak_beside_the_prediction() {
     let model = fixture_dir("qwen3");
@@ -124,6 +124,19 @@ fn bench_memory_prints_the_peak_beside_the_prediction() {
     let (pa, pc) = (&all["predicted_per_rank_gb"], &ckpt["predicted_per_rank_gb"]);
     assert_eq!((&pa["params"], &pa["optimizer"]), (&pc["params"], &pc["optimizer"]));
     assert!(pc["activations"].as_f64().unwrap() < pa["activations"].as_f64().unwrap());
+    // Sharded, each rank holds (and is predicted) half of the optimizer state; the same loss.
+    let sharded = run(&["--ranks", "2", "--sharding", "gradients"]);
+    assert_eq!(sharded["last_loss"], all["last_loss"]);
+    let held = |r: &serde_json::Value| -> Vec<f64> {
+        r["measured_per_process"][0]["optimizer_gb_per_rank"].as_array().unwrap().iter().map(|g| g.as_f64().unwrap()).collect()
+    };
+    let (whole, halves) = (held(&all), held(&sharded));
+    assert_eq!((whole.len(), halves.len()), (2, 2));
+    assert!(whole[0] > 0.0 && whole[0] == whole[1], "{all}");
+    assert!((halves[0] + halves[1] - whole[0]).abs() < 1e-12 * whole[0].max(1.0), "{sharded}");
+    assert!(halves.iter().all(|h| (h / (whole[0] / 2.0) - 1.0).abs() < 0.1), "{sharded}");
+    let ps = &sharded["predicted_per_rank_gb"];
+    assert_eq!(ps["optimizer"].as_f64().unwrap(), pa["optimizer"].as_f64().unwrap() / 2.0);
 }
 
 #[test]

@@ -156,29 +156,25 @@ fn sft_sharded_ends_bit_identical() {
     }
 }
 
-/// Each rank keeps the moments of about 1/N of the parameters (N = 2, 3), and all of them
-/// together are exactly the unsharded rank's.
+/// Each rank keeps the moments and masters of about 1/N of the parameters (N = 2, 3), and all
+/// of them together are exactly the unsharded rank's.
 #[test]
 fn sharded_ranks_hold_their_share_of_the_optimizer_state() {
-    let moment_bytes = |d: &Dispatch| -> Vec<usize> {
-        d.model(POLICY)
-            .unwrap()
-            .inspect(|w| {
-                w.params()
-                    .iter()
-                    .filter_map(|(n, _)| w.moments(n))
-                    .map(|m| (m.exp_avg.elem_count() + m.exp_avg_sq.elem_count()) * 4)
-                    .sum()
-            })
-            .unwrap()
-    };
+    let moment_bytes = |d: &Dispatch| -> Vec<usize> { d.model(POLICY).unwrap().inspect(|w| w.optimizer_bytes()).unwrap() };
     let dir = tempfile::tempdir().unwrap();
-    let (_, none) = sft_with(dir.path(), "none", false, &["train.max_steps=1"], &RunOptions::default());
+    // bf16: the f32 masters are optimizer state too.
+    let bf16 = "model.dtype=\"bf16\"";
+    let (_, none) = sft_with(dir.path(), "none", false, &["train.max_steps=1", bf16], &RunOptions::default());
     let whole = moment_bytes(&none)[0];
     assert!(moment_bytes(&none).iter().all(|&b| b == whole) && whole > 0);
     for n in [2, 3] {
         for mode in ["optimizer", "gradients"] {
-            let sets = [format!("train.data_parallel={n}"), format!("train.sharding=\"{mode}\""), "train.max_steps=1".into()];
+            let sets = [
+                format!("train.data_parallel={n}"),
+                format!("train.sharding=\"{mode}\""),
+                "train.max_steps=1".into(),
+                bf16.into(),
+            ];
             let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
             let (_, d) = sft_with(dir.path(), &format!("{mode}{n}"), false, &sets, &RunOptions::default());
             let per_rank = moment_bytes(&d);
