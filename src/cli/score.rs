@@ -2,15 +2,15 @@
 //!
 //! Input lines are `{"tokens": [...]}` or `{"text": "..."}`; output lines are
 //! `{"tokens": [...], "logprobs": [null, lp1, ...]}` with lp_i = log p(tokens[i] | tokens[..i]).
-//! Sequences are scored in right-padded batches of `--batch-size`.
+//! Sequences are scored in right-padded batches of `--batch-size`, through the trainer's forward
+//! (`model::sequence_logprobs`): the bits a training step and the engine compute for each token.
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use anyhow::Context;
-use candle_core::Tensor;
 
-use crate::model::{logprobs::target_logprobs, tokenizer::Tokenizer, Transformer};
+use crate::model::{sequence_logprobs::sequence_logprobs, tokenizer::Tokenizer, Transformer};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -23,29 +23,12 @@ pub struct Args {
     batch_size: usize,
 }
 
-/// log p(seq[i] | seq[..i]) for each sequence; the first entry of each is None.
+/// log p(seq[i] | seq[..i]) for each sequence, through the trainer's forward
+/// ([`sequence_logprobs`]); the first entry of each is None.
 pub fn score_sequences(model: &Transformer, seqs: &[Vec<u32>]) -> crate::Result<Vec<Vec<Option<f32>>>> {
-    let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
-    let dev = &model.device;
-    let pad = |s: &Vec<u32>, fill: u32| -> Vec<u32> {
-        s.iter().copied().chain(std::iter::repeat_n(fill, t - s.len())).collect()
-    };
-    let ids: Vec<Vec<u32>> = seqs.iter().map(|s| pad(s, 0)).collect();
-    let pos: Vec<Vec<u32>> = seqs.iter().map(|_| (0..t as u32).collect()).collect();
-    let mask: Vec<Vec<u8>> = seqs.iter().map(|s| (0..t).map(|i| (i < s.len()) as u8).collect()).collect();
-    let logits = model.forward(&ids, &pos, &mask, None)?;
-    if t < 2 {
-        return Ok(seqs.iter().map(|s| vec![None; s.len()]).collect());
-    }
-    let targets: Vec<u32> = ids.iter().flat_map(|r| r[1..].to_vec()).collect();
-    let targets = Tensor::from_vec(targets, (seqs.len(), t - 1), dev)?;
-    let lp: Vec<Vec<f32>> = target_logprobs(&logits.narrow(1, 0, t - 1)?, &targets)?.to_vec2()?;
-    Ok(seqs
-        .iter()
-        .zip(lp)
-        .map(|(s, row)| {
-            std::iter::once(None).chain(row[..s.len().saturating_sub(1)].iter().map(|&x| Some(x))).collect()
-        })
+    Ok(sequence_logprobs(model, seqs)?
+        .into_iter()
+        .map(|row| std::iter::once(None).chain(row.into_iter().map(Some)).collect())
         .collect())
 }
 

@@ -2,6 +2,7 @@
 
 pub mod attention_gate;
 pub mod delta_net;
+pub mod hub;
 pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
@@ -11,6 +12,7 @@ pub mod ops;
 pub mod rope;
 pub mod row_adapters;
 pub mod sampler_weights;
+pub mod sequence_logprobs;
 pub mod tape;
 pub mod token_ids;
 pub mod transformer;

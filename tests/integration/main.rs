@@ -23,7 +23,10 @@ mod core_api;
 mod cuda_kernels_emulated;
 mod dispatch_group;
 mod dispatch_units;
+mod engine_completions;
 mod engine_openai;
+mod engine_streaming;
+mod engine_tools;
 mod env_checkers;
 mod env_episodes;
 mod env_prompts;
@@ -34,6 +37,7 @@ mod model_golden;
 mod model_named_tensors;
 mod model_qwen3_5;
 mod model_tape;
+mod one_logprob;
 #[cfg(feature = "mpi")]
 mod mpi_rl;
 #[cfg(feature = "mpi")]
