@@ -28,7 +28,6 @@ mod engine_lm_eval;
 mod engine_openai;
 mod engine_streaming;
 mod engine_tools;
-mod hub_models;
 mod env_checkers;
 mod env_episodes;
 mod env_prompts;
