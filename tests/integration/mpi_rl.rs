@@ -61,6 +61,13 @@ fn two_processes_train_what_two_threads_do() {
             assert_eq!(x[key], y[key], "step {}: {key}", x["step"]);
         }
     }
+    // Sharded across the processes (the owners' sums, the gathered parameters): the same bits.
+    let sets = ["output.run_dir=\"sharded\"", "launch.sharding=\"gradients\""];
+    ok(common::mpirun(2, "rl", &config, &sets).output().unwrap());
+    assert!(std::fs::read(model("sharded")).unwrap() == std::fs::read(&dp2).unwrap(), "sharded mpirun -np 2 differs");
+    for (x, y) in metrics(&dir.path().join("sharded")).iter().zip(&b) {
+        assert_eq!((&x["loss"], &x["grad_norm"]), (&y["loss"], &y["grad_norm"]), "step {}", x["step"]);
+    }
 }
 
 /// `mpirun -np 2 oxrl rl … : -np 1 oxrl engine --model MODEL …`: two trainer processes and a

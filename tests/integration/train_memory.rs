@@ -210,14 +210,20 @@ fn checkpoints_resume_across_shardings() {
     }
 }
 
+/// GRPO with a KL reference, and PPO with GAE (a sharded critic beside the policy).
 #[test]
-fn grpo_sharded_ends_bit_identical() {
-    let dir = tempfile::tempdir().unwrap();
-    let (m0, w0) = grpo(dir.path(), "plain", &[]);
-    for mode in ["optimizer", "gradients"] {
-        let (m1, w1) = grpo(dir.path(), mode, &[&format!("launch.sharding=\"{mode}\"")]);
-        assert_eq!(m0, m1, "{mode}: metrics");
-        assert!(w0 == w1, "{mode}: exported weights differ");
+fn rl_sharded_ends_bit_identical() {
+    let gae: &[&str] = &["algorithm.advantage=\"gae\"", "algorithm.lambda=0.95", "critic.lr=1e-3"];
+    for extra in [&[][..], gae] {
+        let dir = tempfile::tempdir().unwrap();
+        let (m0, w0) = grpo(dir.path(), "plain", extra);
+        for mode in ["optimizer", "gradients"] {
+            let setting = format!("launch.sharding=\"{mode}\"");
+            let sets: Vec<&str> = extra.iter().copied().chain([setting.as_str()]).collect();
+            let (m1, w1) = grpo(dir.path(), mode, &sets);
+            assert_eq!(m0, m1, "{mode}, {extra:?}: metrics");
+            assert!(w0 == w1, "{mode}, {extra:?}: exported weights differ");
+        }
     }
 }
 
