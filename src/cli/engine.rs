@@ -6,9 +6,13 @@ use crate::engine_server::{run, EngineServerConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The base model directory (Hugging Face layout).
+    /// The base model directory (Hugging Face layout), or a Hub repo id (`Qwen/Qwen3-0.6B`),
+    /// downloaded into the Hugging Face cache and served under that name.
     #[arg(long)]
     pub model: PathBuf,
+    /// The Hub revision (branch, tag or commit) of a --model given by repo id; default main.
+    #[arg(long, default_value = "")]
+    pub revision: String,
     /// Where to listen, `host:port` (port 0: a free one, printed at start).
     #[arg(long, default_value = "127.0.0.1:8100")]
     pub listen: String,
@@ -30,8 +34,8 @@ pub struct Args {
     /// Largest request body, in MiB (a full weight push is one body).
     #[arg(long, default_value_t = 8192)]
     pub max_body_mib: usize,
-    /// A LoRA adapter to serve beside the model, `NAME=DIR` (PEFT layout); requests whose
-    /// `model` is NAME sample with it. Repeatable.
+    /// A LoRA adapter to serve beside the model, `NAME=DIR` (PEFT layout; DIR may be a Hub repo
+    /// id); requests whose `model` is NAME sample with it. Repeatable.
     #[arg(long = "lora", value_parser = parse_adapter)]
     pub adapters: Vec<(String, PathBuf)>,
 }
@@ -44,8 +48,11 @@ fn parse_adapter(arg: &str) -> Result<(String, PathBuf), String> {
 }
 
 pub fn run_cmd(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
+    let resolve = crate::model::hub::resolve_model_dir;
+    let adapters =
+        a.adapters.into_iter().map(|(name, dir)| Ok((name, resolve(&dir, "")?))).collect::<crate::Result<_>>()?;
     run(EngineServerConfig {
-        model: a.model,
+        model: resolve(&a.model, &a.revision)?,
         listen: a.listen,
         dtype: a.dtype,
         device: a.device,
@@ -54,6 +61,6 @@ pub fn run_cmd(a: Args, threads: Option<usize>) -> anyhow::Result<()> {
         lora_rank: a.lora_rank,
         api_keys: a.api_keys,
         body_limit: a.max_body_mib << 20,
-        adapters: a.adapters,
+        adapters,
     })
 }

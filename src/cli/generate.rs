@@ -37,8 +37,9 @@ pub struct Args {
     n: usize,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
+pub fn run(mut a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(a.n > 0, "--n must be positive");
+    a.model.resolve()?;
     let model = a.model.load()?;
     let tok = Tokenizer::from_dir(&a.model.model);
     // No tokenizer at all is fine with --prompt-tokens (no text is decoded); a broken one is not.

@@ -114,13 +114,17 @@ fn on_pool(threads: usize, f: impl FnOnce() -> anyhow::Result<()> + Send) -> any
     rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build()?.install(f)
 }
 
-/// Which model a command runs: a HF model directory, optionally with a LoRA adapter.
+/// Which model a command runs: a HF model directory or Hub repo id, optionally with a LoRA adapter.
 #[derive(clap::Args)]
 pub(crate) struct ModelArgs {
-    /// A model directory in the Hugging Face layout.
+    /// A model directory in the Hugging Face layout, or a Hub repo id (`Qwen/Qwen3-0.6B`),
+    /// downloaded into the Hugging Face cache; an existing directory of that name wins.
     #[arg(long)]
     pub model: std::path::PathBuf,
-    /// A PEFT LoRA adapter directory to apply.
+    /// The Hub revision (branch, tag or commit) of a --model given by repo id; default main.
+    #[arg(long, default_value = "")]
+    pub revision: String,
+    /// A PEFT LoRA adapter directory (or Hub repo id) to apply.
     #[arg(long)]
     pub lora: Option<std::path::PathBuf>,
     /// Run dtype: f32 or bf16.
@@ -132,6 +136,16 @@ pub(crate) struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// --model and --lora made local directories: a Hub repo id becomes its snapshot in the
+    /// Hugging Face cache, downloaded if need be (see `model::hub`).
+    pub fn resolve(&mut self) -> anyhow::Result<()> {
+        self.model = crate::model::hub::resolve_model_dir(&self.model, &self.revision)?;
+        if let Some(l) = &self.lora {
+            self.lora = Some(crate::model::hub::resolve_model_dir(l, "")?);
+        }
+        Ok(())
+    }
+
     /// The model's weights, with the adapter applied if one was given.
     pub fn load(&self) -> anyhow::Result<crate::model::Transformer> {
         let dtype = crate::model::weights::parse_dtype(&self.dtype)?;

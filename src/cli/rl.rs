@@ -6,7 +6,8 @@ use crate::trainer::rl::{run_rl_on, RlTask};
 use crate::trainer::RlConfig;
 
 pub fn run(a: RunArgs, threads: Option<usize>) -> anyhow::Result<()> {
-    let cfg = RlConfig::load(Some(&a.config), &a.sets)?;
+    let mut cfg = RlConfig::load(Some(&a.config), &a.sets)?;
+    cfg.model.resolve()?;
     let opts = a.options()?;
     // The user's Python code and data are checked before any model is loaded.
     let task = RlTask::prepare(&cfg, &opts)?;

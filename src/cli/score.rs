@@ -58,8 +58,9 @@ fn parse_line(
     Ok(tokens)
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
+pub fn run(mut a: Args) -> anyhow::Result<()> {
     anyhow::ensure!(a.batch_size > 0, "--batch-size must be positive");
+    a.model.resolve()?;
     let model = a.model.load()?;
     let reader: Box<dyn BufRead> = if a.input.as_os_str() == "-" {
         Box::new(std::io::stdin().lock())

@@ -8,9 +8,13 @@ use crate::server::{run, ServerConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A base model directory to serve (repeat for several).
+    /// A base model directory to serve, or a Hub repo id (`Qwen/Qwen3-0.6B`) downloaded into the
+    /// Hugging Face cache and served under that name (repeat for several).
     #[arg(long = "model", required = true)]
     pub models: Vec<PathBuf>,
+    /// The Hub revision (branch, tag or commit) of each --model given by repo id; default main.
+    #[arg(long, default_value = "")]
+    pub revision: String,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
@@ -81,8 +85,13 @@ pub struct Args {
 }
 
 pub fn run_cmd(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
+    let models = args
+        .models
+        .iter()
+        .map(|m| crate::model::hub::resolve_model_dir(m, &args.revision))
+        .collect::<crate::Result<_>>()?;
     run(ServerConfig {
-        models: args.models,
+        models,
         host: args.host,
         port: args.port,
         data_dir: args.data_dir,

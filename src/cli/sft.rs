@@ -6,7 +6,8 @@ use crate::trainer::sft::run_sft;
 use crate::trainer::SftConfig;
 
 pub fn run(a: RunArgs, threads: Option<usize>) -> anyhow::Result<()> {
-    let cfg = SftConfig::load(Some(&a.config), &a.sets)?;
+    let mut cfg = SftConfig::load(Some(&a.config), &a.sets)?;
+    cfg.model.resolve()?;
     // Data-parallel ranks are threads: by default the cores are shared among them.
     let dispatch = sft_dispatch(&cfg, threads)?;
     let opts = a.options()?;

@@ -75,7 +75,8 @@ pub struct EngineServerConfig {
 pub struct EngineServer {
     pub engine: Engine,
     pub tokenizer: Arc<Tokenizer>,
-    /// The name clients use (the model directory's name), and the path it was given as.
+    /// The name clients use (the model directory's name, a Hub snapshot's repo id), and the path
+    /// it was given as.
     pub name: String,
     pub path: String,
     pub dtype: String,
@@ -122,7 +123,9 @@ impl EngineServer {
         for (name, adapter) in &adapters {
             engine.add_adapter(name, adapter.clone()).wait()?;
         }
-        let name = config.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        // A Hub snapshot is served under its repo id, as clients name the model.
+        let name = crate::model::hub::repo_id_of_snapshot(&config.model)
+            .unwrap_or_else(|| config.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()));
         let api_keys = config.api_keys.as_deref().map(read_api_keys).transpose()?;
         Ok(Arc::new(EngineServer {
             engine,

@@ -25,7 +25,7 @@ use crate::worker::WorkerConfig;
 /// A base model the server serves.
 #[derive(Clone, Debug)]
 pub struct ServedModel {
-    /// The directory's name (or the config's `_name_or_path`), as clients name it.
+    /// The directory's name (a Hub snapshot's: the repo id), as clients name it.
     pub name: String,
     pub path: PathBuf,
     pub arch: Option<String>,
@@ -42,10 +42,13 @@ impl ServedModel {
         let config_path = path.join("config.json");
         let text = std::fs::read_to_string(&config_path).map_err(|e| crate::Error::file(&config_path, e))?;
         let config: Value = serde_json::from_str(&text).map_err(|e| crate::Error::file(&config_path, e))?;
-        let name = path
-            .canonicalize()
-            .ok()
-            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        let canonical = path.canonicalize().ok();
+        let name = canonical
+            .as_deref()
+            .and_then(|p| {
+                crate::model::hub::repo_id_of_snapshot(p)
+                    .or_else(|| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            })
             .unwrap_or_else(|| path.display().to_string());
         Ok(ServedModel {
             name,

@@ -22,7 +22,8 @@
 //! Paths: a relative path written in the file is relative to the file's directory, so a config
 //! means the same from any working directory; the config type lists its path keys
 //! ([`ConfigPaths`]). A `--set` path, typed on the command line, and a default stay relative to
-//! the working directory.
+//! the working directory. A model path that names no directory next to the file but reads as a
+//! Hub repo id (`Qwen/Qwen3-0.6B`) is kept as written, for [`crate::model::hub`].
 //!
 //! Open tables: a config type may declare free-form tables ([`ConfigPaths::OPEN_KEYS`], e.g. a
 //! loss's own config), whose contents are not in the schema. Any key below one is accepted as
@@ -41,6 +42,8 @@ use crate::error::{did_you_mean, nearest_name, Error, Result};
 pub trait ConfigPaths {
     /// Dotted keys of the fields that hold a path (`model.path`, ...).
     const PATH_KEYS: &'static [&'static str] = &[];
+    /// Those of `PATH_KEYS` that may name a Hugging Face Hub repo instead (`model.path`).
+    const MODEL_KEYS: &'static [&'static str] = &[];
     /// Dotted keys of free-form tables (`algorithm.loss_config`, ...): their default is an
     /// empty table, and the keys and values below them are not schema-checked (the consumer
     /// of the table checks them).
@@ -139,7 +142,7 @@ where
     if let Some(path) = file {
         let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, format!("cannot read config: {e}")))?;
         let mut user: Table = toml::from_str(&text).map_err(|e| Error::file(path, format!("invalid TOML: {e}")))?;
-        relative_to_file(&mut user, T::PATH_KEYS, path)?;
+        relative_to_file(&mut user, T::PATH_KEYS, T::MODEL_KEYS, path)?;
         merge(&mut table, user, "", &valid, T::OPEN_KEYS, &Origin::File(path))?;
     }
     for arg in sets {
@@ -257,14 +260,18 @@ fn lookup<'a>(table: &'a Table, key: &str) -> Option<&'a Value> {
 }
 
 /// Rewrites each relative path among `keys` in `table` (read from `file`) as `DIR/path`, DIR the
-/// file's directory as given (so still relative to the working directory if `file` is).
-fn relative_to_file(table: &mut Table, keys: &[&str], file: &Path) -> Result<()> {
+/// file's directory as given (so still relative to the working directory if `file` is); a path of
+/// `model_keys` that is no directory there but reads as a Hub repo id stays as written.
+fn relative_to_file(table: &mut Table, keys: &[&str], model_keys: &[&str], file: &Path) -> Result<()> {
     let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
     for key in keys {
         // An empty path means "unset"; a value of the wrong type is reported by the merge.
         if let Some(Value::String(p)) = lookup_mut(table, key) {
             if !p.is_empty() && Path::new(p.as_str()).is_relative() {
                 let joined = dir.join(p.as_str());
+                if model_keys.contains(key) && !joined.is_dir() && crate::model::hub::is_repo_id(p) {
+                    continue;
+                }
                 *p = joined
                     .to_str()
                     .ok_or_else(|| Error::file(file, "the directory of the config file is not valid UTF-8"))?

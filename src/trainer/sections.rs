@@ -16,8 +16,13 @@ use crate::worker::AdamParams;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSection {
-    /// Hugging Face model directory (config.json, safetensors, tokenizer). Default `""`: required.
+    /// Hugging Face model directory (config.json, safetensors, tokenizer), or a Hub repo id such
+    /// as `Qwen/Qwen3-0.6B`, downloaded into the Hugging Face cache ([`crate::model::hub`]); an
+    /// existing directory of that name wins. Default `""`: required.
     pub path: PathBuf,
+    /// The Hub revision (branch, tag or commit) of a `path` that is a repo id. Default `""`:
+    /// `main`. Ignored for a local directory.
+    pub revision: String,
     /// Compute dtype for training: `f32`, `bf16` or `f16`. Default `f32`. With `bf16` / `f16`
     /// the run is mixed precision unless `master_weights = false`.
     pub dtype: String,
@@ -34,6 +39,14 @@ pub struct ModelSection {
 }
 
 impl ModelSection {
+    /// `path` made a local directory ([`crate::model::hub::resolve_model_dir`]): a Hub repo id
+    /// becomes its snapshot in the Hugging Face cache (downloaded if need be), so the run and its
+    /// saved `config.toml` name the directory of the exact commit.
+    pub fn resolve(&mut self) -> Result<()> {
+        self.path = crate::model::hub::resolve_model_dir(&self.path, &self.revision)?;
+        Ok(())
+    }
+
     /// `path` given, a known dtype, a valid LoRA section; errors name the `model.` key.
     pub fn validate(&self, sources: &Sources) -> Result<()> {
         let err = |key: &str, msg: &str| sources.error(key, msg);
@@ -60,6 +73,7 @@ impl Default for ModelSection {
     fn default() -> Self {
         ModelSection {
             path: PathBuf::new(),
+            revision: String::new(),
             dtype: "f32".into(),
             master_weights: true,
             device: "cpu".into(),

@@ -20,7 +20,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
 use crate::algo::{AdaptiveKlController, AdvantageKind, KlEstimator, LossReduction, ReductionKind};
-use crate::worker::Sharding;
 use crate::env::{EnvConfig, RewardConfig};
 use crate::error::unknown_name_message as unknown;
 use crate::error::{Error, Result};
@@ -30,6 +29,7 @@ use crate::trainer::sections::{
     ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection,
 };
 use crate::trainer::tracking::TrackingSection;
+use crate::worker::Sharding;
 
 use super::plan::LossFault;
 
@@ -106,6 +106,7 @@ impl Default for RlConfig {
 impl ConfigPaths for RlConfig {
     const PATH_KEYS: &'static [&'static str] =
         &["model.path", "data.train_file", "data.eval_file", "output.run_dir", "reward.custom_function.path"];
+    const MODEL_KEYS: &'static [&'static str] = &["model.path"];
     const OPEN_KEYS: &'static [&'static str] = &["algorithm.loss_config", "algorithm.off_policy"];
 }
 

@@ -14,11 +14,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::worker::Sharding;
 use crate::error::Result;
 use crate::trainer::config_file::{ConfigPaths, Sources};
 use crate::trainer::sections::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleSection};
 use crate::trainer::tracking::TrackingSection;
+use crate::worker::Sharding;
 
 /// A full SFT run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -35,6 +35,7 @@ pub struct SftConfig {
 
 impl ConfigPaths for SftConfig {
     const PATH_KEYS: &'static [&'static str] = &["model.path", "data.train_file", "data.eval_file", "output.run_dir"];
+    const MODEL_KEYS: &'static [&'static str] = &["model.path"];
 }
 
 /// `[data]`: the SFT dataset (see [`super::data`]).
