@@ -45,6 +45,7 @@ struct Chat {
     /// Replies are read for tool calls.
     tools: bool,
     adapter: Option<String>,
+    logit_bias: Vec<(u32, f32)>,
     stream: bool,
     include_usage: bool,
 }
@@ -62,6 +63,7 @@ async fn answer(s: Arc<EngineServer>, body: &[u8]) -> Result<Response, OpenAiErr
         num_samples: c.n,
         sample_topk: c.logprobs.unwrap_or(0),
         adapter: c.adapter.clone(),
+        logit_bias: c.logit_bias.clone(),
         ..Request::new(c.prompt.clone(), c.params.clone())
     };
     if c.stream {
@@ -136,6 +138,7 @@ fn parse(s: &EngineServer, body: &[u8]) -> Result<Chat, OpenAiError> {
         logprobs: oa::flag(&o, "logprobs")?.then_some(top),
         tools: tools.is_some(),
         adapter,
+        logit_bias: oa::logit_bias(s, &o)?,
         stream,
         include_usage,
     })

@@ -37,6 +37,7 @@ struct Completion {
     echo: bool,
     logprobs: Option<usize>,
     adapter: Option<String>,
+    logit_bias: Vec<(u32, f32)>,
     stream: bool,
     include_usage: bool,
 }
@@ -91,6 +92,7 @@ fn parse(s: &EngineServer, body: &[u8]) -> Result<Completion, OpenAiError> {
         echo: oa::flag(&o, "echo")?,
         logprobs,
         adapter,
+        logit_bias: oa::logit_bias(s, &o)?,
         stream,
         include_usage,
     })
@@ -137,6 +139,7 @@ fn requests(c: &Completion) -> Vec<Request> {
             prompt_topk: if c.echo { k } else { 0 },
             sample_topk: k,
             adapter: c.adapter.clone(),
+            logit_bias: c.logit_bias.clone(),
             ..Request::new(p.clone(), c.params.clone())
         })
         .collect()

@@ -8,9 +8,10 @@
 //! greedy), `top_p`, `top_k` and `ignore_eos` (extensions, as vLLM's), `seed` (sample j of a prompt draws from
 //! `seed + j`), `stop` (a string or a list; the text ends before it, the token ids keep the token
 //! that completed it), `stream` with `stream_options.include_usage` ([`super::streaming`]),
-//! `user`. `best_of` must equal `n`; penalties must be 0. Refused with a 400 naming the field:
-//! `suffix`, `logit_bias` (unless empty), `functions`, `function_call`, and any other field whose
-//! value asks for something the engine does not do. Each choice carries `token_ids` (an
+//! `logit_bias` (token id → bias in [-100, 100], added to the logit before each draw: the
+//! reported log-probs are the biased distribution's, as for temperature), `user`. `best_of` must
+//! equal `n`; penalties must be 0. Refused with a 400 naming the field: `suffix`, `functions`,
+//! `function_call`, and any other field whose value asks for something the engine does not do. Each choice carries `token_ids` (an
 //! extension: the sampled ids, the token-level truth RL and evaluation need). `usage` counts
 //! each prompt's tokens once and every sampled token.
 
@@ -86,11 +87,6 @@ pub fn refuse_unsupported(o: &Body, refused: &[&str]) -> Result<(), OpenAiError>
         if set(field) {
             return Err(invalid(field, format!("`{field}` is not supported by oxrl engine")));
         }
-    }
-    match o.get("logit_bias") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(m)) if m.is_empty() => {}
-        Some(_) => return Err(invalid("logit_bias", "`logit_bias` is not supported by oxrl engine")),
     }
     for field in ["presence_penalty", "frequency_penalty", "repetition_penalty"] {
         let neutral = if field == "repetition_penalty" { 1.0 } else { 0.0 };
@@ -173,6 +169,31 @@ pub fn sampling(o: &Body, max_tokens: usize) -> Result<(SamplingParams, usize), 
         }
     }
     Ok((params, n))
+}
+
+/// `logit_bias`: token id (as a string) → bias in [-100, 100], added to the token's logit before
+/// each draw.
+pub fn logit_bias(s: &EngineServer, o: &Body) -> Result<Vec<(u32, f32)>, OpenAiError> {
+    let map = match o.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(invalid("logit_bias", "`logit_bias` must be an object of token id → bias")),
+    };
+    let mut out = vec![];
+    for (k, v) in map {
+        let token = k.parse::<u32>().ok().filter(|&t| (t as usize) < s.vocab_size);
+        let bias = v.as_f64().filter(|b| (-100.0..=100.0).contains(b));
+        match (token, bias) {
+            (Some(t), Some(b)) => out.push((t, b as f32)),
+            _ => {
+                return Err(invalid(
+                    "logit_bias",
+                    format!("`logit_bias` {k}: {v}: a token id below {} and a bias in [-100, 100]", s.vocab_size),
+                ))
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `stream` and `stream_options.include_usage`.

@@ -495,5 +495,6 @@ pub fn continuation(original: &Request, sample: usize, so_far: &Generation) -> R
         route_key: original.route_key,
         adapter: original.adapter.clone(),
         rng_skip: original.rng_skip + so_far.tokens.len(),
+        logit_bias: original.logit_bias.clone(),
     }
 }

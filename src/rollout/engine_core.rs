@@ -229,6 +229,14 @@ impl EngineCore {
             return Err(Error::input("the prompt is empty"));
         }
         crate::model::check_token_ids(&req.prompt, c.vocab_size, "prompt")?;
+        for &(token, bias) in &req.logit_bias {
+            if token as usize >= c.vocab_size || !bias.is_finite() {
+                return Err(Error::input(format!(
+                    "logit bias {bias} of token {token}: the token must be below the vocabulary size {} and the bias finite",
+                    c.vocab_size
+                )));
+            }
+        }
         let limit = c.max_position_embeddings;
         let len = req.prompt.len();
         if len + p.max_tokens > limit {
@@ -597,6 +605,14 @@ impl EngineCore {
             .map(|(row, z)| {
                 let a = &active[&row.id];
                 let p = &a.req.params;
+                let biased;
+                let z = match a.req.logit_bias.is_empty() {
+                    true => z,
+                    false => {
+                        biased = with_bias(z, &a.req.logit_bias);
+                        &biased[..]
+                    }
+                };
                 let (tok, lp) = sample(z, p, &mut row.rng)?;
                 let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
                 let topk = (a.req.sample_topk > 0).then(|| top_logprobs(z, a.req.sample_topk, t));
@@ -621,7 +637,7 @@ impl EngineCore {
         let on_host = |r: &Row| {
             let a = &active[&r.id];
             let p = &a.req.params;
-            a.req.sample_topk > 0 || p.top_p < 1.0 || (p.top_k > 0 && p.top_k < vocab)
+            a.req.sample_topk > 0 || !a.req.logit_bias.is_empty() || p.top_p < 1.0 || (p.top_k > 0 && p.top_k < vocab)
         };
         if self.rows.iter().any(on_host) {
             return Ok(None);
@@ -645,6 +661,15 @@ impl EngineCore {
     fn draw_on_device(&mut self, _: &candle_core::Tensor) -> Result<Option<Vec<Result<Draw>>>> {
         Ok(None)
     }
+}
+
+/// A row of logits with the request's biases added.
+fn with_bias(z: &[f32], bias: &[(u32, f32)]) -> Vec<f32> {
+    let mut out = z.to_vec();
+    for &(token, b) in bias {
+        out[token as usize] += b;
+    }
+    out
 }
 
 /// Whether the decoded completion contains a stop string.

@@ -77,6 +77,11 @@ pub struct Request {
     /// The LoRA adapter (registered on the engine by this name) the request samples with; None =
     /// the engine's model as it is.
     pub adapter: Option<String>,
+    /// Added to the logits of these tokens before each draw (OpenAI's `logit_bias`): the samples,
+    /// their log-probs and top log-probs are those of the biased distribution; prompt log-probs
+    /// are the model's. Absent on the wire from older clients: none.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Request {
@@ -91,6 +96,7 @@ impl Request {
             route_key: None,
             rng_skip: 0,
             adapter: None,
+            logit_bias: vec![],
         }
     }
 }

@@ -3,8 +3,8 @@
 //! `logprobs: 1` and `max_tokens` 0 or 1 (the prompt log-probs are `oxrl score`'s, value for
 //! value as JSON carries them; `null` first; a top entry of a token holds its log-prob's bits),
 //! string prompts with `n` (choice `index` = prompt × n + sample, seeded samples), stop strings,
-//! exact usage, `/v1/models` with a LoRA adapter and requests that name it, and unsupported
-//! fields refused with a 400 naming them.
+//! exact usage, `logit_bias`, `/v1/models` with a LoRA adapter and requests that name it, and
+//! unsupported or malformed fields refused with a 400 naming them.
 
 use crate::common;
 
@@ -43,7 +43,10 @@ out["models"] = [m.id for m in client.models.list().data]
 c = client.completions.create(model="tuned", prompt=prompts[:1], max_tokens=0, echo=True, logprobs=0)
 out["adapter"] = dump(c)
 refused = {}
-for field, value in [("suffix", "x"), ("logit_bias", {"5": 10}), ("best_of", 3), ("presence_penalty", 0.5)]:
+c = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=1.0, seed=3, logit_bias={"77": 100},
+                              logprobs=1)
+out["biased"] = dump(c)
+for field, value in [("suffix", "x"), ("logit_bias", {"99999": 10}), ("best_of", 3), ("presence_penalty", 0.5)]:
     try:
         client.completions.create(model=model, prompt="Hello", max_tokens=2, extra_body={field: value})
         refused[field] = "accepted"
@@ -150,6 +153,11 @@ fn lm_eval_request_shapes_get_the_prompt_logprobs_of_oxrl_score() {
         (st["text"].as_str().unwrap(), st["finish"].as_str().unwrap()),
         (&full[..full.find(stop).unwrap()], "stop")
     );
+    // A bias of +100 on one token: every draw is that token, all but certain under the biased
+    // distribution.
+    let biased = &got["biased"][0];
+    assert_eq!(biased["token_ids"], json!([77, 77, 77, 77, 77]));
+    assert!(biased["logprobs"]["token_logprobs"].as_array().unwrap().iter().all(|l| l.as_f64().unwrap() > -1e-3));
     for field in ["suffix", "logit_bias", "best_of", "presence_penalty"] {
         assert_eq!(got["refused"][field], json!([400, field]), "{field}");
     }
