@@ -41,15 +41,20 @@ with tempfile.TemporaryDirectory() as tmp:
     run("init-model", "--arch", "llama", "--tie", "--out", f"{tmp}/llama")
     run("init-model", "--arch", "qwen2", "--dtype", "bf16", "--out", f"{tmp}/qwen2")
     run("init-model", "--arch", "qwen3", "--hidden", "128", "--out", f"{tmp}/qwen3")
+    run("init-model", "--arch", "qwen3_5", "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--linear-key-heads", "2", "--linear-value-heads", "4", "--out", f"{tmp}/qwen3_5")
     with open(f"{tmp}/d.jsonl", "w") as f:
         f.write('{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"}]}\n' * 4)
-    for name, rank in [("full", "0"), ("lora", "4")]:
-        run("sft", "--config", "examples/sft_tiny.toml", "--set", f'model.path="{tmp}/qwen3"', "--set", f'data.train_file="{tmp}/d.jsonl"',
-            "--set", "data.eval_fraction=0", "--set", "train.max_steps=3", "--set", "train.batch_size=2", "--set", "train.micro_batch_size=1",
-            "--set", f"model.lora.rank={rank}", "--set", "model.lora.alpha=8", "--set", f'output.run_dir="{tmp}/{name}"')
+    for base, prefix in [("qwen3", ""), ("qwen3_5", "qwen3_5_")]:
+        for name, rank in [("full", "0"), ("lora", "4")]:
+            run("sft", "--config", "examples/sft_tiny.toml", "--set", f'model.path="{tmp}/{base}"', "--set", f'data.train_file="{tmp}/d.jsonl"',
+                "--set", "data.eval_fraction=0", "--set", "train.max_steps=3", "--set", "train.batch_size=2", "--set", "train.micro_batch_size=1",
+                "--set", f"model.lora.rank={rank}", "--set", "model.lora.alpha=8", "--set", f'output.run_dir="{tmp}/{prefix}{name}"')
     cases = [("llama, tied (init-model)", f"{tmp}/llama", None), ("qwen2, bf16 (init-model)", f"{tmp}/qwen2", None),
              ("qwen3 (init-model)", f"{tmp}/qwen3", None), ("qwen3 after SFT (HF export)", f"{tmp}/full/final", None),
-             ("qwen3 + LoRA after SFT (PEFT export)", f"{tmp}/qwen3", f"{tmp}/lora/final")]
+             ("qwen3 + LoRA after SFT (PEFT export)", f"{tmp}/qwen3", f"{tmp}/lora/final"),
+             ("qwen3_5 (init-model)", f"{tmp}/qwen3_5", None), ("qwen3_5 after SFT (HF export)", f"{tmp}/qwen3_5_full/final", None),
+             ("qwen3_5 + LoRA after SFT (PEFT export)", f"{tmp}/qwen3_5", f"{tmp}/qwen3_5_lora/final")]
     worst = 0.0
     for name, model, lora in cases:
         err = max(abs(a - b) for a, b in zip(hf_logprobs(model, lora), oxrl_logprobs(tmp, model, lora)))

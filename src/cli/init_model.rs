@@ -1,14 +1,16 @@
-//! `oxrl init-model`: a random-init model and a byte-level tokenizer in the HF layout.
+//! `oxrl init-model`: a random-init model and a byte-level tokenizer in the HF layout. For
+//! `--arch qwen3_5` the hybrid stack's options: which layers are Gated DeltaNet layers
+//! (`--layer-types`, or every `--full-attention-interval`-th full attention) and their sizes.
 
 use std::path::PathBuf;
 
-use crate::model::model_config::{Arch, ModelShape};
+use crate::model::model_config::{Arch, ModelConfig, ModelShape};
 use crate::model::tokenizer::BYTE_LEVEL_VOCAB_SIZE;
 use crate::model::{init, weights};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// llama, qwen2 or qwen3.
+    /// llama, qwen2, qwen3 or qwen3_5.
     #[arg(long, default_value = "qwen3")]
     arch: String,
     #[arg(long, default_value_t = 64)]
@@ -43,11 +45,98 @@ pub struct Args {
     dtype: String,
     #[arg(long)]
     out: PathBuf,
+    #[command(flatten)]
+    hybrid: HybridArgs,
+}
+
+/// Qwen3.5's hybrid stack (`--arch qwen3_5` only).
+#[derive(clap::Args)]
+struct HybridArgs {
+    /// Each layer's mixer, comma-separated: `linear` (a Gated DeltaNet) or `full` (gated
+    /// attention), one per layer; default: every --full-attention-interval-th layer full.
+    #[arg(long, value_delimiter = ',')]
+    layer_types: Option<Vec<String>>,
+    /// Every N-th layer full attention, the others DeltaNet layers (when --layer-types is not
+    /// given).
+    #[arg(long, default_value_t = 4)]
+    full_attention_interval: usize,
+    /// DeltaNet key heads (q and k); default: --heads.
+    #[arg(long)]
+    linear_key_heads: Option<usize>,
+    /// DeltaNet value heads (a multiple of the key heads); default: --heads.
+    #[arg(long)]
+    linear_value_heads: Option<usize>,
+    /// DeltaNet key head size; default: the attention's head size.
+    #[arg(long)]
+    linear_key_head_dim: Option<usize>,
+    /// DeltaNet value head size; default: the attention's head size.
+    #[arg(long)]
+    linear_value_head_dim: Option<usize>,
+    /// The DeltaNet's causal convolution width.
+    #[arg(long, default_value_t = 4)]
+    linear_conv_kernel: usize,
+    /// The rotated share of each attention head.
+    #[arg(long, default_value_t = 0.25)]
+    partial_rotary_factor: f64,
+}
+
+impl HybridArgs {
+    /// Whether any option differs from its default (they only apply to --arch qwen3_5).
+    fn given(&self) -> bool {
+        self.layer_types.is_some()
+            || self.full_attention_interval != 4
+            || self.linear_key_heads.is_some()
+            || self.linear_value_heads.is_some()
+            || self.linear_key_head_dim.is_some()
+            || self.linear_value_head_dim.is_some()
+            || self.linear_conv_kernel != 4
+            || self.partial_rotary_factor != 0.25
+    }
+
+    /// Sets the hybrid fields of a qwen3_5 config.json (checked when it is parsed).
+    fn apply(&self, v: &mut serde_json::Value, shape: &ModelShape) -> anyhow::Result<()> {
+        let types: Vec<&str> = match &self.layer_types {
+            Some(t) => {
+                anyhow::ensure!(
+                    t.len() == shape.num_layers,
+                    "--layer-types lists {} layers, --layers is {}",
+                    t.len(),
+                    shape.num_layers
+                );
+                t.iter()
+                    .map(|x| match x.trim() {
+                        "linear" | "linear_attention" => Ok("linear_attention"),
+                        "full" | "full_attention" => Ok("full_attention"),
+                        other => Err(anyhow::anyhow!("--layer-types: `{other}` is not `linear` or `full`")),
+                    })
+                    .collect::<anyhow::Result<_>>()?
+            }
+            None => {
+                let n = self.full_attention_interval;
+                anyhow::ensure!(n > 0, "--full-attention-interval must be positive");
+                (0..shape.num_layers)
+                    .map(|i| if (i + 1) % n == 0 { "full_attention" } else { "linear_attention" })
+                    .collect()
+            }
+        };
+        v["layer_types"] = serde_json::json!(types);
+        v["linear_num_key_heads"] = self.linear_key_heads.unwrap_or(shape.num_heads).into();
+        v["linear_num_value_heads"] = self.linear_value_heads.unwrap_or(shape.num_heads).into();
+        v["linear_key_head_dim"] = self.linear_key_head_dim.unwrap_or(shape.head_dim).into();
+        v["linear_value_head_dim"] = self.linear_value_head_dim.unwrap_or(shape.head_dim).into();
+        v["linear_conv_kernel_dim"] = self.linear_conv_kernel.into();
+        v["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor.into();
+        Ok(())
+    }
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let arch =
-        Arch::parse(&a.arch).ok_or_else(|| anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3)", a.arch))?;
+    let arch = Arch::parse(&a.arch)
+        .ok_or_else(|| anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3, qwen3_5)", a.arch))?;
+    anyhow::ensure!(
+        arch == Arch::Qwen3_5 || !a.hybrid.given(),
+        "--layer-types, --full-attention-interval, --linear-* and --partial-rotary-factor are for --arch qwen3_5"
+    );
     anyhow::ensure!(
         a.vocab >= BYTE_LEVEL_VOCAB_SIZE,
         "--vocab {} is smaller than the tokenizer's {BYTE_LEVEL_VOCAB_SIZE} tokens",
@@ -68,7 +157,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         tie_word_embeddings: a.tie,
     };
     let dtype = weights::parse_dtype(&a.dtype)?;
-    let model = init::write_random_model(&a.out, arch, &shape, a.seed, dtype)?;
+    let mut config = ModelConfig::new_json(arch, &shape);
+    if arch == Arch::Qwen3_5 {
+        a.hybrid.apply(&mut config, &shape)?;
+    }
+    let model = init::write_random_model_from(&a.out, config, a.seed, dtype)?;
     eprintln!("wrote a {} model with {} parameters to {}", arch.model_type(), model.num_params(), a.out.display());
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! Seeded random initialisation, for `oxrl init-model`, fresh LoRA adapters and tests.
 //!
 //! Weights ~ N(0, 0.02²) (transformers' `initializer_range`), norm weights = 1, biases = 0.
+//! Qwen3.5 as transformers initialises it: its `1 + w` norms' w = 0 (the DeltaNet's gated norm
+//! 1), a DeltaNet's dt_bias = 1 and A_log = log(U(0.01, 16)).
 //! Normal samples come from Box–Muller over a seeded `StdRng`, so the same seed gives the same
 //! model on every machine.
 
@@ -37,9 +39,16 @@ pub fn uniform(rng: &mut StdRng, shape: &[usize], bound: f64, dtype: DType, devi
 /// A randomly initialised model of the given config.
 pub fn random_model(config: ModelConfig, seed: u64, dtype: DType, device: &Device) -> Result<Transformer> {
     let mut rng = StdRng::seed_from_u64(seed);
+    let unit_offset = config.norm_unit_offset;
     Transformer::build(config, dtype, device, &mut |name, shape| {
-        if name.ends_with("norm.weight") {
+        if name.ends_with("norm.weight") && unit_offset && !name.ends_with("linear_attn.norm.weight") {
+            Ok(Tensor::zeros(shape, dtype, device)?)
+        } else if name.ends_with("norm.weight") || name.ends_with("dt_bias") {
             Ok(Tensor::ones(shape, dtype, device)?)
+        } else if name.ends_with("A_log") {
+            let v: Vec<f32> =
+                (0..shape.iter().product()).map(|_| (0.01 + rng.random::<f64>() * 15.99).ln() as f32).collect();
+            Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
         } else if name.ends_with(".bias") {
             Ok(Tensor::zeros(shape, dtype, device)?)
         } else {
@@ -58,8 +67,18 @@ pub fn write_random_model(
     seed: u64,
     dtype: DType,
 ) -> Result<Transformer> {
+    write_random_model_from(dir, ModelConfig::new_json(arch, shape), seed, dtype)
+}
+
+/// [`write_random_model`] from a config.json value.
+pub fn write_random_model_from(
+    dir: &std::path::Path,
+    config: serde_json::Value,
+    seed: u64,
+    dtype: DType,
+) -> Result<Transformer> {
     let path = dir.join("config.json");
-    let config = ModelConfig::from_value(ModelConfig::new_json(arch, shape), &path)?;
+    let config = ModelConfig::from_value(config, &path)?;
     let model = random_model(config, seed, DType::F32, &Device::Cpu)?;
     model.save(dir, dtype)?;
     crate::files::write_json(

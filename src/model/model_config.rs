@@ -411,6 +411,27 @@ impl ModelConfig {
         if arch == Arch::Llama {
             v["mlp_bias"] = Value::Bool(false);
         }
+        if arch == Arch::Qwen3_5 {
+            // Every fourth layer full attention, the others DeltaNet layers with the attention's
+            // head count and size (`oxrl init-model` takes them as options).
+            let types: Vec<&str> = (0..shape.num_layers)
+                .map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" })
+                .collect();
+            let o = v.as_object_mut().expect("an object");
+            o.remove("rope_theta");
+            o.remove("rope_scaling");
+            o.insert("layer_types".into(), serde_json::json!(types));
+            o.insert(
+                "rope_parameters".into(),
+                serde_json::json!({"rope_type": "default", "rope_theta": shape.rope_theta, "partial_rotary_factor": 0.25}),
+            );
+            o.insert("linear_num_key_heads".into(), shape.num_heads.into());
+            o.insert("linear_num_value_heads".into(), shape.num_heads.into());
+            o.insert("linear_key_head_dim".into(), shape.head_dim.into());
+            o.insert("linear_value_head_dim".into(), shape.head_dim.into());
+            o.insert("linear_conv_kernel_dim".into(), 4.into());
+            o.insert("dtype".into(), "float32".into());
+        }
         v
     }
 

@@ -47,6 +47,7 @@ mod mpi_sft;
 mod png_pixels;
 mod prompt_budgets;
 mod python_rewards;
+mod qwen3_5_runs;
 mod remote_engine;
 mod rl_async;
 mod rl_async_staleness;
