@@ -261,6 +261,18 @@ fn instruction_rows_become_user_and_assistant_messages() {
     assert!(parse_row(&json!({"instruction": "x", "output": 3})).unwrap_err().contains("`output` must be a string"));
 }
 
+/// A vision-language row (an image part, as Qwen3.5's chat format writes it) is refused by
+/// name, not read as text.
+#[test]
+fn multimodal_content_is_refused_by_name() {
+    let row = json!({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}]},
+        {"role": "assistant", "content": "a cat"},
+    ]});
+    let e = parse_row(&row).unwrap_err();
+    assert!(e.contains("messages[0].content") && e.contains("`image` part") && e.contains("multimodal"), "{e}");
+}
+
 #[test]
 fn messages_and_tools_may_be_json_strings_and_nulls_are_dropped() {
     let c = parse_row(&json!({

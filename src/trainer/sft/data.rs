@@ -293,6 +293,19 @@ fn parse_messages(value: &Value) -> std::result::Result<Vec<Value>, String> {
             // An assistant turn that only calls tools may have no content.
             None if role == "assistant" && m.contains_key("tool_calls") => {}
             None => return Err(format!("messages[{i}]: missing `content`")),
+            // Multimodal parts (an image, a video: Qwen3.5's vision-language format) are named:
+            // oxrl trains the language model only.
+            Some(Value::Array(parts)) => {
+                let kind = |p: &Value| p.get("type").and_then(Value::as_str).unwrap_or("untyped").to_string();
+                let kinds: Vec<String> = parts.iter().map(kind).filter(|k| k != "text").collect();
+                return Err(match kinds.first() {
+                    Some(k) => format!(
+                        "messages[{i}].content: a `{k}` part: multimodal input is not supported (oxrl trains \
+                         text models; a vision-language checkpoint's vision tower is left aside)"
+                    ),
+                    None => format!("messages[{i}].content: expected a string, not a list of text parts"),
+                });
+            }
             Some(_) => return Err(format!("messages[{i}].content: expected a string")),
         }
         out.push(Value::Object(m));
