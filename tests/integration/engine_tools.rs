@@ -4,14 +4,18 @@
 //! its make_fixture.py), both through the tokenizer and as the prompt the engine runs when an
 //! OpenAI client sends the conversation in its own form (arguments as JSON text, content null);
 //! a reply without a parsable call is content, `tool_choice` `none` renders no tools, and
-//! `required` is refused with a 400 naming `tool_choice`. (Reading calls out of replies:
-//! `engine_server::tool_calls`'s unit tests.)
+//! `required` is refused with a 400 naming `tool_choice`. And a model that replies with a Hermes
+//! tool call (a scripted one: its greedy reply is a fixed run of added tokens) gets it back as
+//! `tool_calls` with parsed arguments, streamed or not; a malformed call comes back as content.
+//! (Reading calls out of replies in general: `engine_server::tool_calls`'s unit tests.)
 
 use crate::common;
 
 use std::path::Path;
 
-use oxrl::model::tokenizer::Tokenizer;
+use candle_core::{DType, Device, Tensor};
+use oxrl::model::model_config::{Arch, ModelShape};
+use oxrl::model::tokenizer::{Tokenizer, BYTE_LEVEL_VOCAB_SIZE};
 use serde_json::{json, Value};
 
 use crate::remote_engine::EngineProcess;
@@ -95,4 +99,126 @@ fn conversations_with_tools_render_as_transformers_renders_them() {
     required["tool_choice"] = json!("required");
     let (status, r) = post(&engine.url, &required);
     assert_eq!((status, r["error"]["param"].as_str()), (400, Some("tool_choice")), "{r}");
+}
+
+/// The tokens the scripted models write (non-special added tokens; no spaces, which byte-level
+/// decoding would not keep).
+const ADDED: [&str; 4] = [
+    "<tool_call>",
+    r#"{"name":"get_weather","arguments":{"city":"Paris","days":2}}"#,
+    r#"{"name":"get_weather","arguments":{"city":"#,
+    "</tool_call>",
+];
+
+/// A model whose greedy reply to any chat is `script` (indices into [`ADDED`]) then
+/// `<|im_end|>`: its blocks add nothing (o_proj and down_proj zero), so the next token depends
+/// on the last one alone, and the embeddings and LM head chain "\n" (the end of the generation
+/// prompt) → script[0] → script[1] → … → end.
+fn scripted_model(dir: &Path, script: &[usize]) -> std::path::PathBuf {
+    let hidden = 64;
+    let vocab = BYTE_LEVEL_VOCAB_SIZE + ADDED.len();
+    let shape = ModelShape {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: 2 * hidden,
+        num_layers: 1,
+        num_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 16,
+        rope_theta: 10000.0,
+        max_position_embeddings: 2048,
+        tie_word_embeddings: false,
+    };
+    oxrl::model::init::write_random_model(dir, Arch::Qwen3, &shape, 1, DType::F32).unwrap();
+    let tok_path = dir.join("tokenizer.json");
+    let mut tok: Value = serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
+    for (k, content) in ADDED.iter().enumerate() {
+        tok["added_tokens"].as_array_mut().unwrap().push(json!({"id": BYTE_LEVEL_VOCAB_SIZE + k, "content": content,
+            "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false}));
+    }
+    std::fs::write(&tok_path, tok.to_string()).unwrap();
+    let newline = Tokenizer::from_dir(dir).unwrap().encode("\n", false).unwrap()[0] as usize;
+    let chain: Vec<usize> =
+        std::iter::once(newline).chain(script.iter().map(|&k| BYTE_LEVEL_VOCAB_SIZE + k)).chain([2]).collect();
+    let (mut embed, mut head) = (vec![0f32; vocab * hidden], vec![0f32; vocab * hidden]);
+    for (state, pair) in chain.windows(2).enumerate() {
+        embed[pair[0] * hidden + state] = 1.0;
+        head[pair[1] * hidden + state] = 10.0;
+    }
+    let weights = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
+    for (name, t) in tensors.iter_mut() {
+        if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+            *t = t.zeros_like().unwrap();
+        }
+    }
+    tensors.insert("model.embed_tokens.weight".into(), Tensor::from_vec(embed, (vocab, hidden), &Device::Cpu).unwrap());
+    tensors.insert("lm_head.weight".into(), Tensor::from_vec(head, (vocab, hidden), &Device::Cpu).unwrap());
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    dir.to_path_buf()
+}
+
+/// The data chunks of a server-sent event stream.
+fn sse_chunks(url: &str, body: &Value) -> Vec<Value> {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut r = agent
+        .post(format!("{url}/v1/chat/completions"))
+        .content_type("application/json")
+        .send(body.to_string())
+        .unwrap();
+    let text = r.body_mut().read_to_string().unwrap();
+    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+}
+
+#[test]
+fn a_hermes_tool_call_in_the_reply_comes_back_as_tool_calls_and_a_malformed_one_as_content() {
+    let dir = tempfile::tempdir().unwrap();
+    let tools = fixture()["cases"][0]["tools"].clone();
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+                      "max_tokens": 10, "temperature": 0});
+
+    let good = EngineProcess::start(&scripted_model(&dir.path().join("m"), &[0, 1, 3]), &[]);
+    let (status, r) = post(&good.url, &body);
+    assert_eq!(status, 200, "{r}");
+    let choice = &r["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+    assert!(choice["message"]["content"].is_null(), "{choice}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(
+        (calls[0]["type"].as_str(), calls[0]["function"]["name"].as_str()),
+        (Some("function"), Some("get_weather"))
+    );
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "days": 2}));
+    let b = BYTE_LEVEL_VOCAB_SIZE as u64;
+    assert_eq!(choice["token_ids"], json!([b, b + 1, b + 3, 2]));
+    // Streamed: the whole choice in its last chunk.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = sse_chunks(&good.url, &streamed);
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "tool_calls");
+    assert_eq!(last["delta"]["tool_calls"][0]["function"], calls[0]["function"]);
+    assert_eq!(last["delta"]["tool_calls"][0]["index"], 0);
+    // Without tools the same reply is plain content.
+    let mut plain = body.clone();
+    plain.as_object_mut().unwrap().remove("tools");
+    let (_, r) = post(&good.url, &plain);
+    assert_eq!(r["choices"][0]["message"]["content"], format!("{}{}{}", ADDED[0], ADDED[1], ADDED[3]));
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+
+    let bad = EngineProcess::start(&scripted_model(&dir.path().join("bad"), &[0, 2, 3]), &[]);
+    let (status, r) = post(
+        &bad.url,
+        &json!({"model": "bad", "messages": body["messages"], "tools": tools, "max_tokens": 10, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{r}");
+    let choice = &r["choices"][0];
+    assert_eq!(choice["message"]["content"], format!("{}{}{}", ADDED[0], ADDED[2], ADDED[3]));
+    assert!(choice["message"].get("tool_calls").is_none(), "{choice}");
+    assert_eq!(choice["finish_reason"], "stop");
 }
