@@ -67,7 +67,7 @@ enum What {
 
 #[derive(clap::Args)]
 struct MemoryArgs {
-    /// An HF model directory (e.g. made by `oxrl init-model`).
+    /// An HF model directory (e.g. made by `oxrl init-model`) or a Hub repo id.
     #[arg(long)]
     model: PathBuf,
     /// Parameter dtype: f32 or bf16 (bf16 keeps f32 master weights).
@@ -115,7 +115,7 @@ struct RewardArgs {
 
 #[derive(clap::Args)]
 struct Common {
-    /// An HF model directory; default: the built-in benchmark model (qwen3 d256, 6.0 M parameters).
+    /// An HF model directory or Hub repo id; default: the built-in benchmark model (qwen3 d256, 6.0 M parameters).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Compute dtype: f32 or bf16 (training in bf16 keeps f32 master weights unless --pure-bf16).
@@ -215,7 +215,10 @@ impl Common {
         let (dtype, device) = (self.dtype()?, weights::parse_device(&self.device)?);
         anyhow::ensure!(self.reps > 0, "--reps must be at least 1");
         Ok(match &self.model {
-            Some(dir) => (Transformer::load(dir, dtype, &device)?, dir.display().to_string()),
+            Some(m) => {
+                let dir = crate::model::hub::resolve_model_dir(m, "")?;
+                (Transformer::load(&dir, dtype, &device)?, m.display().to_string())
+            }
             None => (bench_model::build(bench_model::SEED, dtype, &device)?, "bench-qwen3-d256".into()),
         })
     }
@@ -297,14 +300,15 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         Ok(d @ (DType::F32 | DType::BF16)) => d,
         _ => anyhow::bail!("--dtype `{}`: expected f32 or bf16", a.dtype),
     };
-    let config = crate::model::ModelConfig::from_dir(&a.model)?;
+    let dir = crate::model::hub::resolve_model_dir(&a.model, "")?;
+    let config = crate::model::ModelConfig::from_dir(&dir)?;
     let world = crate::world::world()?;
     let spec = WorkerSpec {
         dtype,
         mesh: MeshShape::dp(a.ranks * world.size()),
         threads: (crate::launch::cores() / a.ranks).max(1),
         worker: WorkerConfig { activation_checkpointing: a.activation_checkpointing, sharding, ..Default::default() },
-        ..WorkerSpec::new(&a.model)
+        ..WorkerSpec::new(&dir)
     };
     let dispatch = Dispatch::new(false);
     dispatch.create_model(POLICY, &spec)?;

@@ -295,7 +295,8 @@ impl Hub {
             (404, "EntryNotFound", Some(f)) | (404, "", Some(f)) => format!("no such file {f} in {at} on {endpoint}"),
             (404, _, _) => format!("no such repo {at} on {endpoint} (and no local directory of that name)"),
             (401, _, _) if self.token.is_none() => format!(
-                "{what} on {endpoint}: 401 Unauthorized: no such repo, or a private one (set HF_TOKEN to a token that can read it)"
+                "{what} on {endpoint}: 401 Unauthorized: no such repo, or a private one (set HF_TOKEN to a token \
+                 that can read it)"
             ),
             (401 | 403, _, _) => format!(
                 "{what} on {endpoint}: {code}: access refused (a gated repo's terms must be accepted on the Hub by the \

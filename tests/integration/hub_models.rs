@@ -295,6 +295,7 @@ fn models_by_hub_id_download_cache_pin_and_fail_by_name() {
     // Download, then the same bits as the local directory.
     let out = run(&[], &["score", "--model", REPO, "--input", input]);
     assert_eq!(ok(&out), local_qwen3);
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("downloading {REPO} (revision main) from {url}")));
     let snap = snapshot(&home, MAIN);
     for f in [
         "config.json",
@@ -311,7 +312,9 @@ fn models_by_hub_id_download_cache_pin_and_fail_by_name() {
 
     // Again: the listing only, no file is fetched.
     let before = hub.requests().len();
-    assert_eq!(ok(&run(&[], &["score", "--model", REPO, "--input", input])), local_qwen3);
+    let out = run(&[], &["score", "--model", REPO, "--input", input]);
+    assert_eq!(ok(&out), local_qwen3);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("downloading"));
     let again: Vec<String> = hub.requests()[before..].to_vec();
     assert!(again.iter().all(|r| r.contains("/api/models/")), "{again:?}");
 
@@ -382,6 +385,21 @@ fn models_by_hub_id_download_cache_pin_and_fail_by_name() {
     std::fs::remove_file(snapshot(&home, SHARDED).join("model-00002-of-00002.safetensors")).unwrap();
     let e = failed(&run(&offline, &["score", "--model", REPO, "--revision", "sharded", "--input", input]));
     assert!(e.contains("model-00002-of-00002.safetensors") && e.contains(REPO), "{e}");
+
+    // The engine serves a model given by id under that id.
+    let mut engine = Command::new(env!("CARGO_BIN_EXE_oxrl"))
+        .env("HF_HOME", &home)
+        .env("HF_HUB_OFFLINE", "1")
+        .args(["--threads", "1", "engine", "--model", REPO, "--listen", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(engine.stderr.take().unwrap()).lines();
+    let listening = lines.by_ref().map_while(Result::ok).find(|l| l.contains("listening on"));
+    engine.kill().unwrap();
+    engine.wait().unwrap();
+    let listening = listening.expect("the engine did not start");
+    assert!(listening.contains(&format!("(model {REPO},")), "{listening}");
 
     // A local directory of the id's name wins.
     let shadow = tmp.path().join(REPO);
