@@ -40,7 +40,8 @@ pub fn cores() -> usize {
 /// engine was started, only on what it serves.
 fn remote_engines(cfg: &RlConfig, urls: &[String], link: Option<&'static dyn World>) -> Result<EngineClient> {
     let key = std::env::var("OXRL_ENGINE_API_KEY").ok();
-    let expected_name = cfg.model.path.file_name().map(|n| n.to_string_lossy().into_owned());
+    // The name the engine gives the model: a Hub snapshot's repo id, else its directory's name.
+    let expected_name = crate::model::hub::served_name(&cfg.model.path);
     let mut engines: Vec<Box<dyn SamplingEngine>> = vec![];
     for url in urls {
         let timeout = std::time::Duration::from_secs_f64(cfg.launch.remote_timeout_s);

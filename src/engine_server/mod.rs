@@ -124,8 +124,7 @@ impl EngineServer {
             engine.add_adapter(name, adapter.clone()).wait()?;
         }
         // A Hub snapshot is served under its repo id, as clients name the model.
-        let name = crate::model::hub::repo_id_of_snapshot(&config.model)
-            .unwrap_or_else(|| config.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()));
+        let name = crate::model::hub::served_name(&config.model).unwrap_or_else(|| "model".into());
         let api_keys = config.api_keys.as_deref().map(read_api_keys).transpose()?;
         Ok(Arc::new(EngineServer {
             engine,

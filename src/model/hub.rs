@@ -3,7 +3,7 @@
 //! [`resolve_model_dir`] is the one place a model path becomes a local directory, for every entry
 //! point (`model.path` of the SFT and RL configs, `--model` of every subcommand):
 //!
-//! - an existing local directory is used as it is, whatever else the string looks like;
+//! - an existing local path is used as it is, whatever else the string looks like;
 //! - an `owner/name` string that is not one is a Hub repo: its files are fetched at `revision`
 //!   (a branch, tag or commit; default `main`) into the standard Hugging Face cache
 //!   (`HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`) through `hf-hub`, HF's
@@ -59,11 +59,11 @@ const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// processes on one machine resolve the same model at once).
 const LOCK_WAIT: Duration = Duration::from_secs(3600);
 
-/// `path` as a local model directory: itself if it is a directory; else, if it reads as a Hub
+/// `path` as a local model directory: itself if it exists; else, if it reads as a Hub
 /// repo id (`owner/name`), that repo's snapshot at `revision` (`""`: `main`) in the Hugging Face
 /// cache, downloaded there first if need be; else `path` unchanged.
 pub fn resolve_model_dir(path: &Path, revision: &str) -> Result<PathBuf> {
-    if path.is_dir() {
+    if path.exists() {
         return Ok(path.to_path_buf());
     }
     match path.to_str().filter(|s| is_repo_id(s)) {
@@ -99,6 +99,12 @@ pub fn repo_id_of_snapshot(dir: &Path) -> Option<String> {
     let folder = snapshots.parent()?.file_name()?.to_str()?;
     let id = folder.strip_prefix("models--")?.replace("--", "/");
     is_repo_id(&id).then_some(id)
+}
+
+/// The name a model directory is served under: a Hub snapshot's repo id, else the directory's
+/// name (what `oxrl engine` reports and a trainer checks its remote engines against).
+pub fn served_name(dir: &Path) -> Option<String> {
+    repo_id_of_snapshot(dir).or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()))
 }
 
 /// Where and how to reach the Hub, from the environment.

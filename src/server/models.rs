@@ -42,13 +42,10 @@ impl ServedModel {
         let config_path = path.join("config.json");
         let text = std::fs::read_to_string(&config_path).map_err(|e| crate::Error::file(&config_path, e))?;
         let config: Value = serde_json::from_str(&text).map_err(|e| crate::Error::file(&config_path, e))?;
-        let canonical = path.canonicalize().ok();
-        let name = canonical
-            .as_deref()
-            .and_then(|p| {
-                crate::model::hub::repo_id_of_snapshot(p)
-                    .or_else(|| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-            })
+        let name = path
+            .canonicalize()
+            .ok()
+            .and_then(|p| crate::model::hub::served_name(&p))
             .unwrap_or_else(|| path.display().to_string());
         Ok(ServedModel {
             name,

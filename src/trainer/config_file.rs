@@ -22,7 +22,7 @@
 //! Paths: a relative path written in the file is relative to the file's directory, so a config
 //! means the same from any working directory; the config type lists its path keys
 //! ([`ConfigPaths`]). A `--set` path, typed on the command line, and a default stay relative to
-//! the working directory. A model path that names no directory next to the file but reads as a
+//! the working directory. A model path that names nothing next to the file but reads as a
 //! Hub repo id (`Qwen/Qwen3-0.6B`) is kept as written, for [`crate::model::hub`].
 //!
 //! Open tables: a config type may declare free-form tables ([`ConfigPaths::OPEN_KEYS`], e.g. a
@@ -261,7 +261,7 @@ fn lookup<'a>(table: &'a Table, key: &str) -> Option<&'a Value> {
 
 /// Rewrites each relative path among `keys` in `table` (read from `file`) as `DIR/path`, DIR the
 /// file's directory as given (so still relative to the working directory if `file` is); a path of
-/// `model_keys` that is no directory there but reads as a Hub repo id stays as written.
+/// `model_keys` that names nothing there but reads as a Hub repo id stays as written.
 fn relative_to_file(table: &mut Table, keys: &[&str], model_keys: &[&str], file: &Path) -> Result<()> {
     let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
     for key in keys {
@@ -269,7 +269,7 @@ fn relative_to_file(table: &mut Table, keys: &[&str], model_keys: &[&str], file:
         if let Some(Value::String(p)) = lookup_mut(table, key) {
             if !p.is_empty() && Path::new(p.as_str()).is_relative() {
                 let joined = dir.join(p.as_str());
-                if model_keys.contains(key) && !joined.is_dir() && crate::model::hub::is_repo_id(p) {
+                if model_keys.contains(key) && !joined.exists() && crate::model::hub::is_repo_id(p) {
                     continue;
                 }
                 *p = joined

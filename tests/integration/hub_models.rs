@@ -350,7 +350,11 @@ fn models_by_hub_id_download_cache_pin_and_fail_by_name() {
     let saved: toml::Table = toml::from_str(&std::fs::read_to_string(hub_run.join("config.toml")).unwrap()).unwrap();
     assert_eq!(saved["model"]["path"].as_str(), Some(snap.canonicalize().unwrap().to_str().unwrap()));
 
-    // Missing repo, revision and file: errors naming them.
+    // Missing repo, revision and file: errors naming them (`oxrl rl` resolves its model.path too).
+    let rl_cfg = tmp.path().join("rl.toml");
+    std::fs::write(&rl_cfg, "[model]\npath = \"oxrl-test/nope\"\n").unwrap();
+    let e = failed(&run(&[], &["rl", "--config", rl_cfg.to_str().unwrap()]));
+    assert!(e.contains("no such repo") && e.contains("oxrl-test/nope"), "{e}");
     let e = failed(&run(&[], &["score", "--model", "oxrl-test/nope", "--input", input]));
     assert!(e.contains("no such repo") && e.contains("oxrl-test/nope") && e.contains(&url), "{e}");
     let e = failed(&run(&[], &["score", "--model", REPO, "--revision", "v9", "--input", input]));
