@@ -3,7 +3,8 @@
 //! worker's), the engine's prompt log-probs (what `echo` and `oxrl serve` report) and the log-probs
 //! the engine sampled tokens with are the same bits — every fixture family, full and LoRA (the
 //! adapter merged into the engine's weights, or registered by name beside other rows); and a
-//! token found among the top log-probs has its log-prob's bits there.
+//! token found among the top log-probs has its log-prob's bits there. Through a real `oxrl
+//! serve`: a sampler's prompt log-probs are its Tinker `forward`'s bits.
 
 use crate::common;
 
@@ -17,7 +18,7 @@ use oxrl::model::sequence_logprobs::sequence_logprobs;
 use oxrl::model::Transformer;
 use oxrl::rollout::{EngineConfig, EngineCore, Request, RequestOutput, SamplingParams};
 use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
-use serde_json::json;
+use serde_json::{json, Value};
 
 fn load(arch: &str) -> Transformer {
     Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap()
@@ -137,4 +138,56 @@ fn score_forward_prompt_and_sampled_logprobs_are_one_set_of_bits_lora() {
     for arch in ["llama", "qwen2", "qwen3", "qwen3_5"] {
         one_set_of_bits(arch, Some(LoraConfig::new(4, 8.0, &["all-linear"])));
     }
+}
+
+/// `oxrl serve`, end to end: a sampler's prompt log-probs are the bits of the same server's Tinker
+/// `forward` of those tokens (a LoRA model after an optimizer step, its weights saved for the
+/// sampler), and on the base model the bits of `sequence_logprobs`.
+#[test]
+fn oxrl_serve_prompt_logprobs_are_its_forward_bits() {
+    use super::server_protocol::{fwdbwd_body, lora_model, post, result, ModelCalls};
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::ServeProcess::start(dir.path(), (32, 64, 3), &["k1"], &[], &[]);
+    let port = server.port;
+    let (session, model_id) =
+        lora_model(port, json!({"rank": 4, "train_attn": true, "train_mlp": true, "train_unembed": true}));
+    let mut calls = ModelCalls::new(port, "k1", &model_id);
+    let datum = fwdbwd_body("", 0, "cross_entropy")["forward_backward_input"].clone();
+    calls.call("forward_backward", json!({"forward_backward_input": datum}));
+    calls.call("optim_step", json!({"adam_params": {"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}}));
+    let forward = calls.call("forward", json!({"forward_input": datum}));
+    let path = calls.call("save_weights_for_sampler", json!({"path": "s"}))["path"].as_str().unwrap().to_string();
+    let body = json!({"session_id": session, "sampling_session_seq_id": 0, "model_path": path});
+    let sampler = post(port, "create_sampling_session", body).body["sampling_session_id"].as_str().unwrap().to_string();
+    // The datum's whole sequence: its inputs and the last target.
+    let inputs = datum["data"][0]["model_input"]["chunks"][0]["tokens"].as_array().unwrap().clone();
+    let last = datum["data"][0]["loss_fn_inputs"]["target_tokens"]["data"].as_array().unwrap().last().unwrap().clone();
+    let tokens: Vec<Value> = inputs.into_iter().chain([last]).collect();
+    let prompt_logprobs = |target: Value| -> Vec<u32> {
+        let mut body = json!({
+            "seq_id": 0, "num_samples": 1, "prompt_logprobs": true,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "stop": []}
+        });
+        body.as_object_mut().unwrap().extend(target.as_object().unwrap().clone());
+        let r = post(port, "asample", body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let lps = result(port, r.body["request_id"].as_str().unwrap())["prompt_logprobs"].clone();
+        let lps = lps.as_array().unwrap();
+        assert!(lps[0].is_null());
+        lps[1..].iter().map(|v| (v.as_f64().unwrap() as f32).to_bits()).collect()
+    };
+    let trained: Vec<u32> = forward["loss_fn_outputs"][0]["logprobs"]["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| (v.as_f64().unwrap() as f32).to_bits())
+        .collect();
+    assert_eq!(trained.len(), tokens.len() - 1);
+    assert_eq!(prompt_logprobs(json!({"sampling_session_id": sampler})), trained, "sampler vs Tinker forward");
+    let base = Transformer::load(&dir.path().join("tiny"), DType::F32, &Device::Cpu).unwrap();
+    let ids: Vec<u32> = tokens.iter().map(|t| t.as_u64().unwrap() as u32).collect();
+    let scored = bits(&sequence_logprobs(&base, &[ids]).unwrap()[0]);
+    assert_eq!(prompt_logprobs(json!({"base_model": "tiny"})), scored, "base sampler vs sequence_logprobs");
+    assert_ne!(scored, trained);
 }
