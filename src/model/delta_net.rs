@@ -82,6 +82,93 @@ fn conv_state_len(c: &DeltaNetConfig) -> usize {
     (c.conv_kernel - 1) * c.conv_dim()
 }
 
+/// Rows of DeltaNet state ([`state_len`] floats each) on the host, in the compute dtype: a
+/// decode step advances them in place (no copy in or out per step); row surgery copies rows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StateRows {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+/// The floats a [`StateRows`] holds.
+pub trait StateFloat: Real {
+    fn rows_mut(s: &mut StateRows) -> Option<&mut Vec<Self>>;
+    fn wrap(v: Vec<Self>) -> StateRows;
+}
+
+impl StateFloat for f32 {
+    fn rows_mut(s: &mut StateRows) -> Option<&mut Vec<f32>> {
+        match s {
+            StateRows::F32(v) => Some(v),
+            StateRows::F64(_) => None,
+        }
+    }
+    fn wrap(v: Vec<f32>) -> StateRows {
+        StateRows::F32(v)
+    }
+}
+
+impl StateFloat for f64 {
+    fn rows_mut(s: &mut StateRows) -> Option<&mut Vec<f64>> {
+        match s {
+            StateRows::F64(v) => Some(v),
+            StateRows::F32(_) => None,
+        }
+    }
+    fn wrap(v: Vec<f64>) -> StateRows {
+        StateRows::F64(v)
+    }
+}
+
+impl StateRows {
+    fn len(&self) -> usize {
+        match self {
+            StateRows::F32(v) => v.len(),
+            StateRows::F64(v) => v.len(),
+        }
+    }
+
+    /// Rows of `width` floats.
+    pub fn num_rows(&self, width: usize) -> usize {
+        self.len() / width.max(1)
+    }
+
+    /// The given rows (a row may repeat), in that order.
+    pub fn select(&self, rows: &[usize], width: usize) -> StateRows {
+        fn pick<T: Copy>(v: &[T], rows: &[usize], w: usize) -> Vec<T> {
+            rows.iter().flat_map(|&r| v[r * w..(r + 1) * w].iter().copied()).collect()
+        }
+        match self {
+            StateRows::F32(v) => StateRows::F32(pick(v, rows, width)),
+            StateRows::F64(v) => StateRows::F64(pick(v, rows, width)),
+        }
+    }
+
+    /// `rows` zero rows of `like`'s dtype (a row that has seen nothing yet).
+    pub fn zeros_like(like: &StateRows, rows: usize, width: usize) -> StateRows {
+        match like {
+            StateRows::F32(_) => StateRows::F32(vec![0.0; rows * width]),
+            StateRows::F64(_) => StateRows::F64(vec![0.0; rows * width]),
+        }
+    }
+
+    /// The parts' rows one after another (all of one dtype).
+    pub fn concat(parts: &[StateRows]) -> Result<StateRows> {
+        let mut out = match parts.first() {
+            Some(p) => StateRows::zeros_like(p, 0, 1),
+            None => return Err(Error::Other("DeltaNet states: nothing to concatenate".into())),
+        };
+        for p in parts {
+            match (&mut out, p) {
+                (StateRows::F32(a), StateRows::F32(b)) => a.extend_from_slice(b),
+                (StateRows::F64(a), StateRows::F64(b)) => a.extend_from_slice(b),
+                _ => return Err(Error::Other("DeltaNet states of two dtypes in one batch".into())),
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// The layer's non-projection parameters as slices.
 pub struct Params<'a, T> {
     /// [conv_dim, kernel]
@@ -608,7 +695,7 @@ impl GatedDeltaNet {
     pub const LINEARS: usize = 5;
 
     /// The layer on candle tensors: x [B, T, hidden] → [B, T, hidden], advancing `state`
-    /// ([B, state_len], zeros when None) when given. The part between the projections runs on
+    /// (B rows, zeros when None) in place when given. The part between the projections runs on
     /// the host ([`forward`]), so it has no autograd: the CPU tape trains it.
     pub fn forward(
         &self,
@@ -616,7 +703,7 @@ impl GatedDeltaNet {
         c: &DeltaNetConfig,
         eps: f64,
         mask: &[Vec<u8>],
-        state: Option<&mut Option<Tensor>>,
+        state: Option<&mut Option<StateRows>>,
         adapters: Option<(&RowAdapters, usize)>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
@@ -637,36 +724,38 @@ impl GatedDeltaNet {
         RowAdapters::forward(ad, &self.out_proj, &out, first + 4)
     }
 
-    fn host_forward<T: Real>(
+    fn host_forward<T: StateFloat>(
         &self,
         [qkv, z, a, b]: [&Tensor; 4],
         mask: &[Vec<u8>],
-        state: Option<&mut Option<Tensor>>,
+        state: Option<&mut Option<StateRows>>,
         dims: Dims,
         eps: f64,
     ) -> Result<Tensor> {
         let sl = state_len(&dims.cfg);
-        let mut st = match state.as_deref() {
-            Some(Some(s)) => {
-                if s.dims() != [dims.b, sl] {
+        let mut scratch = vec![];
+        let st: &mut Vec<T> = match state {
+            Some(slot) => {
+                let rows = slot.get_or_insert_with(|| T::wrap(vec![T::of(0.0); dims.b * sl]));
+                if rows.len() != dims.b * sl {
                     return Err(Error::input(format!(
-                        "DeltaNet state is {:?}, the batch needs [{}, {sl}]",
-                        s.dims(),
+                        "DeltaNet state holds {} rows, the batch has {}",
+                        rows.num_rows(sl),
                         dims.b
                     )));
                 }
-                host::<T>(s)?
+                T::rows_mut(rows).ok_or_else(|| Error::input("DeltaNet state of another dtype than the forward"))?
             }
-            _ => vec![T::of(0.0); dims.b * sl],
+            None => {
+                scratch = vec![T::of(0.0); dims.b * sl];
+                &mut scratch
+            }
         };
         let (conv, a_log, dt_bias, norm) =
             (host::<T>(&self.conv1d)?, host::<T>(&self.a_log)?, host::<T>(&self.dt_bias)?, host::<T>(&self.norm)?);
         let p = Params { conv: &conv, a_log: &a_log, dt_bias: &dt_bias, norm: &norm, eps };
         let (qkv, z, a, b) = (host::<T>(qkv)?, host::<T>(z)?, host::<T>(a)?, host::<T>(b)?);
-        let (out, _) = forward(&qkv, &z, &a, &b, &p, mask, &mut st, dims, false);
-        if let Some(slot) = state {
-            *slot = Some(Tensor::from_vec(st, (dims.b, sl), &candle_core::Device::Cpu)?);
-        }
+        let (out, _) = forward(&qkv, &z, &a, &b, &p, mask, st, dims, false);
         Ok(Tensor::from_vec(out, dims.b * dims.t * dims.cfg.value_dim(), &candle_core::Device::Cpu)?)
     }
 

@@ -19,6 +19,8 @@
 
 use candle_core::{Tensor, D};
 
+use super::delta_net::StateRows;
+
 use crate::Result;
 
 /// Columns a fresh buffer holds at least.
@@ -32,8 +34,8 @@ pub struct KvCache {
     buffers: Vec<Option<(Tensor, Tensor)>>,
     /// [B][S] key mask of the cached positions.
     key_mask: Vec<Vec<u8>>,
-    /// Per layer, a DeltaNet layer's per-row state [B, state_len] once it holds any.
-    states: Vec<Option<Tensor>>,
+    /// Per layer, a DeltaNet layer's per-row states once it holds any.
+    states: Vec<Option<StateRows>>,
 }
 
 impl Clone for KvCache {
@@ -57,14 +59,22 @@ impl KvCache {
         KvCache { buffers: vec![None; layers.len()], states: vec![None; layers.len()], layers, key_mask }
     }
 
-    /// Layer i's DeltaNet state slot ([B, state_len] once a forward has filled it).
-    pub(crate) fn state_mut(&mut self, i: usize) -> &mut Option<Tensor> {
+    /// Layer i's DeltaNet state slot (a row per batch row once a forward has filled it).
+    pub(crate) fn state_mut(&mut self, i: usize) -> &mut Option<StateRows> {
         &mut self.states[i]
     }
 
-    /// Layer i's DeltaNet state, once it holds any.
-    pub fn state(&self, i: usize) -> Option<&Tensor> {
+    /// Layer i's DeltaNet states, once it holds any.
+    pub fn state(&self, i: usize) -> Option<&StateRows> {
         self.states.get(i)?.as_ref()
+    }
+
+    /// Floats of one row's state in layer i (0 before any).
+    fn state_width(&self, i: usize) -> usize {
+        match (&self.states[i], self.num_rows()) {
+            (Some(s), rows) if rows > 0 => s.num_rows(1) / rows,
+            _ => 0,
+        }
     }
 
     /// Number of cached positions.
@@ -161,14 +171,9 @@ impl KvCache {
         }
         let key_mask = rows.iter().map(|&r| self.key_mask[r].clone()).collect();
         let mut out = Self::from_parts(layers, key_mask);
-        let idx = Tensor::from_vec(
-            rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
-            rows.len(),
-            &candle_core::Device::Cpu,
-        )?;
-        for (slot, s) in out.states.iter_mut().zip(&self.states) {
-            if let Some(s) = s {
-                *slot = Some(s.index_select(&idx.to_device(s.device())?, 0)?);
+        for (l, slot) in out.states.iter_mut().enumerate() {
+            if let Some(s) = &self.states[l] {
+                *slot = Some(s.select(rows, self.state_width(l)));
             }
         }
         out.trim_left()?;
@@ -233,16 +238,18 @@ impl KvCache {
         }
         let mut out = Self::from_parts(layers, key_mask);
         for l in 0..num_layers {
-            let Some(like) = parts.iter().find_map(|p| p.states[l].as_ref()) else { continue };
+            let Some((like, width)) = parts.iter().find_map(|p| Some((p.states[l].as_ref()?, p.state_width(l)))) else {
+                continue;
+            };
             let mut rows = Vec::with_capacity(parts.len());
             for p in &parts {
                 rows.push(match &p.states[l] {
                     Some(s) => s.clone(),
                     // Nothing cached for these rows yet: the zero state they start from.
-                    None => Tensor::zeros((p.num_rows(), like.dim(1)?), like.dtype(), like.device())?,
+                    None => StateRows::zeros_like(like, p.num_rows(), width),
                 });
             }
-            out.states[l] = Some(Tensor::cat(&rows, 0)?);
+            out.states[l] = Some(StateRows::concat(&rows)?);
         }
         Ok(out)
     }
@@ -267,9 +274,9 @@ impl KvCache {
                 });
             }
             let mut one = Self::from_parts(row, vec![mask.clone()]);
-            for (slot, s) in one.states.iter_mut().zip(&self.states) {
-                if let Some(s) = s {
-                    *slot = Some(s.narrow(0, r, 1)?);
+            for (l, slot) in one.states.iter_mut().enumerate() {
+                if let Some(s) = &self.states[l] {
+                    *slot = Some(s.select(&[r], self.state_width(l)));
                 }
             }
             one.trim_left()?;

@@ -184,10 +184,12 @@ impl EngineCore {
         self.version
     }
 
-    /// Bytes of K and V per cached token of one row.
+    /// Bytes of K and V per cached token of one row (of the full-attention layers: a Qwen3.5
+    /// DeltaNet layer keeps a state per row that does not grow with the tokens).
     pub fn kv_bytes_per_token(&self) -> usize {
         let c = &self.model.config;
-        2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.size_in_bytes()
+        let layers = (0..c.num_hidden_layers).filter(|&i| !c.is_linear_attention(i)).count();
+        2 * layers * c.num_key_value_heads * c.head_dim * self.model.dtype.size_in_bytes()
     }
 
     /// Registers LoRA adapter `name` (replacing one of that name) for later requests.
