@@ -34,7 +34,7 @@ use hf_hub::{Cache, Repo, RepoType};
 use crate::{Error, Result};
 
 /// The files of a model repo fetched besides the weights, when the repo has them.
-const SIDE_FILES: [&str; 14] = [
+const SIDE_FILES: [&str; 13] = [
     "config.json",
     "generation_config.json",
     "tokenizer.json",
@@ -48,7 +48,6 @@ const SIDE_FILES: [&str; 14] = [
     "tokenizer.model",
     "adapter_config.json",
     "adapter_model.safetensors",
-    "preprocessor_config.json",
 ];
 const CONFIG: &str = "config.json";
 const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -337,7 +336,16 @@ impl Fetcher<'_> {
         let start = Instant::now();
         loop {
             match self.repo.download(name) {
-                Ok(path) => return Ok(path),
+                Ok(path) if path == local => return Ok(path),
+                // The Hub answered for another commit than the one asked for.
+                Ok(path) => {
+                    return Err(Error::Other(format!(
+                        "{name} of {} came as {}, not of the commit listed ({})",
+                        self.at,
+                        path.display(),
+                        local.display()
+                    )))
+                }
                 // Another process holds the file's lock: it is downloading the same file.
                 Err(ApiError::LockAcquisition(_)) if start.elapsed() < LOCK_WAIT => {
                     if local.is_file() {
