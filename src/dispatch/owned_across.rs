@@ -166,27 +166,9 @@ fn gather_in_buckets(
 
 #[cfg(test)]
 mod tests {
-    use candle_core::DType;
-
     use super::*;
-    use crate::test_support::bits;
+    use crate::test_support::{bits, rank_gradients as grads};
     use crate::world::ThreadWorld;
-
-    /// Rank r's tensors: f32 of several sizes, a bf16 and an f64 (values of many magnitudes,
-    /// so that the order of additions shows in the bits).
-    fn grads(r: usize) -> Vec<Tensor> {
-        let v = |n: usize, k: usize| -> Vec<f32> {
-            (0..n).map(|i| ((i * 7 + r * 13 + k) as f32).sin() * 10f32.powi((i % 9) as i32 - 4)).collect()
-        };
-        let d = &Device::Cpu;
-        vec![
-            Tensor::from_vec(v(23, 0), (23,), d).unwrap(),
-            Tensor::from_vec(v(12, 2), (3, 4), d).unwrap().to_dtype(DType::BF16).unwrap(),
-            Tensor::from_vec(v(17, 3), (17,), d).unwrap().to_dtype(DType::F64).unwrap(),
-            Tensor::from_vec(v(5, 4), (5,), d).unwrap(),
-            Tensor::from_vec(v(9, 5), (9,), d).unwrap(),
-        ]
-    }
 
     #[test]
     fn buckets_hold_whole_tensors() {
@@ -201,7 +183,7 @@ mod tests {
     #[test]
     fn owners_get_the_sum_in_rank_order_and_gathers_deliver_it() {
         let (processes, local) = (3, 2);
-        let owners = [5, 0, 3, 2, 3];
+        let owners = [5, 1, 0, 3, 2];
         let want = sum_in_rank_order((0..processes * local).map(grads).collect()).unwrap();
         for bucket in [1, 20, 40, 1 << 24] {
             let worlds = ThreadWorld::world(processes);

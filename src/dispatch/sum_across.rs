@@ -150,23 +150,8 @@ fn scatter_into<T>(sums: &mut [Vec<T>], lens: &[usize], lo: usize, bucket: Vec<T
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::bits;
+    use crate::test_support::{bits, rank_gradients as grads};
     use crate::world::ThreadWorld;
-
-    /// Rank r's tensors: f32 of several sizes (one of them empty), a bf16 and an f64.
-    fn grads(r: usize) -> Vec<Tensor> {
-        let v = |n: usize, k: usize| -> Vec<f32> {
-            (0..n).map(|i| ((i * 7 + r * 13 + k) as f32).sin() * 10f32.powi((i % 9) as i32 - 4)).collect()
-        };
-        let d = &Device::Cpu;
-        vec![
-            Tensor::from_vec(v(23, 0), (23,), d).unwrap(),
-            Tensor::from_vec(v(0, 1), (0,), d).unwrap(),
-            Tensor::from_vec(v(12, 2), (3, 4), d).unwrap().to_dtype(DType::BF16).unwrap(),
-            Tensor::from_vec(v(17, 3), (17,), d).unwrap().to_dtype(DType::F64).unwrap(),
-            Tensor::from_vec(v(5, 4), (5,), d).unwrap(),
-        ]
-    }
 
     /// The sum the way one process adds its threads' tensors: widened, rank after rank.
     fn expected(ranks: usize) -> Vec<Tensor> {
