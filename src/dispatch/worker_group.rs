@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
@@ -172,16 +173,19 @@ impl WorkerGroup {
         // One collective per data-parallel group: ranks with the same (tp, sp, pp).
         let mut collectives: BTreeMap<(usize, usize, usize), Arc<dyn Collective>> = BTreeMap::new();
         let mut ranks = vec![];
+        // Set by the ranks' builds (which `Actor::spawn` waits for) when the workers shard.
+        let sharded = Arc::new(AtomicBool::new(false));
         for (i, coord) in shape.coords().into_iter().enumerate().filter(|(_, c)| local.contains(&c.dp)) {
             let collective = collectives
                 .entry((coord.tp, coord.sp, coord.pp))
                 .or_insert_with(|| Arc::new(InProcess::across(local.len(), world)) as Arc<dyn Collective>)
                 .clone();
-            let (build, mesh_name) = (build.clone(), id.to_string());
+            let (build, mesh_name, sharded) = (build.clone(), id.to_string(), sharded.clone());
             let actor = Actor::spawn(&format!("oxrl-{id}-{i}"), threads, move || {
                 let mut worker = build(coord)?;
                 let mode = worker.config().sharding;
                 if mode.is_sharded() {
+                    sharded.store(true, Ordering::Relaxed);
                     // Over the data-parallel group: the ranks sharing this rank's (tp, sp, pp).
                     worker.shard(ShardPlan::new(mode, coord.dp, shape.dp, &worker.param_sizes()))?;
                 }
@@ -201,17 +205,15 @@ impl WorkerGroup {
             .map_err(|e| Error::Other(format!("model `{id}`, rank {i}: {e}")))?;
             ranks.push(actor);
         }
-        let mut group = WorkerGroup {
+        Ok(WorkerGroup {
             id: id.to_string(),
             shape,
             processes: world.size(),
             ranks,
             order: Mutex::new(()),
             staged_real: Mutex::new(BTreeMap::new()),
-            sharded: false,
-        };
-        group.sharded = group.inspect(|w| w.shard_plan().is_some())?.into_iter().any(|s| s);
-        Ok(group)
+            sharded: sharded.load(Ordering::Relaxed),
+        })
     }
 
     pub fn id(&self) -> &str {
