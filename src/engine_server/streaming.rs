@@ -4,8 +4,9 @@
 //!
 //! What a stream holds, concatenated per choice, is exactly the unstreamed answer: the token ids,
 //! log-probs and top log-probs arrive as the engine samples them, and the text as far as it is
-//! final — a piece that could still be the start of a stop string, or bytes of a character not
-//! yet complete (U+FFFD so far), wait for the next tokens; the last chunk of a choice brings the
+//! final — a piece that could still be the start of a stop string, bytes of a character not yet
+//! complete (U+FFFD so far), or trailing whitespace (a tokenizer's clean-up removes a space before
+//! punctuation), wait for the next tokens; the last chunk of a choice brings the
 //! rest of its final text and its `finish_reason`. A client that disconnects drops the body,
 //! which ends the producing task and with it the engine requests ([`super::jobs`]).
 
@@ -86,8 +87,18 @@ impl TextStream {
 
     /// Adds `tokens`; returns the text that became final (possibly empty).
     pub fn push(&mut self, s: &EngineServer, tokens: &[u32], stops: &[String]) -> Result<String, OpenAiError> {
+        self.push_with(|t| text(s, t), tokens, stops)
+    }
+
+    /// [`TextStream::push`] with `decode` for the tokenizer's decoding.
+    fn push_with(
+        &mut self,
+        decode: impl Fn(&[u32]) -> Result<String, OpenAiError>,
+        tokens: &[u32],
+        stops: &[String],
+    ) -> Result<String, OpenAiError> {
         self.tokens.extend_from_slice(tokens);
-        let mut t = text(s, &self.tokens)?;
+        let mut t = decode(&self.tokens)?;
         match stops.iter().filter_map(|stop| t.find(stop.as_str())).min() {
             Some(cut) => t.truncate(cut),
             None => {
@@ -100,8 +111,10 @@ impl TextStream {
                 t.truncate(cut);
             }
         }
-        // A character whose bytes are not all decoded yet.
-        while t.ends_with('\u{FFFD}') {
+        // A character whose bytes are not all decoded yet; trailing whitespace, which the
+        // tokenizer's clean-up (`clean_up_tokenization_spaces`, Llama 3's) drops before the
+        // punctuation that may follow.
+        while t.ends_with('\u{FFFD}') || t.ends_with(char::is_whitespace) {
             t.pop();
         }
         if t.len() > self.sent.len() && t.starts_with(&self.sent) {
@@ -117,5 +130,44 @@ impl TextStream {
         let rest = final_text.get(self.sent.len()..).unwrap_or_default().to_string();
         self.sent = final_text.to_string();
         rest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Token i is PIECES[i]; decoding joins them and cleans up as transformers'
+    /// `clean_up_tokenization_spaces` does (" ." → ".").
+    const PIECES: [&str; 8] = ["Hello", " ", ".", " wor", "ld", " \u{FFFD}", "ST", "OP and more"];
+
+    fn decode(tokens: &[u32]) -> Result<String, OpenAiError> {
+        Ok(tokens.iter().map(|&t| PIECES[t as usize]).collect::<String>().replace(" .", "."))
+    }
+
+    /// Streams `tokens` one at a time; the pieces sent and the concatenation with the rest.
+    fn stream(tokens: &[u32], stops: &[String], final_text: &str) -> (Vec<String>, String) {
+        let mut s = TextStream::default();
+        let sent: Vec<String> = tokens.iter().map(|t| s.push_with(decode, &[*t], stops).unwrap()).collect();
+        let rest = s.finish(final_text);
+        let whole = sent.concat() + &rest;
+        (sent, whole)
+    }
+
+    #[test]
+    fn the_concatenated_stream_is_the_final_text() {
+        let all: Vec<u32> = (0..8).collect();
+        let full = decode(&all).unwrap();
+        let (sent, whole) = stream(&all, &[], &full);
+        assert_eq!(whole, full);
+        // The space waits for the token after it (clean-up removed it), U+FFFD for more bytes.
+        assert_eq!(sent[..4], ["Hello", "", ".", " wor"]);
+        assert_eq!(sent[5], "");
+        // A stop string: the text before it, and nothing of it, ever sent.
+        let stops = vec!["STOP".to_string()];
+        let cut = full[..full.find("STOP").unwrap()].to_string();
+        let (sent, whole) = stream(&all, &stops, &cut);
+        assert_eq!(whole, cut);
+        assert!(sent.iter().all(|p| !p.contains('S')), "{sent:?}");
     }
 }
