@@ -139,7 +139,8 @@ fn gather_in_buckets(
     let (w, me) = (world.size(), world.rank());
     let mut out: Vec<Option<Tensor>> = vec![None; sizes.len()];
     for range in buckets(sizes, bucket) {
-        let named: Vec<(String, Tensor)> = range.clone().filter_map(|i| Some((i.to_string(), mine[i].take()?))).collect();
+        let named: Vec<(String, Tensor)> =
+            range.clone().filter_map(|i| Some((i.to_string(), mine[i].take()?))).collect();
         let received = match root {
             None => world.all_gather(&pack(named)?)?,
             Some(root) => {
@@ -187,22 +188,21 @@ mod tests {
         let want = sum_in_rank_order((0..processes * local).map(grads).collect()).unwrap();
         for bucket in [1, 20, 40, 1 << 24] {
             let worlds = ThreadWorld::world(processes);
-            let got: Vec<(Vec<Option<Tensor>>, Vec<Option<Tensor>>, Vec<Option<Tensor>>)> =
-                std::thread::scope(|s| {
-                    let hs: Vec<_> = (worlds.iter().enumerate())
-                        .map(|(p, w)| {
-                            s.spawn(move || {
-                                let mine: Vec<Vec<Tensor>> = (0..local).map(|i| grads(p * local + i)).collect();
-                                let owned = reduce_in_buckets(w, &mine, &owners, bucket).unwrap();
-                                let sizes: Vec<usize> = mine[0].iter().map(|t| t.elem_count()).collect();
-                                let all = gather_in_buckets(w, owned.clone(), &sizes, None, &Device::Cpu, bucket);
-                                let root = gather_in_buckets(w, owned.clone(), &sizes, Some(1), &Device::Cpu, bucket);
-                                (owned, all.unwrap(), root.unwrap())
-                            })
+            let got: Vec<(Vec<Option<Tensor>>, Vec<Option<Tensor>>, Vec<Option<Tensor>>)> = std::thread::scope(|s| {
+                let hs: Vec<_> = (worlds.iter().enumerate())
+                    .map(|(p, w)| {
+                        s.spawn(move || {
+                            let mine: Vec<Vec<Tensor>> = (0..local).map(|i| grads(p * local + i)).collect();
+                            let owned = reduce_in_buckets(w, &mine, &owners, bucket).unwrap();
+                            let sizes: Vec<usize> = mine[0].iter().map(|t| t.elem_count()).collect();
+                            let all = gather_in_buckets(w, owned.clone(), &sizes, None, &Device::Cpu, bucket);
+                            let root = gather_in_buckets(w, owned.clone(), &sizes, Some(1), &Device::Cpu, bucket);
+                            (owned, all.unwrap(), root.unwrap())
                         })
-                        .collect();
-                    hs.into_iter().map(|h| h.join().unwrap()).collect()
-                });
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
             for (p, (owned, all, root)) in got.iter().enumerate() {
                 for (i, want) in want.iter().enumerate() {
                     let mine = owners[i] / local == p;

@@ -379,7 +379,9 @@ impl WorkerGroup {
                     let ex = GroupExchange::of(s);
                     s.worker.optim_step_sharded(&params, &ex)
                 } else {
-                    s.worker.reduce_gradients(|g| collective.all_reduce_sum(rank, g)).and_then(|_| s.worker.optim_step(&params))
+                    s.worker
+                        .reduce_gradients(|g| collective.all_reduce_sum(rank, g))
+                        .and_then(|_| s.worker.optim_step(&params))
                 };
                 if let Err(e) = &stepped {
                     s.collective.abort(&format!("rank {rank}: {e}"));

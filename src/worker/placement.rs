@@ -139,7 +139,9 @@ impl Worker {
                     grads.into_iter().map(|g| g.map(|g| to_device(g, &device)).transpose()).collect::<Result<_>>()?;
                 self.masters = match host.masters.take() {
                     Some(m) => Some(
-                        m.into_iter().map(|t| t.map(|t| to_device(t, &device)).transpose()).collect::<Result<Vec<_>>>()?,
+                        m.into_iter()
+                            .map(|t| t.map(|t| to_device(t, &device)).transpose())
+                            .collect::<Result<Vec<_>>>()?,
                     ),
                     None => None,
                 };

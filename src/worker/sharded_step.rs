@@ -20,8 +20,8 @@ use std::path::Path;
 
 use candle_core::Tensor;
 
-use super::mixed_precision::MASTER_DTYPE;
 use super::adamw::{clip_coefficient, norm_of_squares, square_sums, AdamParams, Moments};
+use super::mixed_precision::MASTER_DTYPE;
 use super::sharding::{ShardPlan, Sharding};
 use super::worker::Worker;
 use crate::world::{decode, encode};
@@ -99,7 +99,8 @@ impl Worker {
     pub fn optim_step_sharded(&mut self, params: &AdamParams, ex: &dyn RankExchange) -> Result<f64> {
         params.validate()?;
         self.check_resident()?;
-        let plan = self.shard.clone().ok_or_else(|| Error::Other("optim_step_sharded on an unsharded worker".into()))?;
+        let plan =
+            self.shard.clone().ok_or_else(|| Error::Other("optim_step_sharded on an unsharded worker".into()))?;
         let local = self.take_local_gradients()?;
         let owned: Vec<Option<Tensor>> = match plan.mode {
             Sharding::Gradients => ex.reduce_to_owners(local, &plan.owners)?,
@@ -110,7 +111,8 @@ impl Worker {
         }
 
         // The norm: the owners' squares, in parameter order.
-        let mine: Vec<(usize, &Tensor)> = owned.iter().enumerate().filter_map(|(i, g)| Some((i, g.as_ref()?))).collect();
+        let mine: Vec<(usize, &Tensor)> =
+            owned.iter().enumerate().filter_map(|(i, g)| Some((i, g.as_ref()?))).collect();
         let squares = square_sums(&mine.iter().map(|(_, g)| *g).collect::<Vec<_>>())?;
         let indexed: Vec<(usize, f64)> = mine.iter().map(|(i, _)| *i).zip(squares).collect();
         let mut by_param: Vec<Option<f64>> = vec![None; self.params.len()];
@@ -158,7 +160,8 @@ impl Worker {
     /// sharded group, which then writes the checkpoint as an unsharded worker would (`write`:
     /// whether this rank's process writes). Every rank of the group calls it.
     pub fn save_state_sharded(&self, dir: &Path, write: bool, ex: &dyn RankExchange) -> Result<()> {
-        let plan = self.shard.as_ref().ok_or_else(|| Error::Other("save_state_sharded on an unsharded worker".into()))?;
+        let plan =
+            self.shard.as_ref().ok_or_else(|| Error::Other("save_state_sharded on an unsharded worker".into()))?;
         let pick = |f: &dyn Fn(&Moments) -> &Tensor| -> Vec<Option<Tensor>> {
             self.moments.iter().map(|m| m.as_ref().map(|m| f(m).clone())).collect()
         };
@@ -177,7 +180,8 @@ impl Worker {
         let mut step_of: Vec<Option<u64>> = vec![None; self.params.len()];
         for bytes in &all_steps {
             for (i, step) in decode::<Vec<(usize, u64)>>(bytes)? {
-                *step_of.get_mut(i).ok_or_else(|| Error::Other(format!("a step count for parameter {i}")))? = Some(step);
+                *step_of.get_mut(i).ok_or_else(|| Error::Other(format!("a step count for parameter {i}")))? =
+                    Some(step);
             }
         }
         let moments: Vec<Option<Moments>> = exp_avg

@@ -128,7 +128,12 @@ fn bench_memory_prints_the_peak_beside_the_prediction() {
     let sharded = run(&["--ranks", "2", "--sharding", "gradients"]);
     assert_eq!(sharded["last_loss"], all["last_loss"]);
     let held = |r: &serde_json::Value| -> Vec<f64> {
-        r["measured_per_process"][0]["optimizer_gb_per_rank"].as_array().unwrap().iter().map(|g| g.as_f64().unwrap()).collect()
+        r["measured_per_process"][0]["optimizer_gb_per_rank"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g.as_f64().unwrap())
+            .collect()
     };
     let (whole, halves) = (held(&all), held(&sharded));
     assert_eq!((whole.len(), halves.len()), (2, 2));

@@ -116,7 +116,9 @@ fn sharded_processes_train_what_unsharded_threads_do() {
     std::fs::remove_dir_all(to.join("final")).unwrap();
     let mut c = common::oxrl_command();
     c.current_dir(dir.path()).args(["sft", "--resume", "--config"]).arg(&config);
-    ok(c.args(["--set", "output.run_dir=\"resumed\"", "--set", "train.data_parallel=2", "--set", clip]).output().unwrap());
+    ok(c.args(["--set", "output.run_dir=\"resumed\"", "--set", "train.data_parallel=2", "--set", clip])
+        .output()
+        .unwrap());
     assert!(model("resumed") == model("dp2"), "the sharded checkpoint resumed unsharded differs");
 }
 

@@ -54,7 +54,13 @@ fn sft(dir: &Path, name: &str, lora: bool, extra: &[&str]) -> (Vec<Value>, Vec<u
 
 /// An SFT run of 3 steps on 2 in-process ranks (unless `extra` says otherwise): its outcome
 /// and its dispatch (the workers as they ended).
-fn sft_with(dir: &Path, name: &str, lora: bool, extra: &[&str], opts: &RunOptions) -> ((Vec<Value>, Vec<u8>), Dispatch) {
+fn sft_with(
+    dir: &Path,
+    name: &str,
+    lora: bool,
+    extra: &[&str],
+    opts: &RunOptions,
+) -> ((Vec<Value>, Vec<u8>), Dispatch) {
     let data = dir.join("data.jsonl");
     std::fs::write(&data, ROWS.join("\n") + "\n").unwrap();
     let run = dir.join(name);
@@ -160,7 +166,8 @@ fn sft_sharded_ends_bit_identical() {
 /// of them together are exactly the unsharded rank's.
 #[test]
 fn sharded_ranks_hold_their_share_of_the_optimizer_state() {
-    let moment_bytes = |d: &Dispatch| -> Vec<usize> { d.model(POLICY).unwrap().inspect(|w| w.optimizer_bytes()).unwrap() };
+    let moment_bytes =
+        |d: &Dispatch| -> Vec<usize> { d.model(POLICY).unwrap().inspect(|w| w.optimizer_bytes()).unwrap() };
     let dir = tempfile::tempdir().unwrap();
     // bf16: the f32 masters are optimizer state too.
     let bf16 = "model.dtype=\"bf16\"";
