@@ -217,11 +217,13 @@ fn checkpoints_resume_across_shardings() {
     }
 }
 
-/// GRPO with a KL reference, and PPO with GAE (a sharded critic beside the policy).
+/// GRPO with a KL reference, PPO with GAE (a sharded critic beside the policy), and the
+/// asynchronous trainer (staleness 0).
 #[test]
 fn rl_sharded_ends_bit_identical() {
     let gae: &[&str] = &["algorithm.advantage=\"gae\"", "algorithm.lambda=0.95", "critic.lr=1e-3"];
-    for extra in [&[][..], gae] {
+    let async_rl: &[&str] = &["mode=\"async\"", "async_rl.max_staleness=0"];
+    for extra in [&[][..], gae, async_rl] {
         let dir = tempfile::tempdir().unwrap();
         let (m0, w0) = grpo(dir.path(), "plain", extra);
         for mode in ["optimizer", "gradients"] {
