@@ -175,7 +175,7 @@ impl<R, T> Gather<R, T> {
     /// error in actor order.
     fn put(this: &Mutex<Self>, i: usize, r: Result<R>) {
         let done = {
-            let mut g = lock(&this);
+            let mut g = lock(this);
             g.results[i] = Some(r);
             g.left -= 1;
             if g.left > 0 {

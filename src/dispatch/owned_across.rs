@@ -188,7 +188,9 @@ mod tests {
         let want = sum_in_rank_order((0..processes * local).map(grads).collect()).unwrap();
         for bucket in [1, 20, 40, 1 << 24] {
             let worlds = ThreadWorld::world(processes);
-            let got: Vec<(Vec<Option<Tensor>>, Vec<Option<Tensor>>, Vec<Option<Tensor>>)> = std::thread::scope(|s| {
+            // Per process: what it owns after the reduce, the gather to all, the gather to a root.
+            type Outcome = (Vec<Option<Tensor>>, Vec<Option<Tensor>>, Vec<Option<Tensor>>);
+            let got: Vec<Outcome> = std::thread::scope(|s| {
                 let hs: Vec<_> = (worlds.iter().enumerate())
                     .map(|(p, w)| {
                         s.spawn(move || {

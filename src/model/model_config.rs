@@ -274,7 +274,7 @@ impl ModelConfig {
                     .unwrap_or(0.25);
                 // transformers: int(head_dim · factor).
                 let dim = (head_dim as f64 * factor) as usize;
-                if !(factor > 0.0 && factor <= 1.0) || dim % 2 != 0 || dim == 0 {
+                if !(factor > 0.0 && factor <= 1.0 && dim.is_multiple_of(2) && dim > 0) {
                     return Err(f.err(
                         "partial_rotary_factor",
                         format!("{factor} gives {dim} rotary dims of head_dim {head_dim} (must be even, positive)"),
