@@ -155,7 +155,17 @@ fn template_message(m: &Value) -> Result<Value, OpenAiError> {
         for p in parts {
             match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                 (Some("text"), Some(t)) => text.push_str(t),
-                _ => return Err(invalid("messages", "only text content parts are supported")),
+                (Some("text"), None) => return Err(invalid("messages", "a `text` content part needs a string `text`")),
+                (kind, _) => {
+                    return Err(invalid(
+                        "messages",
+                        format!(
+                            "a content part of type `{}` is not supported: the engine takes text only (no image, \
+                             audio or video input)",
+                            kind.unwrap_or("(none)")
+                        ),
+                    ))
+                }
             }
         }
         m.insert("content".into(), Value::String(text));
@@ -329,4 +339,25 @@ fn last_chunk(
     let lp = c.logprobs.map_or(Value::Null, |_| json!({"content": entries(s, g, from)}));
     Ok(json!({"index": i, "delta": {"content": rest}, "logprobs": lp, "finish_reason": oa::finish_reason(g),
               "token_ids": &g.tokens[from..]}))
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::StatusCode;
+
+    use super::*;
+
+    /// Text parts are joined; an image part (a vision-language chat) is refused naming its type.
+    #[test]
+    fn content_parts_are_text_or_refused_by_type() {
+        let m = json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]});
+        assert_eq!(template_message(&m).unwrap()["content"], "ab");
+        let image = json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}});
+        let m = json!({"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]});
+        let OpenAiError(status, message, param) = template_message(&m).unwrap_err();
+        assert_eq!((status, param.as_deref()), (StatusCode::BAD_REQUEST, Some("messages")));
+        assert!(message.contains("`image_url` is not supported") && message.contains("text only"), "{message}");
+        let m = json!({"role": "user", "content": [{"type": "text"}]});
+        assert!(template_message(&m).unwrap_err().1.contains("needs a string `text`"));
+    }
 }
