@@ -1,0 +1,274 @@
+//! Qwen3-MoE (8 experts, top-2 renormalised) against transformers 5.24 in float64
+//! (tests/fixtures/hf-2026/qwen3_moe): log-probs and last logits, the tape's gradients (the
+//! router's included) and loss, the router's gradient against finite differences, one AdamW
+//! step, PEFT LoRA log-probs, greedy tokens; the routing's tie rule and the config's refusals.
+
+use crate::common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use oxrl::model::logprobs::target_logprobs;
+use oxrl::model::lora;
+use oxrl::model::tape::Tape;
+use oxrl::model::Transformer;
+
+const ARCH: &str = "qwen3_moe";
+
+fn load() -> Transformer {
+    Transformer::load(&fixture_dir(ARCH), DType::F32, &Device::Cpu).unwrap()
+}
+
+/// Target log-probs [3, T] of the golden batch, 0 where not valid.
+fn golden_logprobs(m: &Transformer, b: &Batch) -> Tensor {
+    let logits = m.forward(&b.ids, &b.positions, &b.mask, None).unwrap();
+    let targets = Tensor::new(b.targets.concat(), &Device::Cpu).unwrap().reshape((3, ())).unwrap();
+    masked(&target_logprobs(&logits, &targets).unwrap(), &b.valid)
+}
+
+#[test]
+fn qwen3_moe_logprobs_and_last_logits_match_transformers() {
+    let g = Golden::load(ARCH);
+    let b = g.batch();
+    let m = load();
+    let err = max_abs_diff(&golden_logprobs(&m, &b), g.get("target_logprobs"));
+    assert!(err < 1e-4, "target log-probs differ by {err}");
+    let logits = m.forward(&b.ids, &b.positions, &b.mask, None).unwrap();
+    let t = logits.dim(1).unwrap();
+    let last = logits.narrow(1, t - 1, 1).unwrap().squeeze(1).unwrap();
+    let err = max_abs_diff(&last, g.get("logits_last"));
+    assert!(err < 1e-4, "last logits differ by {err}");
+}
+
+/// The golden loss Σ −log p · w through the tape in `dtype`: the loss and every parameter's
+/// gradient by name.
+fn tape_loss_and_gradients(dtype: DType) -> (f64, Vec<(String, Tensor)>) {
+    let b = Golden::load(ARCH).batch();
+    let mut m = Transformer::load(&fixture_dir(ARCH), dtype, &Device::Cpu).unwrap();
+    let vars = m.make_trainable().unwrap();
+    let (rows, targets) = real_rows(&b);
+    let mut tape = Tape::forward(&m, &b.ids, &b.positions, &b.mask, true).unwrap();
+    let lp = tape.logprobs(&rows, &targets).unwrap();
+    let t = b.ids[0].len();
+    let w: Vec<f64> = rows.iter().map(|&i| b.weights[i as usize / t][i as usize % t] as f64).collect();
+    let w = Tensor::new(w, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+    let loss = (&lp * &w).unwrap().neg().unwrap().sum_all().unwrap();
+    let grads = tape.backward(&loss.backward().unwrap()).unwrap();
+    let named = vars
+        .iter()
+        .map(|(name, var)| {
+            let g = grads.iter().find(|(p, _)| p.id() == var.as_tensor().id());
+            (name.clone(), g.unwrap_or_else(|| panic!("no gradient for {name}")).1.clone())
+        })
+        .collect();
+    (loss.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), named)
+}
+
+fn grad_of<'a>(grads: &'a [(String, Tensor)], name: &str) -> &'a Tensor {
+    &grads.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no param {name}")).1
+}
+
+/// The tape's loss and gradients against the fixture's (the router's, q_proj, the final norm
+/// and lm_head within 1e-4 relative), and the f32 tape against the f64 one on every parameter.
+#[test]
+fn qwen3_moe_tape_gradients_match_transformers() {
+    let g = Golden::load(ARCH);
+    let (loss, grads) = tape_loss_and_gradients(DType::F32);
+    let golden_loss = g.get("loss").to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()[0];
+    assert!((loss - golden_loss).abs() < 1e-4 * golden_loss.abs().max(1.0), "loss {loss} vs {golden_loss}");
+    let mut checked = 0;
+    for (name, want) in &g.tensors {
+        let Some(param) = name.strip_prefix("grad.") else { continue };
+        let err = rel_err(grad_of(&grads, param), want);
+        assert!(err < 1e-4, "gradient of {param} off by {err} relative");
+        checked += 1;
+    }
+    assert!(checked >= 4, "only {checked} gradients checked");
+    let router = grad_of(&grads, "model.layers.1.mlp.gate.weight");
+    assert!(router.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "no router gradient");
+    let (_, grads64) = tape_loss_and_gradients(DType::F64);
+    for (name, g) in &grads {
+        let err = rel_err(g, grad_of(&grads64, name));
+        let zero = grad_of(&grads64, name).abs().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap() == 0.0;
+        assert!(err < 1e-4 || zero, "{name}: f32 gradient off the f64 one by {err} relative");
+    }
+}
+
+/// The f64 tape's gradients of a router and of experts' weights against central finite
+/// differences of its loss (the step is small enough that no token changes its experts).
+#[test]
+fn qwen3_moe_router_and_expert_gradients_match_finite_differences() {
+    let b = Golden::load(ARCH).batch();
+    let (rows, targets) = real_rows(&b);
+    let t = b.ids[0].len();
+    let w: Vec<f64> = rows.iter().map(|&i| b.weights[i as usize / t][i as usize % t] as f64).collect();
+    let w = Tensor::new(w, &Device::Cpu).unwrap();
+    let loss_of = |m: &Transformer| -> f64 {
+        let mut tape = Tape::forward(m, &b.ids, &b.positions, &b.mask, false).unwrap();
+        let lp = tape.logprobs(&rows, &targets).unwrap();
+        (&lp * &w).unwrap().neg().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+    };
+    let base = Transformer::load(&fixture_dir(ARCH), DType::F64, &Device::Cpu).unwrap();
+    let (_, grads) = tape_loss_and_gradients(DType::F64);
+    let params = base.named_params();
+    for (name, index) in [
+        ("model.layers.0.mlp.gate.weight", 3),
+        ("model.layers.0.mlp.gate.weight", 200),
+        ("model.layers.1.mlp.gate.weight", 77),
+        ("model.layers.1.mlp.gate.weight", 500),
+        ("model.layers.0.mlp.experts.3.up_proj.weight", 40),
+        ("model.layers.1.mlp.experts.5.down_proj.weight", 9),
+        ("model.layers.1.mlp.experts.0.gate_proj.weight", 100),
+    ] {
+        let v0 = params.iter().find(|(n, _)| n == name).unwrap().1.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let eps = 1e-5;
+        let at = |e: f64| {
+            let mut m = base.clone();
+            m.visit_params_mut(&mut |n, x| {
+                if n == name {
+                    let mut v = v0.clone();
+                    v[index] += e;
+                    *x = Tensor::from_vec(v, x.shape(), &Device::Cpu).unwrap();
+                }
+                Ok(())
+            })
+            .unwrap();
+            loss_of(&m)
+        };
+        let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+        let got = grad_of(&grads, name).flatten_all().unwrap().to_vec1::<f64>().unwrap()[index];
+        let scale = grad_of(&grads, name).abs().unwrap().max_keepdim(0).unwrap();
+        let scale = scale.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+        assert!((got - fd).abs() < 1e-6 * scale.max(1e-3), "{name}[{index}]: tape {got}, finite differences {fd}");
+    }
+}
+
+/// PEFT's adapter (q_proj, v_proj) gives PEFT's log-probs, on the engine's
+/// forward and on the tape.
+#[test]
+fn qwen3_moe_lora_adapter_logprobs_match_peft() {
+    let g = Golden::load(ARCH);
+    let b = g.batch();
+    let mut m = load();
+    lora::load_peft(&mut m, &fixture_dir(ARCH).join("lora"), false).unwrap();
+    let err = max_abs_diff(&golden_logprobs(&m, &b), g.get("lora.target_logprobs"));
+    assert!(err < 1e-4, "LoRA log-probs differ from PEFT by {err}");
+    let moved = max_abs_diff(&golden_logprobs(&load(), &b), g.get("lora.target_logprobs"));
+    assert!(moved > 1e-2, "the adapter changes nothing ({moved})");
+}
+
+/// The engine's greedy decode (prefill, then the KV cache and the experts one token at a time)
+/// gives transformers' 12 greedy tokens, in the core and on the engine
+/// thread.
+#[test]
+fn qwen3_moe_greedy_tokens_equal_transformers() {
+    use oxrl::rollout::{Engine, EngineConfig, EngineCore, Request, SamplingParams, StopReason};
+    let (prompt, want) = Golden::load(ARCH).greedy();
+    let params = SamplingParams { max_tokens: want.len(), temperature: 0.0, ignore_eos: true, ..Default::default() };
+    let mut e = EngineCore::new(load(), EngineConfig { eos_token_ids: vec![2], ..Default::default() }).unwrap();
+    e.add_request(Request::new(prompt.clone(), params.clone())).unwrap();
+    let out = e.run_until_idle().unwrap().pop().unwrap().1;
+    assert_eq!(out.samples[0].tokens, want, "engine core");
+    assert_eq!(out.samples[0].stop_reason, StopReason::Length);
+    let e = Engine::start(load(), EngineConfig::default()).unwrap();
+    let out = e.generate(Request::new(prompt, params)).unwrap();
+    assert_eq!(out.samples[0].tokens, want, "engine thread");
+}
+
+/// The worker's cross-entropy step on the golden rows, in f64: transformers' loss and per-token
+/// log-probs, then one AdamW step to the fixture's weights (1e-5). The first AdamW step moves a
+/// weight by lr·g/(|g| + eps): for gradients near eps it amplifies any noise, hence f64.
+#[test]
+fn qwen3_moe_worker_adamw_step_reproduces_transformers() {
+    use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+    let g = Golden::load(ARCH);
+    let b = g.batch();
+    let datums: Vec<Datum> = (0..b.ids.len())
+        .map(|r| {
+            let start = b.mask[r].iter().position(|&m| m == 1).unwrap();
+            let tokens = &b.ids[r][start..];
+            let n = tokens.len() - 1;
+            Datum::supervised(tokens[..n].to_vec(), tokens[1..].to_vec(), b.weights[r][start..start + n].to_vec())
+        })
+        .collect();
+    let m = Transformer::load(&fixture_dir(ARCH), DType::F64, &Device::Cpu).unwrap();
+    let mut w = Worker::new(m, WorkerConfig::default()).unwrap();
+    let ce = common::loss("cross_entropy", &serde_json::json!({}));
+    let out = w.forward_backward(&datums, Some(&ce), true).unwrap();
+    let golden_loss = g.get("loss").to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()[0];
+    let loss = out.metrics.value("loss:sum").unwrap();
+    assert!((loss - golden_loss).abs() < 1e-4 * golden_loss.abs().max(1.0), "loss {loss} vs {golden_loss}");
+    let golden_lp = g.f32_2d("target_logprobs");
+    for (r, rec) in out.loss_fn_outputs.iter().enumerate() {
+        let start = b.mask[r].iter().position(|&m| m == 1).unwrap();
+        for (t, &lp) in rec.logprobs.iter().enumerate() {
+            if b.valid[r][start + t] != 0.0 {
+                assert!((lp - golden_lp[r][start + t]).abs() < 1e-4, "row {r} token {t}: {lp}");
+            }
+        }
+    }
+    let a = &g.json["adamw"];
+    let params = AdamParams {
+        learning_rate: a["lr"].as_f64().unwrap(),
+        beta1: a["betas"][0].as_f64().unwrap(),
+        beta2: a["betas"][1].as_f64().unwrap(),
+        eps: a["eps"].as_f64().unwrap(),
+        weight_decay: a["weight_decay"].as_f64().unwrap(),
+        grad_clip_norm: 0.0,
+    };
+    w.optim_step(&params).unwrap();
+    let mut checked = 0;
+    for (name, want) in &g.tensors {
+        let Some(param) = name.strip_prefix("adamw.") else { continue };
+        let got = w.params().iter().find(|(n, _)| n == param).unwrap().1.as_tensor().clone();
+        let (got, want) = (got.to_dtype(DType::F32).unwrap().flatten_all().unwrap(), want.flatten_all().unwrap());
+        let err = max_abs_diff(&got, &want);
+        assert!(err < 1e-5, "{param} after AdamW off by {err}");
+        checked += 1;
+    }
+    assert!(checked >= 4, "only {checked} parameters checked");
+}
+
+/// Ties go to the lowest expert index, the chosen experts come largest first, and the weights
+/// are renormalised (or not).
+#[test]
+fn qwen3_moe_routing_breaks_ties_by_lowest_index() {
+    use oxrl::model::moe::route;
+    // Experts 1, 2 and 3 tie for the top probability.
+    let logits = [0.0f64, 2.0, 2.0, 2.0, 1.0];
+    let r = route(&logits, 5, 2, true);
+    assert_eq!(r.experts, vec![1, 2]);
+    assert!((r.weights[0] - 0.5).abs() < 1e-15 && (r.weights[1] - 0.5).abs() < 1e-15);
+    let r = route(&[3.0f64, 0.0, 5.0, 1.0], 4, 3, false);
+    assert_eq!(r.experts, vec![2, 0, 3]);
+    let p: Vec<f64> = [3.0f64, 0.0, 5.0, 1.0].iter().map(|x| x.exp()).collect();
+    let total: f64 = p.iter().sum();
+    assert!((r.weights[0] - p[2] / total).abs() < 1e-15, "unnormalised weight {}", r.weights[0]);
+    assert_eq!(r.sorted_experts(), vec![vec![0, 2, 3]]);
+}
+
+/// A config the experts cannot follow is an error naming the field.
+#[test]
+fn qwen3_moe_bad_configs_are_refused_by_name() {
+    use oxrl::model::ModelConfig;
+    let text = std::fs::read_to_string(fixture_dir(ARCH).join("config.json")).unwrap();
+    let base: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (field, value, says) in [
+        ("num_experts_per_tok", serde_json::json!(9), "num_experts_per_tok"),
+        ("num_experts_per_tok", serde_json::json!(0), "num_experts_per_tok"),
+        ("moe_intermediate_size", serde_json::json!(0), "moe_intermediate_size"),
+        ("decoder_sparse_step", serde_json::json!(0), "decoder_sparse_step"),
+        ("mlp_only_layers", serde_json::json!("all"), "mlp_only_layers"),
+    ] {
+        let mut cfg = base.clone();
+        cfg[field] = value;
+        let err = ModelConfig::from_value(cfg, std::path::Path::new("config.json")).unwrap_err().to_string();
+        assert!(err.contains(says), "{field}: {err}");
+    }
+    // Dense layers where mlp_only_layers says so: their weights are mlp.{gate,up,down}_proj.
+    let mut cfg = base.clone();
+    cfg["mlp_only_layers"] = serde_json::json!([1]);
+    let c = ModelConfig::from_value(cfg, std::path::Path::new("config.json")).unwrap();
+    assert!(c.is_sparse(0) && !c.is_sparse(1));
+    let err = Transformer::load(&fixture_dir(ARCH), DType::F32, &Device::Cpu).map(|_| ());
+    assert!(err.is_ok());
+}
