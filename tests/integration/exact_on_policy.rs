@@ -110,7 +110,7 @@ fn sampler_equals_trainer(arch: &str, lora: Option<LoraConfig>, dtype: DType) {
 
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_full() {
-    for arch in ["llama", "qwen2", "qwen3", "qwen3_5"] {
+    for arch in ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe"] {
         sampler_equals_trainer(arch, None, DType::F32);
     }
 }
@@ -121,12 +121,13 @@ fn sampler_logprobs_are_the_trainers_bits_full() {
 fn sampler_logprobs_are_the_trainers_bits_bf16() {
     sampler_equals_trainer("qwen3", None, DType::BF16);
     sampler_equals_trainer("qwen3_5", None, DType::BF16);
+    sampler_equals_trainer("qwen3_moe", None, DType::BF16);
     sampler_equals_trainer("llama", Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::BF16);
 }
 
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_lora() {
-    for arch in ["llama", "qwen2", "qwen3", "qwen3_5"] {
+    for arch in ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe"] {
         sampler_equals_trainer(arch, Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::F32);
     }
 }
@@ -156,6 +157,13 @@ fn sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
 #[test]
 fn qwen3_5_sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
     sixty_four_mixed_requests("qwen3_5");
+}
+
+/// The same for Qwen3-MoE: a token's experts, and its output, do not depend on the tokens that
+/// share its batch.
+#[test]
+fn qwen3_moe_sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
+    sixty_four_mixed_requests("qwen3_moe");
 }
 
 fn sixty_four_mixed_requests(arch: &str) {
