@@ -1,6 +1,7 @@
 //! `oxrl init-model`: a random-init model and a byte-level tokenizer in the HF layout. For
 //! `--arch qwen3_5` the hybrid stack's options: which layers are Gated DeltaNet layers
-//! (`--layer-types`, or every `--full-attention-interval`-th full attention) and their sizes.
+//! (`--layer-types`, or every `--full-attention-interval`-th full attention) and their sizes; for
+//! `--arch qwen3_moe` the experts (how many, how many per token, their width, which layers).
 
 use std::path::PathBuf;
 
@@ -10,7 +11,7 @@ use crate::model::{init, weights};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// llama, qwen2, qwen3 or qwen3_5.
+    /// llama, qwen2, qwen3, qwen3_5 or qwen3_moe.
     #[arg(long, default_value = "qwen3")]
     arch: String,
     #[arg(long, default_value_t = 64)]
@@ -47,6 +48,56 @@ pub struct Args {
     out: PathBuf,
     #[command(flatten)]
     hybrid: HybridArgs,
+    #[command(flatten)]
+    moe: MoeArgs,
+}
+
+/// Qwen3-MoE's experts (`--arch qwen3_moe` only).
+#[derive(clap::Args)]
+struct MoeArgs {
+    /// Experts per sparse MLP.
+    #[arg(long)]
+    num_experts: Option<usize>,
+    /// Experts each token is routed to (the router's top-k).
+    #[arg(long)]
+    experts_per_token: Option<usize>,
+    /// Each expert's width; default: --intermediate / 8.
+    #[arg(long)]
+    moe_intermediate_size: Option<usize>,
+    /// Every N-th layer sparse, the others dense MLPs of --intermediate.
+    #[arg(long)]
+    decoder_sparse_step: Option<usize>,
+    /// Layers with a dense MLP, comma-separated indices.
+    #[arg(long, value_delimiter = ',')]
+    mlp_only_layers: Option<Vec<usize>>,
+}
+
+impl MoeArgs {
+    fn given(&self) -> bool {
+        self.num_experts.is_some()
+            || self.experts_per_token.is_some()
+            || self.moe_intermediate_size.is_some()
+            || self.decoder_sparse_step.is_some()
+            || self.mlp_only_layers.is_some()
+    }
+
+    /// Sets the experts' fields of a qwen3_moe config.json (checked when it is parsed).
+    fn apply(&self, v: &mut serde_json::Value) {
+        let fields = [
+            ("num_experts", self.num_experts),
+            ("num_experts_per_tok", self.experts_per_token),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("decoder_sparse_step", self.decoder_sparse_step),
+        ];
+        for (key, value) in fields {
+            if let Some(x) = value {
+                v[key] = x.into();
+            }
+        }
+        if let Some(layers) = &self.mlp_only_layers {
+            v["mlp_only_layers"] = serde_json::json!(layers);
+        }
+    }
 }
 
 /// Qwen3.5's hybrid stack (`--arch qwen3_5` only).
@@ -132,10 +183,15 @@ impl HybridArgs {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let arch = Arch::parse(&a.arch)
-        .ok_or_else(|| anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3, qwen3_5)", a.arch))?;
+        .ok_or_else(|| anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3, qwen3_5, qwen3_moe)", a.arch))?;
     anyhow::ensure!(
         arch == Arch::Qwen3_5 || !a.hybrid.given(),
         "--layer-types, --full-attention-interval, --linear-* and --partial-rotary-factor are for --arch qwen3_5"
+    );
+    anyhow::ensure!(
+        arch == Arch::Qwen3Moe || !a.moe.given(),
+        "--num-experts, --experts-per-token, --moe-intermediate-size, --decoder-sparse-step and \
+         --mlp-only-layers are for --arch qwen3_moe"
     );
     anyhow::ensure!(
         a.vocab >= BYTE_LEVEL_VOCAB_SIZE,
@@ -160,6 +216,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut config = ModelConfig::new_json(arch, &shape);
     if arch == Arch::Qwen3_5 {
         a.hybrid.apply(&mut config, &shape)?;
+    }
+    if arch == Arch::Qwen3Moe {
+        a.moe.apply(&mut config);
     }
     let model = init::write_random_model_from(&a.out, config, a.seed, dtype)?;
     eprintln!("wrote a {} model with {} parameters to {}", arch.model_type(), model.num_params(), a.out.display());
