@@ -18,13 +18,25 @@
 //! The forward here serves inference only (the engine, scoring): routing is a host computation
 //! with no candle graph, so training runs on the CPU tape, whose backward carries the gradient
 //! through the renormalised top-k weights into the router.
+//!
+//! [`router_mismatch`] counts the tokens whose experts differ between the two paths: a
+//! [`RouteLog`] on a copy of the model records each sparse layer's choice, once through the
+//! engine's prefill (a cached forward, the fused attention a sampler runs) and once through the
+//! tape.
+
+use std::sync::{Arc, Mutex};
 
 use candle_core::{Tensor, WithDType};
 
 use super::linear::Linear;
 use super::ops::{self, Real};
-use super::transformer::Mlp;
+use super::transformer::{FeedForward, Mlp, Transformer};
+use crate::locks::lock;
 use crate::Result;
+
+/// Each forward's choices, appended by every sparse layer it passes: per layer call, each row's
+/// experts in ascending order.
+pub type RouteLog = Arc<Mutex<Vec<Vec<Vec<u32>>>>>;
 
 /// One sparse MLP's parameters: the router (`mlp.gate`, [num_experts, hidden]) and the experts
 /// (`mlp.experts.{e}.{gate,up,down}_proj`).
@@ -35,6 +47,8 @@ pub struct SparseMoe {
     /// k of the top-k.
     pub top_k: usize,
     pub norm_topk_prob: bool,
+    /// Where this layer records its choices, when set ([`router_mismatch`]).
+    pub log: Option<RouteLog>,
 }
 
 /// Each token's choice: the router's probabilities, its k experts and their weights.
@@ -183,6 +197,13 @@ impl SparseMoe {
         })
     }
 
+    /// Appends this call's choices to the layer's log, if it has one.
+    pub(crate) fn record<T: Real>(&self, routing: &Routing<T>) {
+        if let Some(log) = &self.log {
+            lock(log).push(routing.sorted_experts());
+        }
+    }
+
     fn routing<T: Real + WithDType>(&self, x: &Tensor) -> Result<Routing<T>> {
         let logits = self.router.forward(x)?.to_dtype(T::DTYPE)?.flatten_all()?.to_vec1::<T>()?;
         Ok(route(&logits, self.num_experts(), self.top_k, self.norm_topk_prob))
@@ -191,6 +212,7 @@ impl SparseMoe {
     fn forward_rows<T: Real + WithDType>(&self, x: &Tensor) -> Result<Tensor> {
         let (n, hidden) = x.dims2()?;
         let routing = self.routing::<T>(x)?;
+        self.record(&routing);
         let groups = routing.groups();
         let mut outs = Vec::with_capacity(groups.len());
         for (g, e) in groups.iter().zip(&self.experts) {
@@ -207,4 +229,51 @@ impl SparseMoe {
         let y = combine(&routing, &groups, &outs, hidden);
         Ok(Tensor::from_vec(y, (n, hidden), x.device())?)
     }
+}
+
+/// `model` with one fresh log on every sparse layer.
+fn logged(model: &Transformer) -> (Transformer, RouteLog) {
+    let log = RouteLog::default();
+    let mut m = model.clone();
+    for layer in &mut m.layers {
+        if let FeedForward::Sparse(moe) = &mut layer.mlp {
+            moe.log = Some(log.clone());
+        }
+    }
+    (m, log)
+}
+
+/// The number of tokens with a nonzero `weights` entry (one per token of `input_ids`) whose
+/// experts, in any sparse layer, differ between the sampler's forward (the engine's prefill over
+/// a fresh cache) and the trainer's (the tape); 0 for a model without experts.
+pub fn router_mismatch(
+    model: &Transformer,
+    input_ids: &[Vec<u32>],
+    positions: &[Vec<u32>],
+    mask: &[Vec<u8>],
+    weights: &[Vec<f32>],
+) -> Result<usize> {
+    if model.config.moe.is_none() {
+        return Ok(0);
+    }
+    let (sampler, sampler_log) = logged(model);
+    let mut cache = sampler.new_cache();
+    sampler.forward_hidden(input_ids, positions, mask, Some(&mut cache))?;
+    let (trainer, trainer_log) = logged(model);
+    super::tape::Tape::forward(&trainer, input_ids, positions, mask, false)?;
+    let (s, t) = (lock(&sampler_log), lock(&trainer_log));
+    if s.len() != t.len() {
+        return Err(crate::Error::Other(format!("router_mismatch: {} sparse layers vs {}", s.len(), t.len())));
+    }
+    let width = input_ids.first().map_or(0, Vec::len);
+    let mut count = 0;
+    for (row, w) in weights.iter().enumerate() {
+        for (i, &wi) in w.iter().enumerate() {
+            let at = row * width + i;
+            if wi != 0.0 && s.iter().zip(t.iter()).any(|(a, b)| a.get(at) != b.get(at)) {
+                count += 1;
+            }
+        }
+    }
+    Ok(count)
 }

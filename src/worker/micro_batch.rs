@@ -175,3 +175,19 @@ pub fn split(flat: Vec<f32>, lengths: &[usize]) -> Vec<Vec<f32>> {
         })
         .collect()
 }
+
+/// Sampled tokens (nonzero weight) whose experts differ between the sampler's forward and the
+/// trainer's ([`crate::model::moe::router_mismatch`]), each datum run alone.
+pub fn router_mismatch(model: &Transformer, batch: &[Datum]) -> Result<usize> {
+    let mut count = 0;
+    for d in batch {
+        let n = d.input_tokens.len();
+        let weights = match d.loss_fn_inputs.float(FloatField::Weights) {
+            Some(w) => w.clone(),
+            None => vec![1.0; n],
+        };
+        let ids = [d.input_tokens.clone()];
+        count += crate::model::moe::router_mismatch(model, &ids, &[(0..n as u32).collect()], &[vec![1; n]], &[weights])?;
+    }
+    Ok(count)
+}

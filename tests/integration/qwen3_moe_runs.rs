@@ -155,6 +155,12 @@ fn seeded_sync_rl_on_qwen3_moe_is_the_same_bits_twice() {
     };
     let (a, b) = (run("a"), run("b"));
     assert_eq!(a.0.len(), 3);
+    // The sampler routed every sampled token as the trainer does, and its log-probs are the
+    // trainer's bits.
+    for line in &a.0 {
+        assert_eq!(line["router_mismatch"], 0, "{line}");
+        assert_eq!(line["logprob_mismatch_max"], 0.0, "{line}");
+    }
     assert_eq!(a.0, b.0, "metrics differ between the two runs");
     assert!(a.1 == b.1, "final weights differ between the two runs");
 }

@@ -38,6 +38,7 @@ struct ExpertRecord<T> {
 pub fn forward<T: Real>(moe: &SparseMoe, x: &[T], n: usize, hidden: usize) -> Result<(Vec<T>, TapeRecord<T>)> {
     let (logits, _) = linear::forward(&moe.router, x, n)?;
     let routing = route(&logits, moe.num_experts(), moe.top_k, moe.norm_topk_prob);
+    moe.record(&routing);
     let groups = routing.groups();
     // Experts side by side; each one's products are row-order independent, so this changes no bit.
     let experts = groups

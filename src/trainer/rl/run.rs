@@ -64,6 +64,9 @@ pub struct Trained {
     /// taken before the step's update (NaN without episodes). Sync RL samples and trains on the
     /// same weights, so any difference is numerics (batch invariance makes it 0).
     pub logprob_mismatch_max: f64,
+    /// Sampled tokens whose experts differ between the sampler's forward and the trainer's
+    /// (None for a model without experts); 0 where routing is batch invariant.
+    pub router_mismatch: Option<u64>,
 }
 
 fn plot_rl(run_dir: &std::path::Path) -> Result<()> {
@@ -179,6 +182,7 @@ impl<'a> RlRun<'a> {
             time_reference: 0.0,
             time_train: 0.0,
             logprob_mismatch_max: f64::NAN,
+            router_mismatch: None,
         };
         if episodes.is_empty() {
             return Ok(out);
@@ -196,7 +200,9 @@ impl<'a> RlRun<'a> {
                 )
             })
             .collect();
-        let old = forward_rows(dispatch, POLICY, &plain, false)?;
+        let scored = dispatch.forward(POLICY, &plain, None, true)?;
+        out.router_mismatch = scored.metrics.value("router_mismatch:sum").map(|n| n as u64);
+        let old: Vec<Vec<f32>> = scored.loss_fn_outputs.into_iter().map(|o| o.logprobs).collect();
         out.logprob_mismatch_max = logprob_mismatch_max(episodes, &old);
         let reference =
             if cfg.needs_reference() { Some(forward_rows(dispatch, REFERENCE, &plain, false)?) } else { None };
@@ -277,6 +283,7 @@ impl<'a> RlRun<'a> {
         line.time_reference_s = trained.time_reference;
         line.time_train_s = trained.time_train;
         line.logprob_mismatch_max = trained.logprob_mismatch_max;
+        line.router_mismatch = trained.router_mismatch;
         let eval_now =
             !self.eval.is_empty() && ((t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == t.max_steps);
         if eval_now {

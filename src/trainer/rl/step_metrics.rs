@@ -50,6 +50,10 @@ pub struct RlStepMetrics {
     pub time_train_s: f64,
     /// Largest |sampler log-prob − trainer log-prob| over the step's sampled tokens.
     pub logprob_mismatch_max: f64,
+    /// Sampled tokens whose experts differ between the sampler and the trainer (models with
+    /// experts only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_mismatch: Option<u64>,
     /// Evaluation pass@1 and pass@n, on steps that evaluated.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_pass_at_1: Option<f64>,
