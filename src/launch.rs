@@ -24,7 +24,7 @@ use crate::rollout::{Engine, EngineClient, EngineConfig, RemoteEngine, SamplingE
 use crate::trainer::model_ids::{CRITIC, POLICY, REFERENCE};
 use crate::trainer::sections::ModelSection;
 use crate::trainer::{RlConfig, SftConfig};
-use crate::worker::WorkerConfig;
+use crate::worker::{Sharding, WorkerConfig};
 use crate::world::{self, world, World};
 use crate::{Error, Result};
 
@@ -163,8 +163,12 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         max_tokens_per_microbatch: (l.max_tokens_per_microbatch > 0).then_some(l.max_tokens_per_microbatch),
         master_weights: cfg.model.master_weights,
         activation_checkpointing: l.activation_checkpointing,
-        // The frozen reference has no optimizer state to split: only the trained models shard.
-        sharding: Default::default(),
+        // The frozen reference has no optimizer state to split; under `full` its weights are
+        // sliced like the trained models'.
+        sharding: match l.sharding {
+            Sharding::Full => Sharding::Full,
+            _ => Sharding::None,
+        },
     };
     let base = WorkerSpec {
         dtype,

@@ -295,7 +295,7 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         "--ranks, --batch, --seq and --reps must be positive"
     );
     let sharding = crate::worker::Sharding::from_name(&a.sharding).map_err(|e| anyhow::anyhow!("--sharding: {e}"))?;
-    sharding.check_served()?;
+    sharding.check_served("cpu")?;
     let dtype = match weights::parse_dtype(&a.dtype) {
         Ok(d @ (DType::F32 | DType::BF16)) => d,
         _ => anyhow::bail!("--dtype `{}`: expected f32 or bf16", a.dtype),

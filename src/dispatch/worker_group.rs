@@ -29,7 +29,7 @@ use crate::handle::Handle;
 use crate::locks::lock;
 use crate::model::SamplerWeights;
 use crate::worker::placement::HostCopy;
-use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, RankExchange, ShardPlan, Worker};
+use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, RankExchange, ShardPlan, Sharding, Worker};
 use crate::world::{decode, encode};
 use crate::{Error, Result};
 
@@ -67,17 +67,15 @@ pub struct WorkerGroup {
     sharded: bool,
 }
 
-/// A rank's side of its data-parallel group's collective, as a sharded worker's step needs it.
+/// A rank's side of its data-parallel group's collective, as a sharded worker needs it.
 struct GroupExchange {
     collective: Arc<dyn Collective>,
     rank: usize,
-    /// Every trainable parameter's element count (the gathers' buckets).
-    sizes: Vec<usize>,
 }
 
 impl GroupExchange {
     fn of(s: &RankState) -> Self {
-        GroupExchange { collective: s.collective.clone(), rank: s.local_rank, sizes: s.worker.param_sizes() }
+        GroupExchange { collective: s.collective.clone(), rank: s.local_rank }
     }
 }
 
@@ -90,12 +88,21 @@ impl RankExchange for GroupExchange {
         self.collective.reduce_to_owners(self.rank, tensors, owners)
     }
 
-    fn gather_owned(&self, mine: Vec<Option<Tensor>>, root: Option<usize>) -> Result<Vec<Option<Tensor>>> {
-        self.collective.gather_owned(self.rank, mine, &self.sizes, root)
+    fn gather_owned(
+        &self,
+        mine: Vec<Option<Tensor>>,
+        sizes: &[usize],
+        root: Option<usize>,
+    ) -> Result<Vec<Option<Tensor>>> {
+        self.collective.gather_owned(self.rank, mine, sizes, root)
     }
 
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         self.collective.all_gather_bytes(self.rank, bytes)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.collective.abort(reason);
     }
 }
 
@@ -184,14 +191,21 @@ impl WorkerGroup {
             let actor = Actor::spawn(&format!("oxrl-{id}-{i}"), threads, move || {
                 let mut worker = build(coord)?;
                 let mode = worker.config().sharding;
+                let local_rank = coord.dp - first_local;
                 if mode.is_sharded() {
                     sharded.store(true, Ordering::Relaxed);
                     // Over the data-parallel group: the ranks sharing this rank's (tp, sp, pp).
-                    worker.shard(ShardPlan::new(mode, coord.dp, shape.dp, &worker.param_sizes()))?;
+                    let plan = ShardPlan::new(mode, coord.dp, shape.dp, &worker.param_sizes());
+                    match mode {
+                        Sharding::Full => {
+                            let ex = GroupExchange { collective: collective.clone(), rank: local_rank };
+                            worker.shard_full(plan, Arc::new(ex))?
+                        }
+                        _ => worker.shard(plan)?,
+                    }
                 }
                 let mut registry = MeshRegistry::default();
                 let info = registry.register(&mesh_name, &shape, coord)?;
-                let local_rank = coord.dp - first_local;
                 Ok(RankState {
                     worker,
                     info,
@@ -441,6 +455,14 @@ impl WorkerGroup {
 
     /// Exports the model (HF layout, or PEFT for LoRA) from dp rank 0.
     pub fn submit_export(&self, dir: &Path, merge_lora: bool) -> Handle<()> {
+        if self.sharded {
+            // `full` keeps slices of the weights: every rank takes part in gathering them.
+            let (dir, write) = (dir.to_path_buf(), crate::world::is_writer());
+            return self.submit_unit(move |s| {
+                let here = write && s.local_rank == 0 && s.info.collect;
+                s.worker.with_whole_weights(here, |w| w.export(&dir, merge_lora))
+            });
+        }
         if !crate::world::is_writer() {
             return Handle::ready(Ok(())); // process 0 writes the export
         }
@@ -451,6 +473,18 @@ impl WorkerGroup {
     /// A private, versioned snapshot of the weights the sampling engines need (full weights by
     /// HF name, or only the LoRA adapters), taken behind the calls already submitted.
     pub fn submit_sampler_weights(&self) -> Handle<SamplerWeights> {
+        if self.sharded {
+            // Under `full` every rank sends its slice to the snapshot.
+            return self.submit_each(
+                |s| s.worker.sampler_weights_gathered(s.local_rank == 0 && s.info.collect),
+                |all: Vec<Option<SamplerWeights>>| {
+                    all.into_iter()
+                        .flatten()
+                        .next()
+                        .ok_or_else(|| Error::Other("no collection rank at dp rank 0".into()))
+                },
+            );
+        }
         self.submit_on_rank0(|s| s.worker.sampler_weights())
     }
 

@@ -13,6 +13,7 @@ pub mod rope;
 pub mod row_adapters;
 pub mod sampler_weights;
 pub mod sequence_logprobs;
+pub mod sharded_weights;
 pub mod tape;
 pub mod token_ids;
 pub mod transformer;

@@ -84,6 +84,9 @@ pub struct Transformer {
     pub rope: Rope,
     pub dtype: DType,
     pub device: Device,
+    /// Set when the weights are sharded across data-parallel ranks: the training forward and
+    /// backward gather each unit before reading it ([`super::sharded_weights`]).
+    pub weight_gate: Option<super::sharded_weights::WeightGate>,
 }
 
 /// RMSNorm over the last dimension, computed in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.
@@ -369,7 +372,17 @@ impl Transformer {
             Linear::new(source("lm_head.weight", &[c.vocab_size, hd])?, None)
         };
         let rope = Rope::new(c, device)?;
-        Ok(Transformer { config, embed_tokens, layers, norm, lm_head, rope, dtype, device: device.clone() })
+        Ok(Transformer {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            dtype,
+            device: device.clone(),
+            weight_gate: None,
+        })
     }
 
     /// Visits every base parameter with its HF name (the tied lm_head is not listed twice).
@@ -530,6 +543,7 @@ impl Transformer {
         adapters: Option<&RowAdapters>,
         hidden: bool,
     ) -> Result<Option<Tensor>> {
+        self.check_whole("the graph forward")?;
         let (b, t) = self.check_inputs(input_ids, positions, mask)?;
         if let Some(c) = cache.as_ref() {
             if c.seq_len() > 0 && c.key_mask().len() != b {

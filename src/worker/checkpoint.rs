@@ -191,7 +191,12 @@ impl Worker {
             saved.reject_leftovers(|_| false, "not the master of a parameter of this worker")?;
         }
         for ((_, var), value) in self.params.iter().zip(&values) {
-            var.set(value)?;
+            // A weight another rank keeps (`full` sharding) is filled, then released again below.
+            if crate::model::sharded_weights::is_released(var.as_tensor()) {
+                crate::model::sharded_weights::fill(var.as_tensor(), value)?;
+            } else {
+                var.set(value)?;
+            }
         }
         if self.masters.is_some() {
             self.masters = Some(masters);
@@ -201,6 +206,9 @@ impl Worker {
         self.rng = rng;
         self.zero_grad();
         self.drop_unowned_state();
+        if let Some(slices) = &self.slices {
+            slices.release_unowned()?;
+        }
         Ok(())
     }
 

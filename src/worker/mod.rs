@@ -31,6 +31,7 @@ pub mod schedule;
 mod sharded_step;
 pub mod sharding;
 pub mod value_head;
+mod weight_slices;
 #[allow(clippy::module_inception)] // `Worker` in worker.rs: the file named for what it holds
 mod worker;
 pub mod worker_config;

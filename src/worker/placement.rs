@@ -77,9 +77,14 @@ impl Worker {
 
     /// Bytes of trainable parameters, gradients and moments the worker holds on its device.
     pub fn resident_bytes(&self) -> usize {
-        let params: usize = self.params.iter().map(|(_, v)| bytes(v.as_tensor())).sum();
         let grads: usize = self.grads.iter().flatten().map(bytes).sum();
-        params + grads + self.optimizer_bytes()
+        self.param_bytes() + grads + self.optimizer_bytes()
+    }
+
+    /// Bytes of trainable parameters the worker holds (under `full` sharding, the weights it
+    /// keeps; the others are released between gathers).
+    pub fn param_bytes(&self) -> usize {
+        self.params.iter().map(|(_, v)| crate::model::sharded_weights::held_bytes(v.as_tensor())).sum()
     }
 
     /// Bytes of optimizer state the worker holds: AdamW moments and f32 master weights (under
@@ -93,6 +98,11 @@ impl Worker {
     /// Moves the parameters and their gradients (`model`) and/or the moments (`optimizer`) to
     /// host memory, releasing the device storage.
     pub fn offload(&mut self, model: bool, optimizer: bool, host: &mut HostCopy) -> Result<()> {
+        if model && self.slices.is_some() {
+            return Err(Error::input(
+                "sharding = \"full\" keeps each rank's slice of the weights in place; it cannot be offloaded",
+            ));
+        }
         if model && !self.offloaded {
             let params = self.params.iter().map(|(_, v)| to_host(v.as_tensor())).collect::<Result<Vec<_>>>()?;
             let grads =

@@ -17,29 +17,43 @@
 //! owned part. A checkpoint resumes under any sharding and rank count.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::Tensor;
 
 use super::adamw::{clip_coefficient, norm_of_squares, square_sums, AdamParams, Moments};
 use super::mixed_precision::MASTER_DTYPE;
 use super::sharding::{ShardPlan, Sharding};
+use super::weight_slices::WeightSlices;
 use super::worker::Worker;
+use crate::model::sharded_weights::WeightGate;
+use crate::model::tape::Tape;
+use crate::model::weight_update::WeightUpdate;
+use crate::model::SamplerWeights;
 use crate::world::{decode, encode};
 use crate::{Error, Result};
 
 /// What a sharded step exchanges with the other data-parallel ranks (dispatch serves it over
 /// its collective). Every rank calls each method at the same point with tensors of the same
 /// shapes in the same order.
-pub trait RankExchange {
+pub trait RankExchange: Send + Sync {
     /// The sum over every rank of each tensor, on every rank.
     fn all_reduce(&self, tensors: Vec<Tensor>) -> Result<Vec<Tensor>>;
     /// The sum over every rank of tensor `i`, on rank `owners[i]` only (`None` elsewhere).
     fn reduce_to_owners(&self, tensors: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>>;
-    /// Every rank's `Some` tensors (each index `Some` on at most one rank), on every rank
-    /// (`root` `None`) or on rank `root` alone (the others get `None`s).
-    fn gather_owned(&self, mine: Vec<Option<Tensor>>, root: Option<usize>) -> Result<Vec<Option<Tensor>>>;
+    /// Every rank's `Some` tensors (each index `Some` on at most one rank; tensor i has
+    /// `sizes[i]` elements), on every rank (`root` `None`) or on rank `root` alone (the others get
+    /// `None`s).
+    fn gather_owned(
+        &self,
+        mine: Vec<Option<Tensor>>,
+        sizes: &[usize],
+        root: Option<usize>,
+    ) -> Result<Vec<Option<Tensor>>>;
     /// Every rank's bytes, in rank order.
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+    /// Wakes the other ranks with an error: this rank will not reach the next collective.
+    fn abort(&self, reason: &str);
 }
 
 impl Worker {
@@ -56,6 +70,51 @@ impl Worker {
         self.shard = Some(plan);
         self.drop_unowned_state();
         Ok(())
+    }
+
+    /// [`Worker::shard`] for `full`: also keeps only the owned base weights, releasing the others;
+    /// the forward and backward gather them unit by unit over `ex` ([`WeightSlices`]).
+    pub fn shard_full(&mut self, plan: ShardPlan, ex: Arc<dyn RankExchange>) -> Result<()> {
+        if !Tape::serves(&self.model) {
+            return Err(Error::input(format!(
+                "sharding = \"full\": only the CPU training path gathers weights layer by layer; this model is \
+                 on {:?} (use \"gradients\")",
+                self.model.device.location()
+            )));
+        }
+        self.shard(plan.clone())?;
+        if let Some(slices) = WeightSlices::new(&self.model, &self.params, &plan, ex)? {
+            let slices = Arc::new(slices);
+            slices.release_unowned()?;
+            self.model.weight_gate = Some(WeightGate(slices.clone()));
+            self.slices = Some(slices);
+        }
+        Ok(())
+    }
+
+    /// What an engine needs of this worker's weights ([`Worker::sampler_weights`]) on a rank that
+    /// asks (`keep`), `None` elsewhere. Every rank of a `full` group calls it: the weights are
+    /// gathered unit by unit into the snapshot, never whole in the model.
+    pub fn sampler_weights_gathered(&self, keep: bool) -> Result<Option<SamplerWeights>> {
+        self.check_resident()?;
+        match &self.slices {
+            None => keep.then(|| self.sampler_weights()).transpose(),
+            Some(slices) => {
+                let tensors = slices.whole(keep)?;
+                Ok(tensors.map(|t| SamplerWeights::new(self.step, WeightUpdate::Full(t))))
+            }
+        }
+    }
+
+    /// Runs `f` with every weight whole on this rank when `here` (the others take part in the
+    /// gathers), then releases what this rank does not own. Every rank of a `full` group calls it;
+    /// without sliced weights it is `f` (when `here`).
+    pub fn with_whole_weights(&self, here: bool, f: impl FnOnce(&Worker) -> Result<()>) -> Result<()> {
+        let Some(slices) = &self.slices else { return if here { f(self) } else { Ok(()) } };
+        slices.fill_all(here)?;
+        let out = if here { f(self) } else { Ok(()) };
+        slices.release_unowned()?;
+        out
     }
 
     /// The sizes [`ShardPlan::new`] splits: each trainable parameter's element count.
@@ -142,10 +201,14 @@ impl Worker {
                 self.update_param(i, grad, coef, params)?;
             }
         }
-        // Every rank takes the owners' new parameters.
-        let mine = (0..self.params.len()).map(|i| plan.owns(i).then(|| self.params[i].1.as_tensor().clone())).collect();
-        let gathered = ex.gather_owned(mine, None)?;
-        for (i, value) in gathered.into_iter().enumerate() {
+        // Every rank takes the owners' new parameters, except sliced weights (`full`), which
+        // stay with their owners until a forward gathers them.
+        let shared: Vec<usize> =
+            (0..self.params.len()).filter(|&i| !self.slices.as_ref().is_some_and(|s| s.is_sliced(i))).collect();
+        let mine = shared.iter().map(|&i| plan.owns(i).then(|| self.params[i].1.as_tensor().clone())).collect();
+        let sizes: Vec<usize> = shared.iter().map(|&i| self.params[i].1.elem_count()).collect();
+        let gathered = ex.gather_owned(mine, &sizes, None)?;
+        for (&i, value) in shared.iter().zip(gathered) {
             if plan.owns(i) {
                 continue;
             }
@@ -165,10 +228,15 @@ impl Worker {
         let pick = |f: &dyn Fn(&Moments) -> &Tensor| -> Vec<Option<Tensor>> {
             self.moments.iter().map(|m| m.as_ref().map(|m| f(m).clone())).collect()
         };
-        let exp_avg = ex.gather_owned(pick(&|m| &m.exp_avg), Some(0))?;
-        let exp_avg_sq = ex.gather_owned(pick(&|m| &m.exp_avg_sq), Some(0))?;
+        let sizes = self.param_sizes();
+        // Sliced weights (`full`) are gathered to rank 0 for the parameter file.
+        if let Some(slices) = &self.slices {
+            slices.fill_all(plan.rank == 0 && write)?;
+        }
+        let exp_avg = ex.gather_owned(pick(&|m| &m.exp_avg), &sizes, Some(0))?;
+        let exp_avg_sq = ex.gather_owned(pick(&|m| &m.exp_avg_sq), &sizes, Some(0))?;
         let masters = match &self.masters {
-            Some(m) => Some(ex.gather_owned(m.clone(), Some(0))?),
+            Some(m) => Some(ex.gather_owned(m.clone(), &sizes, Some(0))?),
             None => None,
         };
         let steps: Vec<(usize, u64)> =
@@ -193,6 +261,10 @@ impl Worker {
                 _ => None,
             })
             .collect();
-        self.write_state(dir, &moments, masters.as_deref())
+        let written = self.write_state(dir, &moments, masters.as_deref());
+        if let Some(slices) = &self.slices {
+            slices.release_unowned()?;
+        }
+        written
     }
 }

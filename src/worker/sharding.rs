@@ -33,15 +33,15 @@ crate::choice! {
 }
 
 impl Sharding {
-    /// Ok for a mode the workers can run; else an error naming what it would need.
-    pub fn check_served(self) -> Result<()> {
+    /// Ok for a mode the workers can run on `device` (`cpu`, `cuda:0`, …); else an error naming
+    /// what it would need.
+    pub fn check_served(self, device: &str) -> Result<()> {
         match self {
-            Sharding::None | Sharding::Optimizer | Sharding::Gradients => Ok(()),
-            Sharding::Full => Err(Error::input(
-                "sharding = \"full\" is not available yet: the forward and backward do not gather each \
-                 layer's parameters from the ranks' slices (and free them after); use \"gradients\" (sliced \
-                 optimizer state and summed gradients) or \"optimizer\"",
-            )),
+            Sharding::Full if device != "cpu" => Err(Error::input(format!(
+                "sharding = \"full\" gathers each layer's weights on the CPU training path only, not on \
+                 `{device}`: use \"gradients\" (sliced optimizer state and summed gradients)"
+            ))),
+            _ => Ok(()),
         }
     }
 
@@ -93,11 +93,12 @@ mod tests {
     #[test]
     fn names_and_what_is_served() {
         assert_eq!(Sharding::default(), Sharding::None);
-        for s in [Sharding::None, Sharding::Optimizer, Sharding::Gradients] {
-            assert!(s.check_served().is_ok(), "{s}");
+        for s in [Sharding::None, Sharding::Optimizer, Sharding::Gradients, Sharding::Full] {
+            assert!(s.check_served("cpu").is_ok(), "{s}");
         }
-        let e = Sharding::Full.check_served().unwrap_err().to_string();
-        assert!(e.contains("\"full\"") && e.contains("not available yet"), "{e}");
+        let e = Sharding::Full.check_served("cuda:0").unwrap_err().to_string();
+        assert!(e.contains("\"full\"") && e.contains("cuda:0"), "{e}");
+        assert!(Sharding::Gradients.check_served("cuda:0").is_ok());
         let e = Sharding::from_name("optimiser").unwrap_err();
         assert!(e.contains("did you mean `optimizer`"), "{e}");
     }

@@ -11,6 +11,8 @@
 //! - A bf16 / f16 model trains in mixed precision ([`super::mixed_precision`]): f32 masters and
 //!   f32 accumulators beside the half-precision parameters.
 
+use std::sync::Arc;
+
 use candle_core::{Tensor, Var};
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
@@ -22,8 +24,10 @@ use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
 use super::sharding::ShardPlan;
 use super::value_head::ValueHead;
+use super::weight_slices::WeightSlices;
 use super::worker_config::WorkerConfig;
 use crate::algo::{Loss, Metrics};
+use crate::model::sharded_weights::{self, backward_units, forward_units, UnitGather};
 use crate::model::tape::{Keep, Tape};
 use crate::model::{lora, SamplerWeights, Transformer};
 use crate::{Error, Result};
@@ -55,6 +59,9 @@ pub struct Worker {
     /// Sharded: the parameters this rank owns, the only ones it keeps optimizer state for and
     /// updates ([`super::sharded_step`]). `None`: it updates every parameter.
     pub(super) shard: Option<ShardPlan>,
+    /// `full` sharding: the base weights this rank keeps, and how the others are gathered
+    /// ([`super::weight_slices`]; the model's weight gate is the same object).
+    pub(super) slices: Option<Arc<WeightSlices>>,
     /// Optimizer steps applied.
     pub(super) step: u64,
     pub(super) rng: WorkerRng,
@@ -104,6 +111,7 @@ impl Worker {
             moments: vec![None; n],
             masters,
             shard: None,
+            slices: None,
             step: 0,
             rng,
             offloaded: false,
@@ -194,7 +202,13 @@ impl Worker {
         loss: Option<&Loss>,
         return_per_token_outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
-        self.run(batch, loss, false, return_per_token_outputs)
+        let mut out = self.run(batch, loss, false, return_per_token_outputs)?;
+        // A policy's scoring forward of sampled sequences (RL's): with experts, also how many
+        // sampled tokens the sampler routed otherwise (a second pass over the batch).
+        if loss.is_none() && self.model.config.moe.is_some() && self.value_head.is_none() && self.slices.is_none() {
+            out.metrics.add_sum("router_mismatch", super::micro_batch::router_mismatch(&self.model, batch)? as f64);
+        }
+        Ok(out)
     }
 
     fn run(
@@ -204,6 +218,30 @@ impl Worker {
         backward: bool,
         outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
+        let Some(slices) = self.slices.clone() else {
+            return self.run_micro_batches(batch, loss, backward, outputs, 0);
+        };
+        // Sliced weights: every rank runs as many forwards (and backwards) as the busiest one.
+        let mine = self.micro_batch_count(batch, loss).map_err(|e| e.to_string());
+        let most = slices.agree(mine)?;
+        let out = self.run_micro_batches(batch, loss, backward, outputs, most);
+        if let Err(e) = &out {
+            slices.abort(&format!("a data-parallel rank failed: {e}"));
+        }
+        out
+    }
+
+    /// The number of micro-batches [`Worker::run_micro_batches`] would split `batch` into, or why
+    /// it refuses it.
+    fn micro_batch_count(&self, batch: &[Datum], loss: Option<&Loss>) -> Result<usize> {
+        self.check_batch(batch, loss)?;
+        let lengths: Vec<usize> = batch.iter().map(Datum::len).collect();
+        Ok(plan_micro_batches(&lengths, self.config.micro_batch_size, self.config.max_tokens_per_microbatch)?.len())
+    }
+
+    /// What [`Worker::run_micro_batches`] refuses: a loss that does not fit the worker, a batch
+    /// that does not fit the loss.
+    fn check_batch(&self, batch: &[Datum], loss: Option<&Loss>) -> Result<()> {
         self.check_resident()?;
         let critic = self.value_head.is_some();
         if let Some(loss) = loss {
@@ -220,7 +258,22 @@ impl Worker {
             Some(loss) => requirements(loss),
             None => Requirements { target_tokens: !critic, floats: vec![] },
         };
-        validate_batch(batch, self.model.config.vocab_size, &needs)?;
+        validate_batch(batch, self.model.config.vocab_size, &needs)
+    }
+
+    /// The micro-batches of `batch`, run (and differentiated when `backward`); with sliced
+    /// weights, then `lockstep − count` walks of the units without data, so that every rank of
+    /// the group gathers the same units.
+    fn run_micro_batches(
+        &mut self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        backward: bool,
+        outputs: bool,
+        lockstep: usize,
+    ) -> Result<ForwardBackwardOutput> {
+        self.check_batch(batch, loss)?;
+        let critic = self.value_head.is_some();
         let lengths: Vec<usize> = batch.iter().map(Datum::len).collect();
         let plan = plan_micro_batches(&lengths, self.config.micro_batch_size, self.config.max_tokens_per_microbatch)?;
         let entropy = loss.is_some_and(needs_entropy);
@@ -259,6 +312,15 @@ impl Worker {
                         record.logprobs = main;
                     }
                     record.elementwise_loss = elementwise;
+                }
+            }
+        }
+        if let Some(slices) = &self.slices {
+            let layers = self.model.layers.len();
+            for _ in plan.len()..lockstep {
+                sharded_weights::walk(&**slices, &forward_units(layers))?;
+                if backward {
+                    sharded_weights::walk(&**slices, &backward_units(layers))?;
                 }
             }
         }

@@ -2,10 +2,10 @@
 //! `launch.activation_checkpointing` for RL): a run with them ends with the same exported weights,
 //! byte for byte, and the same metrics (every key but the timings and the memory) as the run
 //! without, on 2 in-process data-parallel ranks; and the metrics lines report `peak_rss_gb`.
-//! `train.sharding` / `launch.sharding`: `optimizer` and `gradients` end with the weights and
+//! `train.sharding` / `launch.sharding`: `optimizer`, `gradients` and `full` end with the weights and
 //! metrics of `none`, bit for bit, at 2 and 3 ranks, each rank holding about 1/N of the optimizer
-//! state; checkpoints resume under another sharding; an unknown name gets the nearest one, and
-//! `full` is refused at load, naming the key and what is missing.
+//! state (and under `full` of the parameters); checkpoints resume under another sharding; an
+//! unknown name gets the nearest one (`full` off the CPU is refused: `worker::sharding`'s tests).
 
 use crate::common;
 
@@ -152,7 +152,7 @@ fn sft_sharded_ends_bit_identical() {
         let dir = tempfile::tempdir().unwrap();
         let (m0, w0) = sft(dir.path(), "none", *lora, extra);
         assert_eq!(m0.len(), 3);
-        for mode in ["optimizer", "gradients"] {
+        for mode in ["optimizer", "gradients", "full"] {
             let setting = format!("train.sharding=\"{mode}\"");
             let sets: Vec<&str> = extra.iter().copied().chain([setting.as_str()]).collect();
             let (m1, w1) = sft(dir.path(), mode, *lora, &sets);
@@ -163,19 +163,31 @@ fn sft_sharded_ends_bit_identical() {
 }
 
 /// Each rank keeps the moments and masters of about 1/N of the parameters (N = 2, 3), and all
-/// of them together are exactly the unsharded rank's.
+/// of them together are exactly the unsharded rank's; under `full` the same holds for the
+/// parameters themselves (between steps every rank holds only its own).
 #[test]
 fn sharded_ranks_hold_their_share_of_the_optimizer_state() {
     let moment_bytes =
         |d: &Dispatch| -> Vec<usize> { d.model(POLICY).unwrap().inspect(|w| w.optimizer_bytes()).unwrap() };
+    let param_bytes = |d: &Dispatch| -> Vec<usize> { d.model(POLICY).unwrap().inspect(|w| w.param_bytes()).unwrap() };
+    let share = |what: &str, per_rank: &[usize], whole: usize| {
+        let n = per_rank.len();
+        assert_eq!(per_rank.iter().sum::<usize>(), whole, "{what}: the slices do not add up");
+        for (r, b) in per_rank.iter().enumerate() {
+            let share = *b as f64 / (whole as f64 / n as f64);
+            assert!((0.9..=1.1).contains(&share), "{what}: rank {r} holds {share:.3} of its 1/N share");
+        }
+    };
     let dir = tempfile::tempdir().unwrap();
     // bf16: the f32 masters are optimizer state too.
     let bf16 = "model.dtype=\"bf16\"";
     let (_, none) = sft_with(dir.path(), "none", false, &["train.max_steps=1", bf16], &RunOptions::default());
     let whole = moment_bytes(&none)[0];
     assert!(moment_bytes(&none).iter().all(|&b| b == whole) && whole > 0);
+    let whole_params = param_bytes(&none)[0];
+    assert!(param_bytes(&none).iter().all(|&b| b == whole_params) && whole_params > 0);
     for n in [2, 3] {
-        for mode in ["optimizer", "gradients"] {
+        for mode in ["optimizer", "gradients", "full"] {
             let sets = [
                 format!("train.data_parallel={n}"),
                 format!("train.sharding=\"{mode}\""),
@@ -186,10 +198,11 @@ fn sharded_ranks_hold_their_share_of_the_optimizer_state() {
             let (_, d) = sft_with(dir.path(), &format!("{mode}{n}"), false, &sets, &RunOptions::default());
             let per_rank = moment_bytes(&d);
             assert_eq!(per_rank.len(), n);
-            assert_eq!(per_rank.iter().sum::<usize>(), whole, "{mode} at {n}: the slices do not add up");
-            for (r, b) in per_rank.iter().enumerate() {
-                let share = *b as f64 / (whole as f64 / n as f64);
-                assert!((0.9..=1.1).contains(&share), "{mode} at {n}: rank {r} holds {share:.3} of its 1/N share");
+            share(&format!("{mode} at {n}, optimizer state"), &per_rank, whole);
+            let params = param_bytes(&d);
+            match mode {
+                "full" => share(&format!("full at {n}, parameters"), &params, whole_params),
+                _ => assert!(params.iter().all(|&b| b == whole_params), "{mode} at {n}: {params:?}"),
             }
         }
     }
@@ -202,7 +215,9 @@ fn checkpoints_resume_across_shardings() {
     let dir = tempfile::tempdir().unwrap();
     let every = ["train.checkpoint_every=1", "model.dtype=\"bf16\""];
     let (m0, w0) = sft(dir.path(), "straight", false, &every);
-    for (first, then) in [("gradients", "none"), ("none", "optimizer"), ("optimizer", "gradients")] {
+    for (first, then) in
+        [("gradients", "none"), ("none", "optimizer"), ("optimizer", "gradients"), ("full", "none"), ("none", "full")]
+    {
         let name = format!("{first}-{then}");
         let with = |mode: &str| -> Vec<String> {
             every.iter().map(|s| s.to_string()).chain([format!("train.sharding=\"{mode}\"")]).collect()
@@ -226,7 +241,7 @@ fn rl_sharded_ends_bit_identical() {
     for extra in [&[][..], gae, async_rl] {
         let dir = tempfile::tempdir().unwrap();
         let (m0, w0) = grpo(dir.path(), "plain", extra);
-        for mode in ["optimizer", "gradients"] {
+        for mode in ["optimizer", "gradients", "full"] {
             let setting = format!("launch.sharding=\"{mode}\"");
             let sets: Vec<&str> = extra.iter().copied().chain([setting.as_str()]).collect();
             let (m1, w1) = grpo(dir.path(), mode, &sets);
@@ -250,7 +265,7 @@ fn sharding_names_are_checked_and_unserved_modes_refused() {
         let sets = ["model.path=\"m\"".to_string(), format!("launch.sharding=\"{value}\"")];
         RlConfig::load(None, &sets).map(|c| c.launch.sharding.name()).map_err(|e| e.to_string())
     };
-    for mode in ["none", "optimizer", "gradients"] {
+    for mode in ["none", "optimizer", "gradients", "full"] {
         assert_eq!(sft(mode), Ok(mode));
         assert_eq!(rl(mode), Ok(mode));
     }
@@ -259,8 +274,5 @@ fn sharding_names_are_checked_and_unserved_modes_refused() {
     {
         let e = load("optimiser").unwrap_err();
         assert!(e.contains(key) && e.contains("did you mean `optimizer`?"), "{e}");
-        let e = load("full").unwrap_err();
-        assert!(e.contains(key) && e.contains("sharding = \"full\" is not available yet"), "{e}");
-        assert!(e.contains("gather each layer's parameters"), "{e}");
     }
 }

@@ -40,6 +40,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Storage, Tensor, Var, WithDType};
 
 use super::attention_gate;
+use super::sharded_weights::{self, Unit};
 use super::ops::{rms_norm, swiglu, Real};
 use super::transformer::{attention_bias, Attention, Block, Mixer, Transformer};
 use crate::{Error, Result};
@@ -233,6 +234,7 @@ impl Tape {
             Recorded::F32(r) => (r.hidden()?, r.model.dtype),
             Recorded::F64(r) => (r.hidden()?, r.model.dtype),
         };
+        self.model().release_unit(Unit::Head)?;
         let var = Var::from_tensor(&hidden)?;
         let out = var.as_tensor().to_dtype(dtype)?;
         self.cut = Cut::Hidden(var);
@@ -259,6 +261,7 @@ impl Tape {
             Recorded::F32(r) => head_forward(r, rows, targets, entropy)?,
             Recorded::F64(r) => head_forward(r, rows, targets, entropy)?,
         };
+        self.model().release_unit(Unit::Head)?;
         let lp = Var::from_tensor(&lp)?;
         let h = h.map(|h| Var::from_tensor(&h)).transpose()?;
         let out = (lp.as_tensor().clone(), h.as_ref().map(|h| h.as_tensor().clone()));
@@ -271,12 +274,19 @@ impl Tape {
     /// output.
     pub fn backward(self, store: &GradStore) -> Result<Vec<(Tensor, Tensor)>> {
         let host = |v: Option<&Var>| v.and_then(|v| store.get(v.as_tensor())).map(|g| g.flatten_all()).transpose();
-        // No gradient reached the tape's output: the loss did not depend on it.
+        // No gradient reached the tape's output: the loss did not depend on it. A sharded model's
+        // other ranks still gather every unit of their backward, so this one walks them too.
+        let nothing = |model: &Transformer| -> Result<Vec<(Tensor, Tensor)>> {
+            if let Some(gate) = &model.weight_gate {
+                sharded_weights::walk(&*gate.0, &sharded_weights::backward_units(model.layers.len()))?;
+            }
+            Ok(vec![])
+        };
         let (g, g_entropy, through_head) = match &self.cut {
             Cut::None => return Err(Error::input("tape: backward before its output was read")),
             Cut::Hidden(v) => match host(Some(v))? {
                 Some(g) => (g, None, false),
-                None => return Ok(vec![]),
+                None => return nothing(self.model()),
             },
             Cut::Logprobs(lp, h) => {
                 let g_entropy = host(h.as_ref())?;
@@ -284,7 +294,7 @@ impl Tape {
                     (Some(g), _) => g,
                     // Only the entropies reached the loss.
                     (None, Some(_)) => lp.zeros_like()?,
-                    (None, None) => return Ok(vec![]),
+                    (None, None) => return nothing(self.model()),
                 };
                 (g, g_entropy, true)
             }
@@ -298,6 +308,15 @@ impl Tape {
                 let ge = g_entropy.map(|g| g.to_vec1::<f64>()).transpose()?;
                 tensors(backward(r, &g.to_vec1::<f64>()?, ge.as_deref(), through_head)?)
             }
+        }
+    }
+}
+
+impl Tape {
+    fn model(&self) -> &Transformer {
+        match &self.record {
+            Recorded::F32(r) => &r.model,
+            Recorded::F64(r) => &r.model,
         }
     }
 }
@@ -367,6 +386,7 @@ fn run<T: Real>(
     let tokens = input_ids.concat();
 
     let mut h = vec![T::of(0.0); b * t * hd];
+    model.gather_unit(Unit::Embed)?;
     {
         let embed = Held::<T>::new(&model.embed_tokens)?;
         let embed = embed.slice()?;
@@ -374,9 +394,12 @@ fn run<T: Real>(
             row.copy_from_slice(&embed[tok as usize * hd..(tok as usize + 1) * hd]);
         }
     }
+    model.release_unit(Unit::Embed)?;
     let mut blocks = Vec::with_capacity(model.layers.len());
-    for layer in &model.layers {
+    for (i, layer) in model.layers.iter().enumerate() {
+        model.gather_unit(Unit::Layer(i))?;
         let (h_out, rec) = block_forward(model, layer, h, &shared)?;
+        model.release_unit(Unit::Layer(i))?;
         h = h_out;
         match keep {
             Keep::Nothing => {}
@@ -387,6 +410,8 @@ fn run<T: Real>(
     if keep != Keep::LayerInputs {
         shared.bias = vec![];
     }
+    // Held until the head has run ([`Tape::logprobs`] or [`Tape::hidden`] releases it).
+    model.gather_unit(Unit::Head)?;
     let out = model_norm(model, &h, &model.norm)?;
     Ok(Record { model: model.clone(), tokens, shared, blocks, h_last: h, out, head: None })
 }
@@ -577,14 +602,17 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         return Err(Error::input("tape: backward of a forward that did not record"));
     }
     let mut grads = Grads { list: vec![] };
+    model.gather_unit(Unit::Head)?;
     let d_hidden = match head_record {
         Some(rec) if through_head => head::backward(&model.lm_head, rec, g, g_entropy, n, hd, &mut grads)?,
         _ => g.to_vec(),
     };
     let mut dh = vec![T::of(0.0); n * hd];
     rms_norm_backward(model, &r.h_last, &d_hidden, &model.norm, &mut dh, &mut grads)?;
+    model.release_unit(Unit::Head)?;
     // Each block's activations are dropped once its backward has read them.
-    for (layer, kept) in model.layers.iter().zip(blocks).rev() {
+    for (i, (layer, kept)) in model.layers.iter().zip(blocks).enumerate().rev() {
+        model.gather_unit(Unit::Layer(i))?;
         let rec = match kept {
             Kept::All(rec) => *rec,
             Kept::Input(h_in) => block_forward(model, layer, h_in, &r.shared)?.1,
@@ -615,6 +643,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
             _ => return Err(Error::Other("tape: a block's record does not match its mixer".into())),
         };
         rms_norm_backward(model, &rec.h_in, &dx, &layer.input_layernorm, &mut dh, &mut grads)?;
+        model.release_unit(Unit::Layer(i))?;
     }
     if model.embed_tokens.is_variable() {
         let mut d_embed = vec![T::of(0.0); c.vocab_size * hd];

@@ -608,7 +608,7 @@ impl RlConfig {
                 return Err(err(key, &"must be positive"));
             }
         }
-        if let Err(e) = l.sharding.check_served() {
+        if let Err(e) = l.sharding.check_served(&self.model.device) {
             return Err(err("launch.sharding", &e));
         }
         if !(l.remote_timeout_s > 0.0 && l.remote_timeout_s.is_finite()) {

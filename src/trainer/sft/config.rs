@@ -171,7 +171,7 @@ impl SftConfig {
         if t.micro_batch_size == 0 || !t.batch_size.is_multiple_of(t.micro_batch_size) {
             return Err(err("train.micro_batch_size", "must be positive and divide train.batch_size"));
         }
-        if let Err(e) = t.sharding.check_served() {
+        if let Err(e) = t.sharding.check_served(&self.model.device) {
             return Err(err("train.sharding", &e.to_string()));
         }
         if t.epochs == 0 && t.max_steps == 0 {
