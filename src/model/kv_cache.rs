@@ -16,6 +16,12 @@
 //! (its recurrent state and last conv inputs, [`super::delta_net::state_len`] floats): it does
 //! not grow with the sequence, and row surgery selects, concatenates and splits it by row (a
 //! row with nothing cached yet starts from zeros).
+//!
+//! A sliding-window layer (Gemma 3's local layers) keeps only the last columns a later query can
+//! see ([`KvCache::keep_last`]): its keys and values are the *last* C columns of the key mask,
+//! C bounded by the window whatever the sequence's length. Row surgery aligns every layer on
+//! the right (the newest column); columns a windowed layer lacks are outside every window, so
+//! whatever fills them (zeros when rows are joined) is masked.
 
 use candle_core::{Tensor, D};
 
@@ -99,6 +105,27 @@ impl KvCache {
                 row.extend_from_slice(add);
             }
         }
+    }
+
+    /// Cuts layer `layer` to its last `cols` columns (a sliding-window layer), once it holds
+    /// `cols` + max(`cols`, [`MIN_CAPACITY`]) or more: the kept columns are copied into a fresh
+    /// buffer with that much room, so a cut costs `cols` columns once per as many appended
+    /// tokens, and the layer never holds more than about twice its window.
+    pub(crate) fn keep_last(&mut self, layer: usize, cols: usize) -> Result<()> {
+        let Some((k, v)) = &self.layers[layer] else { return Ok(()) };
+        let len = k.dim(D::Minus2)?;
+        let room = cols.max(MIN_CAPACITY);
+        if cols == 0 || len < cols + room {
+            return Ok(());
+        }
+        let (b, kvh, _, d) = k.dims4()?;
+        let bk = Tensor::zeros((b, kvh, cols + room, d), k.dtype(), k.device())?;
+        let bv = Tensor::zeros((b, kvh, cols + room, d), v.dtype(), v.device())?;
+        bk.slice_set(&k.narrow(2, len - cols, cols)?.contiguous()?, 2, 0)?;
+        bv.slice_set(&v.narrow(2, len - cols, cols)?.contiguous()?, 2, 0)?;
+        self.layers[layer] = Some((bk.narrow(2, 0, cols)?, bv.narrow(2, 0, cols)?));
+        self.buffers[layer] = Some((bk, bv));
+        Ok(())
     }
 
     /// Appends this step's keys and values for `layer` and returns the full cached ones.
@@ -202,16 +229,16 @@ impl KvCache {
             _ => {}
         }
         let len = parts.iter().map(|p| p.seq_len()).max().unwrap_or(0);
-        // Left-pads one part's `t` [rows, kvh, n, d] to `len` columns; a missing layer (nothing
-        // cached) becomes zeros shaped like another part's.
-        let pad = |t: Option<&Tensor>, like: &Tensor, p: &KvCache| -> Result<Tensor> {
-            let n = p.seq_len();
+        // Left-pads one part's `t` [rows, kvh, n, d] to `cols` columns (`len` but for a
+        // windowed layer); a missing layer (nothing cached) becomes zeros shaped like another
+        // part's.
+        let pad = |t: Option<&Tensor>, like: &Tensor, p: &KvCache, cols: usize| -> Result<Tensor> {
             Ok(match t {
-                Some(t) if n < len => t.pad_with_zeros(2, len - n, 0)?,
+                Some(t) if t.dim(2)? < cols => t.pad_with_zeros(2, cols - t.dim(2)?, 0)?,
                 Some(t) => t.clone(),
                 None => {
                     let (_, kvh, _, d) = like.dims4()?;
-                    Tensor::zeros((p.num_rows(), kvh, len, d), like.dtype(), like.device())?
+                    Tensor::zeros((p.num_rows(), kvh, cols, d), like.dtype(), like.device())?
                 }
             })
         };
@@ -221,12 +248,19 @@ impl KvCache {
                 layers.push(None);
                 continue;
             };
+            // Every part's layer ends at its newest column: the widest one sets the columns.
+            let mut cols = 0;
+            for p in &parts {
+                if let Some((k, _)) = &p.layers[l] {
+                    cols = cols.max(k.dim(2)?);
+                }
+            }
             let mut ks = Vec::with_capacity(parts.len());
             let mut vs = Vec::with_capacity(parts.len());
             for p in &parts {
                 let kv = p.layers[l].as_ref();
-                ks.push(pad(kv.map(|x| &x.0), &like.0, p)?);
-                vs.push(pad(kv.map(|x| &x.1), &like.1, p)?);
+                ks.push(pad(kv.map(|x| &x.0), &like.0, p, cols)?);
+                vs.push(pad(kv.map(|x| &x.1), &like.1, p, cols)?);
             }
             layers.push(Some((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?)));
         }
@@ -296,7 +330,12 @@ impl KvCache {
         self.buffers.iter_mut().for_each(|b| *b = None);
         for slot in self.layers.iter_mut() {
             *slot = match slot.take() {
-                Some((k, v)) if drop < s => Some((k.narrow(2, drop, s - drop)?, v.narrow(2, drop, s - drop)?)),
+                Some((k, v)) if drop < s => {
+                    // A windowed layer holds the last `n` columns: it loses the dropped ones it has.
+                    let n = k.dim(2)?;
+                    let cut = drop.saturating_sub(s - n);
+                    Some((k.narrow(2, cut, n - cut)?, v.narrow(2, cut, n - cut)?))
+                }
                 _ => None,
             };
         }

@@ -14,6 +14,7 @@ pub mod cached_attention;
 pub(crate) mod cuda;
 mod custom_op;
 pub mod exp;
+pub mod gelu_tanh;
 pub mod logprob_lse;
 pub mod matmul;
 pub mod matmul_panel;
