@@ -115,6 +115,7 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
             master_weights: cfg.model.master_weights,
             activation_checkpointing: cfg.train.activation_checkpointing,
             sharding: cfg.train.sharding,
+            router_aux_loss_coef: cfg.train.router_aux_loss_coef,
         },
         ..WorkerSpec::new(&cfg.model.path)
     };
@@ -169,6 +170,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
             Sharding::Full => Sharding::Full,
             _ => Sharding::None,
         },
+        router_aux_loss_coef: 0.0,
     };
     let base = WorkerSpec {
         dtype,
@@ -180,7 +182,11 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
     };
     let dispatch = Dispatch::new(false);
     let trained = WorkerConfig { sharding: l.sharding, ..base.worker.clone() };
-    let policy = WorkerConfig { lora: lora_config(&cfg.model), ..trained.clone() };
+    let policy = WorkerConfig {
+        lora: lora_config(&cfg.model),
+        router_aux_loss_coef: cfg.train.router_aux_loss_coef,
+        ..trained.clone()
+    };
     dispatch.create_model(POLICY, &WorkerSpec { worker: policy, ..base.clone() })?;
     if cfg.needs_reference() {
         dispatch.create_model(REFERENCE, &base)?;

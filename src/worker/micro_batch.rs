@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use super::adamw::state_dtype;
 use super::batch::{Datum, FloatField};
 use super::value_head::ValueHead;
-use crate::algo::{Loss, LossInputs, LossOutput};
+use crate::algo::{Loss, LossInputs, LossOutput, Metrics};
 use crate::model::logprobs::{entropy as token_entropy, target_logprobs_and_lse};
 use crate::model::tape::{Keep, Tape};
 use crate::model::Transformer;
@@ -187,7 +187,27 @@ pub fn router_mismatch(model: &Transformer, batch: &[Datum]) -> Result<usize> {
             None => vec![1.0; n],
         };
         let ids = [d.input_tokens.clone()];
-        count += crate::model::moe::router_mismatch(model, &ids, &[(0..n as u32).collect()], &[vec![1; n]], &[weights])?;
+        count +=
+            crate::model::moe::router_mismatch(model, &ids, &[(0..n as u32).collect()], &[vec![1; n]], &[weights])?;
     }
     Ok(count)
+}
+
+/// Adds the load-balancing loss of a model with experts to a micro-batch's backward, weighted by
+/// `coef` × the sum of its datums' loss weights (see `WorkerConfig::router_aux_loss_coef`), and
+/// its value to `metrics` (`router_aux_loss:sum`). Nothing when `coef` is 0.
+pub fn router_aux_loss(tape: &mut Tape, batch: &[Datum], members: &[usize], coef: f64, metrics: &mut Metrics) {
+    if coef == 0.0 {
+        return;
+    }
+    let Some(aux) = tape.router_aux_loss() else { return };
+    let weight: f64 = members
+        .iter()
+        .map(|&i| match batch[i].loss_fn_inputs.float(FloatField::Weights) {
+            Some(w) => w.iter().map(|&x| x as f64).sum(),
+            None => batch[i].len() as f64,
+        })
+        .sum();
+    tape.set_router_aux_scale(coef * weight);
+    metrics.add_sum("router_aux_loss", coef * weight * aux);
 }

@@ -18,7 +18,7 @@ use candle_core::{Tensor, Var};
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
 use super::loss_fn::{needs_entropy, requirements};
-use super::micro_batch::{apply_loss, model_outputs, split};
+use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split};
 use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
@@ -82,6 +82,12 @@ impl Worker {
                 "activation_checkpointing: only the CPU tape recomputes layers; a model on {:?} trains \
                  through candle's graph, which keeps every activation",
                 model.device.location()
+            )));
+        }
+        if config.router_aux_loss_coef != 0.0 && model.config.moe.is_none() {
+            return Err(Error::input(format!(
+                "router_aux_loss_coef: a {} model has no experts (the load-balancing loss is Qwen3-MoE's)",
+                model.config.arch.model_type()
             )));
         }
         let mut rng = WorkerRng::new(config.seed);
@@ -287,6 +293,9 @@ impl Worker {
         let mut records = vec![LossFnOutput::default(); batch.len()];
         for members in &plan {
             let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, keep)?;
+            if let (true, Some(tape)) = (backward && loss.is_some(), out.tape.as_mut()) {
+                router_aux_loss(tape, batch, members, self.config.router_aux_loss_coef, &mut metrics);
+            }
             let mut elementwise = None;
             if let Some(loss) = loss {
                 let (loss_out, weights) = apply_loss(loss, &out, batch, members)?;

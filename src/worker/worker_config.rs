@@ -33,6 +33,11 @@ pub struct WorkerConfig {
     /// What this worker keeps of the training state when it is one of several data-parallel
     /// ranks ([`Sharding`]); dispatch gives it its [`super::ShardPlan`]. Default `none`.
     pub sharding: Sharding,
+    /// Weight of the load-balancing loss of a model with experts (transformers'
+    /// `router_aux_loss_coef`), added per micro-batch as coef × aux × Σ of the micro-batch's
+    /// loss weights (with token-mean weights and one micro-batch, transformers' term); its
+    /// gradient reaches the routers. 0 (the default): off.
+    pub router_aux_loss_coef: f64,
 }
 
 impl Default for WorkerConfig {
@@ -46,6 +51,7 @@ impl Default for WorkerConfig {
             master_weights: true,
             activation_checkpointing: false,
             sharding: Sharding::None,
+            router_aux_loss_coef: 0.0,
         }
     }
 }

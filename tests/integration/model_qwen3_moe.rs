@@ -272,3 +272,90 @@ fn qwen3_moe_bad_configs_are_refused_by_name() {
     let err = Transformer::load(&fixture_dir(ARCH), DType::F32, &Device::Cpu).map(|_| ());
     assert!(err.is_ok());
 }
+
+/// The load-balancing loss of the golden batch (its padding left out) is transformers'
+/// `load_balancing_loss_func` over the rows' router logits (2.008887529373169, computed with
+/// float32 counts), and its gradient, added to the loss's with a scale, is the total loss's
+/// finite differences (f64 tape).
+#[test]
+fn qwen3_moe_router_aux_loss_matches_transformers_and_its_gradient() {
+    let b = Golden::load(ARCH).batch();
+    let m = Transformer::load(&fixture_dir(ARCH), DType::F64, &Device::Cpu).unwrap();
+    let tape = Tape::forward(&m, &b.ids, &b.positions, &b.mask, false).unwrap();
+    let aux = tape.router_aux_loss().unwrap();
+    assert!((aux - 2.008887529373169).abs() < 1e-6, "aux loss {aux}");
+
+    let (rows, targets) = real_rows(&b);
+    let t = b.ids[0].len();
+    let w: Vec<f64> = rows.iter().map(|&i| b.weights[i as usize / t][i as usize % t] as f64).collect();
+    let w = Tensor::new(w, &Device::Cpu).unwrap();
+    let scale = 0.5;
+    let total = |m: &Transformer| -> f64 {
+        let mut tape = Tape::forward(m, &b.ids, &b.positions, &b.mask, false).unwrap();
+        let lp = tape.logprobs(&rows, &targets).unwrap();
+        let ce = (&lp * &w).unwrap().neg().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+        ce + scale * tape.router_aux_loss().unwrap()
+    };
+    let mut trained = m.clone();
+    let vars = trained.make_trainable().unwrap();
+    let mut tape = Tape::forward(&trained, &b.ids, &b.positions, &b.mask, true).unwrap();
+    tape.set_router_aux_scale(scale);
+    let lp = tape.logprobs(&rows, &targets).unwrap();
+    let loss = (&lp * &w).unwrap().neg().unwrap().sum_all().unwrap();
+    let grads = tape.backward(&loss.backward().unwrap()).unwrap();
+    let params = m.named_params();
+    for (name, index) in [("model.layers.0.mlp.gate.weight", 5), ("model.layers.1.mlp.gate.weight", 300)] {
+        let var = &vars.iter().find(|(n, _)| n == name).unwrap().1;
+        let g = grads.iter().find(|(p, _)| p.id() == var.as_tensor().id()).unwrap().1.clone();
+        let got = g.flatten_all().unwrap().to_vec1::<f64>().unwrap()[index];
+        let v0 = params.iter().find(|(n, _)| n == name).unwrap().1.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let at = |e: f64| {
+            let mut p = m.clone();
+            p.visit_params_mut(&mut |n, x| {
+                if n == name {
+                    let mut v = v0.clone();
+                    v[index] += e;
+                    *x = Tensor::from_vec(v, x.shape(), &Device::Cpu).unwrap();
+                }
+                Ok(())
+            })
+            .unwrap();
+            total(&p)
+        };
+        let fd = (at(1e-5) - at(-1e-5)) / 2e-5;
+        assert!((got - fd).abs() < 1e-6 * fd.abs().max(1e-2), "{name}[{index}]: tape {got}, finite differences {fd}");
+    }
+}
+
+/// The worker adds the load-balancing loss when asked (its metric, a different gradient)
+/// and refuses the option for a model without experts.
+#[test]
+fn qwen3_moe_worker_router_aux_loss_option() {
+    use oxrl::worker::{Datum, Worker, WorkerConfig};
+    let data: Vec<Datum> = (0..3)
+        .map(|r| {
+            let tok = |i: usize| ((r * 977 + i * 131) % 300) as u32;
+            Datum::supervised((0..12).map(tok).collect(), (1..=12).map(tok).collect(), vec![0.1; 12])
+        })
+        .collect();
+    let ce = common::loss("cross_entropy", &serde_json::json!({}));
+    // The loss's metric and the gradient norm (only the routers' gradients change).
+    let step = |coef: f64| {
+        let cfg = WorkerConfig { router_aux_loss_coef: coef, ..Default::default() };
+        let mut w = Worker::new(load(), cfg).unwrap();
+        let out = w.forward_backward(&data, Some(&ce), false).unwrap();
+        let norm = w.optim_step(&oxrl::worker::AdamParams::default()).unwrap();
+        (out.metrics.value("router_aux_loss:sum"), out.metrics.value("loss:sum").unwrap(), norm)
+    };
+    let (none, loss0, norm0) = step(0.0);
+    let (aux, loss1, norm1) = step(0.01);
+    assert_eq!(none, None);
+    assert_eq!(loss0, loss1, "loss:sum is the loss function's alone");
+    // coef × aux × Σ weights (3.6), aux between 1 (balanced) × k = 2 and E = 8.
+    let aux = aux.unwrap();
+    assert!(aux > 0.01 * 3.6 * 1.9 && aux < 0.01 * 3.6 * 8.0, "router_aux_loss:sum {aux}");
+    assert!((norm0 - norm1).abs() > 1e-9 * norm0, "the aux loss changed no gradient ({norm0} vs {norm1})");
+    let dense = Transformer::load(&fixture_dir("qwen3"), DType::F32, &Device::Cpu).unwrap();
+    let err = Worker::new(dense, WorkerConfig { router_aux_loss_coef: 0.01, ..Default::default() }).err().unwrap();
+    assert!(err.to_string().contains("router_aux_loss_coef"), "{err}");
+}

@@ -10,8 +10,8 @@ use std::path::Path;
 use candle_core::{DType, Device};
 use oxrl::model::transformer::FeedForward;
 use oxrl::model::{lora, Transformer};
-use oxrl::trainer::RlConfig;
 use oxrl::trainer::run_dir::EXPORT_DIR;
+use oxrl::trainer::RlConfig;
 use serde_json::Value;
 
 /// `oxrl init-model --arch qwen3_moe` of a tiny MoE: 3 layers, the middle one dense, 4 experts,

@@ -128,7 +128,8 @@ pub fn backward<T: Real>(
             Some(a) => a[tok * ne_all..(tok + 1) * ne_all].to_vec(),
             None => vec![T::of(0.0); ne_all],
         };
-        let (sel, w, dwt) = (&chosen[tok * k..(tok + 1) * k], &weights[tok * k..(tok + 1) * k], &dw[tok * k..(tok + 1) * k]);
+        let (sel, w, dwt) =
+            (&chosen[tok * k..(tok + 1) * k], &weights[tok * k..(tok + 1) * k], &dw[tok * k..(tok + 1) * k]);
         if moe.norm_topk_prob {
             let mut c = T::of(0.0);
             for (&d, &wj) in dwt.iter().zip(w) {
@@ -153,4 +154,64 @@ pub fn backward<T: Real>(
     let mut acc = Some(dx);
     linear::backward(&moe.router, x, None, &d_logits, n, &mut acc, grads)?;
     Ok(acc.expect("set above"))
+}
+
+/// The load-balancing loss of a forward (transformers' `load_balancing_loss_func` with the
+/// attention mask), from every sparse layer's routing over the real tokens:
+/// ```text
+/// f_e = (tokens routed to e) / R,   P_e = (Σ p_e over tokens) / R,   R = layers · real tokens
+/// aux = E · Σ_e f_e · P_e            ∂aux/∂p_{t,e} = E · f_e / R   (f is a count: constant)
+/// ```
+/// `scale` is the weight the loss carries into the backward (0: none).
+pub struct RouterStats {
+    counts: Vec<f64>,
+    prob_sums: Vec<f64>,
+    rows: f64,
+    pub scale: f64,
+}
+
+impl RouterStats {
+    pub fn new(num_experts: usize) -> Self {
+        RouterStats { counts: vec![0.0; num_experts], prob_sums: vec![0.0; num_experts], rows: 0.0, scale: 0.0 }
+    }
+
+    /// Adds one sparse layer's routing of the tokens whose `real` entry (row-major over the
+    /// batch) is nonzero.
+    pub fn add<T: Real>(&mut self, routing: &Routing<T>, real: &[u8]) {
+        let (e, k) = (routing.num_experts, routing.top_k);
+        for (tok, _) in real.iter().enumerate().filter(|(_, &m)| m != 0) {
+            for &x in &routing.experts[tok * k..(tok + 1) * k] {
+                self.counts[x as usize] += 1.0;
+            }
+            for (s, &p) in self.prob_sums.iter_mut().zip(&routing.probs[tok * e..(tok + 1) * e]) {
+                *s += p.to_f64();
+            }
+            self.rows += 1.0;
+        }
+    }
+
+    pub fn loss(&self) -> f64 {
+        if self.rows == 0.0 {
+            return 0.0;
+        }
+        let e = self.counts.len() as f64;
+        e * self.counts.iter().zip(&self.prob_sums).map(|(c, p)| (c / self.rows) * (p / self.rows)).sum::<f64>()
+    }
+
+    /// scale · ∂aux/∂p [N, E] for the tokens of `real` (0 for the others); None without a scale.
+    pub fn dprobs<T: Real>(&self, real: &[u8]) -> Option<Vec<T>> {
+        if self.scale == 0.0 || self.rows == 0.0 {
+            return None;
+        }
+        let e = self.counts.len();
+        let row: Vec<T> =
+            self.counts.iter().map(|c| T::of(self.scale * e as f64 * (c / self.rows) / self.rows)).collect();
+        let mut out = vec![T::of(0.0); real.len() * e];
+        for (chunk, &m) in out.chunks_mut(e).zip(real) {
+            if m != 0 {
+                chunk.copy_from_slice(&row);
+            }
+        }
+        Some(out)
+    }
 }

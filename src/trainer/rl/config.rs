@@ -385,6 +385,9 @@ pub struct RlTrainSection {
     pub checkpoint_every: usize,
     /// Seed of the sampling streams, LoRA and value-head initialisation. Default 0.
     pub seed: u64,
+    /// Weight of a model with experts' load-balancing loss in the policy's loss (transformers'
+    /// `router_aux_loss_coef`), scaled by each mini-batch's loss weights; 0 (the default): off.
+    pub router_aux_loss_coef: f64,
 }
 
 impl Default for RlTrainSection {
@@ -397,6 +400,7 @@ impl Default for RlTrainSection {
             eval_every: 10,
             checkpoint_every: 10,
             seed: 0,
+            router_aux_loss_coef: 0.0,
         }
     }
 }
@@ -524,6 +528,10 @@ impl RlConfig {
         }
         self.validate_reward(sources)?;
 
+        let coef = self.train.router_aux_loss_coef;
+        if !(coef.is_finite() && coef >= 0.0) {
+            return Err(err("train.router_aux_loss_coef", &"must be finite and non-negative"));
+        }
         let r = &self.rollout;
         if r.n_samples == 0 {
             return Err(err("rollout.n_samples", &"must be positive"));

@@ -120,6 +120,9 @@ pub struct TrainSection {
     /// `none` (the default), `optimizer` (ZeRO-1) or `gradients` (ZeRO-2) — the same weights
     /// and metrics bit for bit whichever.
     pub sharding: Sharding,
+    /// Weight of a model with experts' load-balancing loss (transformers' `router_aux_loss_coef`;
+    /// Qwen3-MoE's configs suggest 0.001), added to the token-mean loss; 0 (the default): off.
+    pub router_aux_loss_coef: f64,
 }
 
 impl Default for TrainSection {
@@ -136,6 +139,7 @@ impl Default for TrainSection {
             max_tokens_per_microbatch: 0,
             activation_checkpointing: false,
             sharding: Sharding::None,
+            router_aux_loss_coef: 0.0,
         }
     }
 }
@@ -173,6 +177,9 @@ impl SftConfig {
         }
         if let Err(e) = t.sharding.check_served(&self.model.device) {
             return Err(err("train.sharding", &e.to_string()));
+        }
+        if !(t.router_aux_loss_coef.is_finite() && t.router_aux_loss_coef >= 0.0) {
+            return Err(err("train.router_aux_loss_coef", "must be finite and non-negative"));
         }
         if t.epochs == 0 && t.max_steps == 0 {
             return Err(err("train.epochs", "0 epochs and no train.max_steps: nothing to train"));
