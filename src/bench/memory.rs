@@ -17,7 +17,8 @@
 //!   keeps the final hidden states before and after the norm (2·N·hidden) and the logits of the
 //!   rows the loss reads (N·V).
 //!
-//! Under sharding ([`RankMemory::sharded`]) the optimizer state is split over the ranks.
+//! Under sharding ([`RankMemory::sharded`]) the optimizer state is split over the ranks, and
+//! under `full` the parameters too (plus, while a layer is in use, that layer whole).
 //!
 //! Temporaries of the backward (one layer's gradients in flight) and the allocator's slack are
 //! not counted: the measured peak is above the prediction by about them.
@@ -40,13 +41,15 @@ impl RankMemory {
         self.params + self.grads + self.optimizer + self.activations
     }
 
-    /// The same rank as one of `ranks` under `sharding`: `optimizer` and `gradients` keep
-    /// 1/ranks of the optimizer state. (The gradient accumulators stay whole: each rank's
-    /// backward fills all of them before the sum; `gradients` keeps only the owned part of the
-    /// sum, which is transient here.)
+    /// The same rank as one of `ranks` under `sharding`: every mode but `none` keeps 1/ranks
+    /// of the optimizer state, and `full` 1/ranks of the parameters. (The gradient accumulators
+    /// stay whole: each rank's backward fills all of them before the sum, in the order that
+    /// keeps the bits of `none`; `gradients` keeps only the owned part of the sum, which is
+    /// transient here.)
     pub fn sharded(self, sharding: Sharding, ranks: usize) -> Self {
         let share = if sharding.is_sharded() { 1.0 / ranks.max(1) as f64 } else { 1.0 };
-        RankMemory { optimizer: self.optimizer * share, ..self }
+        let params = if sharding == Sharding::Full { self.params * share } else { self.params };
+        RankMemory { optimizer: self.optimizer * share, params, ..self }
     }
 }
 

@@ -328,10 +328,14 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
     // The optimizer state each of this process's ranks holds, by the tensors' own sizes.
     let optimizer_gb: Vec<f64> =
         dispatch.model(POLICY)?.inspect(|w| w.optimizer_bytes())?.into_iter().map(|b| b as f64 / GB).collect();
+    // And the parameters it holds between steps (under `full`, its own slice).
+    let param_gb: Vec<f64> =
+        dispatch.model(POLICY)?.inspect(|w| w.param_bytes())?.into_iter().map(|b| b as f64 / GB).collect();
     // Every process's figures: the processes of a run are alike, but each is measured.
-    let mine = serde_json::to_vec(
-        &json!({ "rss_loaded_gb": loaded_gb, "peak_rss_gb": peak, "optimizer_gb_per_rank": optimizer_gb }),
-    )?;
+    let mine = serde_json::to_vec(&json!({
+        "rss_loaded_gb": loaded_gb, "peak_rss_gb": peak, "optimizer_gb_per_rank": optimizer_gb,
+        "param_gb_per_rank": param_gb,
+    }))?;
     let all: Vec<serde_json::Value> =
         world.all_gather(&mine)?.iter().map(|b| serde_json::from_slice(b)).collect::<Result<_, _>>()?;
     if crate::world::is_writer() {

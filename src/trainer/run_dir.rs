@@ -249,9 +249,8 @@ impl RunDir {
             None
         } else {
             let dir = self.root.join(EXPORT_DIR);
-            if self.metrics.is_some() {
-                export_model(dispatch, super::model_ids::POLICY, &model.path, model.lora.rank > 0, &dir)?;
-            }
+            // Every process takes part (sliced weights are gathered); process 0 writes.
+            export_model(dispatch, super::model_ids::POLICY, &model.path, model.lora.rank > 0, &dir)?;
             Some(dir)
         };
         // A clean end, interrupted or not (an error before here ends the W&B run as failed).
@@ -292,10 +291,11 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(usize, PathBuf)>> {
 }
 
 /// Exports model `id` to `dir` (HF layout, or PEFT for LoRA) and, for a full model, copies the
-/// tokenizer files of its base `model_path` next to it, so that it loads on its own.
+/// tokenizer files of its base `model_path` next to it, so that it loads on its own. Every process
+/// of a run calls it; process 0 writes.
 pub fn export_model(dispatch: &Dispatch, id: &str, model_path: &Path, lora: bool, dir: &Path) -> Result<()> {
     dispatch.export(id, dir, false)?;
-    if !lora {
+    if !lora && crate::world::is_writer() {
         for f in TOKENIZER_FILES {
             let src = model_path.join(f);
             if src.exists() {

@@ -98,7 +98,8 @@ fn bench_train_and_decode_print_one_json_line_per_measurement() {
 }
 
 /// `bench memory`: the measured peak of each process and the per-rank prediction, which
-/// activation checkpointing lowers only in its activations and sharding in its optimizer state.
+/// activation checkpointing lowers only in its activations, sharding in its optimizer state, and
+/// `full` in its parameters too.
 #[test]
 fn bench_memory_prints_the_peak_beside_the_prediction() {
     let model = fixture_dir("qwen3");
@@ -142,6 +143,20 @@ fn bench_memory_prints_the_peak_beside_the_prediction() {
     assert!(halves.iter().all(|h| (h / (whole[0] / 2.0) - 1.0).abs() < 0.1), "{sharded}");
     let ps = &sharded["predicted_per_rank_gb"];
     assert_eq!(ps["optimizer"].as_f64().unwrap(), pa["optimizer"].as_f64().unwrap() / 2.0);
+    // `full`: the parameters too, measured and predicted.
+    let full = run(&["--ranks", "2", "--sharding", "full"]);
+    assert_eq!(full["last_loss"], all["last_loss"]);
+    let params = |r: &serde_json::Value| -> Vec<f64> {
+        let per_rank = r["measured_per_process"][0]["param_gb_per_rank"].as_array().unwrap();
+        per_rank.iter().map(|g| g.as_f64().unwrap()).collect()
+    };
+    let (whole, halves) = (params(&all), params(&full));
+    assert!(whole[0] > 0.0 && whole[0] == whole[1], "{all}");
+    assert!((halves[0] + halves[1] - whole[0]).abs() < 1e-12 * whole[0], "{full}");
+    assert!(halves.iter().all(|h| (h / (whole[0] / 2.0) - 1.0).abs() < 0.1), "{full}");
+    assert_eq!(params(&sharded), whole, "{sharded}");
+    let pf = &full["predicted_per_rank_gb"];
+    assert_eq!(pf["params"].as_f64().unwrap(), pa["params"].as_f64().unwrap() / 2.0);
 }
 
 #[test]
@@ -153,7 +168,6 @@ fn bench_rejects_bad_arguments_clearly() {
         (&["bench", "decode", "--top-p", "0"][..], "top_p must be in (0, 1]"),
         (&["bench", "gemm", "--size", "0"][..], "--size must be at least 1"),
         (&["bench", "memory", "--model", "m", "--sharding", "optimiser"][..], "did you mean `optimizer`?"),
-        (&["bench", "memory", "--model", "m", "--sharding", "full"][..], "sharding = \"full\" is not available yet"),
         (&["bench", "memory", "--model", "m", "--ranks", "0"][..], "must be positive"),
     ] {
         let out = oxrl(args);

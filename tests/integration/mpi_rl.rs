@@ -61,12 +61,16 @@ fn two_processes_train_what_two_threads_do() {
             assert_eq!(x[key], y[key], "step {}: {key}", x["step"]);
         }
     }
-    // Sharded across the processes (the owners' sums, the gathered parameters): the same bits.
-    let sets = ["output.run_dir=\"sharded\"", "launch.sharding=\"gradients\""];
-    ok(common::mpirun(2, "rl", &config, &sets).output().unwrap());
-    assert!(std::fs::read(model("sharded")).unwrap() == std::fs::read(&dp2).unwrap(), "sharded mpirun -np 2 differs");
-    for (x, y) in metrics(&dir.path().join("sharded")).iter().zip(&b) {
-        assert_eq!((&x["loss"], &x["grad_norm"]), (&y["loss"], &y["grad_norm"]), "step {}", x["step"]);
+    // Sharded across the processes (the owners' sums, the gathered parameters; under `full` the
+    // layers gathered for every forward and backward, the reference's too): the same bits.
+    for mode in ["gradients", "full"] {
+        let sets = [format!("output.run_dir=\"{mode}\""), format!("launch.sharding=\"{mode}\"")];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        ok(common::mpirun(2, "rl", &config, &sets).output().unwrap());
+        assert!(std::fs::read(model(mode)).unwrap() == std::fs::read(&dp2).unwrap(), "{mode} mpirun -np 2 differs");
+        for (x, y) in metrics(&dir.path().join(mode)).iter().zip(&b) {
+            assert_eq!((&x["loss"], &x["grad_norm"]), (&y["loss"], &y["grad_norm"]), "{mode}, step {}", x["step"]);
+        }
     }
 }
 

@@ -85,41 +85,53 @@ fn two_processes_train_what_two_threads_do() {
     }
 }
 
-/// Sharding across processes: `mpirun -np 2` under `gradients` and `-np 3` under `optimizer`
-/// end with the parameters (and losses, gradient norms) of the same ranks unsharded as threads
-/// of one process, bit for bit, the norm clipped; the checkpoints the sharded processes wrote
-/// (the optimizer state gathered to process 0) resume as unsharded threads to the same end.
+/// Sharding across processes: `mpirun -np 2` under `gradients`, `-np 3` under `optimizer`, and
+/// `full` at 2 and 3 processes end with the parameters (and losses, gradient norms) of the same
+/// ranks unsharded as threads of one process, bit for bit, the norm clipped; the checkpoints the
+/// sharded processes wrote (the optimizer state and, under `full`, the weights gathered to process
+/// 0) resume as unsharded threads to the same end.
 #[test]
 fn sharded_processes_train_what_unsharded_threads_do() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), 3);
     let clip = "optimizer.grad_clip_norm=0.05";
     let model = |run: &str| std::fs::read(dir.path().join(run).join("final/model.safetensors")).unwrap();
-    for (np, mode) in [(2, "gradients"), (3, "optimizer")] {
-        let (mpi, threads) = (format!("output.run_dir=\"mpi{np}\""), format!("output.run_dir=\"dp{np}\""));
-        ok(mpirun(np, &config, &[&mpi, &format!("train.sharding=\"{mode}\""), clip]).output().unwrap());
-        oxrl_sft(&config, &[&threads, &format!("train.data_parallel={np}"), clip]);
-        assert!(model(&format!("mpi{np}")) == model(&format!("dp{np}")), "mpirun -np {np} under {mode} differs");
-        let lines = |run: String| std::fs::read_to_string(dir.path().join(run).join("metrics.jsonl")).unwrap();
-        let norms = |text: String| -> Vec<(serde_json::Value, serde_json::Value)> {
-            text.lines()
-                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-                .map(|v| (v["loss"].clone(), v["grad_norm"].clone()))
-                .collect()
-        };
-        assert_eq!(norms(lines(format!("mpi{np}"))), norms(lines(format!("dp{np}"))), "{mode} at {np}");
+    let lines = |run: &str| std::fs::read_to_string(dir.path().join(run).join("metrics.jsonl")).unwrap();
+    let norms = |text: String| -> Vec<(serde_json::Value, serde_json::Value)> {
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|v| (v["loss"].clone(), v["grad_norm"].clone()))
+            .collect()
+    };
+    for np in [2, 3] {
+        oxrl_sft(&config, &[&format!("output.run_dir=\"dp{np}\""), &format!("train.data_parallel={np}"), clip]);
     }
-    // Resume the -np 2 run from its step-2 checkpoint as two unsharded threads.
-    let (from, to) = (dir.path().join("mpi2"), dir.path().join("resumed"));
-    assert!(Command::new("cp").arg("-r").arg(&from).arg(&to).status().unwrap().success());
-    std::fs::remove_dir_all(to.join("checkpoints/step_000003")).unwrap();
-    std::fs::remove_dir_all(to.join("final")).unwrap();
-    let mut c = common::oxrl_command();
-    c.current_dir(dir.path()).args(["sft", "--resume", "--config"]).arg(&config);
-    ok(c.args(["--set", "output.run_dir=\"resumed\"", "--set", "train.data_parallel=2", "--set", clip])
-        .output()
-        .unwrap());
-    assert!(model("resumed") == model("dp2"), "the sharded checkpoint resumed unsharded differs");
+    for (np, mode) in [(2, "gradients"), (3, "optimizer"), (2, "full"), (3, "full")] {
+        let run = format!("mpi{np}{mode}");
+        ok(mpirun(np, &config, &[&format!("output.run_dir=\"{run}\""), &format!("train.sharding=\"{mode}\""), clip])
+            .output()
+            .unwrap());
+        assert!(model(&run) == model(&format!("dp{np}")), "mpirun -np {np} under {mode} differs");
+        assert_eq!(norms(lines(&run)), norms(lines(&format!("dp{np}"))), "{mode} at {np}");
+    }
+    // Resume the step-2 checkpoints of sharded processes as unsharded threads.
+    for (np, mode) in [(2, "gradients"), (3, "full")] {
+        let (from, to) = (dir.path().join(format!("mpi{np}{mode}")), dir.path().join(format!("resumed{np}")));
+        assert!(Command::new("cp").arg("-r").arg(&from).arg(&to).status().unwrap().success());
+        std::fs::remove_dir_all(to.join("checkpoints/step_000003")).unwrap();
+        std::fs::remove_dir_all(to.join("final")).unwrap();
+        let mut c = common::oxrl_command();
+        c.current_dir(dir.path()).args(["sft", "--resume", "--config"]).arg(&config);
+        let sets = [format!("output.run_dir=\"resumed{np}\""), format!("train.data_parallel={np}"), clip.into()];
+        for set in &sets {
+            c.args(["--set", set]);
+        }
+        ok(c.output().unwrap());
+        assert!(
+            model(&format!("resumed{np}")) == model(&format!("dp{np}")),
+            "the {mode} checkpoint resumed unsharded differs"
+        );
+    }
 }
 
 /// The oxrl processes mpirun started (its children), once there are `n`.
