@@ -5,6 +5,7 @@ models and adapters written by oxrl load in transformers / PEFT and score like `
     cargo build --release && /tmp/hf/bin/python scripts/check_hf_interop.py
 """
 import json
+import os
 import subprocess
 import tempfile
 
@@ -12,7 +13,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-OXRL = "target/release/oxrl"
+OXRL = os.environ.get("OXRL", "target/release/oxrl")
 TOKENS = [1, 75, 120, 201, 89, 74, 200, 150, 223, 87, 2, 201]
 torch.set_grad_enabled(False)
 
@@ -43,9 +44,16 @@ with tempfile.TemporaryDirectory() as tmp:
     run("init-model", "--arch", "qwen3", "--hidden", "128", "--out", f"{tmp}/qwen3")
     run("init-model", "--arch", "qwen3_5", "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "16", "--linear-key-heads", "2", "--linear-value-heads", "4", "--out", f"{tmp}/qwen3_5")
+    # A window of 4 on every other layer: the 12 scored tokens reach past it.
+    run("init-model", "--arch", "gemma3", "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--sliding-window", "4", "--sliding-window-pattern", "2", "--out", f"{tmp}/gemma3")
+    # 8 experts, top-2, renormalised; layer 1 a dense MLP.
+    run("init-model", "--arch", "qwen3_moe", "--hidden", "64", "--layers", "3", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--num-experts", "8", "--experts-per-token", "2", "--moe-intermediate-size", "32",
+        "--mlp-only-layers", "1", "--out", f"{tmp}/qwen3_moe")
     with open(f"{tmp}/d.jsonl", "w") as f:
         f.write('{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"}]}\n' * 4)
-    for base, prefix in [("qwen3", ""), ("qwen3_5", "qwen3_5_")]:
+    for base, prefix in [("qwen3", ""), ("qwen3_5", "qwen3_5_"), ("gemma3", "gemma3_"), ("qwen3_moe", "qwen3_moe_")]:
         for name, rank in [("full", "0"), ("lora", "4")]:
             run("sft", "--config", "examples/sft_tiny.toml", "--set", f'model.path="{tmp}/{base}"', "--set", f'data.train_file="{tmp}/d.jsonl"',
                 "--set", "data.eval_fraction=0", "--set", "train.max_steps=3", "--set", "train.batch_size=2", "--set", "train.micro_batch_size=1",
@@ -54,7 +62,11 @@ with tempfile.TemporaryDirectory() as tmp:
              ("qwen3 (init-model)", f"{tmp}/qwen3", None), ("qwen3 after SFT (HF export)", f"{tmp}/full/final", None),
              ("qwen3 + LoRA after SFT (PEFT export)", f"{tmp}/qwen3", f"{tmp}/lora/final"),
              ("qwen3_5 (init-model)", f"{tmp}/qwen3_5", None), ("qwen3_5 after SFT (HF export)", f"{tmp}/qwen3_5_full/final", None),
-             ("qwen3_5 + LoRA after SFT (PEFT export)", f"{tmp}/qwen3_5", f"{tmp}/qwen3_5_lora/final")]
+             ("qwen3_5 + LoRA after SFT (PEFT export)", f"{tmp}/qwen3_5", f"{tmp}/qwen3_5_lora/final"),
+             ("gemma3 (init-model)", f"{tmp}/gemma3", None), ("gemma3 after SFT (HF export)", f"{tmp}/gemma3_full/final", None),
+             ("gemma3 + LoRA after SFT (PEFT export)", f"{tmp}/gemma3", f"{tmp}/gemma3_lora/final"),
+             ("qwen3_moe (init-model)", f"{tmp}/qwen3_moe", None), ("qwen3_moe after SFT (HF export)", f"{tmp}/qwen3_moe_full/final", None),
+             ("qwen3_moe + LoRA after SFT (PEFT export)", f"{tmp}/qwen3_moe", f"{tmp}/qwen3_moe_lora/final")]
     worst = 0.0
     for name, model, lora in cases:
         err = max(abs(a - b) for a, b in zip(hf_logprobs(model, lora), oxrl_logprobs(tmp, model, lora)))

@@ -1,7 +1,8 @@
 //! `oxrl init-model`: a random-init model and a byte-level tokenizer in the HF layout. For
 //! `--arch qwen3_5` the hybrid stack's options: which layers are Gated DeltaNet layers
 //! (`--layer-types`, or every `--full-attention-interval`-th full attention) and their sizes; for
-//! `--arch qwen3_moe` the experts (how many, how many per token, their width, which layers).
+//! `--arch qwen3_moe` the experts (how many, how many per token, their width, which layers); for
+//! `--arch gemma3` the sliding window, which layers slide, and their RoPE base.
 
 use std::path::PathBuf;
 
@@ -11,7 +12,7 @@ use crate::model::{init, weights};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// llama, qwen2, qwen3, qwen3_5 or qwen3_moe.
+    /// llama, qwen2, qwen3, qwen3_5, qwen3_moe or gemma3.
     #[arg(long, default_value = "qwen3")]
     arch: String,
     #[arg(long, default_value_t = 64)]
@@ -50,6 +51,48 @@ pub struct Args {
     hybrid: HybridArgs,
     #[command(flatten)]
     moe: MoeArgs,
+    #[command(flatten)]
+    sliding: SlidingArgs,
+}
+
+/// Gemma 3's sliding-window layers (`--arch gemma3` only).
+#[derive(clap::Args)]
+struct SlidingArgs {
+    /// Keys a sliding layer's query sees, itself included; default 512.
+    #[arg(long)]
+    sliding_window: Option<usize>,
+    /// Every N-th layer global, the others sliding; default 6.
+    #[arg(long)]
+    sliding_window_pattern: Option<usize>,
+    /// The sliding layers' RoPE base (--rope-theta is the global layers'); default 10000.
+    #[arg(long)]
+    rope_local_theta: Option<f64>,
+}
+
+impl SlidingArgs {
+    fn given(&self) -> bool {
+        self.sliding_window.is_some() || self.sliding_window_pattern.is_some() || self.rope_local_theta.is_some()
+    }
+
+    /// Sets the sliding-window fields of a gemma3 config.json (checked when it is parsed).
+    fn apply(&self, v: &mut serde_json::Value, shape: &ModelShape) -> anyhow::Result<()> {
+        if let Some(w) = self.sliding_window {
+            anyhow::ensure!(w > 0, "--sliding-window must be positive");
+            v["sliding_window"] = w.into();
+        }
+        if let Some(n) = self.sliding_window_pattern {
+            anyhow::ensure!(n > 0, "--sliding-window-pattern must be positive");
+            let types: Vec<&str> = (0..shape.num_layers)
+                .map(|i| if (i + 1) % n == 0 { "full_attention" } else { "sliding_attention" })
+                .collect();
+            v["layer_types"] = serde_json::json!(types);
+        }
+        if let Some(t) = self.rope_local_theta {
+            anyhow::ensure!(t > 0.0, "--rope-local-theta must be positive");
+            v["rope_parameters"]["sliding_attention"]["rope_theta"] = t.into();
+        }
+        Ok(())
+    }
 }
 
 /// Qwen3-MoE's experts (`--arch qwen3_moe` only).
@@ -182,8 +225,9 @@ impl HybridArgs {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let arch = Arch::parse(&a.arch)
-        .ok_or_else(|| anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3, qwen3_5, qwen3_moe)", a.arch))?;
+    let arch = Arch::parse(&a.arch).ok_or_else(|| {
+        anyhow::anyhow!("unknown --arch `{}` (llama, qwen2, qwen3, qwen3_5, qwen3_moe, gemma3)", a.arch)
+    })?;
     anyhow::ensure!(
         arch == Arch::Qwen3_5 || !a.hybrid.given(),
         "--layer-types, --full-attention-interval, --linear-* and --partial-rotary-factor are for --arch qwen3_5"
@@ -192,6 +236,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         arch == Arch::Qwen3Moe || !a.moe.given(),
         "--num-experts, --experts-per-token, --moe-intermediate-size, --decoder-sparse-step and \
          --mlp-only-layers are for --arch qwen3_moe"
+    );
+    anyhow::ensure!(
+        arch == Arch::Gemma3 || !a.sliding.given(),
+        "--sliding-window, --sliding-window-pattern and --rope-local-theta are for --arch gemma3"
     );
     anyhow::ensure!(
         a.vocab >= BYTE_LEVEL_VOCAB_SIZE,
@@ -219,6 +267,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if arch == Arch::Qwen3Moe {
         a.moe.apply(&mut config);
+    }
+    if arch == Arch::Gemma3 {
+        a.sliding.apply(&mut config, &shape)?;
     }
     let model = init::write_random_model_from(&a.out, config, a.seed, dtype)?;
     eprintln!("wrote a {} model with {} parameters to {}", arch.model_type(), model.num_params(), a.out.display());

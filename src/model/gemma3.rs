@@ -248,3 +248,36 @@ pub fn local_rope(
     local.rope_scaling = RopeScaling::None;
     Ok(Some(super::rope::Rope::new(&local, device)?))
 }
+
+/// Turns a fresh config (`ModelConfig::new_json`) into Gemma 3's: every `pattern`-th layer of
+/// `layers` global, the others sliding over `window` tokens; the global RoPE base the config's
+/// `rope_theta`, the local one `local_theta`; scores scaled by `head_dim^-1/2`
+/// (`query_pre_attn_scalar = head_dim`, as Gemma 3 1B has it); a tied head.
+pub fn fresh_config(v: &mut Value, layers: usize, window: usize, pattern: usize, local_theta: f64) {
+    let o = v.as_object_mut().expect("a config object");
+    let global = o.remove("rope_theta").unwrap_or(Value::from(1_000_000.0));
+    o.remove("rope_scaling");
+    o.remove("hidden_act");
+    let head_dim = o.get("head_dim").cloned().unwrap_or(Value::from(256));
+    let types: Vec<&str> = (0..layers)
+        .map(|i| if (i + 1) % pattern.max(1) == 0 { "full_attention" } else { "sliding_attention" })
+        .collect();
+    let fields = serde_json::json!({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": types,
+        "sliding_window": window,
+        "query_pre_attn_scalar": head_dim,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": global},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "attn_logit_softcapping": null,
+        "final_logit_softcapping": null,
+        "use_bidirectional_attention": false,
+        "tie_word_embeddings": true,
+        "dtype": "float32",
+    });
+    for (k, x) in fields.as_object().expect("an object") {
+        o.insert(k.clone(), x.clone());
+    }
+}

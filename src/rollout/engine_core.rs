@@ -185,10 +185,11 @@ impl EngineCore {
     }
 
     /// Bytes of K and V per cached token of one row (of the full-attention layers: a Qwen3.5
-    /// DeltaNet layer keeps a state per row that does not grow with the tokens).
+    /// DeltaNet layer keeps a state per row that does not grow with the tokens, a Gemma 3
+    /// sliding layer at most about twice its window).
     pub fn kv_bytes_per_token(&self) -> usize {
         let c = &self.model.config;
-        let layers = (0..c.num_hidden_layers).filter(|&i| !c.is_linear_attention(i)).count();
+        let layers = (0..c.num_hidden_layers).filter(|&i| !c.is_linear_attention(i) && !c.is_sliding(i)).count();
         2 * layers * c.num_key_value_heads * c.head_dim * self.model.dtype.size_in_bytes()
     }
 

@@ -108,8 +108,9 @@ fn param_bits(w: &Worker) -> Vec<Vec<u64>> {
 fn worker_with_checkpointing_trains_the_same_bits() {
     let ce = loss("cross_entropy", &json!({}));
     let p = AdamParams { learning_rate: 1e-2, weight_decay: 0.01, ..Default::default() };
-    // Every family the tape trains: the dense ones, Qwen3.5's DeltaNet layers, Qwen3-MoE's experts.
-    for arch in ARCHS.iter().copied().chain(["qwen3_5", "qwen3_moe"]) {
+    // Every family the tape trains: the dense ones, Qwen3.5's DeltaNet layers, Qwen3-MoE's experts,
+    // Gemma 3's sliding windows and sandwich norms.
+    for arch in ARCHS.iter().copied().chain(["qwen3_5", "qwen3_moe", "gemma3"]) {
         for lora in [None, Some(LoraConfig::new(4, 8.0, &["all-linear"]))] {
             let trained = |activation_checkpointing: bool| {
                 let model = Transformer::load(&fixture_dir(arch), DType::F32, &Device::Cpu).unwrap();

@@ -110,7 +110,7 @@ fn sampler_equals_trainer(arch: &str, lora: Option<LoraConfig>, dtype: DType) {
 
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_full() {
-    for arch in ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe"] {
+    for arch in ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "gemma3"] {
         sampler_equals_trainer(arch, None, DType::F32);
     }
 }
@@ -122,12 +122,13 @@ fn sampler_logprobs_are_the_trainers_bits_bf16() {
     sampler_equals_trainer("qwen3", None, DType::BF16);
     sampler_equals_trainer("qwen3_5", None, DType::BF16);
     sampler_equals_trainer("qwen3_moe", None, DType::BF16);
+    sampler_equals_trainer("gemma3", None, DType::BF16);
     sampler_equals_trainer("llama", Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::BF16);
 }
 
 #[test]
 fn sampler_logprobs_are_the_trainers_bits_lora() {
-    for arch in ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe"] {
+    for arch in ["llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "gemma3"] {
         sampler_equals_trainer(arch, Some(LoraConfig::new(4, 8.0, &["all-linear"])), DType::F32);
     }
 }
@@ -164,6 +165,13 @@ fn qwen3_5_sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
 #[test]
 fn qwen3_moe_sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
     sixty_four_mixed_requests("qwen3_moe");
+}
+
+/// The same for Gemma 3: prompts and generations past its window of 6, whose sliding layers'
+/// caches keep only the window's columns, whatever the batch.
+#[test]
+fn gemma3_sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
+    sixty_four_mixed_requests("gemma3");
 }
 
 fn sixty_four_mixed_requests(arch: &str) {

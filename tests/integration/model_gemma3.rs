@@ -189,3 +189,107 @@ fn gemma3_worker_adamw_step_reproduces_transformers() {
     }
     assert_eq!(checked, 4, "parameters checked");
 }
+
+/// A generation far past the window (5 + 60 tokens, window 6), sampled at temperature 1: each
+/// token's log-prob is the trainer's forward of the whole sequence, bit for bit — the engine's
+/// sliding layers attend over their cut caches, the trainer's over every key with the window
+/// as a mask.
+#[test]
+fn gemma3_generation_past_the_window_is_the_trainers_bits() {
+    use oxrl::rollout::{EngineConfig, EngineCore, Request, SamplingParams};
+    use oxrl::worker::{Datum, Worker, WorkerConfig};
+    let prompt: Vec<u32> = vec![5, 17, 42, 99, 7];
+    let params =
+        SamplingParams { max_tokens: 60, temperature: 1.0, seed: Some(9), ignore_eos: true, ..Default::default() };
+    let mut e = EngineCore::new(load(), EngineConfig { eos_token_ids: vec![2], ..Default::default() }).unwrap();
+    e.add_request(Request::new(prompt.clone(), params)).unwrap();
+    let sample = e.run_until_idle().unwrap().pop().unwrap().1.samples.remove(0);
+    assert_eq!(sample.tokens.len(), 60);
+    let seq: Vec<u32> = prompt.iter().chain(&sample.tokens).copied().collect();
+    let n = seq.len() - 1;
+    let mut w = Worker::new(load(), WorkerConfig::default()).unwrap();
+    let datum = Datum::supervised(seq[..n].to_vec(), seq[1..].to_vec(), vec![1.0; n]);
+    let fwd = w.forward(&[datum], None, true).unwrap();
+    let trainer = &fwd.loss_fn_outputs[0].logprobs[prompt.len() - 1..];
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&sample.logprobs), bits(trainer));
+}
+
+/// Decoding 100 tokens one at a time: a sliding layer's cache stays within its window's bound
+/// (the last 5 keys plus at most 64 columns of room) while the global layer's holds every token,
+/// and the logits of the last step equal those of a cache that kept everything.
+#[test]
+fn gemma3_sliding_layers_cache_only_the_window() {
+    let m = load();
+    let prefix: Vec<u32> = (0..5).map(|i| 3 + i * 11).collect();
+    let mut cache = m.new_cache();
+    let pos = |a: usize, n: usize| vec![(a as u32..(a + n) as u32).collect::<Vec<_>>()];
+    m.forward(&[prefix.clone()], &pos(0, 5), &[vec![1; 5]], Some(&mut cache)).unwrap();
+    let mut tokens = prefix;
+    let mut last = None;
+    for step in 0..100 {
+        let tok = ((step * 37) % 250 + 3) as u32;
+        tokens.push(tok);
+        let at = tokens.len() - 1;
+        last = Some(m.forward(&[vec![tok]], &pos(at, 1), &[vec![1]], Some(&mut cache)).unwrap());
+        let sliding = cache.layer(0).unwrap().0.dim(2).unwrap();
+        assert!(sliding <= 5 + 64, "step {step}: a sliding layer holds {sliding} columns");
+    }
+    assert_eq!(cache.layer(2).unwrap().0.dim(2).unwrap(), 105, "the global layer holds every token");
+    // The sliding layers' columns: cut at least once.
+    assert!(cache.layer(1).unwrap().0.dim(2).unwrap() < 105);
+    // Every column kept (one prefill of the whole sequence but the last token, then the step).
+    let mut full = m.new_cache();
+    let n = tokens.len();
+    m.forward(&[tokens[..n - 1].to_vec()], &pos(0, n - 1), &[vec![1; n - 1]], Some(&mut full)).unwrap();
+    let want = m.forward(&[vec![tokens[n - 1]]], &pos(n - 1, 1), &[vec![1]], Some(&mut full)).unwrap();
+    let bits =
+        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&last.unwrap()), bits(&want));
+}
+
+/// Configs Gemma 3 derives or refuses: layer types from `sliding_window_pattern`, both RoPE
+/// bases from the older fields, and by name soft-capping, bidirectional attention and the
+/// vision-language layout.
+#[test]
+fn gemma3_config_derivations_and_refusals() {
+    use oxrl::model::model_config::{LayerType, ModelConfig};
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture_dir(ARCH).join("config.json")).unwrap()).unwrap();
+    let parse = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut v = base.clone();
+        edit(&mut v);
+        ModelConfig::from_value(v, std::path::Path::new("config.json"))
+    };
+    let c = parse(&|v| {
+        let o = v.as_object_mut().unwrap();
+        o.remove("layer_types");
+        o.remove("_sliding_window_pattern");
+        o.remove("rope_parameters");
+        o.insert("num_hidden_layers".into(), 7.into());
+        o.insert("sliding_window_pattern".into(), 3.into());
+        o.insert("rope_theta".into(), 500000.0.into());
+        o.insert("rope_local_base_freq".into(), 20000.0.into());
+    })
+    .unwrap();
+    use LayerType::{FullAttention as F, SlidingAttention as S};
+    assert_eq!(c.layer_types, vec![S, S, F, S, S, F, S]);
+    let g = c.gemma3.as_ref().unwrap();
+    assert_eq!((c.rope_theta, g.global_rope_theta, g.local_rope_theta), (500000.0, 500000.0, 20000.0));
+    assert_eq!(c.attention_scale(), 1.0 / 16.0);
+    assert!(c.tie_word_embeddings && c.norm_unit_offset && c.qk_norm);
+    let refused = |edit: &dyn Fn(&mut serde_json::Value), needle: &str| {
+        let e = parse(edit).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e}");
+    };
+    refused(&|v| v["final_logit_softcapping"] = 30.0.into(), "final_logit_softcapping");
+    refused(&|v| v["attn_logit_softcapping"] = 50.0.into(), "attn_logit_softcapping");
+    refused(&|v| v["use_bidirectional_attention"] = true.into(), "bidirectional");
+    refused(&|v| v["hidden_activation"] = "silu".into(), "gelu_pytorch_tanh");
+    refused(
+        &|v| v["layer_types"] = serde_json::json!(["sliding_attention", "linear_attention", "full_attention"]),
+        "layer_types",
+    );
+    refused(&|v| v["model_type"] = "gemma3".into(), "vision-language");
+    refused(&|v| v["sliding_window"] = 0.into(), "sliding_window");
+}
