@@ -12,14 +12,24 @@
 //! forwards and backwards per call. Before a call's micro-batches the ranks agree on the largest
 //! count (and on whether any rank's batch was refused); a rank with fewer walks the units of the
 //! ones it lacks without computing.
+//!
+//! Prefetch: while a unit is computed, the next one of the same walk is gathered on a thread of
+//! its own (so at most two units are whole at once). The next unit follows from the one before:
+//! after the embedding or a layer reached going up, the layer above (the head after the last);
+//! after a head gathered again (a backward) or a layer reached going down, the layer below. A
+//! forward's head is not followed (a backward may not come), nor is a backward's first layer,
+//! so no gather is in flight when a walk ends and another collective begins. Every rank sees
+//! the same walks, hence starts the same gathers in the same order.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use candle_core::{Tensor, Var};
 
 use super::sharded_step::RankExchange;
 use super::sharding::ShardPlan;
+use crate::locks::lock;
 use crate::model::named_tensors::NamedTensors;
 use crate::model::sharded_weights::{self, forward_units, Unit, UnitGather};
 use crate::model::Transformer;
@@ -38,9 +48,12 @@ pub struct WeightSlices {
     ex: Arc<dyn RankExchange>,
     rank: usize,
     layers: usize,
-    units: HashMap<Unit, UnitWeights>,
+    units: HashMap<Unit, Arc<UnitWeights>>,
     /// The parameters (by worker index) that are sliced weights.
     sliced: Vec<bool>,
+    /// The unit gathered last, and the gather of the next one in flight.
+    last: Mutex<Option<Unit>>,
+    prefetch: Mutex<Option<(Unit, JoinHandle<Result<()>>)>>,
 }
 
 impl WeightSlices {
@@ -75,7 +88,30 @@ impl WeightSlices {
         if units.is_empty() {
             return Ok(None);
         }
-        Ok(Some(WeightSlices { ex, rank: plan.rank, layers: model.layers.len(), units, sliced }))
+        let units = units.into_iter().map(|(k, u)| (k, Arc::new(u))).collect();
+        Ok(Some(WeightSlices {
+            ex,
+            rank: plan.rank,
+            layers: model.layers.len(),
+            units,
+            sliced,
+            last: Mutex::new(None),
+            prefetch: Mutex::new(None),
+        }))
+    }
+
+    /// Whether units `a` and `b` hold a tensor in common (a tied head and the embedding): such a
+    /// pair is never gathered ahead, since releasing `a` would free part of `b`.
+    fn share(&self, a: Unit, b: Unit) -> bool {
+        let (Some(a), Some(b)) = (self.units.get(&a), self.units.get(&b)) else { return false };
+        a.tensors.iter().any(|t| b.tensors.iter().any(|u| u.id() == t.id()))
+    }
+
+    /// Waits for the gather in flight, if any; whether it was `unit`'s.
+    fn settle(&self, unit: Option<Unit>) -> Result<bool> {
+        let Some((fetched, handle)) = lock(&self.prefetch).take() else { return Ok(false) };
+        handle.join().map_err(|_| Error::Other("a weight gather thread panicked".into()))??;
+        Ok(Some(fetched) == unit)
     }
 
     /// Whether parameter `i` (worker order) is a sliced weight.
@@ -94,6 +130,7 @@ impl WeightSlices {
     /// The group's largest micro-batch count, given this rank's (or why it cannot run): every rank
     /// learns whether any rank refused its batch, and then fails with that reason.
     pub fn agree(&self, mine: std::result::Result<usize, String>) -> Result<usize> {
+        self.settle(None)?;
         let all = self.ex.all_gather_bytes(encode(&mine)?)?;
         if let Err(e) = mine {
             return Err(Error::input(e));
@@ -111,11 +148,11 @@ impl WeightSlices {
     /// Every sliced weight gathered unit by unit: on a rank that asks (`keep`), the whole set by
     /// HF name, copied into fresh storage; nothing elsewhere. Every rank calls it.
     pub fn whole(&self, keep: bool) -> Result<Option<NamedTensors>> {
+        self.settle(None)?;
         let mut out = NamedTensors::new("gathered weights");
         for unit in forward_units(self.layers) {
             let Some(u) = self.units.get(&unit) else { continue };
-            let mine = self.mine(u);
-            let got = self.ex.gather_owned(mine, &u.sizes, None)?;
+            let got = self.ex.gather_owned(mine(u, self.rank), &u.sizes, None)?;
             if !keep {
                 continue;
             }
@@ -132,37 +169,76 @@ impl WeightSlices {
     /// Makes every sliced weight whole on this rank (every rank calls it; `fill` false: take
     /// part without keeping them).
     pub fn fill_all(&self, fill: bool) -> Result<()> {
+        self.settle(None)?;
         for unit in forward_units(self.layers) {
             let Some(u) = self.units.get(&unit) else { continue };
-            let got = self.ex.gather_owned(self.mine(u), &u.sizes, None)?;
+            let got = self.ex.gather_owned(mine(u, self.rank), &u.sizes, None)?;
             if fill {
-                self.fill_from(u, got)?;
+                fill_from(u, self.rank, got)?;
             }
-        }
-        Ok(())
-    }
-
-    fn mine(&self, u: &UnitWeights) -> Vec<Option<Tensor>> {
-        u.tensors.iter().zip(&u.owners).map(|(t, &o)| (o == self.rank).then(|| t.clone())).collect()
-    }
-
-    fn fill_from(&self, u: &UnitWeights, got: Vec<Option<Tensor>>) -> Result<()> {
-        for (((t, &owner), name), from) in u.tensors.iter().zip(&u.owners).zip(&u.names).zip(got) {
-            if owner == self.rank || !sharded_weights::is_released(t) {
-                continue;
-            }
-            let from = from.ok_or_else(|| Error::Other(format!("no rank sent `{name}`")))?;
-            sharded_weights::fill(t, &from)?;
         }
         Ok(())
     }
 }
 
+/// The unit a walk over a model of `layers` layers reads after `unit`, given the one it read
+/// before (see the module documentation); `None` where the walk may end.
+fn next_unit(layers: usize, before: Option<Unit>, unit: Unit) -> Option<Unit> {
+    let up = |i: usize| if i + 1 < layers { Unit::Layer(i + 1) } else { Unit::Head };
+    let down = |i: usize| i.checked_sub(1).map(Unit::Layer);
+    match (before, unit) {
+        (_, Unit::Embed) => Some(if layers > 0 { Unit::Layer(0) } else { Unit::Head }),
+        (Some(Unit::Embed), Unit::Layer(i)) => Some(up(i)),
+        (Some(Unit::Layer(j)), Unit::Layer(i)) if j + 1 == i => Some(up(i)),
+        (Some(Unit::Layer(j)), Unit::Layer(i)) if i + 1 == j => down(i),
+        (Some(Unit::Head), Unit::Layer(i)) => down(i),
+        (Some(Unit::Head), Unit::Head) => layers.checked_sub(1).map(Unit::Layer),
+        _ => None,
+    }
+}
+
+/// The unit's tensors this rank owns (`None` for the others).
+fn mine(u: &UnitWeights, rank: usize) -> Vec<Option<Tensor>> {
+    u.tensors.iter().zip(&u.owners).map(|(t, &o)| (o == rank).then(|| t.clone())).collect()
+}
+
+/// Gives this rank's released tensors of `u` the owners' elements.
+fn fill_from(u: &UnitWeights, rank: usize, got: Vec<Option<Tensor>>) -> Result<()> {
+    for (((t, &owner), name), from) in u.tensors.iter().zip(&u.owners).zip(&u.names).zip(got) {
+        if owner == rank || !sharded_weights::is_released(t) {
+            continue;
+        }
+        let from = from.ok_or_else(|| Error::Other(format!("no rank sent `{name}`")))?;
+        sharded_weights::fill(t, &from)?;
+    }
+    Ok(())
+}
+
+/// Gathers unit `u` whole on this rank.
+fn fetch(ex: &dyn RankExchange, u: &UnitWeights, rank: usize) -> Result<()> {
+    let got = ex.gather_owned(mine(u, rank), &u.sizes, None)?;
+    fill_from(u, rank, got)
+}
+
 impl UnitGather for WeightSlices {
     fn gather(&self, unit: Unit) -> Result<()> {
-        let Some(u) = self.units.get(&unit) else { return Ok(()) };
-        let got = self.ex.gather_owned(self.mine(u), &u.sizes, None)?;
-        self.fill_from(u, got)
+        if !self.settle(Some(unit))? {
+            if let Some(u) = self.units.get(&unit) {
+                fetch(&*self.ex, u, self.rank)?;
+            }
+        }
+        let before = lock(&self.last).replace(unit);
+        if let Some(next) = next_unit(self.layers, before, unit).filter(|&n| !self.share(unit, n)) {
+            if let Some(u) = self.units.get(&next) {
+                let (ex, u, rank) = (self.ex.clone(), u.clone(), self.rank);
+                let handle = std::thread::Builder::new()
+                    .name("oxrl-prefetch".into())
+                    .spawn(move || fetch(&*ex, &u, rank))
+                    .map_err(|e| Error::Other(format!("cannot start a weight gather thread: {e}")))?;
+                *lock(&self.prefetch) = Some((next, handle));
+            }
+        }
+        Ok(())
     }
 
     fn release(&self, unit: Unit) -> Result<()> {
@@ -177,5 +253,34 @@ impl UnitGather for WeightSlices {
 
     fn abort(&self, reason: &str) {
         self.ex.abort(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::sharded_weights::backward_units;
+
+    /// Following a forward and then a backward walk, each unit names the next of its walk, and
+    /// nothing after a forward's head or a backward's first layer.
+    #[test]
+    fn the_next_unit_follows_the_walks() {
+        for layers in [1, 3] {
+            let walk: Vec<Unit> = forward_units(layers).into_iter().chain(backward_units(layers)).collect();
+            let mut before = Some(Unit::Layer(7)); // whatever came before the call
+            let mut predicted = vec![];
+            for &u in &walk {
+                predicted.push(next_unit(layers, before, u));
+                before = Some(u);
+            }
+            let f = layers + 2;
+            let mut want: Vec<Option<Unit>> = walk[1..f].iter().copied().map(Some).collect();
+            want.push(None); // the forward's head: a backward may not follow
+            want.extend(walk[f + 1..].iter().copied().map(Some));
+            want.push(None); // the backward's last layer
+            assert_eq!(predicted, want, "{layers} layers");
+            // A forward that follows a forward starts over.
+            assert_eq!(next_unit(layers, Some(Unit::Head), Unit::Embed), Some(Unit::Layer(0)));
+        }
     }
 }

@@ -139,7 +139,7 @@ fn grpo_with_activation_checkpointing_ends_bit_identical() {
 
 /// Every sharding mode ends where `none` does, bit for bit: full fine-tuning and LoRA in f32,
 /// and a bf16 model (sliced f32 masters), with the gradient norm clipped (so the norm, gathered
-/// from the owners, decides every update); 2 and 3 ranks.
+/// from the owners, decides every update); 2 and 3 ranks; with activation checkpointing.
 #[test]
 fn sft_sharded_ends_bit_identical() {
     let cases: &[(bool, &[&str])] = &[
@@ -147,6 +147,8 @@ fn sft_sharded_ends_bit_identical() {
         (true, &["optimizer.grad_clip_norm=0.05"]),
         (false, &["model.dtype=\"bf16\"", "optimizer.grad_clip_norm=0.05"]),
         (false, &["train.data_parallel=3", "optimizer.grad_clip_norm=0.05"]),
+        // Layers recomputed in the backward (gathered once more).
+        (false, &["train.activation_checkpointing=true"]),
     ];
     for (lora, extra) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -160,6 +162,46 @@ fn sft_sharded_ends_bit_identical() {
             assert!(w0 == w1, "{mode}, lora {lora}, {extra:?}: exported weights differ");
         }
     }
+}
+
+/// `full` with ranks whose chunks pack into different micro-batch counts (short rows on rank 0,
+/// long ones on rank 1, under a token budget): rank 0 takes part in rank 1's extra gathers
+/// without computing, and the weights after two steps are the bits of `none`.
+#[test]
+fn full_sharding_keeps_ranks_in_lockstep_over_uneven_micro_batches() {
+    use oxrl::dispatch::{MeshShape, WorkerSpec};
+    use oxrl::worker::packing::plan_micro_batches;
+    use oxrl::worker::{AdamParams, Datum, WorkerConfig};
+    let seq = |n: usize, k: usize| -> Datum {
+        let t: Vec<u32> = (0..=n).map(|j| ((k * 37 + j * 11) % 250 + 3) as u32).collect();
+        Datum::supervised(t[..n].to_vec(), t[1..].to_vec(), vec![1.0; n])
+    };
+    let batch = vec![seq(8, 0), seq(9, 1), seq(40, 2), seq(38, 3)];
+    let budget = Some(48);
+    let counts: Vec<usize> =
+        [[8, 9], [40, 38]].iter().map(|l| plan_micro_batches(l, Some(2), budget).unwrap().len()).collect();
+    assert_eq!(counts, vec![1, 2], "the chunks must pack unevenly for this test to mean anything");
+    let loss = common::loss("cross_entropy", &serde_json::json!({}));
+    let weights = |mode: &str| -> Vec<u8> {
+        let sharding = oxrl::worker::Sharding::from_name(mode).unwrap();
+        let worker = WorkerConfig {
+            micro_batch_size: Some(2),
+            max_tokens_per_microbatch: budget,
+            sharding,
+            ..Default::default()
+        };
+        let spec = WorkerSpec { mesh: MeshShape::dp(2), threads: 1, worker, ..WorkerSpec::new(fixture_dir("qwen3")) };
+        let d = Dispatch::new(false);
+        d.create_model(POLICY, &spec).unwrap();
+        for _ in 0..2 {
+            d.forward_backward(POLICY, &batch, Some(&loss), false).unwrap();
+            d.optim_step(POLICY, &AdamParams { learning_rate: 1e-2, ..Default::default() }).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        d.export(POLICY, dir.path(), false).unwrap();
+        std::fs::read(dir.path().join("model.safetensors")).unwrap()
+    };
+    assert!(weights("none") == weights("full"), "full differs from none over uneven micro-batches");
 }
 
 /// Each rank keeps the moments and masters of about 1/N of the parameters (N = 2, 3), and all
