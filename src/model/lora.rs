@@ -177,6 +177,9 @@ impl LoraConfig {
     }
 }
 
+/// The MLP projections PEFT maps onto a Qwen3-MoE's experts.
+const MOE_MLP: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
 /// The PEFT names of a module's (A, B) adapter tensors: `base_model.model.<module>.lora_{A,B}.weight`.
 /// The one place these names are built.
 pub fn adapter_names(module: &str) -> (String, String) {
@@ -196,10 +199,22 @@ fn attach_with(
     source: &mut AdapterSource,
 ) -> Result<Vec<(String, Var)>> {
     cfg.validate()?;
+    // PEFT (over transformers ≥ 5) takes a Qwen3-MoE's MLP names for its experts' fused weights,
+    // which oxrl does not adapt: with experts, adapters go on the attention only.
+    let moe_mlp = |module: &str| MOE_MLP.iter().any(|m| module.ends_with(&format!(".{m}")));
+    if model.config.moe.is_some() {
+        if let Some(t) = cfg.target_modules.iter().find(|t| MOE_MLP.contains(&t.as_str())) {
+            return Err(Error::input(format!(
+                "LoRA target `{t}` on a model with experts: PEFT applies it to the experts, which oxrl \
+                 does not adapt (target the attention's q_proj, k_proj, v_proj, o_proj, or all-linear)"
+            )));
+        }
+    }
+    let experts = model.config.moe.is_some();
     let mut vars = vec![];
     let mut attached = 0;
     for (module, lin) in model.linears_mut() {
-        if !cfg.targets(&module) {
+        if !cfg.targets(&module) || (experts && moe_mlp(&module)) {
             lin.lora = None;
             continue;
         }
@@ -286,7 +301,21 @@ pub fn save_peft(model: &Transformer, cfg: &LoraConfig, dir: &Path) -> Result<()
         return Err(Error::input("the model has no LoRA adapters to save"));
     }
     tensors.to_dtype(DType::F32)?.save_file(&dir.join(WEIGHTS_FILE))?;
-    write_json(&dir.join(CONFIG_FILE), &cfg.to_peft_json(model.config.arch.hf_class()))
+    let mut json = cfg.to_peft_json(model.config.arch.hf_class());
+    // PEFT's "all-linear" on a model with experts also adapts its routers and experts, which are
+    // not oxrl's projections: the file names the projections that have adapters instead.
+    if model.config.moe.is_some() && cfg.target_modules.iter().any(|t| t == "all-linear") {
+        let mut names: Vec<String> = vec![];
+        for (module, lin) in model.clone().linears_mut() {
+            let name = module.rsplit('.').next().unwrap_or(&module).to_string();
+            if lin.lora.is_some() && !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names.sort();
+        json["target_modules"] = json!(names);
+    }
+    write_json(&dir.join(CONFIG_FILE), &json)
 }
 
 /// Folds every adapter into its base weight (W + s·B·A) and removes the adapters.

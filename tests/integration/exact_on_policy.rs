@@ -176,8 +176,11 @@ fn gemma3_sixty_four_mixed_requests_are_their_solo_bits_at_any_thread_count() {
 
 fn sixty_four_mixed_requests(arch: &str) {
     let base = load(arch);
+    // A model with experts takes adapters on its attention only.
+    let targets: &[&str] =
+        if base.config.moe.is_some() { &["q_proj", "v_proj", "o_proj"] } else { &["q_proj", "v_proj", "down_proj"] };
     let adapters = [
-        ("a", adapter(&base, LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj"]), 5)),
+        ("a", adapter(&base, LoraConfig::new(4, 8.0, targets), 5)),
         ("b", adapter(&base, LoraConfig::new(8, 16.0, &["all-linear"]), 6)),
     ];
     let reqs: Vec<Request> = (0..64usize)

@@ -154,6 +154,10 @@ fn qwen3_moe_lora_adapter_logprobs_match_peft() {
     assert!(err < 1e-4, "LoRA log-probs differ from PEFT by {err}");
     let moved = max_abs_diff(&golden_logprobs(&load(), &b), g.get("lora.target_logprobs"));
     assert!(moved > 1e-2, "the adapter changes nothing ({moved})");
+    // PEFT takes the MLP names for the experts, which oxrl does not adapt: refused by name.
+    let cfg = lora::LoraConfig::new(4, 8.0, &["q_proj", "up_proj"]);
+    let err = lora::attach_new(&mut load(), &cfg, 1).unwrap_err().to_string();
+    assert!(err.contains("`up_proj`") && err.contains("experts"), "{err}");
 }
 
 /// The engine's greedy decode (prefill, then the KV cache and the experts one token at a time)
