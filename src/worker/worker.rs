@@ -325,8 +325,6 @@ impl Worker {
             }
         }
         if let Some(slices) = &self.slices {
-                eprintln!("lockstep: {} of {lockstep}", plan.len());
-            }
             let layers = self.model.layers.len();
             for _ in plan.len()..lockstep {
                 sharded_weights::walk(&**slices, &forward_units(layers))?;
