@@ -1,4 +1,4 @@
-//! Decoder-only transformers (Llama, Qwen2, Qwen3, Qwen3.5) in the Hugging Face format.
+//! Decoder-only transformers (Llama, Qwen2, Qwen3, Qwen3.5, Qwen3-MoE) in the Hugging Face format.
 
 pub mod attention_gate;
 pub mod delta_net;
@@ -7,6 +7,7 @@ pub mod kv_cache;
 pub mod linear;
 pub mod logprobs;
 pub mod model_config;
+pub mod moe;
 pub mod named_tensors;
 pub mod ops;
 pub mod rope;

@@ -1,5 +1,5 @@
-//! `config.json` of a Hugging Face decoder-only model, for the Llama, Qwen2, Qwen3 and Qwen3.5
-//! families.
+//! `config.json` of a Hugging Face decoder-only model, for the Llama, Qwen2, Qwen3, Qwen3.5 and
+//! Qwen3-MoE families.
 //!
 //! The families share one shape (pre-norm blocks of a token mixer and a SwiGLU MLP); they differ
 //! only in details captured here as flags:
@@ -12,6 +12,9 @@
 //!   DeltaNet's gated one scales by `1 + weight`. Released checkpoints (`qwen3_5`, a
 //!   vision-language model) keep these settings under `text_config` and the language model's
 //!   weights under `model.language_model.*`; the vision tower and an MTP head are left aside.
+//! - Qwen3-MoE (`qwen3_moe`): Qwen3's attention; the MLP of a sparse layer is a router and
+//!   `num_experts` SwiGLU experts, of which each token uses its top `num_experts_per_tok`
+//!   ([`MoeConfig`]).
 //!
 //! RoPE settings are read from `rope_parameters` (transformers ≥ 5: `rope_theta` and the scaling
 //! in one object) or from the older `rope_theta` + `rope_scaling`.
@@ -35,10 +38,12 @@ pub enum Arch {
     Qwen3,
     /// Qwen3.5's hybrid stack (`qwen3_5_text`).
     Qwen3_5,
+    /// Qwen3's attention with sparse mixture-of-experts MLPs (`qwen3_moe`).
+    Qwen3Moe,
 }
 
 /// The names `model_type` errors list.
-const SUPPORTED: &str = "llama, qwen2, qwen3, qwen3_5_text, qwen3_5";
+const SUPPORTED: &str = "llama, qwen2, qwen3, qwen3_5_text, qwen3_5, qwen3_moe";
 
 impl Arch {
     pub fn parse(name: &str) -> Option<Arch> {
@@ -49,6 +54,7 @@ impl Arch {
             "qwen3_5" | "qwen3_5_text" | "qwen3_5forcausallm" | "qwen3_5forconditionalgeneration" => {
                 Some(Arch::Qwen3_5)
             }
+            "qwen3_moe" | "qwen3moeforcausallm" => Some(Arch::Qwen3Moe),
             _ => None,
         }
     }
@@ -58,6 +64,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3_5 => "qwen3_5_text",
+            Arch::Qwen3Moe => "qwen3_moe",
         }
     }
     pub fn hf_class(self) -> &'static str {
@@ -66,6 +73,7 @@ impl Arch {
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Qwen3_5 => "Qwen3_5ForCausalLM",
+            Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 }
@@ -101,6 +109,25 @@ impl DeltaNetConfig {
     pub fn conv_dim(&self) -> usize {
         2 * self.key_dim() + self.value_dim()
     }
+}
+
+/// The sparse mixture-of-experts MLPs of a Qwen3-MoE config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// `num_experts` (transformers ≥ 5 writes `num_local_experts`).
+    pub num_experts: usize,
+    /// `num_experts_per_tok`: the k of the router's top-k.
+    pub experts_per_token: usize,
+    /// Each expert's hidden width (`moe_intermediate_size`).
+    pub intermediate_size: usize,
+    /// The k chosen probabilities are renormalised to sum to 1 (`norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Per layer: whether its MLP is sparse (`mlp_only_layers`, `decoder_sparse_step`).
+    pub sparse_layers: Vec<bool>,
+    /// The load-balancing loss's weight in transformers' loss (`router_aux_loss_coef`), which
+    /// adds it when `output_router_logits`; oxrl's trainers take it from their own option.
+    pub router_aux_loss_coef: f64,
+    pub output_router_logits: bool,
 }
 
 /// Rotary-embedding frequency scaling.
@@ -151,6 +178,8 @@ pub struct ModelConfig {
     pub layer_types: Vec<LayerType>,
     /// The DeltaNet layers' sizes (Qwen3.5).
     pub delta_net: Option<DeltaNetConfig>,
+    /// The experts and the router (Qwen3-MoE).
+    pub moe: Option<MoeConfig>,
     /// The rotated leading part of each head (`head_dim` but for a partial rotary factor).
     pub rotary_dim: usize,
     /// RMSNorm scales by `1 + weight` (Qwen3.5; its weights start at 0).
@@ -284,6 +313,10 @@ impl ModelConfig {
             }
             _ => head_dim,
         };
+        let moe = match arch {
+            Arch::Qwen3Moe => Some(parse_moe(&f, num_hidden_layers)?),
+            _ => None,
+        };
         if f.get("quantization_config").is_some() {
             return Err(f.err("quantization_config", "quantised checkpoints are not supported"));
         }
@@ -333,12 +366,13 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             mlp_bias: f.bool_or("mlp_bias", false)?,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3_5),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3_5 | Arch::Qwen3Moe),
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
             pad_token_id: f.token_ids("pad_token_id")?.first().copied(),
             layer_types,
             delta_net,
+            moe,
             rotary_dim,
             norm_unit_offset: arch == Arch::Qwen3_5,
             attn_output_gate: arch == Arch::Qwen3_5,
@@ -375,6 +409,11 @@ impl ModelConfig {
     /// Whether layer `i` is a Gated DeltaNet layer.
     pub fn is_linear_attention(&self, i: usize) -> bool {
         self.layer_types.get(i) == Some(&LayerType::LinearAttention)
+    }
+
+    /// Whether layer `i`'s MLP is a sparse mixture of experts (Qwen3-MoE).
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse_layers.get(i) == Some(&true))
     }
 
     /// A fresh config of the given shape, with the fields transformers needs to load it.
@@ -431,6 +470,20 @@ impl ModelConfig {
             o.insert("linear_value_head_dim".into(), shape.head_dim.into());
             o.insert("linear_conv_kernel_dim".into(), 4.into());
             o.insert("dtype".into(), "float32".into());
+        }
+        if arch == Arch::Qwen3Moe {
+            // 2 of 8 experts, each an eighth of the dense width (Qwen3-30B-A3B's expert width),
+            // renormalised (`oxrl init-model` takes them as options).
+            let o = v.as_object_mut().expect("an object");
+            o.insert("num_experts".into(), 8.into());
+            o.insert("num_experts_per_tok".into(), 2.into());
+            o.insert("moe_intermediate_size".into(), shape.intermediate_size.div_ceil(8).into());
+            o.insert("norm_topk_prob".into(), true.into());
+            o.insert("decoder_sparse_step".into(), 1.into());
+            o.insert("mlp_only_layers".into(), serde_json::json!([]));
+            o.insert("router_aux_loss_coef".into(), 0.001.into());
+            o.insert("output_router_logits".into(), false.into());
+            o.insert("use_sliding_window".into(), false.into());
         }
         v
     }
@@ -506,6 +559,52 @@ fn parse_layer_types(f: &JsonFields, arch: Arch, layers: usize) -> Result<Vec<La
     Ok(match arch {
         Arch::Qwen3_5 => types,
         _ => vec![LayerType::FullAttention; layers],
+    })
+}
+
+/// A Qwen3-MoE config's experts, with transformers' defaults for missing fields. Layer i is sparse
+/// unless listed in `mlp_only_layers`, when (i + 1) is a multiple of `decoder_sparse_step`.
+fn parse_moe(f: &JsonFields, layers: usize) -> Result<MoeConfig> {
+    let num_experts = match f.opt_usize("num_experts")? {
+        Some(n) => n,
+        None => f.opt_usize("num_local_experts")?.unwrap_or(128),
+    };
+    let k = f.opt_usize("num_experts_per_tok")?.unwrap_or(8);
+    if k == 0 || k > num_experts {
+        return Err(f.err("num_experts_per_tok", format!("{k} must be in 1..=num_experts ({num_experts})")));
+    }
+    let intermediate_size = f.opt_usize("moe_intermediate_size")?.unwrap_or(768);
+    if intermediate_size == 0 {
+        return Err(f.err("moe_intermediate_size", "must be positive"));
+    }
+    let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(f.err("decoder_sparse_step", "must be positive"));
+    }
+    let dense: Vec<usize> = match f.get("mlp_only_layers") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .map(|i| i as usize)
+                    .ok_or_else(|| f.err("mlp_only_layers", format!("expected layer indices, got {x}")))
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => return Err(f.err("mlp_only_layers", format!("expected a list, got {v}"))),
+    };
+    let coef = f.opt_f64("router_aux_loss_coef")?.unwrap_or(0.001);
+    if !coef.is_finite() {
+        return Err(f.err("router_aux_loss_coef", "must be finite"));
+    }
+    Ok(MoeConfig {
+        num_experts,
+        experts_per_token: k,
+        intermediate_size,
+        norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
+        sparse_layers: (0..layers).map(|i| !dense.contains(&i) && (i + 1) % step == 0).collect(),
+        router_aux_loss_coef: coef,
+        output_router_logits: f.bool_or("output_router_logits", false)?,
     })
 }
 

@@ -27,6 +27,7 @@ use super::delta_net::GatedDeltaNet;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::model_config::ModelConfig;
+use super::moe::SparseMoe;
 use super::named_tensors::NamedTensors;
 use super::ops;
 use super::rope::Rope;
@@ -65,12 +66,19 @@ pub struct Mlp {
     pub down_proj: Linear,
 }
 
+/// A block's MLP: dense, or a sparse mixture of experts (Qwen3-MoE).
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
 #[derive(Debug, Clone)]
 pub struct Block {
     pub input_layernorm: Tensor,
     pub mixer: Mixer,
     pub post_attention_layernorm: Tensor,
-    pub mlp: Mlp,
+    pub mlp: FeedForward,
 }
 
 #[derive(Debug, Clone)]
@@ -353,10 +361,31 @@ impl Transformer {
             };
             let mut lin =
                 |name: &str, out: usize, inp: usize, bias: bool| linear(source, &format!("{p}.{name}"), out, inp, bias);
-            let mlp = Mlp {
-                gate_proj: lin("mlp.gate_proj", im, hd, c.mlp_bias)?,
-                up_proj: lin("mlp.up_proj", im, hd, c.mlp_bias)?,
-                down_proj: lin("mlp.down_proj", hd, im, c.mlp_bias)?,
+            let mlp = match &c.moe {
+                Some(moe) if c.is_sparse(i) => {
+                    let mi = moe.intermediate_size;
+                    let experts = (0..moe.num_experts)
+                        .map(|e| {
+                            Ok(Mlp {
+                                gate_proj: lin(&format!("mlp.experts.{e}.gate_proj"), mi, hd, false)?,
+                                up_proj: lin(&format!("mlp.experts.{e}.up_proj"), mi, hd, false)?,
+                                down_proj: lin(&format!("mlp.experts.{e}.down_proj"), hd, mi, false)?,
+                            })
+                        })
+                        .collect::<Result<_>>()?;
+                    FeedForward::Sparse(SparseMoe {
+                        router: lin("mlp.gate", moe.num_experts, hd, false)?,
+                        experts,
+                        top_k: moe.experts_per_token,
+                        norm_topk_prob: moe.norm_topk_prob,
+                        log: None,
+                    })
+                }
+                _ => FeedForward::Dense(Mlp {
+                    gate_proj: lin("mlp.gate_proj", im, hd, c.mlp_bias)?,
+                    up_proj: lin("mlp.up_proj", im, hd, c.mlp_bias)?,
+                    down_proj: lin("mlp.down_proj", hd, im, c.mlp_bias)?,
+                }),
             };
             layers.push(Block {
                 input_layernorm: source(&format!("{p}.input_layernorm.weight"), &[hd])?,
@@ -411,6 +440,17 @@ impl Transformer {
                     f(&format!("{p}.linear_attn.A_log"), &mut dn.a_log)?;
                     f(&format!("{p}.linear_attn.dt_bias"), &mut dn.dt_bias)?;
                     f(&format!("{p}.linear_attn.norm.weight"), &mut dn.norm)?;
+                }
+            }
+            // The router and the experts are not LoRA targets (not among the projections).
+            if let FeedForward::Sparse(moe) = &mut l.mlp {
+                f(&format!("{p}.mlp.gate.weight"), &mut moe.router.weight)?;
+                for (e, x) in moe.experts.iter_mut().enumerate() {
+                    for (name, lin) in
+                        [("gate_proj", &mut x.gate_proj), ("up_proj", &mut x.up_proj), ("down_proj", &mut x.down_proj)]
+                    {
+                        f(&format!("{p}.mlp.experts.{e}.{name}.weight"), &mut lin.weight)?;
+                    }
                 }
             }
             f(&format!("{p}.post_attention_layernorm.weight"), &mut l.post_attention_layernorm)?;
@@ -598,7 +638,10 @@ impl Transformer {
             };
             h = (h + a)?;
             let x = model_norm(&h, &layer.post_attention_layernorm, cfg)?;
-            h = (h + layer.mlp.forward(&x, mlp_adapters)?)?;
+            h = match &layer.mlp {
+                FeedForward::Dense(mlp) => (h + mlp.forward(&x, mlp_adapters)?)?,
+                FeedForward::Sparse(moe) => (h + moe.forward(&x)?)?,
+            };
         }
         hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose()
     }
@@ -664,6 +707,12 @@ impl Transformer {
     /// An error unless this model can be trained: a DeltaNet layer's backward is the CPU tape's
     /// ([`super::tape`]; on another device candle's graph would not reach its parameters).
     pub fn check_trainable(&self) -> Result<()> {
+        if self.config.moe.is_some() && !super::tape::Tape::serves(self) {
+            return Err(Error::input(format!(
+                "Qwen3-MoE's sparse MLPs train on the CPU only (the hand-written tape), not on {}",
+                weights::device_name(&self.device)
+            )));
+        }
         if self.is_hybrid() && !super::tape::Tape::serves(self) {
             return Err(Error::input(format!(
                 "Qwen3.5's Gated DeltaNet layers train on the CPU only (the hand-written tape), not on {}",
@@ -699,17 +748,21 @@ impl Block {
     pub const LINEARS: usize = 7;
 
     /// Projections of this block: the mixer's ([`Block::LINEARS`] − 3 for attention,
-    /// [`GatedDeltaNet::LINEARS`] for a DeltaNet), then gate, up, down.
+    /// [`GatedDeltaNet::LINEARS`] for a DeltaNet), then gate, up, down of a dense MLP (a sparse
+    /// MLP's router and experts are not among them).
     pub fn num_linears(&self) -> usize {
-        match &self.mixer {
-            Mixer::Attention(_) => Block::LINEARS,
-            Mixer::DeltaNet(_) => GatedDeltaNet::LINEARS + 3,
+        let mlp = match &self.mlp {
+            FeedForward::Dense(_) => 3,
+            FeedForward::Sparse(_) => 0,
+        };
+        mlp + match &self.mixer {
+            Mixer::Attention(_) => Block::LINEARS - 3,
+            Mixer::DeltaNet(_) => GatedDeltaNet::LINEARS,
         }
     }
 
     /// The projections of one block by their name inside it, in index order.
     pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
-        let m = &mut self.mlp;
         let mut out: Vec<(&'static str, &mut Linear)> = match &mut self.mixer {
             Mixer::Attention(a) => vec![
                 ("self_attn.q_proj", &mut a.q_proj),
@@ -719,11 +772,13 @@ impl Block {
             ],
             Mixer::DeltaNet(dn) => dn.linears_mut().into_iter().collect(),
         };
-        out.extend([
-            ("mlp.gate_proj", &mut m.gate_proj),
-            ("mlp.up_proj", &mut m.up_proj),
-            ("mlp.down_proj", &mut m.down_proj),
-        ]);
+        if let FeedForward::Dense(m) = &mut self.mlp {
+            out.extend([
+                ("mlp.gate_proj", &mut m.gate_proj),
+                ("mlp.up_proj", &mut m.up_proj),
+                ("mlp.down_proj", &mut m.down_proj),
+            ]);
+        }
         out
     }
 

@@ -38,6 +38,7 @@ mod model_features;
 mod model_golden;
 mod model_named_tensors;
 mod model_qwen3_5;
+mod model_qwen3_moe;
 mod model_tape;
 mod one_logprob;
 #[cfg(feature = "mpi")]
@@ -48,6 +49,7 @@ mod png_pixels;
 mod prompt_budgets;
 mod python_rewards;
 mod qwen3_5_runs;
+mod qwen3_moe_runs;
 mod remote_engine;
 mod rl_async;
 mod rl_async_staleness;

@@ -34,6 +34,7 @@ mod delta_net;
 mod head;
 mod linear;
 mod matmul;
+mod moe;
 mod rotary;
 
 use candle_core::backprop::GradStore;
@@ -42,7 +43,7 @@ use candle_core::{DType, Device, Storage, Tensor, Var, WithDType};
 use super::attention_gate;
 use super::sharded_weights::{self, Unit};
 use super::ops::{rms_norm, swiglu, Real};
-use super::transformer::{attention_bias, Attention, Block, Mixer, Transformer};
+use super::transformer::{attention_bias, Attention, Block, FeedForward, Mixer, Transformer};
 use crate::{Error, Result};
 use attention::Dims;
 
@@ -112,6 +113,8 @@ struct BlockRecord<T> {
     gate: Vec<T>,
     up: Vec<T>,
     act: Vec<T>,
+    /// A sparse MLP's record (gate, up and act are then empty).
+    moe: Option<moe::TapeRecord<T>>,
 }
 
 /// What a token mixer's backward reads.
@@ -164,6 +167,8 @@ struct Record<T> {
     /// The body's output, the final hidden states [B·T, hidden].
     out: Vec<T>,
     head: Option<head::HeadRecord<T>>,
+    /// The sparse layers' routing statistics (a model with experts).
+    router: Option<moe::RouterStats>,
 }
 
 enum Recorded {
@@ -313,6 +318,27 @@ impl Tape {
 }
 
 impl Tape {
+    /// The forward's load-balancing loss over its real tokens (a model with experts): see
+    /// `moe::RouterStats`.
+    pub fn router_aux_loss(&self) -> Option<f64> {
+        match &self.record {
+            Recorded::F32(r) => r.router.as_ref().map(moe::RouterStats::loss),
+            Recorded::F64(r) => r.router.as_ref().map(moe::RouterStats::loss),
+        }
+    }
+
+    /// Makes the backward add `scale` × the load-balancing loss's gradient (no effect without
+    /// experts).
+    pub fn set_router_aux_scale(&mut self, scale: f64) {
+        let stats = match &mut self.record {
+            Recorded::F32(r) => r.router.as_mut(),
+            Recorded::F64(r) => r.router.as_mut(),
+        };
+        if let Some(s) = stats {
+            s.scale = scale;
+        }
+    }
+
     fn model(&self) -> &Transformer {
         match &self.record {
             Recorded::F32(r) => &r.model,
@@ -396,9 +422,14 @@ fn run<T: Real>(
     }
     model.release_unit(Unit::Embed)?;
     let mut blocks = Vec::with_capacity(model.layers.len());
+    let mut router = c.moe.as_ref().map(|m| moe::RouterStats::new(m.num_experts));
+    let real = mask.concat();
     for (i, layer) in model.layers.iter().enumerate() {
         model.gather_unit(Unit::Layer(i))?;
         let (h_out, rec) = block_forward(model, layer, h, &shared)?;
+        if let (Some(stats), Some(mr)) = (router.as_mut(), rec.moe.as_ref()) {
+            stats.add(&mr.routing, &real);
+        }
         model.release_unit(Unit::Layer(i))?;
         h = h_out;
         match keep {
@@ -413,7 +444,7 @@ fn run<T: Real>(
     // Held until the head has run ([`Tape::logprobs`] or [`Tape::hidden`] releases it).
     model.gather_unit(Unit::Head)?;
     let out = model_norm(model, &h, &model.norm)?;
-    Ok(Record { model: model.clone(), tokens, shared, blocks, h_last: h, out, head: None })
+    Ok(Record { model: model.clone(), tokens, shared, blocks, h_last: h, out, head: None, router })
 }
 
 /// One block's forward from its input `h`: its output, and every activation its backward reads
@@ -426,7 +457,6 @@ fn block_forward<T: Real>(
     shared: &Shared<T>,
 ) -> Result<(Vec<T>, BlockRecord<T>)> {
     let n = shared.dims.b * shared.dims.t;
-    let m = &layer.mlp;
     let x_attn = model_norm(model, &h, &layer.input_layernorm)?;
     let (o, mut u, mixer) = match &layer.mixer {
         Mixer::Attention(a) => attention_forward(model, a, &x_attn, shared)?,
@@ -438,6 +468,16 @@ fn block_forward<T: Real>(
     let h_mid = sum(&h, &o);
     drop(o);
     let x_mlp = model_norm(model, &h_mid, &layer.post_attention_layernorm)?;
+    let m = match &layer.mlp {
+        FeedForward::Dense(m) => m,
+        FeedForward::Sparse(sparse) => {
+            let (down, rec) = moe::forward(sparse, &x_mlp, n, model.config.hidden_size)?;
+            let h_out = sum(&h_mid, &down);
+            let (gate, up, act) = (vec![], vec![], vec![]);
+            let rec = BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act, moe: Some(rec) };
+            return Ok((h_out, rec));
+        }
+    };
     let (gate, up) =
         rayon::join(|| linear::forward(&m.gate_proj, &x_mlp, n), || linear::forward(&m.up_proj, &x_mlp, n));
     let ((gate, ug), (up, uu)) = (gate?, up?);
@@ -445,7 +485,7 @@ fn block_forward<T: Real>(
     let (down, ud) = linear::forward(&m.down_proj, &act, n)?;
     let h_out = sum(&h_mid, &down);
     u.extend([ug, uu, ud]);
-    let rec = BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act };
+    let rec = BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act, moe: None };
     Ok((h_out, rec))
 }
 
@@ -602,6 +642,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         return Err(Error::input("tape: backward of a forward that did not record"));
     }
     let mut grads = Grads { list: vec![] };
+    let aux = r.router.as_ref().and_then(|s| s.dprobs::<T>(&r.shared.mask.concat()));
     model.gather_unit(Unit::Head)?;
     let d_hidden = match head_record {
         Some(rec) if through_head => head::backward(&model.lm_head, rec, g, g_entropy, n, hd, &mut grads)?,
@@ -617,20 +658,27 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
             Kept::All(rec) => *rec,
             Kept::Input(h_in) => block_forward(model, layer, h_in, &r.shared)?.1,
         };
-        let m = &layer.mlp;
-        let mlp_u = rec.u.len() - 3;
-        let u = |k: usize| rec.u[k].as_deref();
-        // h_out = h_mid + down(swiglu(gate(x), up(x))), x = rms_norm(h_mid)
-        let mut d_act = None;
-        linear::backward(&m.down_proj, &rec.act, u(mlp_u + 2), &dh, n, &mut d_act, &mut grads)?;
-        let d_act = d_act.expect("set by the backward");
-        let (mut d_gate, mut d_up) = (vec![T::of(0.0); n * im], vec![T::of(0.0); n * im]);
-        swiglu::backward(&rec.gate, &rec.up, &d_act, &mut d_gate, &mut d_up);
-        drop(d_act);
-        let mut dx = None;
-        linear::backward(&m.gate_proj, &rec.x_mlp, u(mlp_u), &d_gate, n, &mut dx, &mut grads)?;
-        linear::backward(&m.up_proj, &rec.x_mlp, u(mlp_u + 1), &d_up, n, &mut dx, &mut grads)?;
-        let dx = dx.expect("set by the backward");
+        let dx = match (&layer.mlp, &rec.moe) {
+            (FeedForward::Sparse(sparse), Some(mr)) => {
+                moe::backward(sparse, mr, &rec.x_mlp, &dh, n, hd, aux.as_deref(), &mut grads)?
+            }
+            (FeedForward::Dense(m), None) => {
+                let mlp_u = rec.u.len() - 3;
+                let u = |k: usize| rec.u[k].as_deref();
+                // h_out = h_mid + down(swiglu(gate(x), up(x))), x = rms_norm(h_mid)
+                let mut d_act = None;
+                linear::backward(&m.down_proj, &rec.act, u(mlp_u + 2), &dh, n, &mut d_act, &mut grads)?;
+                let d_act = d_act.expect("set by the backward");
+                let (mut d_gate, mut d_up) = (vec![T::of(0.0); n * im], vec![T::of(0.0); n * im]);
+                swiglu::backward(&rec.gate, &rec.up, &d_act, &mut d_gate, &mut d_up);
+                drop(d_act);
+                let mut dx = None;
+                linear::backward(&m.gate_proj, &rec.x_mlp, u(mlp_u), &d_gate, n, &mut dx, &mut grads)?;
+                linear::backward(&m.up_proj, &rec.x_mlp, u(mlp_u + 1), &d_up, n, &mut dx, &mut grads)?;
+                dx.expect("set by the backward")
+            }
+            _ => return Err(Error::Other("tape: a block's record does not match its MLP".into())),
+        };
         rms_norm_backward(model, &rec.h_mid, &dx, &layer.post_attention_layernorm, &mut dh, &mut grads)?;
         // h_mid = h_in + mixer(rms_norm(h_in))
         let dx = match (&layer.mixer, &rec.mixer) {
