@@ -225,6 +225,7 @@ impl Worker {
     /// layout, or with `merge_lora` the adapters folded into the base weights in the HF layout.
     /// A critic's value head goes to `value_head.safetensors` beside them. Atomic, like saving.
     pub fn export(&self, dir: &Path, merge_lora: bool) -> Result<()> {
+        self.check_weights_whole("export")?;
         write_dir_atomically(dir, |tmp| {
             let mut model = self.model.clone();
             match &self.config.lora {

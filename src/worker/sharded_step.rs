@@ -117,6 +117,19 @@ impl Worker {
         out
     }
 
+    /// An error naming `what` while this rank holds only its slice of the weights (`full`):
+    /// reading them needs every rank ([`Worker::with_whole_weights`]).
+    pub(super) fn check_weights_whole(&self, what: &str) -> Result<()> {
+        let sliced = self.params.iter().find(|(_, v)| crate::model::sharded_weights::is_released(v.as_tensor()));
+        match sliced {
+            Some((name, _)) => Err(Error::input(format!(
+                "{what}: this rank holds only its slice of the weights (sharding = \"full\"; `{name}` is another \
+                 rank's); every rank of the group must take part in gathering them"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The sizes [`ShardPlan::new`] splits: each trainable parameter's element count.
     pub fn param_sizes(&self) -> Vec<usize> {
         self.params.iter().map(|(_, v)| v.elem_count()).collect()

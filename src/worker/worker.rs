@@ -178,6 +178,7 @@ impl Worker {
     /// policy, every base parameter otherwise — versioned by the optimizer steps applied.
     pub fn sampler_weights(&self) -> Result<SamplerWeights> {
         self.check_resident()?;
+        self.check_weights_whole("sampler weights")?;
         SamplerWeights::snapshot(&self.model, self.config.lora.as_ref(), self.step)
     }
 

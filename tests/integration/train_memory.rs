@@ -166,7 +166,8 @@ fn sft_sharded_ends_bit_identical() {
 
 /// `full` with ranks whose chunks pack into different micro-batch counts (short rows on rank 0,
 /// long ones on rank 1, under a token budget): rank 0 takes part in rank 1's extra gathers
-/// without computing, and the weights after two steps are the bits of `none`.
+/// without computing, and the weights after two steps are the bits of `none`, exported or as
+/// an engine receives them; one rank alone cannot read them.
 #[test]
 fn full_sharding_keeps_ranks_in_lockstep_over_uneven_micro_batches() {
     use oxrl::dispatch::{MeshShape, WorkerSpec};
@@ -182,7 +183,7 @@ fn full_sharding_keeps_ranks_in_lockstep_over_uneven_micro_batches() {
         [[8, 9], [40, 38]].iter().map(|l| plan_micro_batches(l, Some(2), budget).unwrap().len()).collect();
     assert_eq!(counts, vec![1, 2], "the chunks must pack unevenly for this test to mean anything");
     let loss = common::loss("cross_entropy", &serde_json::json!({}));
-    let weights = |mode: &str| -> Vec<u8> {
+    let weights = |mode: &str| -> (Vec<u8>, Vec<u8>) {
         let sharding = oxrl::worker::Sharding::from_name(mode).unwrap();
         let worker = WorkerConfig {
             micro_batch_size: Some(2),
@@ -197,11 +198,22 @@ fn full_sharding_keeps_ranks_in_lockstep_over_uneven_micro_batches() {
             d.forward_backward(POLICY, &batch, Some(&loss), false).unwrap();
             d.optim_step(POLICY, &AdamParams { learning_rate: 1e-2, ..Default::default() }).unwrap();
         }
+        if mode == "full" {
+            // A rank alone cannot read the weights: they are gathered by the group.
+            let alone = d.model(POLICY).unwrap().inspect(|w| w.sampler_weights().map(drop)).unwrap();
+            for e in alone {
+                let e = e.unwrap_err().to_string();
+                assert!(e.contains("holds only its slice of the weights"), "{e}");
+            }
+        }
         let dir = tempfile::tempdir().unwrap();
         d.export(POLICY, dir.path(), false).unwrap();
-        std::fs::read(dir.path().join("model.safetensors")).unwrap()
+        let sampled = d.sampler_weights(POLICY).unwrap().to_safetensors().unwrap();
+        (std::fs::read(dir.path().join("model.safetensors")).unwrap(), sampled)
     };
-    assert!(weights("none") == weights("full"), "full differs from none over uneven micro-batches");
+    let (none, full) = (weights("none"), weights("full"));
+    assert!(none.0 == full.0, "full's export differs from none over uneven micro-batches");
+    assert!(none.1 == full.1, "full's engine weights (gathered unit by unit) differ from none's");
 }
 
 /// Each rank keeps the moments and masters of about 1/N of the parameters (N = 2, 3), and all
