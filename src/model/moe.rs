@@ -90,7 +90,7 @@ pub fn route<T: Real>(logits: &[T], num_experts: usize, top_k: usize, norm: bool
             total += *p;
         }
         for p in p.iter_mut() {
-            *p = *p / total;
+            *p /= total;
         }
         // Selection by repeated arg-max: strict comparison keeps the lowest index among equals.
         let first = experts.len();
