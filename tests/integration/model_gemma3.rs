@@ -224,7 +224,7 @@ fn gemma3_sliding_layers_cache_only_the_window() {
     let prefix: Vec<u32> = (0..5).map(|i| 3 + i * 11).collect();
     let mut cache = m.new_cache();
     let pos = |a: usize, n: usize| vec![(a as u32..(a + n) as u32).collect::<Vec<_>>()];
-    m.forward(&[prefix.clone()], &pos(0, 5), &[vec![1; 5]], Some(&mut cache)).unwrap();
+    m.forward(std::slice::from_ref(&prefix), &pos(0, 5), &[vec![1; 5]], Some(&mut cache)).unwrap();
     let mut tokens = prefix;
     let mut last = None;
     for step in 0..100 {
