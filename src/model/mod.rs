@@ -2,6 +2,7 @@
 
 pub mod attention_gate;
 pub mod delta_net;
+pub mod gemma3;
 pub mod hub;
 pub mod kv_cache;
 pub mod linear;
@@ -15,6 +16,7 @@ pub mod row_adapters;
 pub mod sampler_weights;
 pub mod sequence_logprobs;
 pub mod sharded_weights;
+pub mod sliding_window;
 pub mod tape;
 pub mod token_ids;
 pub mod transformer;

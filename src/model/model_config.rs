@@ -15,12 +15,15 @@
 //! - Qwen3-MoE (`qwen3_moe`): Qwen3's attention; the MLP of a sparse layer is a router and
 //!   `num_experts` SwiGLU experts, of which each token uses its top `num_experts_per_tok`
 //!   ([`MoeConfig`]).
+//! - Gemma 3 (`gemma3_text`): sliding-window and global layers (`layer_types`), sandwich norms,
+//!   GELU-tanh MLP, scaled embeddings, q/k norms, `1 + weight` RMSNorms; its own fields are read
+//!   by [`super::gemma3`].
 //!
 //! RoPE settings are read from `rope_parameters` (transformers ≥ 5: `rope_theta` and the scaling
 //! in one object) or from the older `rope_theta` + `rope_scaling`.
 //!
 //! Fields we do not model (dropout, initializer range, ...) are ignored; fields whose value would
-//! change the computation and that we do not support (another activation, sliding windows,
+//! change the computation and that we do not support (another activation, Qwen2's sliding windows,
 //! quantisation, an unknown rope scaling) are errors that name the field.
 
 use std::path::{Path, PathBuf};
@@ -40,10 +43,12 @@ pub enum Arch {
     Qwen3_5,
     /// Qwen3's attention with sparse mixture-of-experts MLPs (`qwen3_moe`).
     Qwen3Moe,
+    /// Gemma 3 text (`gemma3_text`): sliding-window and global layers, [`super::gemma3`].
+    Gemma3,
 }
 
 /// The names `model_type` errors list.
-const SUPPORTED: &str = "llama, qwen2, qwen3, qwen3_5_text, qwen3_5, qwen3_moe";
+const SUPPORTED: &str = "llama, qwen2, qwen3, qwen3_5_text, qwen3_5, qwen3_moe, gemma3_text";
 
 impl Arch {
     pub fn parse(name: &str) -> Option<Arch> {
@@ -55,6 +60,7 @@ impl Arch {
                 Some(Arch::Qwen3_5)
             }
             "qwen3_moe" | "qwen3moeforcausallm" => Some(Arch::Qwen3Moe),
+            "gemma3" | "gemma3_text" | "gemma3forcausallm" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -65,6 +71,7 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3_5 => "qwen3_5_text",
             Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Gemma3 => "gemma3_text",
         }
     }
     pub fn hf_class(self) -> &'static str {
@@ -74,6 +81,7 @@ impl Arch {
             Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Qwen3_5 => "Qwen3_5ForCausalLM",
             Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 }
@@ -85,6 +93,8 @@ pub enum LayerType {
     FullAttention,
     /// A Gated DeltaNet: a recurrent state and a short causal convolution.
     LinearAttention,
+    /// Softmax attention over the last `sliding_window` tokens (Gemma 3).
+    SlidingAttention,
 }
 
 /// The Gated DeltaNet layers' sizes (`linear_*` fields of a Qwen3.5 config).
@@ -189,6 +199,8 @@ pub struct ModelConfig {
     /// The language model's weights are under `model.language_model.*` (a `qwen3_5`
     /// vision-language checkpoint).
     pub language_model_prefix: bool,
+    /// Gemma 3's sliding windows, sandwich norms, GELU-tanh MLP and scales.
+    pub gemma3: Option<super::gemma3::Gemma3Settings>,
     /// The file as read, so that saving writes back every field transformers expects (for a
     /// vision-language checkpoint, its text model's config: oxrl exports the language model).
     pub raw: Value,
@@ -223,6 +235,12 @@ impl ModelConfig {
                     == Some("Qwen3_5ForConditionalGeneration"));
         if vision_language {
             return Self::from_vision_language(&raw, path);
+        }
+        if top.get("model_type").and_then(Value::as_str) == Some("gemma3")
+            || top.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str)
+                == Some("Gemma3ForConditionalGeneration")
+        {
+            return Err(super::gemma3::vision_language_refusal(&top));
         }
         let f = top;
 
@@ -261,16 +279,21 @@ impl ModelConfig {
             return Err(f.err("head_dim", format!("{head_dim} must be even and positive (RoPE rotates pairs)")));
         }
 
+        let activation = if arch == Arch::Gemma3 { "gelu_pytorch_tanh" } else { "silu" };
         if let Some(act) = f.get("hidden_act").or_else(|| f.get("hidden_activation")) {
-            if act.as_str() != Some("silu") {
-                return Err(f.err("hidden_act", format!("unsupported activation {act} (only \"silu\")")));
+            if act.as_str() != Some(activation) {
+                return Err(f.err("hidden_act", format!("unsupported activation {act} (only \"{activation}\")")));
             }
         }
         if f.bool_or("use_sliding_window", false)? {
             return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
         }
         let num_hidden_layers = positive(&f, "num_hidden_layers")?;
-        let layer_types = parse_layer_types(&f, arch, num_hidden_layers)?;
+        let gemma3 = (arch == Arch::Gemma3).then(|| super::gemma3::parse(&f, num_hidden_layers)).transpose()?;
+        let layer_types = match &gemma3 {
+            Some(g) => g.layer_types.clone(),
+            None => parse_layer_types(&f, arch, num_hidden_layers)?,
+        };
         let delta_net = match layer_types.contains(&LayerType::LinearAttention) {
             true => Some(DeltaNetConfig {
                 num_key_heads: positive(&f, "linear_num_key_heads")?,
@@ -324,7 +347,10 @@ impl ModelConfig {
             return Err(f.err("pretraining_tp", "only 1 is supported"));
         }
 
-        let rope_scaling = parse_rope_scaling(&f)?;
+        let rope_scaling = match &gemma3 {
+            Some(g) => g.global_rope_scaling.clone(),
+            None => parse_rope_scaling(&f)?,
+        };
         let attention_bias = f.opt_bool("attention_bias")?;
         let (qkv_bias, o_bias) = match arch {
             Arch::Qwen2 => (true, false),
@@ -339,6 +365,7 @@ impl ModelConfig {
         }
         // transformers ≥ 5 writes `rope_parameters` (theta inside); older files `rope_theta`.
         let rope_theta = match f.get("rope_parameters").and_then(|p| p.get("rope_theta")) {
+            _ if gemma3.is_some() => gemma3.as_ref().map_or(0.0, |g| g.global_rope_theta),
             Some(v) => v
                 .as_f64()
                 .filter(|x| x.is_finite())
@@ -362,11 +389,11 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
-            tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            tie_word_embeddings: f.bool_or("tie_word_embeddings", arch == Arch::Gemma3)?,
             qkv_bias,
             o_bias,
             mlp_bias: f.bool_or("mlp_bias", false)?,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3_5 | Arch::Qwen3Moe),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3_5 | Arch::Qwen3Moe | Arch::Gemma3),
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
             pad_token_id: f.token_ids("pad_token_id")?.first().copied(),
@@ -374,9 +401,10 @@ impl ModelConfig {
             delta_net,
             moe,
             rotary_dim,
-            norm_unit_offset: arch == Arch::Qwen3_5,
+            norm_unit_offset: matches!(arch, Arch::Qwen3_5 | Arch::Gemma3),
             attn_output_gate: arch == Arch::Qwen3_5,
             language_model_prefix: false,
+            gemma3,
             raw: raw.clone(),
         })
     }
@@ -470,6 +498,10 @@ impl ModelConfig {
             o.insert("linear_value_head_dim".into(), shape.head_dim.into());
             o.insert("linear_conv_kernel_dim".into(), 4.into());
             o.insert("dtype".into(), "float32".into());
+        }
+        if arch == Arch::Gemma3 {
+            // Gemma 3 1B's window and pattern (`oxrl init-model` takes them as options).
+            super::gemma3::fresh_config(&mut v, shape.num_layers, 512, 6, 10_000.0);
         }
         if arch == Arch::Qwen3Moe {
             // 2 of 8 experts, each an eighth of the dense width (Qwen3-30B-A3B's expert width),
@@ -612,6 +644,11 @@ fn parse_moe(f: &JsonFields, layers: usize) -> Result<MoeConfig> {
 fn parse_rope_scaling(f: &JsonFields) -> Result<RopeScaling> {
     let field = if f.get("rope_parameters").is_some() { "rope_parameters" } else { "rope_scaling" };
     let Some(v) = f.get(field) else { return Ok(RopeScaling::None) };
+    parse_rope_object(f, field, v)
+}
+
+/// The scaling of one RoPE settings object `v` (the file's `field`).
+pub(crate) fn parse_rope_object(f: &JsonFields, field: &str, v: &Value) -> Result<RopeScaling> {
     let m = v.as_object().ok_or_else(|| f.err(field, format!("expected an object or null, got {v}")))?;
     let kind = m.get("rope_type").or_else(|| m.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
     let num = |key: &str| -> Result<f64> {

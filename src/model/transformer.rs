@@ -10,6 +10,10 @@
 //! state per row, carried in the cache instead of keys and values) or with gated attention
 //! (`attn ⊙ σ(gate)` before o_proj, the gate from a doubled q_proj; RoPE on the first
 //! `rotary_dim` of each head); its RMSNorms scale by `1 + weight`.
+//! Gemma 3's blocks ([`super::gemma3`]) norm the mixer's and the MLP's outputs too (before the
+//! residual adds), gate the MLP with GELU-tanh, scale the embeddings by √hidden and attend, on
+//! their sliding layers, over a window with their own RoPE base; a cache keeps only the window
+//! for those layers ([`super::sliding_window`]).
 //! Attention is causal and masks padded keys (left or right padding), with per-row position ids.
 //! Grouped-query attention is computed without copying keys/values: the query heads that share a
 //! key/value head are folded into the row dimension of one matmul. Softmax and RMSNorm run in
@@ -37,7 +41,7 @@ use crate::files::write_json;
 use crate::{Error, Result};
 
 /// A large negative bias for masked attention scores; finite so that no NaN can appear.
-const MASKED: f32 = -1e30;
+pub(crate) const MASKED: f32 = -1e30;
 
 #[derive(Debug, Clone)]
 pub struct Attention {
@@ -50,6 +54,8 @@ pub struct Attention {
     pub k_norm: Option<Tensor>,
     /// q_proj gives [q | gate] per head, and the output is gated (Qwen3.5).
     pub output_gate: bool,
+    /// Attends over a sliding window (Gemma 3's local layers: their own RoPE base and mask).
+    pub sliding: bool,
 }
 
 /// A block's token mixer.
@@ -79,6 +85,8 @@ pub struct Block {
     pub mixer: Mixer,
     pub post_attention_layernorm: Tensor,
     pub mlp: FeedForward,
+    /// Gemma 3's norms of the mixer's and the MLP's outputs.
+    pub post_norms: Option<super::gemma3::PostNorms>,
 }
 
 #[derive(Debug, Clone)]
@@ -90,6 +98,8 @@ pub struct Transformer {
     /// Its weight is `embed_tokens` when the embeddings are tied.
     pub lm_head: Linear,
     pub rope: Rope,
+    /// The sliding layers' RoPE (Gemma 3's local base).
+    pub rope_local: Option<Rope>,
     pub dtype: DType,
     pub device: Device,
     /// Set when the weights are sharded across data-parallel ranks: the training forward and
@@ -220,7 +230,7 @@ impl Attention {
             Some((c, layer)) => c.append(layer, &k, &v)?,
             None => (k, v),
         };
-        let scale = 1.0 / (cfg.head_dim as f64).sqrt();
+        let scale = cfg.attention_scale();
         // [B, T, h·d]. A cached forward (decode steps and prefills of any length) takes the
         // fused op, which reads the cache's views in place and sums in the order the trainer's
         // forward does; everything else (uncached forwards off the tape, CUDA) the
@@ -241,12 +251,18 @@ impl Attention {
 }
 
 impl Mlp {
-    /// `adapters` with the index of gate_proj (up and down follow).
-    fn forward(&self, x: &Tensor, adapters: Option<(&RowAdapters, usize)>) -> Result<Tensor> {
+    /// `adapters` with the index of gate_proj (up and down follow); the gate's activation is
+    /// GELU-tanh (Gemma) when `gelu`, else SiLU.
+    fn forward(&self, x: &Tensor, adapters: Option<(&RowAdapters, usize)>, gelu: bool) -> Result<Tensor> {
         let (ad, first) = (adapters.map(|a| a.0), adapters.map_or(0, |a| a.1));
         let proj = |lin: &Linear, k: usize, x: &Tensor| RowAdapters::forward(ad, lin, x, first + k);
         let gate = proj(&self.gate_proj, 0, x)?;
-        proj(&self.down_proj, 2, &ops::swiglu::swiglu(&gate, &proj(&self.up_proj, 1, x)?)?)
+        let up = proj(&self.up_proj, 1, x)?;
+        let act = match gelu {
+            true => ops::gelu_tanh::gelu_tanh_mul(&gate, &up)?,
+            false => ops::swiglu::swiglu(&gate, &up)?,
+        };
+        proj(&self.down_proj, 2, &act)
     }
 }
 
@@ -351,6 +367,7 @@ impl Transformer {
                         q_norm: None,
                         k_norm: None,
                         output_gate: c.attn_output_gate,
+                        sliding: c.is_sliding(i),
                     };
                     if c.qk_norm {
                         self_attn.q_norm = Some(source(&format!("{p}.self_attn.q_norm.weight"), &[d])?);
@@ -387,12 +404,17 @@ impl Transformer {
                     down_proj: lin("mlp.down_proj", hd, im, c.mlp_bias)?,
                 }),
             };
-            layers.push(Block {
-                input_layernorm: source(&format!("{p}.input_layernorm.weight"), &[hd])?,
-                mixer,
-                post_attention_layernorm: source(&format!("{p}.post_attention_layernorm.weight"), &[hd])?,
-                mlp,
-            });
+            let pre_mlp = super::gemma3::pre_mlp_norm_name(c);
+            let input_layernorm = source(&format!("{p}.input_layernorm.weight"), &[hd])?;
+            let post_attention_layernorm = source(&format!("{p}.{pre_mlp}.weight"), &[hd])?;
+            let post_norms = match c.gemma3 {
+                Some(_) => Some(super::gemma3::PostNorms {
+                    attn: source(&format!("{p}.post_attention_layernorm.weight"), &[hd])?,
+                    mlp: source(&format!("{p}.post_feedforward_layernorm.weight"), &[hd])?,
+                }),
+                None => None,
+            };
+            layers.push(Block { input_layernorm, mixer, post_attention_layernorm, mlp, post_norms });
         }
         let norm = source("model.norm.weight", &[hd])?;
         let lm_head = if c.tie_word_embeddings {
@@ -401,6 +423,7 @@ impl Transformer {
             Linear::new(source("lm_head.weight", &[c.vocab_size, hd])?, None)
         };
         let rope = Rope::new(c, device)?;
+        let rope_local = super::gemma3::local_rope(c, device)?;
         Ok(Transformer {
             config,
             embed_tokens,
@@ -408,6 +431,7 @@ impl Transformer {
             norm,
             lm_head,
             rope,
+            rope_local,
             dtype,
             device: device.clone(),
             weight_gate: None,
@@ -453,7 +477,12 @@ impl Transformer {
                     }
                 }
             }
-            f(&format!("{p}.post_attention_layernorm.weight"), &mut l.post_attention_layernorm)?;
+            let pre_mlp = super::gemma3::pre_mlp_norm_name(&self.config);
+            f(&format!("{p}.{pre_mlp}.weight"), &mut l.post_attention_layernorm)?;
+            if let Some(n) = l.post_norms.as_mut() {
+                f(&format!("{p}.post_attention_layernorm.weight"), &mut n.attn)?;
+                f(&format!("{p}.post_feedforward_layernorm.weight"), &mut n.mlp)?;
+            }
         }
         f("model.norm.weight", &mut self.norm)?;
         if self.config.tie_word_embeddings {
@@ -600,6 +629,7 @@ impl Transformer {
             _ => mask.to_vec(),
         };
         let bias = attention_bias(&full_mask, past, t, dev)?;
+        let local = super::gemma3::LocalLayers::new(self, positions, &full_mask, past, t)?;
         if let Some(c) = cache.as_deref_mut() {
             c.extend_mask(mask);
         }
@@ -609,6 +639,9 @@ impl Transformer {
             h = h.to_dtype(self.compute_dtype())?;
         }
         let cfg = &self.config;
+        if cfg.gemma3.is_some() {
+            h = (h * super::gemma3::embed_scale(cfg.hidden_size, self.dtype)?)?;
+        }
         let last = self.layers.len().saturating_sub(1);
         let mut first = 0;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -618,13 +651,24 @@ impl Transformer {
             first += layer.num_linears();
             let a = match &layer.mixer {
                 Mixer::Attention(attn) => {
+                    // A sliding layer: its tables, its bias over the columns its cache holds,
+                    // and its cache cut to what later queries see.
+                    let local = local.as_ref().filter(|_| attn.sliding);
+                    let cos_sin = local.map_or(&cos_sin, |l| &l.cos_sin);
+                    let bias = match local {
+                        Some(l) => l.bias(cache.as_ref().and_then(|c| c.layer(i)).map_or(Ok(0), |kv| kv.0.dim(2))?)?,
+                        None => bias.clone(),
+                    };
+                    let trim = |c: &mut KvCache| local.map_or(Ok(()), |l| c.keep_last(i, l.keep));
                     if let (false, true, Some(c)) = (hidden, i == last, cache.as_deref_mut()) {
-                        let (_, k, v) = attn.project(&x, cfg, &cos_sin, adapters, false)?;
+                        let (_, k, v) = attn.project(&x, cfg, cos_sin, adapters, false)?;
                         c.append(i, &k, &v)?;
+                        trim(c)?;
                         return Ok(None);
                     }
-                    let cache = cache.as_deref_mut().map(|c| (c, i));
-                    attn.forward(&x, cfg, &cos_sin, &bias, cache, adapters)?
+                    let a = attn.forward(&x, cfg, cos_sin, &bias, cache.as_deref_mut().map(|c| (c, i)), adapters)?;
+                    cache.as_deref_mut().map_or(Ok(()), trim)?;
+                    a
                 }
                 Mixer::DeltaNet(dn) => {
                     let dnc = cfg.delta_net.as_ref().expect("a DeltaNet layer has its config");
@@ -636,12 +680,21 @@ impl Transformer {
                     a
                 }
             };
+            let a = match &layer.post_norms {
+                Some(n) => model_norm(&a, &n.attn, cfg)?,
+                None => a,
+            };
             h = (h + a)?;
             let x = model_norm(&h, &layer.post_attention_layernorm, cfg)?;
-            h = match &layer.mlp {
-                FeedForward::Dense(mlp) => (h + mlp.forward(&x, mlp_adapters)?)?,
-                FeedForward::Sparse(moe) => (h + moe.forward(&x)?)?,
+            let m = match &layer.mlp {
+                FeedForward::Dense(mlp) => mlp.forward(&x, mlp_adapters, cfg.gemma3.is_some())?,
+                FeedForward::Sparse(moe) => moe.forward(&x)?,
             };
+            let m = match &layer.post_norms {
+                Some(n) => model_norm(&m, &n.mlp, cfg)?,
+                None => m,
+            };
+            h = (h + m)?;
         }
         hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose()
     }

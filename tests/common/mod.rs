@@ -10,7 +10,8 @@ pub const ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
 /// The dense families' fixtures (`ARCHS`), and the 2026 families' (`qwen3_5`).
 pub fn fixture_dir(arch: &str) -> PathBuf {
-    let set = if matches!(arch, "qwen3_5" | "qwen3_moe") { "tests/fixtures/hf-2026" } else { "tests/fixtures/hf" };
+    let set =
+        if matches!(arch, "qwen3_5" | "qwen3_moe" | "gemma3") { "tests/fixtures/hf-2026" } else { "tests/fixtures/hf" };
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(set).join(arch)
 }
 

@@ -28,23 +28,25 @@ mod engine_lm_eval;
 mod engine_openai;
 mod engine_streaming;
 mod engine_tools;
-mod hub_models;
 mod env_checkers;
 mod env_episodes;
 mod env_prompts;
 mod exact_on_policy;
+mod gemma3_runs;
+mod hub_models;
 mod model_errors;
 mod model_features;
+mod model_gemma3;
 mod model_golden;
 mod model_named_tensors;
 mod model_qwen3_5;
 mod model_qwen3_moe;
 mod model_tape;
-mod one_logprob;
 #[cfg(feature = "mpi")]
 mod mpi_rl;
 #[cfg(feature = "mpi")]
 mod mpi_sft;
+mod one_logprob;
 mod png_pixels;
 mod prompt_budgets;
 mod python_rewards;

@@ -31,6 +31,7 @@
 
 mod attention;
 mod delta_net;
+mod gemma3;
 mod head;
 mod linear;
 mod matmul;
@@ -41,8 +42,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Storage, Tensor, Var, WithDType};
 
 use super::attention_gate;
+use super::ops::{rms_norm, Real};
 use super::sharded_weights::{self, Unit};
-use super::ops::{rms_norm, swiglu, Real};
 use super::transformer::{attention_bias, Attention, Block, FeedForward, Mixer, Transformer};
 use crate::{Error, Result};
 use attention::Dims;
@@ -113,6 +114,8 @@ struct BlockRecord<T> {
     gate: Vec<T>,
     up: Vec<T>,
     act: Vec<T>,
+    /// The mixer's and the MLP's outputs before Gemma 3's post-norms.
+    post: Option<gemma3::PostRecord<T>>,
     /// A sparse MLP's record (gate, up and act are then empty).
     moe: Option<moe::TapeRecord<T>>,
 }
@@ -155,6 +158,18 @@ struct Shared<T> {
     bias: Vec<T>,
     /// The key mask [B][T] (which tokens a DeltaNet layer reads).
     mask: Vec<Vec<u8>>,
+    /// The sliding layers' tables and mask (Gemma 3).
+    local: Option<gemma3::Local<T>>,
+}
+
+impl<T> Shared<T> {
+    /// (cos, sin, bias) of a sliding or a global layer.
+    fn attention_inputs(&self, sliding: bool) -> (&[T], &[T], &[T]) {
+        match (&self.local, sliding) {
+            (Some(l), true) => (&l.cos, &l.sin, &l.bias),
+            _ => (&self.cos, &self.sin, &self.bias),
+        }
+    }
 }
 
 struct Record<T> {
@@ -408,7 +423,8 @@ fn run<T: Real>(
     let (cos, sin) = model.rope.tables(positions, T::DTYPE)?;
     let (cos, sin) = (host::<T>(&cos)?, host::<T>(&sin)?);
     let bias = host::<T>(&attention_bias(mask, 0, t, &Device::Cpu)?.to_dtype(T::DTYPE)?)?;
-    let mut shared = Shared { dims, cos, sin, bias, mask: mask.to_vec() };
+    let local = gemma3::Local::new(model, positions, mask)?;
+    let mut shared = Shared { dims, cos, sin, bias, mask: mask.to_vec(), local };
     let tokens = input_ids.concat();
 
     let mut h = vec![T::of(0.0); b * t * hd];
@@ -419,6 +435,9 @@ fn run<T: Real>(
         for (row, &tok) in h.chunks_mut(hd).zip(&tokens) {
             row.copy_from_slice(&embed[tok as usize * hd..(tok as usize + 1) * hd]);
         }
+    }
+    if let Some(s) = gemma3::embedding_scale::<T>(model)? {
+        gemma3::scale_embeddings(&mut h, s);
     }
     model.release_unit(Unit::Embed)?;
     let mut blocks = Vec::with_capacity(model.layers.len());
@@ -440,6 +459,9 @@ fn run<T: Real>(
     }
     if keep != Keep::LayerInputs {
         shared.bias = vec![];
+        if let Some(l) = shared.local.as_mut() {
+            l.bias = vec![];
+        }
     }
     // Held until the head has run ([`Tape::logprobs`] or [`Tape::hidden`] releases it).
     model.gather_unit(Unit::Head)?;
@@ -465,6 +487,7 @@ fn block_forward<T: Real>(
             (o, u, MixerRecord::DeltaNet(rec))
         }
     };
+    let (o, o_raw) = gemma3::forward(model, layer, |p| &p.attn, o)?;
     let h_mid = sum(&h, &o);
     drop(o);
     let x_mlp = model_norm(model, &h_mid, &layer.post_attention_layernorm)?;
@@ -474,18 +497,21 @@ fn block_forward<T: Real>(
             let (down, rec) = moe::forward(sparse, &x_mlp, n, model.config.hidden_size)?;
             let h_out = sum(&h_mid, &down);
             let (gate, up, act) = (vec![], vec![], vec![]);
-            let rec = BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act, moe: Some(rec) };
+            let rec =
+                BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act, post: None, moe: Some(rec) };
             return Ok((h_out, rec));
         }
     };
     let (gate, up) =
         rayon::join(|| linear::forward(&m.gate_proj, &x_mlp, n), || linear::forward(&m.up_proj, &x_mlp, n));
     let ((gate, ug), (up, uu)) = (gate?, up?);
-    let act = swiglu::forward(&gate, &up);
+    let act = gemma3::activation(model, &gate, &up);
     let (down, ud) = linear::forward(&m.down_proj, &act, n)?;
+    let (down, down_raw) = gemma3::forward(model, layer, |p| &p.mlp, down)?;
     let h_out = sum(&h_mid, &down);
     u.extend([ug, uu, ud]);
-    let rec = BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act, moe: None };
+    let post = o_raw.zip(down_raw).map(|(attn, mlp)| gemma3::PostRecord { attn, mlp });
+    let rec = BlockRecord { h_in: h, x_attn, u, mixer, h_mid, x_mlp, gate, up, act, post, moe: None };
     Ok((h_out, rec))
 }
 
@@ -499,10 +525,11 @@ fn attention_forward<T: Real>(
     shared: &Shared<T>,
 ) -> Result<(Vec<T>, Vec<Option<Vec<T>>>, MixerRecord<T>)> {
     let c = &model.config;
-    let Shared { dims, cos, sin, bias, .. } = shared;
+    let dims = &shared.dims;
+    let (cos, sin, bias) = shared.attention_inputs(a.sliding);
     let (t, d, h) = (dims.t, dims.d, dims.h);
     let n = dims.b * t;
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = model.config.attention_scale();
     // Independent projections side by side (see linear::backward).
     let (q, kv) = rayon::join(
         || linear::forward(&a.q_proj, x_attn, n),
@@ -557,7 +584,7 @@ fn attention_backward<T: Real>(
     let dims = shared.dims;
     let Dims { b, t, h, kvh, d } = dims;
     let n = b * t;
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = model.config.attention_scale();
     let rd = model.config.rotary_dim;
     let u = |k: usize| u[k].as_deref();
     let mut d_attn = None;
@@ -568,7 +595,7 @@ fn attention_backward<T: Real>(
         (d_attn, d_gate) = attention_gate::backward(&rec.attn_raw, &rec.out_gate, &d_attn);
     }
     let (dq, dk, dv) = attention::backward(&rec.q, &rec.k, &rec.v, &rec.p, &d_attn, dims, scale);
-    let (cos, sin) = (&shared.cos, &shared.sin);
+    let (cos, sin, _) = shared.attention_inputs(a.sliding);
     let mut dq = rotary::backward(&dq, cos, sin, (t, h, d), rd);
     let mut dk = rotary::backward(&dk, cos, sin, (t, kvh, d), rd);
     if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
@@ -667,10 +694,13 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
                 let u = |k: usize| rec.u[k].as_deref();
                 // h_out = h_mid + down(swiglu(gate(x), up(x))), x = rms_norm(h_mid)
                 let mut d_act = None;
-                linear::backward(&m.down_proj, &rec.act, u(mlp_u + 2), &dh, n, &mut d_act, &mut grads)?;
+                let d_down =
+                    gemma3::backward(model, layer, |p| &p.mlp, rec.post.as_ref().map(|p| &p.mlp[..]), &dh, &mut grads)?;
+                let d_down = d_down.as_deref().unwrap_or(&dh);
+                linear::backward(&m.down_proj, &rec.act, u(mlp_u + 2), d_down, n, &mut d_act, &mut grads)?;
                 let d_act = d_act.expect("set by the backward");
                 let (mut d_gate, mut d_up) = (vec![T::of(0.0); n * im], vec![T::of(0.0); n * im]);
-                swiglu::backward(&rec.gate, &rec.up, &d_act, &mut d_gate, &mut d_up);
+                gemma3::activation_backward(model, &rec.gate, &rec.up, &d_act, &mut d_gate, &mut d_up);
                 drop(d_act);
                 let mut dx = None;
                 linear::backward(&m.gate_proj, &rec.x_mlp, u(mlp_u), &d_gate, n, &mut dx, &mut grads)?;
@@ -683,7 +713,10 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         // h_mid = h_in + mixer(rms_norm(h_in))
         let dx = match (&layer.mixer, &rec.mixer) {
             (Mixer::Attention(a), MixerRecord::Attention(ar)) => {
-                attention_backward(model, a, ar, &rec.x_attn, &rec.u, &dh, &r.shared, &mut grads)?
+                let post = rec.post.as_ref().map(|p| &p.attn[..]);
+                let d_o = gemma3::backward(model, layer, |p| &p.attn, post, &dh, &mut grads)?;
+                let d_o = d_o.as_deref().unwrap_or(&dh);
+                attention_backward(model, a, ar, &rec.x_attn, &rec.u, d_o, &r.shared, &mut grads)?
             }
             (Mixer::DeltaNet(dn), MixerRecord::DeltaNet(dr)) => {
                 delta_net::backward(model, dn, dr, &rec.x_attn, &rec.u, &dh, &r.shared, &mut grads)?
@@ -699,6 +732,10 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
             for (a, &g) in d_embed[tok as usize * hd..(tok as usize + 1) * hd].iter_mut().zip(row) {
                 *a += g;
             }
+        }
+        if let Some(s) = gemma3::embedding_scale::<T>(model)? {
+            // d(e·s)/de = s, on the summed rows (the scale is a constant).
+            gemma3::scale_embeddings(&mut d_embed, s);
         }
         grads.push(&model.embed_tokens, d_embed);
     }
