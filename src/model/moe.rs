@@ -262,15 +262,30 @@ pub fn router_mismatch(
     let (trainer, trainer_log) = logged(model);
     super::tape::Tape::forward(&trainer, input_ids, positions, mask, false)?;
     let (s, t) = (lock(&sampler_log), lock(&trainer_log));
-    if s.len() != t.len() {
-        return Err(crate::Error::Other(format!("router_mismatch: {} sparse layers vs {}", s.len(), t.len())));
-    }
     let width = input_ids.first().map_or(0, Vec::len);
+    count_mismatches(&s, &t, weights, width)
+}
+
+/// Tokens with a nonzero weight (`weights` [B][T], `width` = T) whose experts differ in any layer
+/// between two route logs of the same batch (each layer's entry [B·T] rows).
+pub fn count_mismatches(
+    sampler: &[Vec<Vec<u32>>],
+    trainer: &[Vec<Vec<u32>>],
+    weights: &[Vec<f32>],
+    width: usize,
+) -> Result<usize> {
+    if sampler.len() != trainer.len() {
+        return Err(crate::Error::Other(format!(
+            "router_mismatch: {} sparse layers vs {}",
+            sampler.len(),
+            trainer.len()
+        )));
+    }
     let mut count = 0;
     for (row, w) in weights.iter().enumerate() {
         for (i, &wi) in w.iter().enumerate() {
             let at = row * width + i;
-            if wi != 0.0 && s.iter().zip(t.iter()).any(|(a, b)| a.get(at) != b.get(at)) {
+            if wi != 0.0 && sampler.iter().zip(trainer).any(|(a, b)| a.get(at) != b.get(at)) {
                 count += 1;
             }
         }

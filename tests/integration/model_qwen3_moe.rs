@@ -363,3 +363,23 @@ fn qwen3_moe_worker_router_aux_loss_option() {
     let err = Worker::new(dense, WorkerConfig { router_aux_loss_coef: 0.01, ..Default::default() }).err().unwrap();
     assert!(err.to_string().contains("router_aux_loss_coef"), "{err}");
 }
+
+/// router_mismatch: 0 on the fixture (the engine's prefill and the tape choose the same
+/// experts), and the count takes the weighted tokens whose experts differ in any layer.
+#[test]
+fn qwen3_moe_router_mismatch_counts_tokens_routed_otherwise() {
+    use oxrl::model::moe::{count_mismatches, router_mismatch};
+    let b = Golden::load(ARCH).batch();
+    let weights: Vec<Vec<f32>> = b.mask.iter().map(|r| r.iter().map(|&m| m as f32).collect()).collect();
+    assert_eq!(router_mismatch(&load(), &b.ids, &b.positions, &b.mask, &weights).unwrap(), 0);
+    // Two layers over a batch of 2 rows × 2 tokens.
+    let same = vec![vec![vec![0, 1], vec![2, 3], vec![1, 4], vec![5, 6]]; 2];
+    let mut other = same.clone();
+    other[1][1] = vec![2, 7]; // row 0, token 1, second layer
+    other[0][3] = vec![0, 6]; // row 1, token 1, first layer
+    let all = vec![vec![1.0, 1.0], vec![1.0, 1.0]];
+    assert_eq!(count_mismatches(&same, &other, &all, 2).unwrap(), 2);
+    assert_eq!(count_mismatches(&same, &other, &[vec![1.0, 0.0], vec![1.0, 1.0]], 2).unwrap(), 1);
+    assert_eq!(count_mismatches(&same, &same, &all, 2).unwrap(), 0);
+    assert!(count_mismatches(&same, &same[..1], &all, 2).is_err());
+}
