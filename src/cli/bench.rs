@@ -70,11 +70,15 @@ struct MemoryArgs {
     /// An HF model directory (e.g. made by `oxrl init-model`) or a Hub repo id.
     #[arg(long)]
     model: PathBuf,
+    /// The Hub revision (branch, tag or commit) of a --model given by repo id; default main.
+    #[arg(long, default_value = "")]
+    revision: String,
     /// Parameter dtype: f32 or bf16 (bf16 keeps f32 master weights).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// How the ranks share the model's state: none (every rank holds all of it), optimizer or
-    /// gradients (each rank keeps the optimizer state of its slice of the parameters).
+    /// gradients (each rank keeps the optimizer state of its slice of the parameters), or full
+    /// (the parameters too, gathered layer by layer).
     #[arg(long, default_value = "none")]
     sharding: String,
     /// Data-parallel ranks in this process (threads).
@@ -118,6 +122,9 @@ struct Common {
     /// An HF model directory or Hub repo id; default: the built-in benchmark model (qwen3 d256, 6.0 M parameters).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// The Hub revision (branch, tag or commit) of a --model given by repo id; default main.
+    #[arg(long, default_value = "")]
+    revision: String,
     /// Compute dtype: f32 or bf16 (training in bf16 keeps f32 master weights unless --pure-bf16).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -216,7 +223,7 @@ impl Common {
         anyhow::ensure!(self.reps > 0, "--reps must be at least 1");
         Ok(match &self.model {
             Some(m) => {
-                let dir = crate::model::hub::resolve_model_dir(m, "")?;
+                let dir = crate::model::hub::resolve_model_dir(m, &self.revision)?;
                 (Transformer::load(&dir, dtype, &device)?, m.display().to_string())
             }
             None => (bench_model::build(bench_model::SEED, dtype, &device)?, "bench-qwen3-d256".into()),
@@ -300,7 +307,7 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         Ok(d @ (DType::F32 | DType::BF16)) => d,
         _ => anyhow::bail!("--dtype `{}`: expected f32 or bf16", a.dtype),
     };
-    let dir = crate::model::hub::resolve_model_dir(&a.model, "")?;
+    let dir = crate::model::hub::resolve_model_dir(&a.model, &a.revision)?;
     let config = crate::model::ModelConfig::from_dir(&dir)?;
     let world = crate::world::world()?;
     let spec = WorkerSpec {

@@ -359,6 +359,14 @@ fn models_by_hub_id_download_cache_pin_and_fail_by_name() {
     assert!(e.contains("no such repo") && e.contains("oxrl-test/nope") && e.contains(&url), "{e}");
     let e = failed(&run(&[], &["score", "--model", REPO, "--revision", "v9", "--input", input]));
     assert!(e.contains("no such revision") && e.contains("v9") && e.contains(REPO), "{e}");
+    // The benchmarks take --revision too.
+    for bench in [
+        &["bench", "memory", "--model", REPO, "--revision", "v9"][..],
+        &["bench", "decode", "--model", REPO, "--revision", "v9"],
+    ] {
+        let e = failed(&run(&[], bench));
+        assert!(e.contains("no such revision") && e.contains("v9") && e.contains(REPO), "{bench:?}: {e}");
+    }
     let e = failed(&run(&[], &["score", "--model", "oxrl-test/broken", "--input", input]));
     assert!(e.contains("no such file model.safetensors") && e.contains("oxrl-test/broken"), "{e}");
 
