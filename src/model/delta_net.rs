@@ -255,6 +255,20 @@ fn step<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: T, beta: T, o: &mut 
     }
 }
 
+/// The recurrence of one value head over n tokens, token by token in [`step`]'s order (the
+/// forward's inner loop, without its checkpoints): q, k [n, dk], v and o [n, dv], g and β [n],
+/// S [dk, dv] advanced in place. The reference [`super::delta_net_chunked`] is tested and
+/// measured against.
+pub fn recurrence<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: &[T], beta: &[T], o: &mut [T]) {
+    let n = g.len();
+    let (dk, dv) = (q.len() / n.max(1), v.len() / n.max(1));
+    let mut kv = vec![T::of(0.0); dv];
+    for i in 0..n {
+        let (qi, ki, vi) = (&q[i * dk..(i + 1) * dk], &k[i * dk..(i + 1) * dk], &v[i * dv..(i + 1) * dv]);
+        step(s, qi, ki, vi, g[i], beta[i], &mut o[i * dv..(i + 1) * dv], &mut kv);
+    }
+}
+
 /// Per real token of one row: the normalised, scaled q [nk·dk], normalised k [nk·dk], v (a view
 /// of the activations), g [nv] and β [nv], from the conv outputs before the SiLU.
 struct Gates<T> {

@@ -34,7 +34,7 @@ mod delta_net;
 mod gemma3;
 mod head;
 mod linear;
-mod matmul;
+pub(crate) mod matmul;
 mod moe;
 mod rotary;
 
