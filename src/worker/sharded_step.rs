@@ -1,12 +1,14 @@
 //! The optimizer step of a rank that owns a slice of the parameters ([`super::ShardPlan`]):
-//! ZeRO-1 (`optimizer`) and ZeRO-2 (`gradients`).
+//! ZeRO-1 (`optimizer`), ZeRO-2 (`gradients`) and ZeRO-3 (`full`, whose weights live in slices
+//! between steps: [`super::weight_slices`]).
 //!
 //! ```text
 //! summed gradients   optimizer: all-reduce, then keep only the owned ones
-//!                    gradients: reduce to owners (each sum lands on its owner alone)
+//!                    gradients, full: reduce to owners (each sum lands on its owner alone)
 //! norm               each owner's Σ g² per parameter, all-gathered, added in parameter order
 //! update             AdamW on the owned parameters (moments and masters live only there)
 //! parameters         every owner's new values all-gathered; the others are set from them
+//!                    (full: not the sliced weights, which the next forward gathers)
 //! ```
 //! Every step is the arithmetic of the unsharded one: the same sums in the same rank order, the
 //! same per-parameter squares added in the same order, the same update code on the same inputs.
@@ -175,7 +177,7 @@ impl Worker {
             self.shard.clone().ok_or_else(|| Error::Other("optim_step_sharded on an unsharded worker".into()))?;
         let local = self.take_local_gradients()?;
         let owned: Vec<Option<Tensor>> = match plan.mode {
-            Sharding::Gradients => ex.reduce_to_owners(local, &plan.owners)?,
+            Sharding::Gradients | Sharding::Full => ex.reduce_to_owners(local, &plan.owners)?,
             _ => ex.all_reduce(local)?.into_iter().enumerate().map(|(i, g)| plan.owns(i).then_some(g)).collect(),
         };
         if owned.len() != self.params.len() {
