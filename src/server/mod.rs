@@ -21,7 +21,7 @@
 //! validation), [`wire`] (datum and output conversions), [`proto`] (protobuf messages),
 //! [`limits`] (every limit, admission), [`provenance`] and [`stability_records`]
 //! (`stable_reinforce`), [`connections`] (which connections are taken, idle timeout), [`http`]
-//! (the accept loop, header deadline), [`body_limit`] (413 before the body), [`fair_share`]
+//! (the accept loop, header deadline), [`body_limit`] (413 for a body over the limit), [`fair_share`]
 //! (sampling turns between tenants), [`futures`], [`models`], [`samplers`] (sampling sessions), [`store`], [`checkpoints`] (names and
 //! paths), [`external_weights`] (exports to download: age encryption, signed URLs), [`errors`].
 

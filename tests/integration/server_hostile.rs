@@ -239,6 +239,41 @@ fn tokio_free_connect(from: &str, port: u16) -> std::net::TcpStream {
     })
 }
 
+/// A chunked body (no `Content-Length`) that grows past `--max-body-mib` is a 413 naming the
+/// limit and its flag; the client's upload of all its chunks completes (no broken pipe) and it
+/// then reads the answer. A chunked body under the limit is served.
+#[test]
+fn a_chunked_body_over_the_limit_is_a_413_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = serve(dir.path(), &["--max-body-mib", "1"]);
+    let head = "POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: k1\r\nContent-Type: application/json\r\n\
+                Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+    // Under the limit: a JSON body in two chunks.
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let (a, b) = (r#"{"tags": ["#, r#""x"]}"#);
+    write!(s, "{head}{:x}\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\n\r\n", a.len(), b.len()).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("session_id"), "{answer}");
+    // Over it: 48 chunks of 1 MiB.
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    let chunk = vec![b' '; 1 << 20];
+    for _ in 0..48 {
+        write!(s, "{:x}\r\n", chunk.len()).unwrap();
+        s.write_all(&chunk).expect("the upload was cut: the server must read and drop a refused body");
+        s.write_all(b"\r\n").unwrap();
+    }
+    s.write_all(b"0\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("chunked") && answer.contains("1 MiB (oxrl serve --max-body-mib)"), "{answer}");
+    assert!(answer.contains("\"category\":\"user\""), "{answer}");
+}
+
 /// A body whose `Content-Length` is over `--max-body-mib` is a 413 naming the limit and its
 /// flag; the client's upload of it completes (no broken pipe) and it then reads the answer.
 #[test]

@@ -948,7 +948,13 @@ fn download(port: u16, url: &str) -> (u16, Option<usize>, Vec<u8>) {
     let head = String::from_utf8_lossy(&raw[..split]).to_lowercase();
     let status = head[9..12].parse().unwrap();
     let length = head.lines().find_map(|l| l.strip_prefix("content-length:")).map(|v| v.trim().parse().unwrap());
-    (status, length, raw[split + 4..].to_vec())
+    let body = raw[split + 4..].to_vec();
+    // The sweep of honest error categories (see `request`) over the refused downloads too.
+    if status >= 400 && !SERVER_FAULTS_EXPECTED.get() {
+        let answer: Value = serde_json::from_slice(&body).unwrap_or_default();
+        assert_ne!(answer["category"], "server", "GET {path}: a refusal reported as the server's fault: {answer}");
+    }
+    (status, length, body)
 }
 
 /// The tensors of a safetensors file as (name, f32 values).
