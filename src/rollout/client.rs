@@ -496,5 +496,6 @@ pub fn continuation(original: &Request, sample: usize, so_far: &Generation) -> R
         adapter: original.adapter.clone(),
         rng_skip: original.rng_skip + so_far.tokens.len(),
         logit_bias: original.logit_bias.clone(),
+        priority: original.priority,
     }
 }

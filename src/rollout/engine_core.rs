@@ -44,6 +44,17 @@
 //! one batched forward ([`RowAdapters`]). A row samples exactly as it would with its adapter
 //! attached to the model alone; removing an adapter affects only later requests.
 //!
+//! Priority lane: a request marked `priority` (the server marks a small request of a tenant
+//! that has nothing else running beside another's saturated batch) is admitted into a second
+//! batch with its own cache, and the two batches take turns by time: after a main step the lane
+//! may decode for as long as that step took, then the main batch steps again (the lane alone
+//! decodes while the main batch is empty, and the main batch while the lane is). So a small
+//! request's tokens cost its own small steps, not the saturated batch's, and it waits for at
+//! most the main step in flight when it came and, if its own steps take longer than a main
+//! step, one more; the main batch keeps at least half of the engine's time. Each batch is
+//! admitted under the scheduler on its own (the lane's requests are few and small by the
+//! caller's choice).
+//!
 //! Simplifications: no paged attention and no prefix cache across steps (the dense padded cache
 //! is what the model's forward takes); FIFO admission (a large request at the head waits for
 //! room rather than being overtaken).
@@ -135,6 +146,13 @@ struct Active {
     left: usize,
 }
 
+/// The priority lane's batch (see the module documentation).
+struct Lane {
+    rows: Vec<Row>,
+    cache: KvCache,
+    waiting: VecDeque<(RequestId, Request, Option<Arc<Adapter>>)>,
+}
+
 pub struct EngineCore {
     model: Transformer,
     config: EngineConfig,
@@ -151,6 +169,10 @@ pub struct EngineCore {
     /// Outputs ready for the next `step` to return (aborts, max_tokens = 0).
     ready: Vec<(RequestId, RequestOutput)>,
     next_id: RequestId,
+    /// The priority lane, swapped with the fields above while it is worked on.
+    lane: Lane,
+    /// Seconds the lane may still decode before the main batch's next step.
+    lane_credit: f64,
 }
 
 impl EngineCore {
@@ -160,6 +182,7 @@ impl EngineCore {
         // The engine's weights are its own (see `Transformer::without_variables`).
         let model = model.without_variables()?;
         let cache = model.new_cache();
+        let lane = Lane { rows: vec![], cache: model.new_cache(), waiting: VecDeque::new() };
         Ok(EngineCore {
             model,
             config,
@@ -173,6 +196,8 @@ impl EngineCore {
             active: HashMap::new(),
             ready: vec![],
             next_id: 0,
+            lane,
+            lane_credit: 0.0,
         })
     }
 
@@ -217,7 +242,11 @@ impl EngineCore {
         req.params.seed.get_or_insert_with(rand::random);
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back((id, req, adapter));
+        if req.priority {
+            self.lane.waiting.push_back((id, req, adapter));
+        } else {
+            self.waiting.push_back((id, req, adapter));
+        }
         Ok(id)
     }
 
@@ -260,13 +289,33 @@ impl EngineCore {
     pub fn progress(&self, id: RequestId) -> Vec<(usize, &Generation)> {
         let Some(a) = self.active.get(&id) else { return vec![] };
         let finished = a.samples.iter().enumerate().filter_map(|(i, g)| g.as_ref().map(|g| (i, g)));
-        let running = self.rows.iter().filter(|r| r.id == id).map(|r| (r.sample, &r.gen));
+        let running = self.rows.iter().chain(&self.lane.rows).filter(|r| r.id == id).map(|r| (r.sample, &r.gen));
         finished.chain(running).collect()
     }
 
     /// Whether a `step` would do anything.
     pub fn has_work(&self) -> bool {
-        !self.ready.is_empty() || (!self.paused && (!self.rows.is_empty() || !self.waiting.is_empty()))
+        !self.ready.is_empty() || (!self.paused && self.has_work_unpaused())
+    }
+
+    /// Whether requests are running or waiting (in either batch).
+    fn has_work_unpaused(&self) -> bool {
+        let lane = !self.lane.rows.is_empty() || !self.lane.waiting.is_empty();
+        !self.rows.is_empty() || !self.waiting.is_empty() || lane
+    }
+
+    /// Runs `f` with the priority lane in place of the main batch (rows, cache, queue).
+    fn in_lane<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        self.swap_lane();
+        let r = f(self);
+        self.swap_lane();
+        r
+    }
+
+    fn swap_lane(&mut self) {
+        std::mem::swap(&mut self.rows, &mut self.lane.rows);
+        std::mem::swap(&mut self.cache, &mut self.lane.cache);
+        std::mem::swap(&mut self.waiting, &mut self.lane.waiting);
     }
 
     pub fn is_paused(&self) -> bool {
@@ -278,9 +327,9 @@ impl EngineCore {
             version: self.version,
             paused: self.paused,
             running_requests: self.active.len(),
-            running_rows: self.rows.len(),
-            waiting_requests: self.waiting.len(),
-            cached_positions: self.cache.seq_len(),
+            running_rows: self.rows.len() + self.lane.rows.len(),
+            waiting_requests: self.waiting.len() + self.lane.waiting.len(),
+            cached_positions: self.cache.seq_len().max(self.lane.cache.seq_len()),
             kv_cache_tokens: self.scheduler.budget,
             kv_bytes_per_token: self.kv_bytes_per_token(),
         }
@@ -306,6 +355,8 @@ impl EngineCore {
         }
         self.rows.clear();
         self.cache = self.model.new_cache();
+        self.lane.rows.clear();
+        self.lane.cache = self.model.new_cache();
     }
 
     /// Drops every request, running or waiting, without output (after a failed step, whose
@@ -316,6 +367,7 @@ impl EngineCore {
         self.waiting.clear();
         self.ready.clear();
         self.cache = self.model.new_cache();
+        self.lane = Lane { rows: vec![], cache: self.model.new_cache(), waiting: VecDeque::new() };
     }
 
     pub fn resume(&mut self) {
@@ -334,18 +386,21 @@ impl EngineCore {
     pub fn update_weights(&mut self, update: &WeightUpdate, version: u64) -> Result<()> {
         self.model = update.apply(&self.model)?;
         self.version = version;
-        if self.rows.is_empty() {
+        let rows = self.rows.len() + self.lane.rows.len();
+        if rows == 0 {
             return Ok(());
         }
-        // The old cache goes first: the rebuilt one takes its place in the KV budget.
-        self.cache = self.model.new_cache();
-        match self.recompute_cache() {
-            Ok(cache) => {
-                self.cache = cache;
-                Ok(())
+        let recompute = |e: &mut Self| -> Result<()> {
+            if !e.rows.is_empty() {
+                // The old cache goes first: the rebuilt one takes its place in the KV budget.
+                e.cache = e.model.new_cache();
+                e.cache = e.recompute_cache()?;
             }
+            Ok(())
+        };
+        match recompute(self).and_then(|()| self.in_lane(recompute)) {
+            Ok(()) => Ok(()),
             Err(e) => {
-                let rows = self.rows.len();
                 self.abort_running();
                 Err(Error::Other(format!(
                     "weights updated to version {version}, but the KV caches of the {rows} running rows could not be \
@@ -395,8 +450,11 @@ impl EngineCore {
 
     /// Ends one request now (waiting or running) with what it has; None if unknown.
     pub fn abort(&mut self, id: RequestId) -> Result<Option<RequestOutput>> {
-        if let Some(i) = self.waiting.iter().position(|(w, ..)| *w == id) {
-            let (_, req, _) = self.waiting.remove(i).expect("index is in range");
+        let queued = |q: &mut VecDeque<(RequestId, Request, Option<Arc<Adapter>>)>| {
+            let i = q.iter().position(|(w, ..)| *w == id)?;
+            q.remove(i)
+        };
+        if let Some((_, req, _)) = queued(&mut self.waiting).or_else(|| queued(&mut self.lane.waiting)) {
             let g = Generation { stop_reason: StopReason::Abort, ..Generation::empty() };
             let samples = vec![g; req.num_samples];
             return Ok(Some(RequestOutput { samples, prompt_logprobs: None, prompt_topk: None }));
@@ -405,9 +463,17 @@ impl EngineCore {
             return Ok(None);
         }
         let out = self.abort_active(id);
+        let in_lane = self.lane.rows.iter().any(|r| r.id == id);
+        if in_lane {
+            self.swap_lane();
+        }
         let keep: Vec<usize> = (0..self.rows.len()).filter(|&i| self.rows[i].id != id).collect();
-        self.cache = self.cache.select_rows(&keep)?;
+        let kept = self.cache.select_rows(&keep).map(|cache| self.cache = cache);
         self.rows.retain(|r| r.id != id);
+        if in_lane {
+            self.swap_lane();
+        }
+        kept?;
         Ok(Some(out))
     }
 
@@ -415,7 +481,7 @@ impl EngineCore {
     /// and fixes up the cache).
     fn abort_active(&mut self, id: RequestId) -> RequestOutput {
         let mut a = self.active.remove(&id).expect("request is active");
-        for r in self.rows.iter_mut().filter(|r| r.id == id) {
+        for r in self.rows.iter_mut().chain(self.lane.rows.iter_mut()).filter(|r| r.id == id) {
             let mut g = std::mem::replace(&mut r.gen, Generation::empty());
             g.stop_reason = StopReason::Abort;
             a.samples[r.sample] = Some(g);
@@ -438,15 +504,23 @@ impl EngineCore {
             return Ok(std::mem::take(&mut self.ready));
         }
         self.admit()?;
-        if !self.rows.is_empty() {
+        self.in_lane(|e| e.admit())?;
+        // The lane decodes while it has credit (or alone); a main step renews the credit.
+        if !self.lane.rows.is_empty() && (self.rows.is_empty() || self.lane_credit > 0.0) {
+            let start = std::time::Instant::now();
+            self.in_lane(|e| e.decode())?;
+            self.lane_credit -= start.elapsed().as_secs_f64();
+        } else if !self.rows.is_empty() {
+            let start = std::time::Instant::now();
             self.decode()?;
+            self.lane_credit = start.elapsed().as_secs_f64();
         }
         Ok(std::mem::take(&mut self.ready))
     }
 
     /// Runs steps until nothing is running or waiting; the outputs in request-id order.
     pub fn run_until_idle(&mut self) -> Result<Vec<(RequestId, RequestOutput)>> {
-        if self.paused && (!self.waiting.is_empty() || !self.rows.is_empty()) {
+        if self.paused && self.has_work_unpaused() {
             return Err(Error::input("the engine is paused"));
         }
         let mut out = vec![];

@@ -82,6 +82,11 @@ pub struct Request {
     /// are the model's. Absent on the wire from older clients: none.
     #[serde(default)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Decoded in the engine's priority lane, in turns with the main batch rather than in it
+    /// (see [`super::engine_core`]): a small request of a tenant beside a saturated batch.
+    /// Absent on the wire from older clients: false.
+    #[serde(default)]
+    pub priority: bool,
 }
 
 impl Request {
@@ -97,6 +102,7 @@ impl Request {
             rng_skip: 0,
             adapter: None,
             logit_bias: vec![],
+            priority: false,
         }
     }
 }

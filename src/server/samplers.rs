@@ -7,7 +7,8 @@
 //! [`crate::model::row_adapters`]), each exactly as it would alone. The engine decodes up to
 //! twice `--max-samples` rows; its requests pass its [`FairShare`] first (one key at most
 //! `--max-samples` rows at once, waiting requests let through round-robin across keys and
-//! sessions).
+//! sessions, a small request beside another key's rows in the engine's priority lane of an eighth
+//! of that).
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -94,7 +95,7 @@ impl Samplers {
         let max_batch = 2 * self.per_key_rows;
         let config = EngineConfig { eos_token_ids, tokenizer, threads: 1, max_batch, ..Default::default() };
         let engine = Arc::new(Engine::start(model, config)?);
-        let share = FairShare::new(max_batch, self.per_key_rows);
+        let share = FairShare::new(max_batch, self.per_key_rows, lane_rows(self.per_key_rows));
         engines.insert(base.name.clone(), (engine.clone(), share.clone()));
         Ok((engine, share))
     }
@@ -215,9 +216,18 @@ impl Samplers {
     }
 }
 
+/// Rows of an engine's priority lane (see [`FairShare`]): an eighth of a key's share, so that
+/// the lane's steps stay small beside a saturated main batch.
+fn lane_rows(per_key_rows: usize) -> usize {
+    (per_key_rows / 8).max(1)
+}
+
 impl Sampler {
-    pub fn submit(&self, mut req: Request) -> Handle<RequestOutput> {
+    /// Submits `req` to the engine, in its priority lane when `priority` (the request's
+    /// [`Ticket`](super::fair_share::Ticket) says).
+    pub fn submit(&self, mut req: Request, priority: bool) -> Handle<RequestOutput> {
         req.adapter = self.has_adapter.then(|| self.id.clone());
+        req.priority = priority;
         self.engine.submit(req)
     }
 }

@@ -508,3 +508,51 @@ fn kv_budget_admits_requests_as_room_frees_up() {
         assert_eq!(o.samples[0].tokens, want.samples[0].tokens);
     }
 }
+
+/// A priority request beside a running batch decodes in the lane: it finishes within its own
+/// steps plus the main batch's turns (never more main steps than its own), its tokens and
+/// log-probs equal its solo run bit for bit, as do the main batch's; one cancelled in the lane
+/// ends with what it has and the main batch carries on unchanged.
+#[test]
+fn a_priority_request_takes_turns_with_the_main_batch_and_equals_its_solo_run() {
+    let m = tiny_model(64, 3);
+    let big = Request { num_samples: 16, ..Request::new(vec![5, 6, 7], params(40, 1.0, 11)) };
+    let small = Request { priority: true, ..Request::new(vec![9, 8], params(6, 1.0, 12)) };
+    let mut e = core(&m, 64);
+    let big_id = e.add_request(big.clone()).unwrap();
+    // The main batch runs a while, then the small request comes.
+    let mut done = vec![];
+    for _ in 0..3 {
+        done.extend(e.step().unwrap());
+    }
+    let small_id = e.add_request(small.clone()).unwrap();
+    let mut steps = 0;
+    while !done.iter().any(|(id, _)| *id == small_id) {
+        done.extend(e.step().unwrap());
+        steps += 1;
+    }
+    assert!(steps <= 2 * 6, "the priority request took {steps} steps for 6 tokens");
+    assert!(!done.iter().any(|(id, _)| *id == big_id), "the main batch finished first");
+    done.extend(e.run_until_idle().unwrap());
+    let out = |id| &done.iter().find(|(i, _)| *i == id).unwrap().1;
+    let sample_bits = |o: &RequestOutput| {
+        o.samples
+            .iter()
+            .map(|g| (g.tokens.clone(), g.logprobs.iter().map(|l| l.to_bits()).collect::<Vec<_>>()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(sample_bits(out(small_id)), sample_bits(&solo(&m, Request { priority: false, ..small.clone() })));
+    assert_eq!(sample_bits(out(big_id)), sample_bits(&solo(&m, big.clone())));
+    // A lane request cancelled midway ends with what it has; the main batch carries on.
+    let mut e = core(&m, 64);
+    let big_id = e.add_request(big.clone()).unwrap();
+    e.step().unwrap();
+    let small_id = e.add_request(Request { params: params(30, 1.0, 12), ..small.clone() }).unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    let cancelled = e.abort(small_id).unwrap().unwrap();
+    assert!(cancelled.samples[0].tokens.len() < 30);
+    assert_eq!(e.stats().running_rows, 16);
+    let rest = e.run_until_idle().unwrap();
+    assert_eq!(sample_bits(&rest.iter().find(|(i, _)| *i == big_id).unwrap().1), sample_bits(&solo(&m, big)));
+}

@@ -1,5 +1,5 @@
 //! Tenants sharing one `oxrl serve` process (a real one): a key that saturates sampling does not
-//! make another key's small request wait behind its queue.
+//! make another key's small request wait behind its queue, nor ride its batch's steps.
 
 use crate::common;
 use crate::server_hostile::serve;
@@ -35,12 +35,14 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 /// Key A saturates the engine (8 concurrent requests of 64 samples × 254 tokens) while key B
-/// samples 8 tokens: B joins the running batch within an engine step or two instead of waiting
-/// behind A's queue. B's tokens then ride the saturated batch's steps, which on a CPU cost
-/// about what its 65 rows cost, so the bound is B's median latency alone twice plus its 8
-/// tokens and 4 steps of waiting at the saturated engine's step time (A's time over its decode
-/// steps), all measured here, with a margin of 4 for a loaded machine. (Waiting behind A's
-/// queue, B would take most of A's time: hundreds of steps.)
+/// samples 8 tokens: B's request goes to the engine's priority lane, whose steps take turns with
+/// A's batch by time, so its tokens cost its own small steps rather than A's. The bound, from
+/// the issue, is B's median latency beside A within twice its median alone plus one decode step
+/// of the saturated engine (A's time over its decode steps), all measured here; it holds on a
+/// quiet machine, but B's HTTP path shares the cores with A's engine thread, and on a loaded
+/// one (the suite's tests side by side) it takes up to two steps more: asserted with a margin
+/// of three steps. (Riding A's batch, B took 8 of A's steps and more; waiting behind A's queue,
+/// hundreds.)
 #[test]
 fn a_saturating_tenant_does_not_delay_a_small_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -49,7 +51,7 @@ fn a_saturating_tenant_does_not_delay_a_small_one() {
     let port = server.port;
     let small = |i: u64| sample_body(1, 8, i);
     sample(port, "k2", small(0)); // the engine is loaded at the first sample
-    let solo = median((1..=5).map(|i| sample(port, "k2", small(i))).collect());
+    let solo = median((1..=9).map(|i| sample(port, "k2", small(i))).collect());
 
     let (requests, samples, tokens) = (8u64, 64usize, 254usize);
     let start = Instant::now();
@@ -68,22 +70,21 @@ fn a_saturating_tenant_does_not_delay_a_small_one() {
         start.elapsed()
     });
     std::thread::sleep(Duration::from_millis(500));
-    let loaded: Vec<Duration> = (1..=5).map(|i| sample(port, "k2", small(10 + i))).collect();
+    let loaded: Vec<Duration> = (1..=9).map(|i| sample(port, "k2", small(10 + i))).collect();
     let b_end = start.elapsed();
     let a_time = a_done.join().unwrap();
     assert!(b_end < a_time, "A finished ({a_time:?}) before B's samples did ({b_end:?}): A did not saturate");
     // A's requests run one after the other (one key holds at most --max-samples rows): its
-    // decode steps are its requests × tokens.
+    // decode steps are its requests × tokens (its time also holds B's lane steps: a step so
+    // measured is, if anything, longer than A's).
     let step = a_time / (requests as u32 * tokens as u32);
     let loaded = median(loaded);
-    // Four times the steps: on a loaded machine (CI runs the suite's tests side by side) one
-    // step's cost varies that much; waiting behind A's queue would be hundreds of steps.
-    let bound = 2 * solo + 4 * (8 + 4) * step;
+    let steps_over = (loaded.as_secs_f64() - 2.0 * solo.as_secs_f64()) / step.as_secs_f64();
     println!(
         "fairness: B alone {solo:?}, B beside A {loaded:?} (ratio {:.2}); A {a_time:?} = {step:?} per decode step; \
-         bound 2 × alone + 48 steps = {bound:?}",
+         B beside A = 2 × alone + {steps_over:.2} steps (the issue's bound: 1)",
         loaded.as_secs_f64() / solo.as_secs_f64()
     );
-    assert!(loaded <= bound, "B beside A took {loaded:?}, over 2 × {solo:?} + 48 × {step:?}");
+    assert!(steps_over <= 4.0, "B beside A took {loaded:?}, over 2 × {solo:?} + 4 steps of {step:?}");
     assert!(loaded * 10 < a_time, "B beside A took {loaded:?}, a tenth of A's {a_time:?} or more");
 }

@@ -157,7 +157,7 @@ pub(super) async fn asample(
                 return;
             }
         };
-        let handle = sampler.submit(request);
+        let handle = sampler.submit(request, ticket.priority);
         st.futures.set_canceller(&rid, handle.canceller());
         let outcome = match handle.await {
             Ok(out) if out.samples.iter().any(|g| g.stop_reason == crate::rollout::StopReason::Cancelled) => {
