@@ -123,6 +123,31 @@ impl MpiWorld {
     }
 }
 
+impl MpiWorld {
+    /// Every process's `len`, by a nonblocking all-gather polled with short sleeps after a brief
+    /// spin. This is where a process that arrives first waits for the others (the data that
+    /// follows moves at full speed): waiting in MPI would spin on a core, and where processes
+    /// share cores (more ranks than cores, or a prefetch beside the compute) the spinning one
+    /// takes the time of those still computing.
+    fn all_gather_lens(&self, len: u64) -> Vec<u64> {
+        let mut lens = vec![0u64; self.size];
+        mpi::request::scope(|scope| {
+            let mut request = self.comm.0.immediate_all_gather_into(scope, &len, &mut lens[..]);
+            let start = std::time::Instant::now();
+            loop {
+                match request.test() {
+                    Ok(_) => break,
+                    Err(pending) => request = pending,
+                }
+                if start.elapsed() > std::time::Duration::from_micros(50) {
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+            }
+        });
+        lens
+    }
+}
+
 /// `len` zero bytes in an allocated buffer, also when `len` is 0: an empty `Vec`'s dangling
 /// pointer is 1, which Open MPI reads as `MPI_IN_PLACE` and refuses.
 fn zeroed(len: usize) -> Vec<u8> {
@@ -143,8 +168,7 @@ impl World for MpiWorld {
     fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         let _serial = serial();
         let world = &self.comm.0;
-        let mut lens = vec![0u64; self.size];
-        world.all_gather_into(&(bytes.len() as u64), &mut lens[..]);
+        let lens = self.all_gather_lens(bytes.len() as u64);
         let lens: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
         let mut out: Vec<Vec<u8>> = lens.iter().map(|&n| Vec::with_capacity(n)).collect();
         let bucket = self.bucket();
