@@ -2,8 +2,9 @@
 //! DeltaNet layer of Qwen3.5-0.8B's shape (16 key and 16 value heads of 128, conv kernel 4), f32,
 //! on B × T tokens (default 4 × 512): the layer's kernels between its projections as training
 //! runs them (`delta_net::forward` recorded, `delta_net::backward`), and the recurrence alone,
-//! token by token (`delta_net::recurrence`, the order training and decoding use) against the
-//! chunked WY form (`delta_net_chunked::forward`), a rayon task per (row, value head) for both.
+//! forward and backward, token by token (`delta_net::recurrence` and `recurrence_backward`, the
+//! order training and decoding use) against the chunked WY form (`delta_net_chunked`), a rayon
+//! task per (row, value head) for both.
 //! Repetitions alternate between the two orders, so a load change on a shared machine falls on
 //! both; prints one JSON line per measure (milliseconds, min and median).
 
@@ -71,24 +72,48 @@ fn run(threads: usize, reps: usize, rows: usize, t: usize) {
             [q, k, v, g, beta]
         })
         .collect();
-    let recurrence = |chunked: bool| -> (f64, f32) {
+    // One order's forward (keeping the state every 64 tokens, what its backward reads) and
+    // backward over every (row, value head); the milliseconds of each and a checksum.
+    let recurrence = |chunked: bool| -> (f64, f64, f32) {
+        let start = Instant::now();
+        let fwd: Vec<(Vec<f32>, f32)> = heads
+            .par_iter()
+            .map(|[q, k, v, g, beta]| {
+                let (mut s, mut o, mut kept) = (vec![0.0f32; dk * dv], vec![0.0f32; t * dv], vec![]);
+                if chunked {
+                    delta_net_chunked::forward_kept(&mut s, q, k, v, g, beta, &mut o, Some(&mut kept));
+                } else {
+                    for st in (0..t).step_by(64) {
+                        let e = (st + 64).min(t);
+                        kept.extend_from_slice(&s);
+                        let (qs, ks, vs) = (&q[st * dk..e * dk], &k[st * dk..e * dk], &v[st * dv..e * dv]);
+                        delta_net::recurrence(&mut s, qs, ks, vs, &g[st..e], &beta[st..e], &mut o[st * dv..e * dv]);
+                    }
+                }
+                (kept, o.iter().sum::<f32>())
+            })
+            .collect();
+        let forward_ms = start.elapsed().as_secs_f64() * 1e3;
         let start = Instant::now();
         let sums: Vec<f32> = heads
             .par_iter()
-            .map(|[q, k, v, g, beta]| {
-                let (mut s, mut o) = (vec![0.0f32; dk * dv], vec![0.0f32; t * dv]);
-                if chunked {
-                    delta_net_chunked::forward(&mut s, q, k, v, g, beta, &mut o);
+            .zip(&fwd)
+            .map(|([q, k, v, g, beta], (kept, o_sum))| {
+                let d_o = &v[..]; // any [t, dv] gradient; the same for both orders
+                let dq = if chunked {
+                    let mut d_s = vec![0.0f32; dk * dv];
+                    delta_net_chunked::backward(kept, q, k, v, g, beta, d_o, &mut d_s).q
                 } else {
-                    delta_net::recurrence(&mut s, q, k, v, g, beta, &mut o);
-                }
-                o.iter().sum::<f32>() + s.iter().sum::<f32>()
+                    delta_net::recurrence_backward(kept, q, k, v, g, beta, d_o).0
+                };
+                o_sum + dq.iter().sum::<f32>()
             })
             .collect();
-        (start.elapsed().as_secs_f64() * 1e3, sums.iter().sum())
+        (forward_ms, start.elapsed().as_secs_f64() * 1e3, sums.iter().sum())
     };
 
-    let (mut fwd, mut bwd, mut tok, mut chk) = (vec![], vec![], vec![], vec![]);
+    let (mut fwd, mut bwd) = (vec![], vec![]);
+    let (mut tok_f, mut tok_b, mut chk_f, mut chk_b) = (vec![], vec![], vec![], vec![]);
     let (mut sum_tok, mut sum_chk) = (0.0, 0.0);
     // One untimed pass of each warms the allocator and the caches.
     recurrence(false);
@@ -103,11 +128,13 @@ fn run(threads: usize, reps: usize, rows: usize, t: usize) {
         let g = delta_net::backward(&qkv, &z, &a, &b, &p, &rec, &d_out, dims);
         bwd.push(start.elapsed().as_secs_f64() * 1e3);
         std::hint::black_box(g);
-        let (ms, s) = recurrence(false);
-        tok.push(ms);
+        let (f, b, s) = recurrence(false);
+        tok_f.push(f);
+        tok_b.push(b);
         sum_tok = s;
-        let (ms, s) = recurrence(true);
-        chk.push(ms);
+        let (f, b, s) = recurrence(true);
+        chk_f.push(f);
+        chk_b.push(b);
         sum_chk = s;
     }
     let line = |name: &str, ms: Vec<f64>| {
@@ -120,13 +147,16 @@ fn run(threads: usize, reps: usize, rows: usize, t: usize) {
     };
     let f = line("layer_forward_recorded", fwd);
     let bk = line("layer_backward", bwd);
-    let tk = line("recurrence_token_by_token", tok);
-    let ch = line("recurrence_chunked", chk);
+    let (tf, tb) =
+        (line("recurrence_token_by_token_forward", tok_f), line("recurrence_token_by_token_backward", tok_b));
+    let (cf, cb) = (line("recurrence_chunked_forward", chk_f), line("recurrence_chunked_backward", chk_b));
     eprintln!(
-        "recurrence: token by token / chunked = {:.2}x; token-by-token recurrence = {:.0} % of the layer's \
-         forward; layer forward + backward = {:.0} ms (outputs' sums {sum_tok:.3} / {sum_chk:.3})",
-        tk / ch,
-        100.0 * tk / f,
+        "medians: token by token / chunked = {:.2}x forward, {:.2}x backward, {:.2}x both; the token-by-token \
+         recurrence = {:.0} % of the layer's forward + backward ({:.0} ms); checksums {sum_tok:.3} / {sum_chk:.3}",
+        tf / cf,
+        tb / cb,
+        (tf + tb) / (cf + cb),
+        100.0 * (tf + tb) / (f + bk),
         f + bk
     );
 }

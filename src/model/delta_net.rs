@@ -15,7 +15,11 @@
 //! and in the engine's prefill and decode (where S and the last K−1 conv inputs are the state a
 //! row carries instead of a KV cache), so a sampled token's log-prob is the trainer's bits. It
 //! is what transformers' recurrent kernel computes; its chunked training kernel sums in another
-//! order (float-close, not equal). A masked (padding) token is skipped: it leaves the state and
+//! order (float-close, not equal). That chunked (WY) order, [`super::delta_net_chunked`], is much
+//! faster on the CPU, the backward above all (gemms over 64-token chunks, where this order reads
+//! and writes the whole state several times per token); it is kept beside this one for tests and
+//! measurement only, since a decode would have to reproduce its chunks to keep the trainer's bits
+//! (BENCHMARKS.md, Qwen3.5, has what this order costs the training step). A masked (padding) token is skipped: it leaves the state and
 //! the conv history as they were and outputs zeros (for left padding, what transformers' zeroed
 //! inputs give).
 //!
@@ -269,6 +273,113 @@ pub fn recurrence<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: &[T], beta
     }
 }
 
+/// The backward of [`recurrence`] from a zero state, as training runs it: `kept` holds S before
+/// every [`CHECKPOINT`]-th token (the recorded forward's); per chunk, last first, the chunk's
+/// states are recomputed from its checkpoint (the forward's bits) and walked back. Returns dq,
+/// dk [n, dk], dv [n, dv], dg and dβ [n] for the outputs' gradient `d_o` [n, dv].
+#[allow(clippy::type_complexity)]
+pub fn recurrence_backward<T: Real>(
+    kept: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    g: &[T],
+    beta: &[T],
+    d_o: &[T],
+) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
+    let n = g.len();
+    let (dk, dv) = (q.len() / n.max(1), v.len() / n.max(1));
+    let (mut dq, mut dk_, mut dvv) = (vec![T::of(0.0); n * dk], vec![T::of(0.0); n * dk], vec![T::of(0.0); n * dv]);
+    let (mut dg, mut dbeta) = (vec![T::of(0.0); n], vec![T::of(0.0); n]);
+    let ss = dk * dv;
+    let mut ds = vec![T::of(0.0); ss];
+    let (mut kv, mut scratch) = (vec![T::of(0.0); dv], vec![T::of(0.0); dv]);
+    let (mut m, mut ddelta, mut dm) = (vec![T::of(0.0); dv], vec![T::of(0.0); dv], vec![T::of(0.0); dv]);
+    let mut sd = vec![T::of(0.0); ss];
+    let chunks = n.div_ceil(CHECKPOINT);
+    for ch in (0..chunks).rev() {
+        let start = ch * CHECKPOINT;
+        let len = CHECKPOINT.min(n - start);
+        // states[i] = S before token start + i; states[len] = after the last.
+        let mut states = Vec::with_capacity((len + 1) * ss);
+        states.extend_from_slice(&kept[ch * ss..(ch + 1) * ss]);
+        let mut s = states.clone();
+        for i in 0..len {
+            let ti = start + i;
+            let q = &q[ti * dk..][..dk];
+            let k = &k[ti * dk..][..dk];
+            let v = &v[ti * dv..][..dv];
+            step(&mut s, q, k, v, g[ti], beta[ti], &mut scratch, &mut kv);
+            states.extend_from_slice(&s);
+        }
+        for i in (0..len).rev() {
+            let ti = start + i;
+            let q = &q[ti * dk..][..dk];
+            let k = &k[ti * dk..][..dk];
+            let v = &v[ti * dv..][..dv];
+            let (g, beta) = (g[ti], beta[ti]);
+            let s_prev = &states[i * ss..(i + 1) * ss];
+            let s_t = &states[(i + 1) * ss..(i + 2) * ss];
+            let dout = &d_o[ti * dv..][..dv];
+            let decay = g.exp();
+            // Recomputed as the forward did: Sd = e^g S₋, m = Sdᵀk, δ = β(v − m).
+            m.fill(T::of(0.0));
+            for ((sdr, spr), &ki) in sd.chunks_mut(dv).zip(s_prev.chunks(dv)).zip(k) {
+                for ((x, &y), mj) in sdr.iter_mut().zip(spr).zip(m.iter_mut()) {
+                    *x = y * decay;
+                    *mj += *x * ki;
+                }
+            }
+            // dS += q doᵀ; dq = S_t do.
+            let dqi = &mut dq[ti * dk..(ti + 1) * dk];
+            for (i2, (dsr, str_)) in ds.chunks_mut(dv).zip(s_t.chunks(dv)).enumerate() {
+                let qi = q[i2];
+                let mut acc = T::of(0.0);
+                for ((x, &sv), &dj) in dsr.iter_mut().zip(str_).zip(dout) {
+                    *x += qi * dj;
+                    acc += sv * dj;
+                }
+                dqi[i2] = acc;
+            }
+            // dk = dS δ; dδ = dSᵀk.
+            ddelta.fill(T::of(0.0));
+            let dki = &mut dk_[ti * dk..(ti + 1) * dk];
+            for (i2, dsr) in ds.chunks(dv).enumerate() {
+                let ki = k[i2];
+                let mut acc = T::of(0.0);
+                for (j, &x) in dsr.iter().enumerate() {
+                    acc += x * (beta * (v[j] - m[j]));
+                    ddelta[j] += x * ki;
+                }
+                dki[i2] = acc;
+            }
+            let mut db = T::of(0.0);
+            let dvi = &mut dvv[ti * dv..(ti + 1) * dv];
+            for j in 0..dv {
+                dvi[j] = beta * ddelta[j];
+                db += ddelta[j] * (v[j] - m[j]);
+                dm[j] = T::of(0.0) - beta * ddelta[j];
+            }
+            dbeta[ti] = db;
+            // dSd = dS + k dmᵀ; dk += Sd dm; dg = Σ dSd ⊙ Sd; dS₋ = e^g dSd.
+            let mut dgi = T::of(0.0);
+            for (i2, (dsr, sdr)) in ds.chunks_mut(dv).zip(sd.chunks(dv)).enumerate() {
+                let ki = k[i2];
+                let mut acc = T::of(0.0);
+                for ((x, &y), &dmj) in dsr.iter_mut().zip(sdr).zip(dm.iter()) {
+                    *x += ki * dmj;
+                    acc += y * dmj;
+                    dgi += *x * y;
+                    *x *= decay;
+                }
+                dki[i2] += acc;
+            }
+            dg[ti] = dgi;
+        }
+    }
+    (dq, dk_, dvv, dg, dbeta)
+}
+
 /// Per real token of one row: the normalised, scaled q [nk·dk], normalised k [nk·dk], v (a view
 /// of the activations), g [nv] and β [nv], from the conv outputs before the SiLU.
 struct Gates<T> {
@@ -495,100 +606,18 @@ pub fn backward<T: Real>(
             let (r, h) = (idx / nv, idx % nv);
             let gt = &row_gates[r];
             let real = &rec.real[r];
-            let n = real.len();
             let kh = h / group;
-            let (mut dq, mut dk_, mut dvv) =
-                (vec![T::of(0.0); n * dk], vec![T::of(0.0); n * dk], vec![T::of(0.0); n * dv]);
-            let (mut dg, mut dbeta) = (vec![T::of(0.0); n], vec![T::of(0.0); n]);
-            let kept = &rec.checkpoints[idx];
-            let ss = dk * dv;
-            let mut ds = vec![T::of(0.0); ss];
-            let (mut kv, mut scratch) = (vec![T::of(0.0); dv], vec![T::of(0.0); dv]);
-            let (mut m, mut ddelta, mut dm) = (vec![T::of(0.0); dv], vec![T::of(0.0); dv], vec![T::of(0.0); dv]);
-            let mut sd = vec![T::of(0.0); ss];
-            let chunks = n.div_ceil(CHECKPOINT);
-            for ch in (0..chunks).rev() {
-                let start = ch * CHECKPOINT;
-                let len = CHECKPOINT.min(n - start);
-                // states[i] = S before token start + i; states[len] = after the last.
-                let mut states = Vec::with_capacity((len + 1) * ss);
-                states.extend_from_slice(&kept[ch * ss..(ch + 1) * ss]);
-                let mut s = states.clone();
-                for i in 0..len {
-                    let ti = start + i;
-                    let q = &gt.q[ti * kd + kh * dk..][..dk];
-                    let k = &gt.k[ti * kd + kh * dk..][..dk];
-                    let v = &gt.act[ti * cd + 2 * kd + h * dv..][..dv];
-                    step(&mut s, q, k, v, gt.g[ti * nv + h], gt.beta[ti * nv + h], &mut scratch, &mut kv);
-                    states.extend_from_slice(&s);
-                }
-                for i in (0..len).rev() {
-                    let ti = start + i;
-                    let tok = real[ti];
-                    let q = &gt.q[ti * kd + kh * dk..][..dk];
-                    let k = &gt.k[ti * kd + kh * dk..][..dk];
-                    let v = &gt.act[ti * cd + 2 * kd + h * dv..][..dv];
-                    let (g, beta) = (gt.g[ti * nv + h], gt.beta[ti * nv + h]);
-                    let s_prev = &states[i * ss..(i + 1) * ss];
-                    let s_t = &states[(i + 1) * ss..(i + 2) * ss];
-                    let dout = &d_o[(r * t + tok) * vd + h * dv..][..dv];
-                    let decay = g.exp();
-                    // Recomputed as the forward did: Sd = e^g S₋, m = Sdᵀk, δ = β(v − m).
-                    m.fill(T::of(0.0));
-                    for ((sdr, spr), &ki) in sd.chunks_mut(dv).zip(s_prev.chunks(dv)).zip(k) {
-                        for ((x, &y), mj) in sdr.iter_mut().zip(spr).zip(m.iter_mut()) {
-                            *x = y * decay;
-                            *mj += *x * ki;
-                        }
-                    }
-                    // dS += q doᵀ; dq = S_t do.
-                    let dqi = &mut dq[ti * dk..(ti + 1) * dk];
-                    for (i2, (dsr, str_)) in ds.chunks_mut(dv).zip(s_t.chunks(dv)).enumerate() {
-                        let qi = q[i2];
-                        let mut acc = T::of(0.0);
-                        for ((x, &sv), &dj) in dsr.iter_mut().zip(str_).zip(dout) {
-                            *x += qi * dj;
-                            acc += sv * dj;
-                        }
-                        dqi[i2] = acc;
-                    }
-                    // dk = dS δ; dδ = dSᵀk.
-                    ddelta.fill(T::of(0.0));
-                    let dki = &mut dk_[ti * dk..(ti + 1) * dk];
-                    for (i2, dsr) in ds.chunks(dv).enumerate() {
-                        let ki = k[i2];
-                        let mut acc = T::of(0.0);
-                        for (j, &x) in dsr.iter().enumerate() {
-                            acc += x * (beta * (v[j] - m[j]));
-                            ddelta[j] += x * ki;
-                        }
-                        dki[i2] = acc;
-                    }
-                    let mut db = T::of(0.0);
-                    let dvi = &mut dvv[ti * dv..(ti + 1) * dv];
-                    for j in 0..dv {
-                        dvi[j] = beta * ddelta[j];
-                        db += ddelta[j] * (v[j] - m[j]);
-                        dm[j] = T::of(0.0) - beta * ddelta[j];
-                    }
-                    dbeta[ti] = db;
-                    // dSd = dS + k dmᵀ; dk += Sd dm; dg = Σ dSd ⊙ Sd; dS₋ = e^g dSd.
-                    let mut dgi = T::of(0.0);
-                    for (i2, (dsr, sdr)) in ds.chunks_mut(dv).zip(sd.chunks(dv)).enumerate() {
-                        let ki = k[i2];
-                        let mut acc = T::of(0.0);
-                        for ((x, &y), &dmj) in dsr.iter_mut().zip(sdr).zip(dm.iter()) {
-                            *x += ki * dmj;
-                            acc += y * dmj;
-                            dgi += *x * y;
-                            *x *= decay;
-                        }
-                        dki[i2] += acc;
-                    }
-                    dg[ti] = dgi;
-                }
-            }
-            (dq, dk_, dvv, dg, dbeta)
+            // The head's inputs gathered contiguous (a copy the size of the activations, small
+            // beside the recurrence's dk·dv per token).
+            let gather = |src: &[T], stride: usize, off: usize, len: usize| -> Vec<T> {
+                (0..real.len()).flat_map(|i| src[i * stride + off..][..len].iter().copied()).collect()
+            };
+            let (q, k) = (gather(&gt.q, kd, kh * dk, dk), gather(&gt.k, kd, kh * dk, dk));
+            let v = gather(&gt.act, cd, 2 * kd + h * dv, dv);
+            let (g, beta) = (gather(&gt.g, nv, h, 1), gather(&gt.beta, nv, h, 1));
+            let dout: Vec<T> =
+                real.iter().flat_map(|&tok| d_o[(r * t + tok) * vd + h * dv..][..dv].iter().copied()).collect();
+            recurrence_backward(&rec.checkpoints[idx], &q, &k, &v, &g, &beta, &dout)
         })
         .collect();
 
