@@ -38,6 +38,6 @@ pub use env_config::EnvConfig;
 pub use factory::{EnvBuilder, EnvFactory, REWARD_FUNCTION};
 pub use prompts::{load_prompts, load_prompts_for, PromptOptions, PromptRow, PromptSet};
 pub use protocol::{messages_to_json, run_episode, Env, Message, Outcome, PendingStep, Step, Transcript};
-pub use reward_config::{CustomFunction, OnError, RewardConfig};
 pub use registry::{make_env, try_make_env, EnvError, ENV_NAMES};
+pub use reward_config::{CustomFunction, OnError, RewardConfig};
 pub use sequence::{build_sequence, Segment, Source, TrainingSequence};

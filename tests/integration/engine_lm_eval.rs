@@ -91,7 +91,8 @@ fn score(model: &Path, seqs: &[Vec<u32>]) -> Vec<Vec<Option<f64>>> {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("in.jsonl");
     std::fs::write(&input, seqs.iter().map(|s| json!({"tokens": s}).to_string() + "\n").collect::<String>()).unwrap();
-    let out = common::oxrl_command().arg("score").arg("--model").arg(model).arg("--input").arg(&input).output().unwrap();
+    let out =
+        common::oxrl_command().arg("score").arg("--model").arg(model).arg("--input").arg(&input).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout)
         .unwrap()

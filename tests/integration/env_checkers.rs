@@ -228,7 +228,10 @@ fn arithmetic_rewards() {
     let mut env = make_env("arithmetic", &row, &cfg).unwrap();
     assert!(matches!(env.step("80").unwrap(), Step::Done(o) if o.reward == 0.1));
     let mut env = make_env("arithmetic", &row, &cfg).unwrap();
-    assert!(matches!(env.step("it is 80").unwrap(), Step::Done(o) if o.reward == 0.0), "format reward needs a bare integer");
+    assert!(
+        matches!(env.step("it is 80").unwrap(), Step::Done(o) if o.reward == 0.0),
+        "format reward needs a bare integer"
+    );
     let string_answer = json!({"prompt": "What is 5 - 9?", "answer": "-4"});
     assert_eq!(reward("arithmetic", string_answer, "-4"), 1.0);
 }

@@ -68,7 +68,16 @@ fn a_rows_max_tokens_caps_each_of_its_turns() {
     let tok = Tokenizer::from_dir(tmp.path()).unwrap();
     let script = Script { tok: Tokenizer::from_dir(tmp.path()).unwrap(), calls: RefCell::new(vec![]) };
     let cfg = EnvConfig { max_turns: 3, max_turn_tokens: 32, ..Default::default() };
-    let episodes = generate_episodes(&script, &tok, &set.rows, &EnvFactory::builtin(cfg.clone()), &SamplingParams::default(), 1, 0).unwrap();
+    let episodes = generate_episodes(
+        &script,
+        &tok,
+        &set.rows,
+        &EnvFactory::builtin(cfg.clone()),
+        &SamplingParams::default(),
+        1,
+        0,
+    )
+    .unwrap();
     assert!(episodes.iter().all(|e| e.turns == 2), "two turns each");
     // First turns in prompt order, then the second turns in episode order.
     let got: Vec<usize> = script.calls.borrow().iter().map(|c| c.params.max_tokens).collect();

@@ -9,8 +9,8 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 use oxrl::model::{lora, Transformer};
-use oxrl::trainer::RlConfig;
 use oxrl::trainer::run_dir::EXPORT_DIR;
+use oxrl::trainer::RlConfig;
 use serde_json::Value;
 
 /// `oxrl init-model --arch qwen3_5` of a tiny hybrid: DeltaNet, DeltaNet, full attention.

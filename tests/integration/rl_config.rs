@@ -394,9 +394,8 @@ fn keys_of_the_other_mode_are_refused_by_name() {
     // Defaults written out (as in a run's config.toml) load in either mode.
     let d = RlConfig::default();
     for mode in ["sync", "async"] {
-        assert!(
-            load(&d.to_toml().unwrap().replacen("path = \"\"", "path = \"m\"", 1), &[&format!("mode=\"{mode}\"")]).is_ok()
-        );
+        assert!(load(&d.to_toml().unwrap().replacen("path = \"\"", "path = \"m\"", 1), &[&format!("mode=\"{mode}\"")])
+            .is_ok());
     }
     // In a file, the error names the file.
     let e = load_err("[model]\npath = \"m\"\n[async_rl]\nmax_staleness = 3\n", &[], &["async_rl.max_staleness"]);

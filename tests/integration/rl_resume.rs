@@ -72,7 +72,9 @@ fn sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run() {
             .map(|l| {
                 let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
                 // Timings differ run to run; everything else must not.
-                v.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time_") && k != "samples_per_s" && k != "peak_rss_gb");
+                v.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| !k.starts_with("time_") && k != "samples_per_s" && k != "peak_rss_gb");
                 v
             })
             .collect()
