@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, Var};
 
+pub mod golden_checks;
+
 pub const ARCHS: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
 /// The dense families' fixtures (`ARCHS`), and the 2026 families' (`qwen3_5`).
