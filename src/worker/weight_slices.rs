@@ -172,9 +172,9 @@ impl WeightSlices {
         self.settle(None)?;
         for unit in forward_units(self.layers) {
             let Some(u) = self.units.get(&unit) else { continue };
-            let got = self.ex.gather_owned(mine(u, self.rank), &u.sizes, None)?;
-            if fill {
-                fill_from(u, self.rank, got)?;
+            match fill {
+                true => fetch(&*self.ex, u, self.rank)?,
+                false => drop(self.ex.gather_owned(mine(u, self.rank), &u.sizes, None)?),
             }
         }
         Ok(())

@@ -1,10 +1,53 @@
 //! Checks every 2026 model family runs against its transformers fixture in the same way: the
-//! engine's greedy tokens, and the worker's cross-entropy step followed by one AdamW step.
+//! golden batch's log-probs, the tape's loss and gradients, the engine's greedy tokens, and the
+//! worker's cross-entropy step followed by one AdamW step.
 
 use candle_core::{DType, Device, Tensor};
+use oxrl::model::logprobs::target_logprobs;
+use oxrl::model::tape::Tape;
 use oxrl::model::Transformer;
 
-use super::{fixture_dir, max_abs_diff, Golden};
+use super::{fixture_dir, masked, max_abs_diff, real_rows, Batch, Golden};
+
+/// Target log-probs [3, T] of the golden batch, 0 where not valid.
+pub fn golden_logprobs(m: &Transformer, b: &Batch) -> Tensor {
+    let logits = m.forward(&b.ids, &b.positions, &b.mask, None).unwrap();
+    let targets = Tensor::new(b.targets.concat(), &Device::Cpu).unwrap().reshape((3, ())).unwrap();
+    masked(&target_logprobs(&logits, &targets).unwrap(), &b.valid)
+}
+
+/// The golden loss Σ −log p · w of `arch`'s fixture through the tape in `dtype`: the loss and
+/// every parameter's gradient by name (a tied embedding's two parts, the head's and the
+/// gather's, summed).
+pub fn tape_loss_and_gradients(arch: &str, dtype: DType) -> (f64, Vec<(String, Tensor)>) {
+    let b = Golden::load(arch).batch();
+    let mut m = Transformer::load(&fixture_dir(arch), dtype, &Device::Cpu).unwrap();
+    let vars = m.make_trainable().unwrap();
+    let (rows, targets) = real_rows(&b);
+    let mut tape = Tape::forward(&m, &b.ids, &b.positions, &b.mask, true).unwrap();
+    let lp = tape.logprobs(&rows, &targets).unwrap();
+    let t = b.ids[0].len();
+    let w: Vec<f64> = rows.iter().map(|&i| b.weights[i as usize / t][i as usize % t] as f64).collect();
+    let w = Tensor::new(w, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+    let loss = (&lp * &w).unwrap().neg().unwrap().sum_all().unwrap();
+    let grads = tape.backward(&loss.backward().unwrap()).unwrap();
+    let named = vars
+        .iter()
+        .map(|(name, var)| {
+            let parts: Vec<&Tensor> =
+                grads.iter().filter(|(p, _)| p.id() == var.as_tensor().id()).map(|(_, g)| g).collect();
+            assert!(!parts.is_empty(), "no gradient for {name}");
+            let sum = parts[1..].iter().fold(parts[0].clone(), |a, g| (a + *g).unwrap());
+            (name.clone(), sum)
+        })
+        .collect();
+    (loss.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), named)
+}
+
+/// The gradient of parameter `name` in [`tape_loss_and_gradients`]'s list.
+pub fn grad_of<'a>(grads: &'a [(String, Tensor)], name: &str) -> &'a Tensor {
+    &grads.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no param {name}")).1
+}
 
 /// The engine's greedy decode of `arch`'s fixture model (`load`: a fresh copy) gives
 /// transformers' 12 greedy tokens, in the core and on the engine thread.

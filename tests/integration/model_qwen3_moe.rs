@@ -6,8 +6,8 @@
 use crate::common;
 
 use candle_core::{DType, Device, Tensor};
+use common::golden_checks::{golden_logprobs, grad_of, tape_loss_and_gradients};
 use common::*;
-use oxrl::model::logprobs::target_logprobs;
 use oxrl::model::lora;
 use oxrl::model::tape::Tape;
 use oxrl::model::Transformer;
@@ -16,13 +16,6 @@ const ARCH: &str = "qwen3_moe";
 
 fn load() -> Transformer {
     Transformer::load(&fixture_dir(ARCH), DType::F32, &Device::Cpu).unwrap()
-}
-
-/// Target log-probs [3, T] of the golden batch, 0 where not valid.
-fn golden_logprobs(m: &Transformer, b: &Batch) -> Tensor {
-    let logits = m.forward(&b.ids, &b.positions, &b.mask, None).unwrap();
-    let targets = Tensor::new(b.targets.concat(), &Device::Cpu).unwrap().reshape((3, ())).unwrap();
-    masked(&target_logprobs(&logits, &targets).unwrap(), &b.valid)
 }
 
 #[test]
@@ -39,40 +32,12 @@ fn qwen3_moe_logprobs_and_last_logits_match_transformers() {
     assert!(err < 1e-4, "last logits differ by {err}");
 }
 
-/// The golden loss Σ −log p · w through the tape in `dtype`: the loss and every parameter's
-/// gradient by name.
-fn tape_loss_and_gradients(dtype: DType) -> (f64, Vec<(String, Tensor)>) {
-    let b = Golden::load(ARCH).batch();
-    let mut m = Transformer::load(&fixture_dir(ARCH), dtype, &Device::Cpu).unwrap();
-    let vars = m.make_trainable().unwrap();
-    let (rows, targets) = real_rows(&b);
-    let mut tape = Tape::forward(&m, &b.ids, &b.positions, &b.mask, true).unwrap();
-    let lp = tape.logprobs(&rows, &targets).unwrap();
-    let t = b.ids[0].len();
-    let w: Vec<f64> = rows.iter().map(|&i| b.weights[i as usize / t][i as usize % t] as f64).collect();
-    let w = Tensor::new(w, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
-    let loss = (&lp * &w).unwrap().neg().unwrap().sum_all().unwrap();
-    let grads = tape.backward(&loss.backward().unwrap()).unwrap();
-    let named = vars
-        .iter()
-        .map(|(name, var)| {
-            let g = grads.iter().find(|(p, _)| p.id() == var.as_tensor().id());
-            (name.clone(), g.unwrap_or_else(|| panic!("no gradient for {name}")).1.clone())
-        })
-        .collect();
-    (loss.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), named)
-}
-
-fn grad_of<'a>(grads: &'a [(String, Tensor)], name: &str) -> &'a Tensor {
-    &grads.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no param {name}")).1
-}
-
 /// The tape's loss and gradients against the fixture's (the router's, q_proj, the final norm
 /// and lm_head within 1e-4 relative), and the f32 tape against the f64 one on every parameter.
 #[test]
 fn qwen3_moe_tape_gradients_match_transformers() {
     let g = Golden::load(ARCH);
-    let (loss, grads) = tape_loss_and_gradients(DType::F32);
+    let (loss, grads) = tape_loss_and_gradients(ARCH, DType::F32);
     let golden_loss = g.get("loss").to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()[0];
     assert!((loss - golden_loss).abs() < 1e-4 * golden_loss.abs().max(1.0), "loss {loss} vs {golden_loss}");
     let mut checked = 0;
@@ -85,7 +50,7 @@ fn qwen3_moe_tape_gradients_match_transformers() {
     assert!(checked >= 4, "only {checked} gradients checked");
     let router = grad_of(&grads, "model.layers.1.mlp.gate.weight");
     assert!(router.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "no router gradient");
-    let (_, grads64) = tape_loss_and_gradients(DType::F64);
+    let (_, grads64) = tape_loss_and_gradients(ARCH, DType::F64);
     for (name, g) in &grads {
         let err = rel_err(g, grad_of(&grads64, name));
         let zero = grad_of(&grads64, name).abs().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap() == 0.0;
@@ -108,7 +73,7 @@ fn qwen3_moe_router_and_expert_gradients_match_finite_differences() {
         (&lp * &w).unwrap().neg().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
     };
     let base = Transformer::load(&fixture_dir(ARCH), DType::F64, &Device::Cpu).unwrap();
-    let (_, grads) = tape_loss_and_gradients(DType::F64);
+    let (_, grads) = tape_loss_and_gradients(ARCH, DType::F64);
     let params = base.named_params();
     for (name, index) in [
         ("model.layers.0.mlp.gate.weight", 3),
