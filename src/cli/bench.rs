@@ -326,8 +326,7 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
     let params = workloads::adam_params();
     let mut losses = vec![];
     let ms = measure_ms(1, a.reps, || {
-        let out = dispatch.forward_backward(POLICY, &datums, Some(&loss), false)?;
-        dispatch.optim_step(POLICY, &params)?;
+        let (out, _) = dispatch.forward_backward_step(POLICY, &datums, &loss, false, &params)?;
         losses.push(out.metrics.value("loss:sum").unwrap_or(f64::NAN));
         Ok(())
     })?;

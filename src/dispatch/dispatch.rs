@@ -29,7 +29,7 @@ use crate::algo::Loss;
 use crate::handle::Handle;
 use crate::locks::{lock, read, write};
 use crate::model::{SamplerWeights, Transformer};
-use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, Worker};
+use crate::worker::{AdamParams, Datum, ForwardBackwardOutput, Sharding, Worker};
 use crate::{Error, Result};
 
 #[derive(Default)]
@@ -60,13 +60,20 @@ impl Dispatch {
         if read(&self.models).contains_key(id) {
             return Err(Error::input(format!("model `{id}` already exists")));
         }
-        let base = if spec.worker.lora.is_some() {
-            self.bases.acquire(id, &spec.model_dir, spec.dtype, &spec.device)?
-        } else {
-            Transformer::load(&spec.model_dir, spec.dtype, &spec.device)?
-        };
         let config = spec.worker.clone();
-        let build: BuildWorker = Arc::new(move |_| Worker::new(base.clone(), config.clone()));
+        let build: BuildWorker = if spec.worker.lora.is_some() && spec.worker.sharding == Sharding::Full {
+            // Each rank slices the frozen base, releasing the weights it does not keep in place: it
+            // loads a base of its own, since a shared one would be released under the others.
+            let (dir, dtype, device) = (spec.model_dir.clone(), spec.dtype, spec.device.clone());
+            Arc::new(move |_| Worker::new(Transformer::load(&dir, dtype, &device)?, config.clone()))
+        } else {
+            let base = if spec.worker.lora.is_some() {
+                self.bases.acquire(id, &spec.model_dir, spec.dtype, &spec.device)?
+            } else {
+                Transformer::load(&spec.model_dir, spec.dtype, &spec.device)?
+            };
+            Arc::new(move |_| Worker::new(base.clone(), config.clone()))
+        };
         let mut residency = lock(&self.residency);
         let made = WorkerGroup::new(id, spec.mesh, spec.threads, build);
         let group = match made {
@@ -253,6 +260,24 @@ impl Dispatch {
 
     pub fn optim_step(&self, id: &str, params: &AdamParams) -> Result<f64> {
         self.submit_optim_step(id, params).wait()
+    }
+
+    /// One optimizer step on `batch`: forward_backward, then optim_step with `params`; returns
+    /// the forward_backward's output and the gradient norm. Under `sharding = "full"` the
+    /// gradients may then be summed to their owners during the backward (see
+    /// [`Worker::forward_backward_for_step`]), which a lone forward_backward cannot do, not
+    /// knowing whether more gradients follow before the step.
+    pub fn forward_backward_step(
+        &self,
+        id: &str,
+        batch: &[Datum],
+        loss: &Loss,
+        per_token: bool,
+        params: &AdamParams,
+    ) -> Result<(ForwardBackwardOutput, f64)> {
+        let fb = self.on_model(id, Parts::ALL, |g| g.submit_forward_backward_for_step(batch, Some(loss), per_token));
+        let out = fb.wait()?;
+        Ok((out, self.optim_step(id, params)?))
     }
 
     pub fn save_state(&self, id: &str, dir: &Path) -> Result<()> {

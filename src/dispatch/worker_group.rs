@@ -169,6 +169,15 @@ fn local_dp_ranks(shape: &MeshShape, process: usize, processes: usize) -> Result
     Ok(process * per..(process + 1) * per)
 }
 
+/// Which pass a mesh call runs on each rank's chunk.
+#[derive(Clone, Copy)]
+enum Pass {
+    Forward,
+    Backward,
+    /// A backward whose gradients the next call's optimizer step applies.
+    BackwardForStep,
+}
+
 impl WorkerGroup {
     /// Starts one actor per mesh coordinate, each with `threads` tensor-math threads (0: one
     /// per core), and builds its worker there.
@@ -301,7 +310,18 @@ impl WorkerGroup {
         loss: Option<&Loss>,
         per_token: bool,
     ) -> Handle<ForwardBackwardOutput> {
-        self.submit_mesh(batch, loss, per_token, true)
+        self.submit_mesh(batch, loss, per_token, Pass::Backward)
+    }
+
+    /// [`WorkerGroup::submit_forward_backward`] whose gradients the next call, the optimizer
+    /// step, applies ([`Worker::forward_backward_for_step`]).
+    pub fn submit_forward_backward_for_step(
+        &self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        per_token: bool,
+    ) -> Handle<ForwardBackwardOutput> {
+        self.submit_mesh(batch, loss, per_token, Pass::BackwardForStep)
     }
 
     /// `mesh` dispatch of forward (no gradients); the same arguments as forward_backward.
@@ -311,7 +331,7 @@ impl WorkerGroup {
         loss: Option<&Loss>,
         per_token: bool,
     ) -> Handle<ForwardBackwardOutput> {
-        self.submit_mesh(batch, loss, per_token, false)
+        self.submit_mesh(batch, loss, per_token, Pass::Forward)
     }
 
     fn submit_mesh(
@@ -319,7 +339,7 @@ impl WorkerGroup {
         batch: &[Datum],
         loss: Option<&Loss>,
         per_token: bool,
-        backward: bool,
+        pass: Pass,
     ) -> Handle<ForwardBackwardOutput> {
         let split = match pad_and_split(batch, self.shape.dp, padding_datum) {
             Ok(s) => s,
@@ -329,10 +349,10 @@ impl WorkerGroup {
         let loss = loss.cloned();
         self.submit_collected(split.real, move |s| {
             let chunk = &chunks[s.info.dp_rank];
-            if backward {
-                s.worker.forward_backward(chunk, loss.as_ref(), per_token)
-            } else {
-                s.worker.forward(chunk, loss.as_ref(), per_token)
+            match pass {
+                Pass::Forward => s.worker.forward(chunk, loss.as_ref(), per_token),
+                Pass::Backward => s.worker.forward_backward(chunk, loss.as_ref(), per_token),
+                Pass::BackwardForStep => s.worker.forward_backward_for_step(chunk, loss.as_ref(), per_token),
             }
         })
     }
@@ -460,6 +480,10 @@ impl WorkerGroup {
             let (dir, write) = (dir.to_path_buf(), crate::world::is_writer());
             return self.submit_unit(move |s| {
                 let here = write && s.local_rank == 0 && s.info.collect;
+                if s.worker.config().lora.is_some() && !merge_lora {
+                    // The adapters alone, which every rank holds whole.
+                    return if here { s.worker.export(&dir, false) } else { Ok(()) };
+                }
                 s.worker.with_whole_weights(here, |w| w.export(&dir, merge_lora))
             });
         }

@@ -65,6 +65,12 @@ pub fn backward_units(layers: usize) -> Vec<Unit> {
     std::iter::once(Unit::Head).chain((0..layers).rev().map(Unit::Layer)).collect()
 }
 
+/// The units whose gradients a backward produces, in order: the backward's walk, then the
+/// embedding (its gradient is a scatter of the first layer's, reading no weight).
+pub fn gradient_units(layers: usize) -> Vec<Unit> {
+    backward_units(layers).into_iter().chain([Unit::Embed]).collect()
+}
+
 /// Gathers and releases each of `units` without reading them: the part a rank with no data plays
 /// in the others' forward or backward.
 pub fn walk(gate: &dyn UnitGather, units: &[Unit]) -> Result<()> {

@@ -30,6 +30,7 @@ pub mod rng;
 pub mod schedule;
 mod sharded_step;
 pub mod sharding;
+mod unit_reduce;
 pub mod value_head;
 mod weight_slices;
 #[allow(clippy::module_inception)] // `Worker` in worker.rs: the file named for what it holds

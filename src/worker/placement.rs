@@ -50,7 +50,8 @@ impl Worker {
     /// Parameters without a gradient contribute zeros, so every rank passes the same shapes.
     pub fn reduce_gradients(&mut self, reduce: impl FnOnce(Vec<Tensor>) -> Result<Vec<Tensor>>) -> Result<()> {
         self.check_resident()?;
-        let local = self.take_local_gradients()?;
+        let all: Vec<usize> = (0..self.params.len()).collect();
+        let local = self.take_local_gradients(&all)?;
         let reduced = reduce(local)?;
         if reduced.len() != self.params.len() {
             return Err(Error::Other(format!(
@@ -77,14 +78,27 @@ impl Worker {
 
     /// Bytes of trainable parameters, gradients and moments the worker holds on its device.
     pub fn resident_bytes(&self) -> usize {
-        let grads: usize = self.grads.iter().flatten().map(bytes).sum();
-        self.param_bytes() + grads + self.optimizer_bytes()
+        self.param_bytes() + self.gradient_bytes() + self.optimizer_bytes()
     }
 
     /// Bytes of trainable parameters the worker holds (under `full` sharding, the weights it
     /// keeps; the others are released between gathers).
     pub fn param_bytes(&self) -> usize {
         self.params.iter().map(|(_, v)| crate::model::sharded_weights::held_bytes(v.as_tensor())).sum()
+    }
+
+    /// Bytes of the model's base weights this rank holds, trained or frozen (under `full`, its
+    /// slice of them, a LoRA model's frozen base included).
+    pub fn weight_bytes(&self) -> usize {
+        self.model.named_params().iter().map(|(_, t)| crate::model::sharded_weights::held_bytes(t)).sum()
+    }
+
+    /// Bytes of gradients the worker holds: its accumulators and, while a backward's gradients
+    /// are summed to their owners ([`super::unit_reduce`]), the sums it owns.
+    pub fn gradient_bytes(&self) -> usize {
+        let accumulated: usize = self.grads.iter().flatten().map(bytes).sum();
+        let summed: usize = self.unit_reduce.iter().flat_map(|u| u.summed.iter().flatten()).map(bytes).sum();
+        accumulated + summed
     }
 
     /// Bytes of optimizer state the worker holds: AdamW moments and f32 master weights (under

@@ -100,11 +100,12 @@ impl Worker {
     pub fn sampler_weights_gathered(&self, keep: bool) -> Result<Option<SamplerWeights>> {
         self.check_resident()?;
         match &self.slices {
-            None => keep.then(|| self.sampler_weights()).transpose(),
-            Some(slices) => {
+            // A LoRA model's engines need its adapters alone, which every rank holds whole.
+            Some(slices) if self.config.lora.is_none() => {
                 let tensors = slices.whole(keep)?;
                 Ok(tensors.map(|t| SamplerWeights::new(self.step, WeightUpdate::Full(t))))
             }
+            _ => keep.then(|| self.sampler_weights()).transpose(),
         }
     }
 
@@ -150,15 +151,16 @@ impl Worker {
         }
     }
 
-    /// Every parameter's accumulated gradient, zeros where there is none (in the accumulators'
-    /// dtype: f32 under mixed precision), so that every rank passes the same shapes.
-    pub(super) fn take_local_gradients(&mut self) -> Result<Vec<Tensor>> {
-        let mut local = Vec::with_capacity(self.params.len());
-        for (i, (_, var)) in self.params.iter().enumerate() {
+    /// The accumulated gradient of each parameter of `which`, zeros where there is none (in the
+    /// accumulators' dtype: f32 under mixed precision), so that every rank passes the same
+    /// shapes.
+    pub(super) fn take_local_gradients(&mut self, which: &[usize]) -> Result<Vec<Tensor>> {
+        let mut local = Vec::with_capacity(which.len());
+        for &i in which {
             local.push(match self.grads[i].take() {
                 Some(g) => g,
                 None => {
-                    let v = var.as_tensor();
+                    let v = self.params[i].1.as_tensor();
                     let dtype = if self.masters.is_some() { MASTER_DTYPE } else { v.dtype() };
                     Tensor::zeros(v.shape(), dtype, v.device())?
                 }
@@ -168,20 +170,36 @@ impl Worker {
     }
 
     /// One AdamW step of a sharded rank on its accumulated gradients (see the module
-    /// documentation); returns the global gradient norm before clipping, as
-    /// [`Worker::optim_step`] does, with the same handling of a non-finite norm.
+    /// documentation; gradients a backward already summed to their owners,
+    /// [`super::unit_reduce`], are taken as they are); returns the global gradient norm before
+    /// clipping, as [`Worker::optim_step`] does, with the same handling of a non-finite norm.
     pub fn optim_step_sharded(&mut self, params: &AdamParams, ex: &dyn RankExchange) -> Result<f64> {
         params.validate()?;
         self.check_resident()?;
         let plan =
             self.shard.clone().ok_or_else(|| Error::Other("optim_step_sharded on an unsharded worker".into()))?;
-        let local = self.take_local_gradients()?;
-        let owned: Vec<Option<Tensor>> = match plan.mode {
-            Sharding::Gradients | Sharding::Full => ex.reduce_to_owners(local, &plan.owners)?,
-            _ => ex.all_reduce(local)?.into_iter().enumerate().map(|(i, g)| plan.owns(i).then_some(g)).collect(),
+        let n = self.params.len();
+        // Every rank started the unit reduce together, so every rank sums the same rest.
+        let (mut owned, summed) = match self.unit_reduce.take() {
+            Some(state) => (state.summed, state.done),
+            None => (vec![None; n], vec![false; n]),
         };
-        if owned.len() != self.params.len() {
-            return Err(Error::Other(format!("{} summed gradients for {} parameters", owned.len(), self.params.len())));
+        let rest: Vec<usize> = (0..n).filter(|&i| !summed[i]).collect();
+        if !rest.is_empty() {
+            let local = self.take_local_gradients(&rest)?;
+            let sums: Vec<Option<Tensor>> = match plan.mode {
+                Sharding::Gradients | Sharding::Full => {
+                    let owners: Vec<usize> = rest.iter().map(|&i| plan.owners[i]).collect();
+                    ex.reduce_to_owners(local, &owners)?
+                }
+                _ => ex.all_reduce(local)?.into_iter().zip(&rest).map(|(g, &i)| plan.owns(i).then_some(g)).collect(),
+            };
+            if sums.len() != rest.len() {
+                return Err(Error::Other(format!("{} summed gradients for {} parameters", sums.len(), rest.len())));
+            }
+            for (&i, sum) in rest.iter().zip(sums) {
+                owned[i] = sum;
+            }
         }
 
         // The norm: the owners' squares, in parameter order.
@@ -218,8 +236,9 @@ impl Worker {
         }
         // Every rank takes the owners' new parameters, except sliced weights (`full`), which
         // stay with their owners until a forward gathers them.
-        let shared: Vec<usize> =
-            (0..self.params.len()).filter(|&i| !self.slices.as_ref().is_some_and(|s| s.is_sliced(i))).collect();
+        let shared: Vec<usize> = (0..self.params.len())
+            .filter(|&i| !self.slices.as_ref().is_some_and(|s| s.is_sliced(self.params[i].1.as_tensor())))
+            .collect();
         let mine = shared.iter().map(|&i| plan.owns(i).then(|| self.params[i].1.as_tensor().clone())).collect();
         let sizes: Vec<usize> = shared.iter().map(|&i| self.params[i].1.elem_count()).collect();
         let gathered = ex.gather_owned(mine, &sizes, None)?;
@@ -244,8 +263,10 @@ impl Worker {
             self.moments.iter().map(|m| m.as_ref().map(|m| f(m).clone())).collect()
         };
         let sizes = self.param_sizes();
-        // Sliced weights (`full`) are gathered to rank 0 for the parameter file.
-        if let Some(slices) = &self.slices {
+        // Sliced weights (`full`) are gathered to rank 0 for the parameter file (a LoRA model's
+        // holds its adapters alone, which are whole).
+        let gathered = self.slices.as_ref().filter(|_| self.config.lora.is_none());
+        if let Some(slices) = gathered {
             slices.fill_all(plan.rank == 0 && write)?;
         }
         let exp_avg = ex.gather_owned(pick(&|m| &m.exp_avg), &sizes, Some(0))?;
@@ -277,7 +298,7 @@ impl Worker {
             })
             .collect();
         let written = self.write_state(dir, &moments, masters.as_deref());
-        if let Some(slices) = &self.slices {
+        if let Some(slices) = gathered {
             slices.release_unowned()?;
         }
         written

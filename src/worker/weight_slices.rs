@@ -1,12 +1,14 @@
 //! The worker's side of `sharding = "full"` (ZeRO-3): which rank keeps each base weight, and the
 //! [`UnitGather`] that makes a unit of the model whole over the data-parallel group.
 //!
-//! A base weight's keeper is the rank that owns it in the optimizer's [`ShardPlan`], so the rank
-//! that updates a weight always holds it whole. The others release it ([`sharded_weights`]) and
-//! receive the owner's bits just before a forward or backward reads the unit, freeing them after.
-//! Only trainable base weights are sliced: a LoRA model's frozen base stays whole (ranks that are
-//! threads of one process share one copy of it already), and so do adapters and a value head,
-//! whose new values the optimizer step all-gathers as under `gradients`.
+//! A trained base weight's keeper is the rank that owns it in the optimizer's [`ShardPlan`], so
+//! the rank that updates a weight always holds it whole. A LoRA model's frozen base is sliced by
+//! a plan of its own over the base weights (same rule: largest first, to the least-loaded rank);
+//! each rank then holds a base of its own, loaded for it ([`crate::dispatch::Dispatch`]), since a
+//! base shared with other ranks or models would be released under them. The others release a
+//! weight ([`sharded_weights`]) and receive the keeper's bits just before a forward or backward
+//! reads the unit, freeing them after. Adapters and a value head stay whole; the optimizer step
+//! all-gathers their new values as under `gradients`.
 //!
 //! Lockstep: the units are gathered by collectives, so every rank must run the same number of
 //! forwards and backwards per call. Before a call's micro-batches the ranks agree on the largest
@@ -21,7 +23,7 @@
 //! so no gather is in flight when a walk ends and another collective begins. Every rank sees
 //! the same walks, hence starts the same gathers in the same order.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -49,31 +51,38 @@ pub struct WeightSlices {
     rank: usize,
     layers: usize,
     units: HashMap<Unit, Arc<UnitWeights>>,
-    /// The parameters (by worker index) that are sliced weights.
-    sliced: Vec<bool>,
-    /// The unit gathered last, and the gather of the next one in flight.
+    /// The tensors that are sliced.
+    sliced: HashSet<candle_core::TensorId>,
+    /// The unit gathered last, the gather of the next one in flight, and the unit that gather
+    /// made whole once it was waited for (before another collective).
     last: Mutex<Option<Unit>>,
     prefetch: Mutex<Option<(Unit, JoinHandle<Result<()>>)>>,
+    ready: Mutex<Option<Unit>>,
 }
 
 impl WeightSlices {
-    /// The slices of `model`'s trainable base weights (`params`, owned as `plan` says); `None`
-    /// when there are none (a LoRA model).
+    /// The slices of `model`'s base weights, rank `rank`'s of the group `ex` serves: a trained
+    /// weight (one of `params`) kept by its owner in `plan`, a frozen one (a LoRA model's base)
+    /// by its keeper in a plan over the base weights ([`ShardPlan::new`]). `None` when there is
+    /// nothing to slice (a model of no weights).
     pub fn new(
         model: &Transformer,
         params: &[(String, Var)],
         plan: &ShardPlan,
         ex: Arc<dyn RankExchange>,
     ) -> Result<Option<Self>> {
-        let owner_of: HashMap<_, usize> =
+        let mut owner_of: HashMap<_, usize> =
             params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), plan.owners[i])).collect();
-        let mut sliced = vec![false; params.len()];
-        let index_of: HashMap<_, usize> =
-            params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect();
+        let frozen: Vec<(String, Tensor)> =
+            model.named_params().into_iter().filter(|(_, t)| !owner_of.contains_key(&t.id())).collect();
+        let sizes: Vec<usize> = frozen.iter().map(|(_, t)| t.elem_count()).collect();
+        let frozen_plan = ShardPlan::new(plan.mode, plan.rank, plan.ranks, &sizes);
+        owner_of.extend(frozen.iter().zip(&frozen_plan.owners).map(|((_, t), &o)| (t.id(), o)));
+        let mut sliced = HashSet::new();
         let mut units: HashMap<Unit, UnitWeights> = HashMap::new();
         for (name, unit, t) in model.weight_units() {
             let Some(&owner) = owner_of.get(&t.id()) else { continue };
-            sliced[index_of[&t.id()]] = true;
+            sliced.insert(t.id());
             let u = units.entry(unit).or_insert_with(|| UnitWeights {
                 names: vec![],
                 tensors: vec![],
@@ -97,6 +106,7 @@ impl WeightSlices {
             sliced,
             last: Mutex::new(None),
             prefetch: Mutex::new(None),
+            ready: Mutex::new(None),
         }))
     }
 
@@ -107,16 +117,46 @@ impl WeightSlices {
         a.tensors.iter().any(|t| b.tensors.iter().any(|u| u.id() == t.id()))
     }
 
-    /// Waits for the gather in flight, if any; whether it was `unit`'s.
-    fn settle(&self, unit: Option<Unit>) -> Result<bool> {
-        let Some((fetched, handle)) = lock(&self.prefetch).take() else { return Ok(false) };
+    /// Waits for the gather in flight, if any, so that no other collective runs beside it; the
+    /// unit it made whole is then ready for [`UnitGather::gather`].
+    fn settle(&self) -> Result<()> {
+        let Some((fetched, handle)) = lock(&self.prefetch).take() else { return Ok(()) };
         handle.join().map_err(|_| Error::Other("a weight gather thread panicked".into()))??;
-        Ok(Some(fetched) == unit)
+        *lock(&self.ready) = Some(fetched);
+        Ok(())
     }
 
-    /// Whether parameter `i` (worker order) is a sliced weight.
-    pub fn is_sliced(&self, i: usize) -> bool {
-        self.sliced[i]
+    /// For each unit of a backward ([`sharded_weights::gradient_units`]), the sliced weights
+    /// (worker order, `params`) whose gradient is final once that unit's backward is done: the
+    /// last unit that reads them (a tied embedding's is the Embed unit, after the head's part).
+    pub fn completed_by(&self, params: &[(String, Var)]) -> HashMap<Unit, Vec<usize>> {
+        let index_of: HashMap<_, usize> =
+            params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect();
+        let mut last: HashMap<usize, Unit> = HashMap::new();
+        for unit in sharded_weights::gradient_units(self.layers) {
+            for t in self.units.get(&unit).map(|u| &u.tensors[..]).unwrap_or_default() {
+                if let Some(&i) = index_of.get(&t.id()) {
+                    last.insert(i, unit);
+                }
+            }
+        }
+        let mut out: HashMap<Unit, Vec<usize>> = HashMap::new();
+        for (i, unit) in last {
+            out.entry(unit).or_default().push(i);
+        }
+        out.values_mut().for_each(|v| v.sort_unstable());
+        out
+    }
+
+    /// [`RankExchange::reduce_to_owners`] over the group, after the gather in flight.
+    pub fn reduce_to_owners(&self, tensors: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>> {
+        self.settle()?;
+        self.ex.reduce_to_owners(tensors, owners)
+    }
+
+    /// Whether `t` is a sliced weight.
+    pub fn is_sliced(&self, t: &Tensor) -> bool {
+        self.sliced.contains(&t.id())
     }
 
     /// Frees every weight this rank does not own.
@@ -127,28 +167,30 @@ impl WeightSlices {
         Ok(())
     }
 
-    /// The group's largest micro-batch count, given this rank's (or why it cannot run): every rank
-    /// learns whether any rank refused its batch, and then fails with that reason.
-    pub fn agree(&self, mine: std::result::Result<usize, String>) -> Result<usize> {
-        self.settle(None)?;
+    /// What the group's ranks bring to a call, given this rank's micro-batch count and whether it
+    /// holds gradients from earlier calls (or why it cannot run): the largest count and whether
+    /// any rank holds gradients. Every rank learns whether any rank refused its batch, and then
+    /// fails with that reason.
+    pub fn agree(&self, mine: std::result::Result<(usize, bool), String>) -> Result<(usize, bool)> {
+        self.settle()?;
         let all = self.ex.all_gather_bytes(encode(&mine)?)?;
         if let Err(e) = mine {
             return Err(Error::input(e));
         }
-        let mut most = 0;
+        let (mut most, mut pending) = (0, false);
         for (rank, bytes) in all.iter().enumerate() {
-            match decode::<std::result::Result<usize, String>>(bytes)? {
-                Ok(n) => most = most.max(n),
+            match decode::<std::result::Result<(usize, bool), String>>(bytes)? {
+                Ok((n, p)) => (most, pending) = (most.max(n), pending || p),
                 Err(e) => return Err(Error::input(format!("data-parallel rank {rank} refused its batch: {e}"))),
             }
         }
-        Ok(most)
+        Ok((most, pending))
     }
 
     /// Every sliced weight gathered unit by unit: on a rank that asks (`keep`), the whole set by
     /// HF name, copied into fresh storage; nothing elsewhere. Every rank calls it.
     pub fn whole(&self, keep: bool) -> Result<Option<NamedTensors>> {
-        self.settle(None)?;
+        self.settle()?;
         let mut out = NamedTensors::new("gathered weights");
         for unit in forward_units(self.layers) {
             let Some(u) = self.units.get(&unit) else { continue };
@@ -169,7 +211,7 @@ impl WeightSlices {
     /// Makes every sliced weight whole on this rank (every rank calls it; `fill` false: take
     /// part without keeping them).
     pub fn fill_all(&self, fill: bool) -> Result<()> {
-        self.settle(None)?;
+        self.settle()?;
         for unit in forward_units(self.layers) {
             let Some(u) = self.units.get(&unit) else { continue };
             match fill {
@@ -222,7 +264,8 @@ fn fetch(ex: &dyn RankExchange, u: &UnitWeights, rank: usize) -> Result<()> {
 
 impl UnitGather for WeightSlices {
     fn gather(&self, unit: Unit) -> Result<()> {
-        if !self.settle(Some(unit))? {
+        self.settle()?;
+        if lock(&self.ready).take() != Some(unit) {
             if let Some(u) = self.units.get(&unit) {
                 fetch(&*self.ex, u, self.rank)?;
             }

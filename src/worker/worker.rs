@@ -23,12 +23,13 @@ use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
 use super::sharding::ShardPlan;
+use super::unit_reduce::UnitReduce;
 use super::value_head::ValueHead;
 use super::weight_slices::WeightSlices;
 use super::worker_config::WorkerConfig;
 use crate::algo::{Loss, Metrics};
-use crate::model::sharded_weights::{self, backward_units, forward_units, UnitGather};
-use crate::model::tape::{Keep, Tape};
+use crate::model::sharded_weights::{self, forward_units, UnitGather};
+use crate::model::tape::{self, Keep, Tape};
 use crate::model::{lora, SamplerWeights, Transformer};
 use crate::{Error, Result};
 
@@ -62,6 +63,9 @@ pub struct Worker {
     /// `full` sharding: the base weights this rank keeps, and how the others are gathered
     /// ([`super::weight_slices`]; the model's weight gate is the same object).
     pub(super) slices: Option<Arc<WeightSlices>>,
+    /// `full`: the gradients of this step summed to their owners during its backward
+    /// ([`super::unit_reduce`]); the next call must be the optimizer step.
+    pub(super) unit_reduce: Option<UnitReduce>,
     /// Optimizer steps applied.
     pub(super) step: u64,
     pub(super) rng: WorkerRng,
@@ -118,6 +122,7 @@ impl Worker {
             masters,
             shard: None,
             slices: None,
+            unit_reduce: None,
             step: 0,
             rng,
             offloaded: false,
@@ -185,6 +190,7 @@ impl Worker {
     /// Drops the accumulated gradients.
     pub fn zero_grad(&mut self) {
         self.grads.iter_mut().for_each(|g| *g = None);
+        self.unit_reduce = None;
     }
 
     /// Adds the gradient of `loss` (see [`super::loss_fn`]) over `batch` to the accumulators
@@ -198,7 +204,22 @@ impl Worker {
         return_per_token_outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
         let loss = loss.ok_or_else(|| Error::input("forward_backward needs a loss to differentiate"))?;
-        self.run(batch, Some(loss), true, return_per_token_outputs)
+        self.run(batch, Some(loss), true, return_per_token_outputs, false)
+    }
+
+    /// [`Worker::forward_backward`] whose gradients the next call, [`Worker::optim_step_sharded`],
+    /// applies (no other `forward_backward` in between). Under `full` sharding, when every rank
+    /// runs one micro-batch and holds no earlier gradients, each weight's gradient is summed to
+    /// its owner during the backward ([`super::unit_reduce`]), so no rank holds every gradient;
+    /// otherwise, and in every other mode, it is [`Worker::forward_backward`].
+    pub fn forward_backward_for_step(
+        &mut self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        return_per_token_outputs: bool,
+    ) -> Result<ForwardBackwardOutput> {
+        let loss = loss.ok_or_else(|| Error::input("forward_backward needs a loss to differentiate"))?;
+        self.run(batch, Some(loss), true, return_per_token_outputs, true)
     }
 
     /// Per-datum log-probs (values for a critic) without gradients; with a loss, also its
@@ -209,7 +230,7 @@ impl Worker {
         loss: Option<&Loss>,
         return_per_token_outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
-        let mut out = self.run(batch, loss, false, return_per_token_outputs)?;
+        let mut out = self.run(batch, loss, false, return_per_token_outputs, false)?;
         // A policy's scoring forward of sampled sequences (RL's): with experts, also how many
         // sampled tokens the sampler routed otherwise (a second pass over the batch).
         if loss.is_none() && self.model.config.moe.is_some() && self.value_head.is_none() && self.slices.is_none() {
@@ -218,19 +239,32 @@ impl Worker {
         Ok(out)
     }
 
+    /// `step_next`: the caller's next call is the optimizer step (see
+    /// [`Worker::forward_backward_for_step`]).
     fn run(
         &mut self,
         batch: &[Datum],
         loss: Option<&Loss>,
         backward: bool,
         outputs: bool,
+        step_next: bool,
     ) -> Result<ForwardBackwardOutput> {
+        if backward && self.unit_reduce.is_some() {
+            return Err(Error::input(
+                "the last forward_backward_for_step's gradients are already summed across ranks: the optimizer \
+                 step must come before another forward_backward",
+            ));
+        }
         let Some(slices) = self.slices.clone() else {
             return self.run_micro_batches(batch, loss, backward, outputs, 0);
         };
         // Sliced weights: every rank runs as many forwards (and backwards) as the busiest one.
-        let mine = self.micro_batch_count(batch, loss).map_err(|e| e.to_string());
-        let most = slices.agree(mine)?;
+        let pending = self.grads.iter().any(Option::is_some);
+        let mine = self.micro_batch_count(batch, loss).map(|n| (n, pending)).map_err(|e| e.to_string());
+        let (most, any_pending) = slices.agree(mine)?;
+        if backward && step_next && most == 1 && !any_pending {
+            self.start_unit_reduce()?;
+        }
         let out = self.run_micro_batches(batch, loss, backward, outputs, most);
         if let Err(e) = &out {
             slices.abort(&format!("a data-parallel rank failed: {e}"));
@@ -325,12 +359,12 @@ impl Worker {
                 }
             }
         }
-        if let Some(slices) = &self.slices {
+        if let Some(slices) = self.slices.clone() {
             let layers = self.model.layers.len();
             for _ in plan.len()..lockstep {
-                sharded_weights::walk(&**slices, &forward_units(layers))?;
+                sharded_weights::walk(&*slices, &forward_units(layers))?;
                 if backward {
-                    sharded_weights::walk(&**slices, &backward_units(layers))?;
+                    tape::walk_backward(Some(&*slices), layers, &mut |unit, _| self.unit_done(unit))?;
                 }
             }
         }
@@ -338,31 +372,41 @@ impl Worker {
     }
 
     /// Backward of `weighted_sum` (and of the model's tape, when it ran on one); adds each
-    /// parameter's gradient to its accumulator.
+    /// parameter's gradient to its accumulator: candle's part first, then the tape's unit by unit
+    /// as its backward produces them (a tied embedding gets one part from each side, the head's
+    /// and the gather's, added in that order).
     fn accumulate(&mut self, weighted_sum: &Tensor, tape: Option<Tape>) -> Result<()> {
         let store = weighted_sum.backward()?;
-        let taped = match tape {
-            Some(tape) => tape.backward(&store)?,
-            None => vec![],
-        };
-        let mixed = self.masters.is_some();
-        for ((_, var), acc) in self.params.iter().zip(self.grads.iter_mut()) {
-            // A tied embedding gets one gradient from each side (the head's and the gather's).
-            let id = var.as_tensor().id();
-            let parts = store
-                .get(var.as_tensor())
-                .into_iter()
-                .chain(taped.iter().filter(|(p, _)| p.id() == id).map(|(_, g)| g));
-            for g in parts {
-                // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
-                // (The tape's gradients of a bf16 model are f32 already.)
-                let g = &g.to_dtype(if mixed { MASTER_DTYPE } else { var.dtype() })?;
-                *acc = Some(match acc.take() {
-                    Some(a) => (a + g)?,
-                    None => g.clone(),
-                });
+        for i in 0..self.params.len() {
+            if let Some(g) = store.get(self.params[i].1.as_tensor()) {
+                self.add_gradient(i, g)?;
             }
         }
+        let Some(tape) = tape else { return Ok(()) };
+        let index_of: std::collections::HashMap<_, usize> =
+            self.params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect();
+        tape.backward_by_unit(&store, &mut |unit, grads| {
+            for (p, g) in grads {
+                if let Some(&i) = index_of.get(&p.id()) {
+                    self.add_gradient(i, &g)?;
+                }
+            }
+            self.unit_done(unit)
+        })
+    }
+
+    /// Adds `g` to parameter `i`'s accumulator.
+    fn add_gradient(&mut self, i: usize, g: &Tensor) -> Result<()> {
+        self.check_not_summed(i)?;
+        // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
+        // (The tape's gradients of a bf16 model are f32 already.)
+        let dtype = if self.masters.is_some() { MASTER_DTYPE } else { self.params[i].1.dtype() };
+        let g = &g.to_dtype(dtype)?;
+        let acc = &mut self.grads[i];
+        *acc = Some(match acc.take() {
+            Some(a) => (a + g)?,
+            None => g.clone(),
+        });
         Ok(())
     }
 

@@ -114,6 +114,14 @@ fn sharded_processes_train_what_unsharded_threads_do() {
         assert!(model(&run) == model(&format!("dp{np}")), "mpirun -np {np} under {mode} differs");
         assert_eq!(norms(lines(&run)), norms(lines(&format!("dp{np}"))), "{mode} at {np}");
     }
+    // LoRA under `full`: each process keeps its slice of the frozen base.
+    let lora = ["model.lora.rank=4", "model.lora.alpha=8"];
+    let adapters = |run: &str| std::fs::read(dir.path().join(run).join("final/adapter_model.safetensors")).unwrap();
+    oxrl_sft(&config, &[&["output.run_dir=\"lora_dp2\"", "train.data_parallel=2", clip][..], &lora].concat());
+    let sets = [&["output.run_dir=\"lora_mpi2\"", "train.sharding=\"full\"", clip][..], &lora].concat();
+    ok(mpirun(2, &config, &sets).output().unwrap());
+    assert!(adapters("lora_mpi2") == adapters("lora_dp2"), "LoRA under full, mpirun -np 2, differs");
+    assert_eq!(norms(lines("lora_mpi2")), norms(lines("lora_dp2")), "LoRA under full at 2");
     // Resume the step-2 checkpoints of sharded processes as unsharded threads.
     for (np, mode) in [(2, "gradients"), (3, "full")] {
         let (from, to) = (dir.path().join(format!("mpi{np}{mode}")), dir.path().join(format!("resumed{np}")));

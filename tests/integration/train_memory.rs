@@ -112,7 +112,8 @@ fn grpo(dir: &Path, name: &str, extra: &[&str]) -> (Vec<Value>, Vec<u8>) {
     let cfg = RlConfig::load(None, &sets).unwrap();
     let (dispatch, engines) = rl_runtime(&cfg, Some(1)).unwrap();
     run_rl(&cfg, &dispatch, &engines, &RunOptions::default()).unwrap();
-    outcome(&run, "model.safetensors")
+    let lora = extra.iter().any(|s| s.starts_with("model.lora"));
+    outcome(&run, if lora { "adapter_model.safetensors" } else { "model.safetensors" })
 }
 
 #[test]
@@ -149,6 +150,10 @@ fn sft_sharded_ends_bit_identical() {
         (false, &["train.data_parallel=3", "optimizer.grad_clip_norm=0.05"]),
         // Layers recomputed in the backward (gathered once more).
         (false, &["train.activation_checkpointing=true"]),
+        // One micro-batch per rank: `full` sums each weight's gradient during the backward.
+        (false, &["train.micro_batch_size=2", "optimizer.grad_clip_norm=0.05"]),
+        (false, &["train.micro_batch_size=2", "model.dtype=\"bf16\"", "optimizer.grad_clip_norm=0.05"]),
+        (false, &["train.micro_batch_size=2", "train.data_parallel=3", "train.activation_checkpointing=true"]),
     ];
     for (lora, extra) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -270,7 +275,87 @@ fn sharded_ranks_hold_their_share_of_the_optimizer_state() {
                 _ => assert!(params.iter().all(|&b| b == whole_params), "{mode} at {n}: {params:?}"),
             }
         }
+        // A LoRA model's frozen base is sliced too; its adapters stay whole.
+        let sets = [format!("train.data_parallel={n}"), "train.sharding=\"full\"".into(), "train.max_steps=1".into()];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let (_, lora) = sft_with(dir.path(), &format!("lora{n}"), true, &sets, &RunOptions::default());
+        let base = lora.model(POLICY).unwrap().inspect(|w| w.weight_bytes()).unwrap();
+        // (In f32: twice the bf16 model's bytes.)
+        share(&format!("LoRA under full at {n}, the frozen base"), &base, whole_params * 2);
+        let adapters = param_bytes(&lora);
+        assert!(adapters.iter().all(|&b| b == adapters[0] && b > 0), "LoRA under full at {n}: {adapters:?}");
     }
+}
+
+/// Under `full`, when every rank runs one micro-batch of a step, each weight's gradient is summed
+/// to its owner during the backward: between the backward and the step a rank holds the
+/// gradients of its own slice (about 1/N of them), where a plain forward_backward, or two
+/// micro-batches a rank, keep every gradient until the step. Every way ends on `none`'s bits,
+/// and a second backward before the step is refused.
+#[test]
+fn full_sharding_sums_gradients_during_the_backward() {
+    use oxrl::dispatch::{MeshShape, WorkerSpec};
+    use oxrl::worker::{AdamParams, Datum, WorkerConfig};
+    let seq = |n: usize, k: usize| -> Datum {
+        let t: Vec<u32> = (0..=n).map(|j| ((k * 37 + j * 11) % 250 + 3) as u32).collect();
+        Datum::supervised(t[..n].to_vec(), t[1..].to_vec(), vec![1.0; n])
+    };
+    let batch = vec![seq(8, 0), seq(9, 1), seq(12, 2), seq(5, 3)];
+    let loss = common::loss("cross_entropy", &serde_json::json!({}));
+    let adam = AdamParams { learning_rate: 1e-2, grad_clip_norm: 0.05, ..Default::default() };
+    // (exported weights, gradient bytes per rank before each step)
+    let run = |mode: &str, micro: usize, for_step: bool| -> (Vec<u8>, Vec<Vec<usize>>) {
+        let sharding = oxrl::worker::Sharding::from_name(mode).unwrap();
+        let worker = WorkerConfig { micro_batch_size: Some(micro), sharding, ..Default::default() };
+        let spec = WorkerSpec { mesh: MeshShape::dp(2), threads: 1, worker, ..WorkerSpec::new(fixture_dir("qwen3")) };
+        let d = Dispatch::new(false);
+        d.create_model(POLICY, &spec).unwrap();
+        let grad_bytes = || d.model(POLICY).unwrap().inspect(|w| w.gradient_bytes()).unwrap();
+        let mut held = vec![];
+        for _ in 0..2 {
+            let fb = match for_step {
+                true => d.model(POLICY).unwrap().submit_forward_backward_for_step(&batch, Some(&loss), false),
+                false => d.model(POLICY).unwrap().submit_forward_backward(&batch, Some(&loss), false),
+            };
+            fb.wait().unwrap();
+            held.push(grad_bytes());
+            d.optim_step(POLICY, &adam).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        d.export(POLICY, dir.path(), false).unwrap();
+        (std::fs::read(dir.path().join("model.safetensors")).unwrap(), held)
+    };
+    let (none, whole) = run("none", 2, false);
+    let all = whole[0][0];
+    assert!(all > 0 && whole.iter().flatten().all(|&b| b == all), "{whole:?}");
+    // (Micro-batches of one datum add the gradients in another order: their own `none`.)
+    let none_by_one = run("none", 1, false).0;
+    for (micro, for_step) in [(2, true), (2, false), (1, true)] {
+        let (weights, held) = run("full", micro, for_step);
+        let none = if micro == 1 { &none_by_one } else { &none };
+        assert!(weights == *none, "full, {micro} a micro-batch, for_step {for_step}: the weights differ from none's");
+        for per_rank in held {
+            if micro == 2 && for_step {
+                assert_eq!(per_rank.iter().sum::<usize>(), all, "the owners' sums make one whole set: {per_rank:?}");
+                for b in &per_rank {
+                    let share = *b as f64 / (all as f64 / 2.0);
+                    assert!((0.8..=1.2).contains(&share), "a rank holds {share:.3} of its half: {per_rank:?}");
+                }
+            } else {
+                assert!(per_rank.iter().all(|&b| b == all), "{micro}, {for_step}: every gradient kept: {per_rank:?}");
+            }
+        }
+    }
+    // A second backward before the step would add to sums already made.
+    let worker =
+        WorkerConfig { micro_batch_size: Some(2), sharding: oxrl::worker::Sharding::Full, ..Default::default() };
+    let spec = WorkerSpec { mesh: MeshShape::dp(2), threads: 1, worker, ..WorkerSpec::new(fixture_dir("qwen3")) };
+    let d = Dispatch::new(false);
+    d.create_model(POLICY, &spec).unwrap();
+    let group = d.model(POLICY).unwrap();
+    group.submit_forward_backward_for_step(&batch, Some(&loss), false).wait().unwrap();
+    let e = d.forward_backward(POLICY, &batch, Some(&loss), false).unwrap_err().to_string();
+    assert!(e.contains("optimizer step must come before another forward_backward"), "{e}");
 }
 
 /// A checkpoint does not depend on the layout that wrote it: a run stopped at step 2 under one
@@ -297,13 +382,18 @@ fn checkpoints_resume_across_shardings() {
     }
 }
 
-/// GRPO with a KL reference, PPO with GAE (a sharded critic beside the policy), and the
-/// asynchronous trainer (staleness 0).
+/// GRPO with a KL reference, PPO with GAE (a sharded critic beside the policy), the asynchronous
+/// trainer (staleness 0), and a LoRA policy.
 #[test]
 fn rl_sharded_ends_bit_identical() {
     let gae: &[&str] = &["algorithm.advantage=\"gae\"", "algorithm.lambda=0.95", "critic.lr=1e-3"];
     let async_rl: &[&str] = &["mode=\"async\"", "async_rl.max_staleness=0"];
-    for extra in [&[][..], gae, async_rl] {
+    // One micro-batch per rank: `full` sums the policy's and the critic's gradients during the
+    // backward (the value head, not sliced, at the step).
+    let gae_one: &[&str] = &[gae, &["launch.micro_batch_size=8"][..]].concat();
+    // LoRA: under `full` the frozen base is sliced; the engines receive the adapters.
+    let lora: &[&str] = &["model.lora.rank=4", "model.lora.alpha=8"];
+    for extra in [&[][..], gae, async_rl, gae_one, lora] {
         let dir = tempfile::tempdir().unwrap();
         let (m0, w0) = grpo(dir.path(), "plain", extra);
         for mode in ["optimizer", "gradients", "full"] {

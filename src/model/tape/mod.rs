@@ -89,6 +89,14 @@ impl<T: Real> Grads<T> {
     pub(crate) fn push(&mut self, param: &Tensor, grad: Vec<T>) {
         self.list.push((param.clone(), grad));
     }
+
+    /// The gradients pushed so far, as tensors of their parameters' shapes; the list is emptied.
+    fn take(&mut self) -> Result<Vec<(Tensor, Tensor)>> {
+        std::mem::take(&mut self.list)
+            .into_iter()
+            .map(|(p, g)| Ok((p.clone(), Tensor::from_vec(g, p.shape(), &Device::Cpu)?)))
+            .collect()
+    }
 }
 
 /// How much of the forward a [`Tape`] keeps for its backward.
@@ -293,20 +301,30 @@ impl Tape {
     /// candle's backward of the loss filled. Empty when the loss did not depend on the tape's
     /// output.
     pub fn backward(self, store: &GradStore) -> Result<Vec<(Tensor, Tensor)>> {
+        let mut all = vec![];
+        self.backward_by_unit(store, &mut |_, grads| {
+            all.extend(grads);
+            Ok(())
+        })?;
+        Ok(all)
+    }
+
+    /// [`Tape::backward`], handing each unit's gradients to `sink` as soon as that unit's
+    /// backward is done, in the order of [`sharded_weights::gradient_units`] (every unit, with
+    /// an empty list where it has none), so that no more than one unit's gradients are held here
+    /// at once. The concatenation of the lists is [`Tape::backward`]'s.
+    pub fn backward_by_unit(self, store: &GradStore, sink: &mut UnitSink<'_>) -> Result<()> {
         let host = |v: Option<&Var>| v.and_then(|v| store.get(v.as_tensor())).map(|g| g.flatten_all()).transpose();
         // No gradient reached the tape's output: the loss did not depend on it. A sharded model's
         // other ranks still gather every unit of their backward, so this one walks them too.
-        let nothing = |model: &Transformer| -> Result<Vec<(Tensor, Tensor)>> {
-            if let Some(gate) = &model.weight_gate {
-                sharded_weights::walk(&*gate.0, &sharded_weights::backward_units(model.layers.len()))?;
-            }
-            Ok(vec![])
+        let nothing = |model: &Transformer, sink: &mut UnitSink<'_>| -> Result<()> {
+            walk_backward(model.weight_gate.as_ref().map(|g| &*g.0), model.layers.len(), sink)
         };
         let (g, g_entropy, through_head) = match &self.cut {
             Cut::None => return Err(Error::input("tape: backward before its output was read")),
             Cut::Hidden(v) => match host(Some(v))? {
                 Some(g) => (g, None, false),
-                None => return nothing(self.model()),
+                None => return nothing(self.model(), sink),
             },
             Cut::Logprobs(lp, h) => {
                 let g_entropy = host(h.as_ref())?;
@@ -314,7 +332,7 @@ impl Tape {
                     (Some(g), _) => g,
                     // Only the entropies reached the loss.
                     (None, Some(_)) => lp.zeros_like()?,
-                    (None, None) => return nothing(self.model()),
+                    (None, None) => return nothing(self.model(), sink),
                 };
                 (g, g_entropy, true)
             }
@@ -322,14 +340,35 @@ impl Tape {
         match self.record {
             Recorded::F32(r) => {
                 let ge = g_entropy.map(|g| g.to_vec1::<f32>()).transpose()?;
-                tensors(backward(r, &g.to_vec1::<f32>()?, ge.as_deref(), through_head)?)
+                backward(r, &g.to_vec1::<f32>()?, ge.as_deref(), through_head, sink)
             }
             Recorded::F64(r) => {
                 let ge = g_entropy.map(|g| g.to_vec1::<f64>()).transpose()?;
-                tensors(backward(r, &g.to_vec1::<f64>()?, ge.as_deref(), through_head)?)
+                backward(r, &g.to_vec1::<f64>()?, ge.as_deref(), through_head, sink)
             }
         }
     }
+}
+
+/// Where [`Tape::backward_by_unit`] hands each unit's gradients: (parameter, gradient) pairs.
+pub type UnitSink<'a> = dyn FnMut(Unit, Vec<(Tensor, Tensor)>) -> Result<()> + 'a;
+
+/// The backward of a rank that has nothing to differentiate: each unit gathered and released
+/// (through `gate`, when the model is sharded) and handed to `sink` with no gradients, in the
+/// order a real backward visits them.
+pub fn walk_backward(
+    gate: Option<&dyn sharded_weights::UnitGather>,
+    layers: usize,
+    sink: &mut UnitSink<'_>,
+) -> Result<()> {
+    for unit in sharded_weights::gradient_units(layers) {
+        if let (Some(gate), true) = (gate, unit != Unit::Embed) {
+            gate.gather(unit)?;
+            gate.release(unit)?;
+        }
+        sink(unit, vec![])?;
+    }
+    Ok(())
 }
 
 impl Tape {
@@ -384,10 +423,6 @@ fn head_forward<T: Real>(
     r.head = Some(rec);
     let tensor = |v: Vec<T>| Tensor::from_vec(v, rows.len(), &Device::Cpu);
     Ok((tensor(lp)?, h.map(tensor).transpose()?))
-}
-
-fn tensors<T: Real>(grads: Grads<T>) -> Result<Vec<(Tensor, Tensor)>> {
-    grads.list.into_iter().map(|(p, g)| Ok((p.clone(), Tensor::from_vec(g, p.shape(), &Device::Cpu)?))).collect()
 }
 
 fn host<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
@@ -657,7 +692,13 @@ fn rms_norm_backward<T: Real>(
 }
 
 /// The backward from the gradient of the cut: the hidden states, or the head's log-probs.
-fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through_head: bool) -> Result<Grads<T>> {
+fn backward<T: Real>(
+    mut r: Record<T>,
+    g: &[T],
+    g_entropy: Option<&[T]>,
+    through_head: bool,
+    sink: &mut UnitSink<'_>,
+) -> Result<()> {
     let head_record = r.head.take();
     let blocks = std::mem::take(&mut r.blocks);
     let model = &r.model;
@@ -678,6 +719,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
     let mut dh = vec![T::of(0.0); n * hd];
     rms_norm_backward(model, &r.h_last, &d_hidden, &model.norm, &mut dh, &mut grads)?;
     model.release_unit(Unit::Head)?;
+    sink(Unit::Head, grads.take()?)?;
     // Each block's activations are dropped once its backward has read them.
     for (i, (layer, kept)) in model.layers.iter().zip(blocks).enumerate().rev() {
         model.gather_unit(Unit::Layer(i))?;
@@ -725,6 +767,7 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         };
         rms_norm_backward(model, &rec.h_in, &dx, &layer.input_layernorm, &mut dh, &mut grads)?;
         model.release_unit(Unit::Layer(i))?;
+        sink(Unit::Layer(i), grads.take()?)?;
     }
     if model.embed_tokens.is_variable() {
         let mut d_embed = vec![T::of(0.0); c.vocab_size * hd];
@@ -739,5 +782,5 @@ fn backward<T: Real>(mut r: Record<T>, g: &[T], g_entropy: Option<&[T]>, through
         }
         grads.push(&model.embed_tokens, d_embed);
     }
-    Ok(grads)
+    sink(Unit::Embed, grads.take()?)
 }

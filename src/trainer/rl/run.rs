@@ -222,13 +222,12 @@ impl<'a> RlRun<'a> {
         for _ in 0..cfg.train.update_epochs {
             for members in minibatches(episodes, cfg.train.mini_batches) {
                 let datums = policy_datums(&recipe, episodes, &prep, &members)?;
-                let fb = dispatch.forward_backward(POLICY, &datums, Some(&loss), false)?;
+                let (fb, grad_norm) = dispatch.forward_backward_step(POLICY, &datums, &loss, false, &adam)?;
                 out.metrics.merge(&fb.metrics);
-                out.grad_norm = dispatch.optim_step(POLICY, &adam)?;
+                out.grad_norm = grad_norm;
                 if let Some(value_loss) = &self.plan.value_loss {
                     let datums = critic_datums(&recipe, episodes, &prep, &members)?;
-                    dispatch.forward_backward(CRITIC, &datums, Some(value_loss), false)?;
-                    dispatch.optim_step(CRITIC, &critic_adam)?;
+                    dispatch.forward_backward_step(CRITIC, &datums, value_loss, false, &critic_adam)?;
                 }
             }
         }

@@ -117,9 +117,9 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
         let t0 = Instant::now();
         let batch = loader.next_batch().ok_or_else(|| Error::input("the training set is empty"))?;
         let datums = token_mean_datums(&batch.items);
-        let out = dispatch.forward_backward(POLICY, &datums, Some(&cross_entropy), false)?;
         let lr = schedule.lr_at(o.lr, step);
-        let grad_norm = dispatch.optim_step(POLICY, &o.adam_params(lr))?;
+        let (out, grad_norm) =
+            dispatch.forward_backward_step(POLICY, &datums, &cross_entropy, false, &o.adam_params(lr))?;
         step += 1;
         final_loss = out.metrics.value("loss:sum").unwrap_or(f64::NAN);
         let tokens: usize = batch.items.iter().map(|e| e.input_tokens.len()).sum();

@@ -1,0 +1,99 @@
+//! Gradients summed to their owners as the backward goes (`sharding = "full"`).
+//!
+//! Under `full` a rank keeps only its slice of the weights, but its gradient accumulators stay
+//! whole until the step sums each to its owner: a rank's peak still holds every gradient. When a
+//! step's gradients come from a single backward on every rank (one micro-batch each, nothing
+//! accumulated before, the optimizer step next: [`Worker::forward_backward_for_step`]), a
+//! weight's local gradient is final as soon as the backward has finished the last unit that
+//! reads it, so it is summed to its owner there and dropped on the other ranks:
+//!
+//! ```text
+//! backward, unit by unit (Head, Layer(L−1), …, Layer(0), Embed):
+//!     add the unit's gradients to the accumulators
+//!     for each sliced weight the unit finishes: reduce to its owner, keep the sum there only
+//! step: the owners' sums as the summed gradients (the rest reduced as usual)
+//! ```
+//! A rank then holds its owned sums and one unit's gradients, not every gradient (FSDP's
+//! reduce-scatter after each layer's backward).
+//!
+//! The sums are the step's: each rank's local gradient is its one backward's (a tied embedding's
+//! two parts added in the same order), zeros where it has none, summed over the ranks in rank
+//! order, so the bits are those of `none`. With more micro-batches or calls per step, a rank's
+//! local gradient is final only after its last backward; summing earlier would change the
+//! order of the additions, hence the bits, so the accumulators stay whole until the step (as
+//! under FSDP's `no_sync`).
+
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+
+use super::mixed_precision::MASTER_DTYPE;
+use super::worker::Worker;
+use crate::model::sharded_weights::Unit;
+use crate::{Error, Result};
+
+/// The state of one step whose gradients are summed during its backward.
+pub(super) struct UnitReduce {
+    /// The sliced weights each unit's backward finishes (worker order).
+    completed_by: HashMap<Unit, Vec<usize>>,
+    /// The summed gradient of each finished weight this rank owns.
+    pub(super) summed: Vec<Option<Tensor>>,
+    /// Whether weight `i`'s gradient has been summed (on every rank).
+    pub(super) done: Vec<bool>,
+}
+
+impl Worker {
+    /// Starts summing this call's gradients during its backward (every rank of the group starts
+    /// together: see [`Worker::forward_backward_for_step`]).
+    pub(super) fn start_unit_reduce(&mut self) -> Result<()> {
+        let slices = self.slices.as_ref().ok_or_else(|| Error::Other("unit reduce without sliced weights".into()))?;
+        let n = self.params.len();
+        self.unit_reduce = Some(UnitReduce {
+            completed_by: slices.completed_by(&self.params),
+            summed: vec![None; n],
+            done: vec![false; n],
+        });
+        Ok(())
+    }
+
+    /// The backward has finished `unit`: the weights it finishes are summed to their owners
+    /// (zeros from a rank without their gradient) and leave the accumulators. Nothing unless a
+    /// unit reduce is running.
+    pub(super) fn unit_done(&mut self, unit: Unit) -> Result<()> {
+        let Some(state) = self.unit_reduce.as_mut() else { return Ok(()) };
+        let Some(finished) = state.completed_by.remove(&unit) else { return Ok(()) };
+        let (slices, plan) = match (&self.slices, &self.shard) {
+            (Some(s), Some(p)) => (s, p),
+            _ => return Err(Error::Other("unit reduce without sliced weights".into())),
+        };
+        let mut local = Vec::with_capacity(finished.len());
+        for &i in &finished {
+            local.push(match self.grads[i].take() {
+                Some(g) => g,
+                None => {
+                    let v = self.params[i].1.as_tensor();
+                    let dtype = if self.masters.is_some() { MASTER_DTYPE } else { v.dtype() };
+                    Tensor::zeros(v.shape(), dtype, v.device())?
+                }
+            });
+        }
+        let owners: Vec<usize> = finished.iter().map(|&i| plan.owners[i]).collect();
+        let summed = slices.reduce_to_owners(local, &owners)?;
+        for (&i, sum) in finished.iter().zip(summed) {
+            state.summed[i] = sum;
+            state.done[i] = true;
+        }
+        Ok(())
+    }
+
+    /// An error when a gradient arrives for a weight whose sum is already made.
+    pub(super) fn check_not_summed(&self, i: usize) -> Result<()> {
+        match &self.unit_reduce {
+            Some(state) if state.done[i] => Err(Error::Other(format!(
+                "a gradient of `{}` arrived after its unit's backward had summed it across ranks",
+                self.params[i].0
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
