@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, Var};
 
+use super::add_in_place::add_in_place;
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
 use super::loss_fn::{needs_entropy, requirements};
@@ -401,12 +402,14 @@ impl Worker {
         // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
         // (The tape's gradients of a bf16 model are f32 already.)
         let dtype = if self.masters.is_some() { MASTER_DTYPE } else { self.params[i].1.dtype() };
-        let g = &g.to_dtype(dtype)?;
-        let acc = &mut self.grads[i];
-        *acc = Some(match acc.take() {
-            Some(a) => (a + g)?,
-            None => g.clone(),
-        });
+        let g = g.to_dtype(dtype)?;
+        // An accumulator is the first part itself, whose storage nothing else keeps past the
+        // backward; later parts are added into it.
+        match &self.grads[i] {
+            Some(acc) if add_in_place(acc, &g)? => {}
+            Some(acc) => self.grads[i] = Some((acc + &g)?),
+            None => self.grads[i] = Some(g),
+        }
         Ok(())
     }
 
