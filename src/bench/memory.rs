@@ -18,7 +18,8 @@
 //!   rows the loss reads (N·V).
 //!
 //! Under sharding ([`RankMemory::sharded`]) the optimizer state is split over the ranks, and
-//! under `full` the parameters too (plus, while a layer is in use, that layer whole).
+//! under `full` the parameters too (plus, while a layer is in use, that layer whole), and the
+//! gradients when a rank's step is one micro-batch.
 //!
 //! Temporaries of the backward (one layer's gradients in flight) and the allocator's slack are
 //! not counted: the measured peak is above the prediction by about them.
@@ -42,14 +43,17 @@ impl RankMemory {
     }
 
     /// The same rank as one of `ranks` under `sharding`: every mode but `none` keeps 1/ranks
-    /// of the optimizer state, and `full` 1/ranks of the parameters. (The gradient accumulators
-    /// stay whole: each rank's backward fills all of them before the sum, in the order that
-    /// keeps the bits of `none`; `gradients` keeps only the owned part of the sum, which is
-    /// transient here.)
-    pub fn sharded(self, sharding: Sharding, ranks: usize) -> Self {
+    /// of the optimizer state, and `full` 1/ranks of the parameters, and of the gradients too
+    /// when the rank's step is `one_micro_batch` (they are summed to their owners during the
+    /// backward: `worker::unit_reduce`). Otherwise the accumulators stay whole: each rank's
+    /// backwards fill all of them before the sum, in the order that keeps the bits of `none`
+    /// (`gradients` keeps only the owned part of the sum, which is transient here).
+    pub fn sharded(self, sharding: Sharding, ranks: usize, one_micro_batch: bool) -> Self {
         let share = if sharding.is_sharded() { 1.0 / ranks.max(1) as f64 } else { 1.0 };
-        let params = if sharding == Sharding::Full { self.params * share } else { self.params };
-        RankMemory { optimizer: self.optimizer * share, params, ..self }
+        let full = sharding == Sharding::Full;
+        let params = if full { self.params * share } else { self.params };
+        let grads = if full && one_micro_batch { self.grads * share } else { self.grads };
+        RankMemory { optimizer: self.optimizer * share, params, grads, ..self }
     }
 }
 

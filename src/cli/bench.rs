@@ -346,7 +346,7 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         world.all_gather(&mine)?.iter().map(|b| serde_json::from_slice(b)).collect::<Result<_, _>>()?;
     if crate::world::is_writer() {
         let p = predict(&config, dtype.size_in_bytes(), true, a.batch, a.seq, a.activation_checkpointing)
-            .sharded(sharding, ranks);
+            .sharded(sharding, ranks, true); // no micro_batch_size: one micro-batch a rank
         let gb = |b: f64| b / GB;
         let med = median(ms.clone());
         let r = json!({

@@ -4,7 +4,9 @@
 //! for a checkpoint).
 //!
 //! ```text
-//! the tensors cut into buckets of whole tensors, at most BUCKET elements (a larger one alone)
+//! a tensor of more than BUCKET elements cut into flat pieces of at most BUCKET (the sum is
+//! elementwise, so the pieces add as the whole does); the pieces cut into buckets of whole pieces,
+//! at most BUCKET elements, so that no message, hence no receiver's copy, holds more
 //! reduce_to_owners, per bucket:
 //!     all_to_all:  process q receives every rank's copy of the bucket's tensors that q's ranks own
 //!                  and adds them in global rank order (the in-process sum, so the same bits)
@@ -12,12 +14,13 @@
 //!     all_gather (every process) or all_to_all to the root's process: each owner's tensors
 //! ```
 //! Tensors cross as safetensors bytes (dtype and shape exactly), one bucket's messages at a
-//! time. Global rank `p·L + i` is local rank i of process p (L ranks per process).
+//! time; a cut tensor's pieces are joined into one buffer as they arrive. Global rank `p·L + i`
+//! is local rank i of process p (L ranks per process).
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor, WithDType};
 
 use super::collective::sum_in_rank_order;
 use crate::world::World;
@@ -62,7 +65,103 @@ fn unpack(bytes: &[u8], process: usize) -> Result<HashMap<String, Tensor>> {
 /// that this process's ranks own (`owners[i]`, a global rank). `local[r]` = local rank r's
 /// tensors, every rank the same shapes in the same order.
 pub fn reduce_to_owners(world: &dyn World, local: &[Vec<Tensor>], owners: &[usize]) -> Result<Vec<Option<Tensor>>> {
-    reduce_in_buckets(world, local, owners, BUCKET)
+    reduce_in_pieces(world, local, owners, BUCKET)
+}
+
+/// Where each tensor's flat pieces of at most `bucket` elements lie: tensor i is pieces
+/// `ranges[i]` of the piece list, a tensor of at most `bucket` elements one piece (itself).
+struct Pieces {
+    ranges: Vec<Range<usize>>,
+    bucket: usize,
+}
+
+impl Pieces {
+    fn new(sizes: &[usize], bucket: usize) -> Self {
+        let mut ranges = Vec::with_capacity(sizes.len());
+        let mut next = 0;
+        for &n in sizes {
+            let k = n.div_ceil(bucket).max(1);
+            ranges.push(next..next + k);
+            next += k;
+        }
+        Pieces { ranges, bucket }
+    }
+
+    fn count(&self) -> usize {
+        self.ranges.last().map_or(0, |r| r.end)
+    }
+
+    /// Tensor i's index for each piece.
+    fn tensor_of(&self) -> Vec<usize> {
+        self.ranges.iter().enumerate().flat_map(|(i, r)| r.clone().map(move |_| i)).collect()
+    }
+
+    /// `t` (tensor i) as its pieces: itself when it is one, else views of its flat elements.
+    fn cut(&self, i: usize, t: &Tensor) -> Result<Vec<Tensor>> {
+        if self.ranges[i].len() == 1 {
+            return Ok(vec![t.clone()]);
+        }
+        let flat = t.flatten_all()?;
+        let n = flat.elem_count();
+        (0..n).step_by(self.bucket).map(|s| Ok(flat.narrow(0, s, self.bucket.min(n - s))?)).collect()
+    }
+}
+
+/// The pieces of one tensor, in order, joined into a tensor of `shape`: each piece's elements
+/// are appended to one buffer and the piece dropped, so the join holds one piece beside it.
+fn join(pieces: Vec<Tensor>, shape: &Shape) -> Result<Tensor> {
+    fn append<T: WithDType>(pieces: Vec<Tensor>, n: usize, shape: &Shape) -> Result<Tensor> {
+        let mut all: Vec<T> = Vec::with_capacity(n);
+        for piece in pieces {
+            all.extend(piece.to_vec1::<T>()?);
+        }
+        Ok(Tensor::from_vec(all, shape, &Device::Cpu)?)
+    }
+    let (dtype, cpu) = (pieces[0].dtype(), pieces[0].device().is_cpu());
+    if pieces.len() == 1 {
+        return Ok(pieces.into_iter().next().expect("one piece").reshape(shape)?);
+    }
+    let n = shape.elem_count();
+    match dtype {
+        DType::F32 if cpu => append::<f32>(pieces, n, shape),
+        DType::F64 if cpu => append::<f64>(pieces, n, shape),
+        DType::BF16 if cpu => append::<half::bf16>(pieces, n, shape),
+        DType::F16 if cpu => append::<half::f16>(pieces, n, shape),
+        _ => Ok(Tensor::cat(&pieces, 0)?.reshape(shape)?),
+    }
+}
+
+/// [`reduce_to_owners`] with tensors cut into pieces of at most `bucket` elements.
+fn reduce_in_pieces(
+    world: &dyn World,
+    local: &[Vec<Tensor>],
+    owners: &[usize],
+    bucket: usize,
+) -> Result<Vec<Option<Tensor>>> {
+    let template = local.first().ok_or_else(|| Error::Other("reduce_to_owners: no local ranks".into()))?;
+    if owners.len() != template.len() {
+        return Err(Error::Other(format!("{} owners for {} tensors", owners.len(), template.len())));
+    }
+    let pieces = Pieces::new(&template.iter().map(Tensor::elem_count).collect::<Vec<_>>(), bucket);
+    let cut: Vec<Vec<Tensor>> = local
+        .iter()
+        .map(|tensors| {
+            let all = tensors.iter().enumerate().map(|(i, t)| pieces.cut(i, t)).collect::<Result<Vec<_>>>()?;
+            Ok(all.into_iter().flatten().collect())
+        })
+        .collect::<Result<_>>()?;
+    let piece_owners: Vec<usize> = pieces.tensor_of().into_iter().map(|i| owners[i]).collect();
+    let mut summed = reduce_in_buckets(world, &cut, &piece_owners, bucket)?.into_iter();
+    let mut out = Vec::with_capacity(template.len());
+    for (i, range) in pieces.ranges.iter().enumerate() {
+        let mine: Vec<Tensor> = summed.by_ref().take(range.len()).flatten().collect();
+        out.push(match mine.len() {
+            0 => None,
+            n if n == range.len() => Some(join(mine, template[i].shape())?),
+            _ => return Err(Error::Other(format!("reduce_to_owners: part of tensor {i}'s sum is missing"))),
+        });
+    }
+    Ok(out)
 }
 
 fn reduce_in_buckets(
@@ -122,7 +221,77 @@ pub fn gather(
     root: Option<usize>,
     device: &Device,
 ) -> Result<Vec<Option<Tensor>>> {
-    gather_in_buckets(world, mine, sizes, root, device, BUCKET)
+    gather_in_pieces(world, mine, sizes, root, device, BUCKET)
+}
+
+/// [`gather`] with tensors cut into pieces of at most `bucket` elements; a cut tensor's shape
+/// travels beside its pieces (only its owner has it).
+fn gather_in_pieces(
+    world: &dyn World,
+    mine: Vec<Option<Tensor>>,
+    sizes: &[usize],
+    root: Option<usize>,
+    device: &Device,
+    bucket: usize,
+) -> Result<Vec<Option<Tensor>>> {
+    if mine.len() != sizes.len() {
+        return Err(Error::Other(format!("gather: {} tensors for {} sizes", mine.len(), sizes.len())));
+    }
+    let pieces = Pieces::new(sizes, bucket);
+    let mut cut: Vec<Option<Tensor>> = Vec::with_capacity(pieces.count());
+    let mut shapes: Vec<(usize, Vec<usize>)> = vec![];
+    for (i, t) in mine.iter().enumerate() {
+        match t {
+            Some(t) => {
+                if pieces.ranges[i].len() > 1 {
+                    shapes.push((i, t.dims().to_vec()));
+                }
+                cut.extend(pieces.cut(i, t)?.into_iter().map(Some));
+            }
+            None => cut.extend(pieces.ranges[i].clone().map(|_| None)),
+        }
+    }
+    drop(mine);
+    let piece_sizes: Vec<usize> = (0..sizes.len())
+        .flat_map(|i| {
+            let (n, k) = (sizes[i], pieces.ranges[i].len());
+            (0..k).map(move |j| if k == 1 { n } else { bucket.min(n - j * bucket) })
+        })
+        .collect();
+    let mut shape_of: HashMap<usize, Vec<usize>> = HashMap::new();
+    if shapes_needed(&pieces) {
+        let all = match root {
+            None => world.all_gather(&crate::world::encode(&shapes)?)?,
+            Some(root) => {
+                let mut parts = vec![vec![]; world.size()];
+                parts[root] = crate::world::encode(&shapes)?;
+                world.all_to_all(parts)?
+            }
+        };
+        for bytes in all.iter().filter(|b| !b.is_empty()) {
+            shape_of.extend(crate::world::decode::<Vec<(usize, Vec<usize>)>>(bytes)?);
+        }
+    }
+    let mut got = gather_in_buckets(world, cut, &piece_sizes, root, device, bucket)?.into_iter();
+    let mut out = Vec::with_capacity(sizes.len());
+    for (i, range) in pieces.ranges.iter().enumerate() {
+        let parts: Vec<Tensor> = got.by_ref().take(range.len()).flatten().collect();
+        out.push(match (parts.len(), range.len()) {
+            (0, _) => None,
+            (1, 1) => parts.into_iter().next(),
+            (n, k) if n == k => {
+                let dims = shape_of.get(&i).ok_or_else(|| Error::Other(format!("gather: no shape for tensor {i}")))?;
+                Some(join(parts, &Shape::from(dims.clone()))?)
+            }
+            _ => return Err(Error::Other(format!("gather: part of tensor {i} is missing"))),
+        });
+    }
+    Ok(out)
+}
+
+/// Whether any tensor is cut (its shape must then travel).
+fn shapes_needed(pieces: &Pieces) -> bool {
+    pieces.ranges.iter().any(|r| r.len() > 1)
 }
 
 fn gather_in_buckets(
@@ -172,15 +341,26 @@ mod tests {
     use crate::world::ThreadWorld;
 
     #[test]
+    fn large_tensors_are_cut_into_pieces_of_a_bucket_at_most() {
+        let p = Pieces::new(&[3, 10, 7, 0], 4);
+        assert_eq!(p.ranges, vec![0..1, 1..4, 4..6, 6..7]);
+        assert_eq!(p.tensor_of(), vec![0, 1, 1, 1, 2, 2, 3]);
+        let t = Tensor::arange(0f32, 10., &Device::Cpu).unwrap().reshape((2, 5)).unwrap();
+        let cut = p.cut(1, &t).unwrap();
+        assert_eq!(cut.iter().map(|c| c.elem_count()).collect::<Vec<_>>(), vec![4, 4, 2]);
+        assert_eq!(bits(&join(cut, t.shape()).unwrap()), bits(&t));
+    }
+
+    #[test]
     fn buckets_hold_whole_tensors() {
         assert_eq!(buckets(&[3, 4, 10, 1, 1], 7), vec![0..2, 2..3, 3..5]);
         assert_eq!(buckets(&[], 7), Vec::<Range<usize>>::new());
         assert_eq!(buckets(&[9], 7), vec![0..1]);
     }
 
-    /// 3 processes × 2 ranks, every bucket size: each owner receives the bits of the six ranks
-    /// added in order, nobody else anything; then the owners' sums gathered everywhere and to
-    /// one root.
+    /// 3 processes × 2 ranks, every bucket size (the smaller ones cut the tensors into pieces):
+    /// each owner receives the bits of the six ranks added in order, in its tensors' shapes,
+    /// nobody else anything; then the owners' sums gathered everywhere and to one root.
     #[test]
     fn owners_get_the_sum_in_rank_order_and_gathers_deliver_it() {
         let (processes, local) = (3, 2);
@@ -195,10 +375,10 @@ mod tests {
                     .map(|(p, w)| {
                         s.spawn(move || {
                             let mine: Vec<Vec<Tensor>> = (0..local).map(|i| grads(p * local + i)).collect();
-                            let owned = reduce_in_buckets(w, &mine, &owners, bucket).unwrap();
+                            let owned = reduce_in_pieces(w, &mine, &owners, bucket).unwrap();
                             let sizes: Vec<usize> = mine[0].iter().map(|t| t.elem_count()).collect();
-                            let all = gather_in_buckets(w, owned.clone(), &sizes, None, &Device::Cpu, bucket);
-                            let root = gather_in_buckets(w, owned.clone(), &sizes, Some(1), &Device::Cpu, bucket);
+                            let all = gather_in_pieces(w, owned.clone(), &sizes, None, &Device::Cpu, bucket);
+                            let root = gather_in_pieces(w, owned.clone(), &sizes, Some(1), &Device::Cpu, bucket);
                             (owned, all.unwrap(), root.unwrap())
                         })
                     })

@@ -99,7 +99,7 @@ fn bench_train_and_decode_print_one_json_line_per_measurement() {
 
 /// `bench memory`: the measured peak of each process and the per-rank prediction, which
 /// activation checkpointing lowers only in its activations, sharding in its optimizer state, and
-/// `full` in its parameters too.
+/// `full` in its parameters (and, a rank's step being one micro-batch, its gradients) too.
 #[test]
 fn bench_memory_prints_the_peak_beside_the_prediction() {
     let model = fixture_dir("qwen3");
@@ -157,6 +157,9 @@ fn bench_memory_prints_the_peak_beside_the_prediction() {
     assert_eq!(params(&sharded), whole, "{sharded}");
     let pf = &full["predicted_per_rank_gb"];
     assert_eq!(pf["params"].as_f64().unwrap(), pa["params"].as_f64().unwrap() / 2.0);
+    // One micro-batch a rank: the gradients are summed to their owners during the backward.
+    assert_eq!(pf["grads"].as_f64().unwrap(), pa["grads"].as_f64().unwrap() / 2.0);
+    assert_eq!(ps["grads"], pa["grads"], "{sharded}");
 }
 
 #[test]
