@@ -61,9 +61,11 @@ impl Dispatch {
             return Err(Error::input(format!("model `{id}` already exists")));
         }
         let config = spec.worker.clone();
-        let build: BuildWorker = if spec.worker.lora.is_some() && spec.worker.sharding == Sharding::Full {
-            // Each rank slices the frozen base, releasing the weights it does not keep in place: it
-            // loads a base of its own, since a shared one would be released under the others.
+        let build: BuildWorker = if spec.worker.sharding == Sharding::Full {
+            // Each rank slices the weights, releasing in place those it does not keep, so it loads
+            // a model of its own: a LoRA base shared with other ranks or models would be released
+            // under them, and a full fine-tuning copy beside a shared load would hold the model
+            // twice while the rank is built.
             let (dir, dtype, device) = (spec.model_dir.clone(), spec.dtype, spec.device.clone());
             Arc::new(move |_| Worker::new(Transformer::load(&dir, dtype, &device)?, config.clone()))
         } else {

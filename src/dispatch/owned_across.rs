@@ -26,8 +26,9 @@ use super::collective::sum_in_rank_order;
 use crate::world::World;
 use crate::{Error, Result};
 
-/// Elements per bucket (64 MiB of f32).
-const BUCKET: usize = 1 << 24;
+/// Elements per bucket (16 MiB of f32). An owner receives every process's copy of a bucket at
+/// once, and decodes them beside the bytes: about 2·W buckets at the peak of a reduce.
+const BUCKET: usize = 1 << 22;
 
 /// Consecutive tensors of at most `bucket` elements together (at least one tensor each).
 fn buckets(sizes: &[usize], bucket: usize) -> Vec<Range<usize>> {
@@ -260,14 +261,7 @@ fn gather_in_pieces(
         .collect();
     let mut shape_of: HashMap<usize, Vec<usize>> = HashMap::new();
     if shapes_needed(&pieces) {
-        let all = match root {
-            None => world.all_gather(&crate::world::encode(&shapes)?)?,
-            Some(root) => {
-                let mut parts = vec![vec![]; world.size()];
-                parts[root] = crate::world::encode(&shapes)?;
-                world.all_to_all(parts)?
-            }
-        };
+        let all = to_all_or_root(world, crate::world::encode(&shapes)?, root)?;
         for bytes in all.iter().filter(|b| !b.is_empty()) {
             shape_of.extend(crate::world::decode::<Vec<(usize, Vec<usize>)>>(bytes)?);
         }
@@ -289,6 +283,19 @@ fn gather_in_pieces(
     Ok(out)
 }
 
+/// Every process's `bytes`, on every process (`root` `None`) or on process `root` alone (the
+/// others receive empty messages).
+fn to_all_or_root(world: &dyn World, bytes: Vec<u8>, root: Option<usize>) -> Result<Vec<Vec<u8>>> {
+    match root {
+        None => world.all_gather(&bytes),
+        Some(root) => {
+            let mut parts = vec![vec![]; world.size()];
+            parts[root] = bytes;
+            world.all_to_all(parts)
+        }
+    }
+}
+
 /// Whether any tensor is cut (its shape must then travel).
 fn shapes_needed(pieces: &Pieces) -> bool {
     pieces.ranges.iter().any(|r| r.len() > 1)
@@ -305,19 +312,12 @@ fn gather_in_buckets(
     if mine.len() != sizes.len() {
         return Err(Error::Other(format!("gather: {} tensors for {} sizes", mine.len(), sizes.len())));
     }
-    let (w, me) = (world.size(), world.rank());
+    let me = world.rank();
     let mut out: Vec<Option<Tensor>> = vec![None; sizes.len()];
     for range in buckets(sizes, bucket) {
         let named: Vec<(String, Tensor)> =
             range.clone().filter_map(|i| Some((i.to_string(), mine[i].take()?))).collect();
-        let received = match root {
-            None => world.all_gather(&pack(named)?)?,
-            Some(root) => {
-                let mut parts = vec![vec![]; w];
-                parts[root] = pack(named)?;
-                world.all_to_all(parts)?
-            }
-        };
+        let received = to_all_or_root(world, pack(named)?, root)?;
         if root.is_some_and(|r| r != me) {
             continue;
         }

@@ -13,6 +13,7 @@ pub mod moe;
 pub mod named_tensors;
 pub mod ops;
 pub mod rope;
+pub mod safetensors_file;
 pub mod row_adapters;
 pub mod sampler_weights;
 pub mod sequence_logprobs;

@@ -80,8 +80,7 @@ impl NamedTensors {
         if !path.exists() {
             return Err(Error::file(path, "no such file"));
         }
-        let tensors = candle_core::safetensors::load(path, device)
-            .map_err(|e| Error::file(path, format!("not a valid safetensors file: {e}")))?;
+        let tensors = super::safetensors_file::read_tensors(path, device)?;
         let mut out = Self::new(path);
         for (name, t) in tensors {
             if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16 | DType::F64) {

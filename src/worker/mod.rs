@@ -17,9 +17,9 @@
 //! Simplifications: one device, one thread of control; the learning-rate schedule ([`schedule`]) is a pure
 //! function the caller applies when it builds [`AdamParams`].
 
-mod add_in_place;
 pub mod adamw;
 mod adamw_fused;
+mod add_in_place;
 pub mod batch;
 pub mod checkpoint;
 pub mod loss_fn;

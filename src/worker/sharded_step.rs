@@ -155,18 +155,18 @@ impl Worker {
     /// accumulators' dtype: f32 under mixed precision), so that every rank passes the same
     /// shapes.
     pub(super) fn take_local_gradients(&mut self, which: &[usize]) -> Result<Vec<Tensor>> {
-        let mut local = Vec::with_capacity(which.len());
-        for &i in which {
-            local.push(match self.grads[i].take() {
-                Some(g) => g,
-                None => {
-                    let v = self.params[i].1.as_tensor();
-                    let dtype = if self.masters.is_some() { MASTER_DTYPE } else { v.dtype() };
-                    Tensor::zeros(v.shape(), dtype, v.device())?
-                }
-            });
+        which.iter().map(|&i| self.take_local_gradient(i)).collect()
+    }
+
+    /// Parameter `i`'s accumulated gradient, taken, or zeros (see
+    /// [`Worker::take_local_gradients`]).
+    pub(super) fn take_local_gradient(&mut self, i: usize) -> Result<Tensor> {
+        if let Some(g) = self.grads[i].take() {
+            return Ok(g);
         }
-        Ok(local)
+        let v = self.params[i].1.as_tensor();
+        let dtype = if self.masters.is_some() { MASTER_DTYPE } else { v.dtype() };
+        Ok(Tensor::zeros(v.shape(), dtype, v.device())?)
     }
 
     /// One AdamW step of a sharded rank on its accumulated gradients (see the module

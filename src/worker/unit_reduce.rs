@@ -27,7 +27,6 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use super::mixed_precision::MASTER_DTYPE;
 use super::worker::Worker;
 use crate::model::sharded_weights::Unit;
 use crate::{Error, Result};
@@ -62,23 +61,13 @@ impl Worker {
     pub(super) fn unit_done(&mut self, unit: Unit) -> Result<()> {
         let Some(state) = self.unit_reduce.as_mut() else { return Ok(()) };
         let Some(finished) = state.completed_by.remove(&unit) else { return Ok(()) };
-        let (slices, plan) = match (&self.slices, &self.shard) {
-            (Some(s), Some(p)) => (s, p),
-            _ => return Err(Error::Other("unit reduce without sliced weights".into())),
+        let (Some(slices), Some(plan)) = (self.slices.clone(), &self.shard) else {
+            return Err(Error::Other("unit reduce without sliced weights".into()));
         };
-        let mut local = Vec::with_capacity(finished.len());
-        for &i in &finished {
-            local.push(match self.grads[i].take() {
-                Some(g) => g,
-                None => {
-                    let v = self.params[i].1.as_tensor();
-                    let dtype = if self.masters.is_some() { MASTER_DTYPE } else { v.dtype() };
-                    Tensor::zeros(v.shape(), dtype, v.device())?
-                }
-            });
-        }
         let owners: Vec<usize> = finished.iter().map(|&i| plan.owners[i]).collect();
+        let local = self.take_local_gradients(&finished)?;
         let summed = slices.reduce_to_owners(local, &owners)?;
+        let state = self.unit_reduce.as_mut().expect("checked above");
         for (&i, sum) in finished.iter().zip(summed) {
             state.summed[i] = sum;
             state.done[i] = true;

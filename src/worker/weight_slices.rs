@@ -61,10 +61,10 @@ pub struct WeightSlices {
 }
 
 impl WeightSlices {
-    /// The slices of `model`'s base weights, rank `rank`'s of the group `ex` serves: a trained
-    /// weight (one of `params`) kept by its owner in `plan`, a frozen one (a LoRA model's base)
-    /// by its keeper in a plan over the base weights ([`ShardPlan::new`]). `None` when there is
-    /// nothing to slice (a model of no weights).
+    /// The slices of `model`'s base weights over the group `ex` serves (this rank: `plan.rank`):
+    /// a trained weight (one of `params`) kept by its owner in `plan`, a frozen one (a LoRA
+    /// model's base) by its keeper in a plan over the base weights ([`ShardPlan::new`]). `None`
+    /// when there is nothing to slice (a model of no weights).
     pub fn new(
         model: &Transformer,
         params: &[(String, Var)],
