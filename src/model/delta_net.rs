@@ -237,6 +237,7 @@ fn inv_l2<T: Real>(x: &[T]) -> T {
 /// S ← S + kδᵀ, o = Sᵀq. `kv` is scratch of dv. The one summation order of training and
 /// decoding.
 #[inline]
+#[allow(clippy::too_many_arguments)] // the recurrence's state, inputs and outputs, one slice each
 fn step<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: T, beta: T, o: &mut [T], kv: &mut [T]) {
     let dv = v.len();
     let decay = g.exp();
@@ -551,6 +552,7 @@ pub struct Grads<T> {
 
 /// The backward of [`forward`] (recorded from a zero state) for the output gradient `d_out`
 /// [B·T, value_dim].
+#[allow(clippy::too_many_arguments)]
 pub fn backward<T: Real>(
     qkv: &[T],
     z: &[T],
