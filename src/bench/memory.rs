@@ -15,7 +15,8 @@
 //!   checkpointing every layer keeps all of it; with checkpointing each layer keeps its input
 //!   (N·hidden) and one layer's worth is alive again while its backward recomputes it. The head
 //!   keeps the final hidden states before and after the norm (2·N·hidden) and the logits of the
-//!   rows the loss reads (N·V).
+//!   rows the loss reads (N·V; checkpointed, one chunk of them at most, recomputed in the
+//!   backward: [`crate::model::tape::CHUNK_LOGITS`] elements).
 //!
 //! Under sharding ([`RankMemory::sharded`]) the optimizer state is split over the ranks, and
 //! under `full` the parameters too (plus, while a layer is in use, that layer whole), and the
@@ -93,7 +94,10 @@ pub fn predict(
     let layer = n * (4 * hd + 2 * h * d + 2 * kv * d + 3 * im + qk_norm) + batch * h * seq * seq;
     let layers = c.num_hidden_layers;
     let kept = if checkpointing { layers * n * hd + layer } else { layers * layer };
-    let head = 2 * n * hd + n * c.vocab_size;
+    // Checkpointed, the head recomputes its logits chunk by chunk in the backward.
+    let logits = n * c.vocab_size;
+    let logits = if checkpointing { logits.min(crate::model::tape::CHUNK_LOGITS) } else { logits };
+    let head = 2 * n * hd + logits;
     RankMemory { params: p * param_bytes as f64, grads, optimizer, activations: (kept + head) as f64 * wide }
 }
 

@@ -140,3 +140,44 @@ fn worker_with_checkpointing_trains_the_same_bits() {
         }
     }
 }
+
+/// A head whose logits take several chunks (a 40,000-token vocabulary, tied, over 1,800 rows):
+/// checkpointed, the worker recomputes them chunk by chunk in the backward, and every gradient is
+/// the bits of keeping them.
+#[test]
+fn a_head_of_several_chunks_recomputes_its_logits_to_the_same_bits() {
+    use oxrl::model::model_config::{Arch, ModelShape};
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = 40_000;
+    let shape = ModelShape {
+        vocab_size: vocab,
+        hidden_size: 16,
+        intermediate_size: 32,
+        num_layers: 1,
+        num_heads: 1,
+        num_kv_heads: 1,
+        head_dim: 16,
+        rope_theta: 1e4,
+        max_position_embeddings: 512,
+        tie_word_embeddings: true,
+    };
+    oxrl::model::init::write_random_model(dir.path(), Arch::Qwen3, &shape, 5, DType::F32).unwrap();
+    let batch: Vec<Datum> = (0..4)
+        .map(|k| {
+            let t: Vec<u32> = (0..=450).map(|j| ((k * 7919 + j * 104_729) % vocab) as u32).collect();
+            Datum::supervised(t[..450].to_vec(), t[1..].to_vec(), vec![1.0; 450])
+        })
+        .collect();
+    assert!(1800 * vocab > 2 * oxrl::model::tape::CHUNK_LOGITS, "the head must take several chunks");
+    let loss = loss("cross_entropy", &json!({}));
+    let gradients = |activation_checkpointing: bool| -> Vec<(String, Vec<u64>)> {
+        let model = Transformer::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+        let config = WorkerConfig { activation_checkpointing, ..Default::default() };
+        let mut w = Worker::new(model, config).unwrap();
+        w.forward_backward(&batch, Some(&loss), false).unwrap();
+        w.gradients().into_iter().map(|(n, g)| (n.to_string(), bits(g.expect("every weight trains")))).collect()
+    };
+    let kept = gradients(false);
+    assert!(kept.iter().any(|(n, g)| n == "model.embed_tokens.weight" && g.iter().any(|&b| b != 0)));
+    assert_eq!(gradients(true), kept, "recomputing the head's logits changed a gradient");
+}

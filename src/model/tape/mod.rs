@@ -47,6 +47,7 @@ use super::sharded_weights::{self, Unit};
 use super::transformer::{attention_bias, Attention, Block, FeedForward, Mixer, Transformer};
 use crate::{Error, Result};
 use attention::Dims;
+pub use head::CHUNK_LOGITS;
 
 /// A tensor's contiguous CPU data as `T`: borrowed (read-locked) when the tensor is of dtype T,
 /// else converted (a bf16/f16 model's weights, computed in f32).
@@ -190,6 +191,9 @@ struct Record<T> {
     /// The body's output, the final hidden states [B·T, hidden].
     out: Vec<T>,
     head: Option<head::HeadRecord<T>>,
+    /// Whether the head keeps its logits for the backward (else it recomputes them there, under
+    /// activation checkpointing; without a backward it keeps nothing).
+    keep_logits: bool,
     /// The sparse layers' routing statistics (a model with experts).
     router: Option<moe::RouterStats>,
 }
@@ -419,7 +423,7 @@ fn head_forward<T: Real>(
         return Err(Error::input(format!("tape: row {bad} is beyond the batch's {n} positions")));
     }
     let width = r.model.config.hidden_size;
-    let (lp, h, rec) = head::forward(&r.model.lm_head, &r.out, width, rows, targets, entropy)?;
+    let (lp, h, rec) = head::forward(&r.model.lm_head, &r.out, width, rows, targets, entropy, r.keep_logits)?;
     r.head = Some(rec);
     let tensor = |v: Vec<T>| Tensor::from_vec(v, rows.len(), &Device::Cpu);
     Ok((tensor(lp)?, h.map(tensor).transpose()?))
@@ -501,7 +505,8 @@ fn run<T: Real>(
     // Held until the head has run ([`Tape::logprobs`] or [`Tape::hidden`] releases it).
     model.gather_unit(Unit::Head)?;
     let out = model_norm(model, &h, &model.norm)?;
-    Ok(Record { model: model.clone(), tokens, shared, blocks, h_last: h, out, head: None, router })
+    let keep_logits = keep == Keep::Everything;
+    Ok(Record { model: model.clone(), tokens, shared, blocks, h_last: h, out, head: None, keep_logits, router })
 }
 
 /// One block's forward from its input `h`: its output, and every activation its backward reads
