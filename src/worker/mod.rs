@@ -7,6 +7,8 @@
 //! - [`Worker::forward_backward`]: micro-batches ([`packing`]) are right-padded, run, and the loss
 //!   ([`loss_fn`]) is the plain sum `Σ_datums Σ_t loss_t · w_t`; gradients are added to the
 //!   accumulators; metrics merge exactly; one record per datum comes back in input order.
+//! - [`Worker::forward_backward_for_step`]: the same when the optimizer step comes next, which
+//!   lets `full` sharding sum each gradient to its owner during the backward (`unit_reduce.rs`).
 //! - [`Worker::forward`]: the same without gradients.
 //! - [`Worker::optim_step`]: AdamW ([`adamw`]) with optional global-norm clipping.
 //! - [`Worker::save_state`] / [`Worker::load_state`] / [`Worker::export`]: [`checkpoint`].

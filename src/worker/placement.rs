@@ -94,7 +94,7 @@ impl Worker {
     }
 
     /// Bytes of gradients the worker holds: its accumulators and, while a backward's gradients
-    /// are summed to their owners ([`super::unit_reduce`]), the sums it owns.
+    /// are summed to their owners (`worker/unit_reduce.rs`), the sums it owns.
     pub fn gradient_bytes(&self) -> usize {
         let accumulated: usize = self.grads.iter().flatten().map(bytes).sum();
         let summed: usize = self.unit_reduce.iter().flat_map(|u| u.summed.iter().flatten()).map(bytes).sum();

@@ -171,7 +171,7 @@ impl Worker {
 
     /// One AdamW step of a sharded rank on its accumulated gradients (see the module
     /// documentation; gradients a backward already summed to their owners,
-    /// [`super::unit_reduce`], are taken as they are); returns the global gradient norm before
+    /// `worker/unit_reduce.rs`, are taken as they are); returns the global gradient norm before
     /// clipping, as [`Worker::optim_step`] does, with the same handling of a non-finite norm.
     pub fn optim_step_sharded(&mut self, params: &AdamParams, ex: &dyn RankExchange) -> Result<f64> {
         params.validate()?;

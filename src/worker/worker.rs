@@ -65,7 +65,7 @@ pub struct Worker {
     /// ([`super::weight_slices`]; the model's weight gate is the same object).
     pub(super) slices: Option<Arc<WeightSlices>>,
     /// `full`: the gradients of this step summed to their owners during its backward
-    /// ([`super::unit_reduce`]); the next call must be the optimizer step.
+    /// (`worker/unit_reduce.rs`); the next call must be the optimizer step.
     pub(super) unit_reduce: Option<UnitReduce>,
     /// Optimizer steps applied.
     pub(super) step: u64,
@@ -211,7 +211,7 @@ impl Worker {
     /// [`Worker::forward_backward`] whose gradients the next call, [`Worker::optim_step_sharded`],
     /// applies (no other `forward_backward` in between). Under `full` sharding, when every rank
     /// runs one micro-batch and holds no earlier gradients, each weight's gradient is summed to
-    /// its owner during the backward ([`super::unit_reduce`]), so no rank holds every gradient;
+    /// its owner during the backward (`worker/unit_reduce.rs`), so no rank holds every gradient;
     /// otherwise, and in every other mode, it is [`Worker::forward_backward`].
     pub fn forward_backward_for_step(
         &mut self,

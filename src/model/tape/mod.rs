@@ -21,13 +21,14 @@
 //! Simplifications: no KV cache and no per-row adapters (training and scoring only); f64 models
 //! compute in f64 and all others in f32 (bf16/f16 weights widened as they are read); other
 //! devices keep candle's autograd ([`Tape::serves`]). The logits of the rows the loss reads are
-//! kept for the backward ([M, V], as the candle path kept them).
+//! kept for the backward ([M, V], as the candle path kept them), computed in chunks of rows.
 //!
 //! Activation checkpointing ([`Keep::LayerInputs`]): the forward keeps only each block's input
 //! (and the attention mask) and the backward runs the block's forward again from it, just before
-//! that block's backward, then drops what it recomputed. Every kernel is deterministic (fixed
-//! splits, fixed summation orders), so the recomputed activations, hence the gradients, are the
-//! bits of keeping everything; the price is one more forward of the body per backward.
+//! that block's backward, then drops what it recomputed; the head keeps no logits and recomputes
+//! them chunk by chunk (`head`). Every kernel is deterministic (fixed splits, fixed summation
+//! orders), so the recomputed activations, hence the gradients, are the bits of keeping
+//! everything; the price is one more forward of the body and the head per backward.
 
 mod attention;
 mod delta_net;
