@@ -72,7 +72,9 @@ impl SamplerWeights {
             }
         };
         let views: Vec<(&str, &Tensor)> = tensors.iter().collect();
-        safetensors::serialize(views, Some(meta)).map_err(|e| Error::Other(format!("weights to safetensors: {e}")))
+        let bytes = safetensors::serialize(views, Some(meta))
+            .map_err(|e| Error::Other(format!("weights to safetensors: {e}")))?;
+        metadata_sorted(bytes)
     }
 
     /// The snapshot [`SamplerWeights::to_safetensors`] wrote, its tensors on `device`.
@@ -115,5 +117,65 @@ impl SamplerWeights {
             WeightUpdate::Lora { tensors, .. } => tensors,
         };
         tensors.iter().map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+}
+
+/// safetensors writes the metadata map in its hash order, so the same snapshot would make other
+/// bytes in another process or run. Rewrites the header with the metadata's keys sorted: the same
+/// keys and values in another order, hence the same length, and the tensors' bytes untouched.
+fn metadata_sorted(mut bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let bad = |why: &str| Error::Other(format!("weights to safetensors: {why}"));
+    let n = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
+    let n = n.filter(|&n| 8 + n <= bytes.len()).ok_or_else(|| bad("a header longer than the file"))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| bad(&e.to_string()))?;
+    let header: serde_json::Map<String, serde_json::Value> = header
+        .into_iter()
+        .map(|(k, v)| match (k.as_str(), v) {
+            ("__metadata__", serde_json::Value::Object(m)) => {
+                let sorted: std::collections::BTreeMap<String, serde_json::Value> = m.into_iter().collect();
+                (k, serde_json::Value::Object(sorted.into_iter().collect()))
+            }
+            (_, v) => (k, v),
+        })
+        .collect();
+    let mut json = serde_json::to_vec(&header).map_err(|e| bad(&e.to_string()))?;
+    if json.len() > n {
+        return Err(bad("the rewritten header is longer"));
+    }
+    json.resize(n, b' ');
+    bytes[8..8 + n].copy_from_slice(&json);
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A LoRA snapshot (six metadata keys) makes the same bytes every time it is written, and
+    /// reads back to its version, config and tensors.
+    #[test]
+    fn the_same_snapshot_makes_the_same_bytes() {
+        let mut tensors = NamedTensors::new("test");
+        let a = Tensor::arange(0f32, 12., &Device::Cpu).unwrap().reshape((3, 4)).unwrap();
+        tensors.insert("base_model.model.lm_head.lora_A.weight".to_string(), a.clone()).unwrap();
+        let config = LoraConfig { rank: 3, alpha: 6.0, target_modules: vec!["lm_head".into()], use_rslora: false };
+        let update = WeightUpdate::Lora { config: config.clone(), tensors };
+        let first = SamplerWeights::new(7, update).to_safetensors().unwrap();
+        for _ in 0..20 {
+            let mut tensors = NamedTensors::new("test");
+            tensors.insert("base_model.model.lm_head.lora_A.weight".to_string(), a.clone()).unwrap();
+            let update = WeightUpdate::Lora { config: config.clone(), tensors };
+            assert!(SamplerWeights::new(7, update).to_safetensors().unwrap() == first, "the bytes differ");
+        }
+        let back = SamplerWeights::from_safetensors(&first, &Device::Cpu).unwrap();
+        assert_eq!(back.version(), 7);
+        match back.update() {
+            WeightUpdate::Lora { config: c, tensors } => {
+                assert_eq!(c, &config);
+                assert_eq!(tensors.len(), 1);
+            }
+            _ => panic!("not a LoRA update"),
+        }
     }
 }
