@@ -204,8 +204,7 @@ impl Worker {
         loss: Option<&Loss>,
         return_per_token_outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
-        let loss = loss.ok_or_else(|| Error::input("forward_backward needs a loss to differentiate"))?;
-        self.run(batch, Some(loss), true, return_per_token_outputs, false)
+        self.run_backward(batch, loss, return_per_token_outputs, false)
     }
 
     /// [`Worker::forward_backward`] whose gradients the next call, [`Worker::optim_step_sharded`],
@@ -219,8 +218,19 @@ impl Worker {
         loss: Option<&Loss>,
         return_per_token_outputs: bool,
     ) -> Result<ForwardBackwardOutput> {
+        self.run_backward(batch, loss, return_per_token_outputs, true)
+    }
+
+    /// [`Worker::run`] with a backward, which needs a loss.
+    fn run_backward(
+        &mut self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        outputs: bool,
+        step_next: bool,
+    ) -> Result<ForwardBackwardOutput> {
         let loss = loss.ok_or_else(|| Error::input("forward_backward needs a loss to differentiate"))?;
-        self.run(batch, Some(loss), true, return_per_token_outputs, true)
+        self.run(batch, Some(loss), true, outputs, step_next)
     }
 
     /// Per-datum log-probs (values for a critic) without gradients; with a loss, also its

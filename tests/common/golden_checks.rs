@@ -71,7 +71,7 @@ pub fn assert_greedy_tokens(arch: &str, load: impl Fn() -> Transformer) {
 /// (in f32, an lm_head element of 1e-7 moves 8e-5 off), hence f64. `compared(param, golden)`:
 /// the elements of a parameter to compare (`None`: all). Returns how many parameters it checked.
 pub fn assert_adamw_step(arch: &str, compared: impl Fn(&str, &Golden) -> Option<Vec<u32>>) -> usize {
-    use oxrl::worker::{AdamParams, Datum, Worker, WorkerConfig};
+    use oxrl::worker::{Datum, Worker, WorkerConfig};
     let g = Golden::load(arch);
     let b = g.batch();
     let datums: Vec<Datum> = (0..b.ids.len())
@@ -98,15 +98,7 @@ pub fn assert_adamw_step(arch: &str, compared: impl Fn(&str, &Golden) -> Option<
             }
         }
     }
-    let a = &g.json["adamw"];
-    let params = AdamParams {
-        learning_rate: a["lr"].as_f64().unwrap(),
-        beta1: a["betas"][0].as_f64().unwrap(),
-        beta2: a["betas"][1].as_f64().unwrap(),
-        eps: a["eps"].as_f64().unwrap(),
-        weight_decay: a["weight_decay"].as_f64().unwrap(),
-        grad_clip_norm: 0.0,
-    };
+    let params = g.adamw();
     w.optim_step(&params).unwrap();
     let mut checked = 0;
     for (name, want) in &g.tensors {

@@ -23,6 +23,19 @@ pub struct Golden {
 }
 
 impl Golden {
+    /// The AdamW step transformers took (`adamw` in the fixture), without clipping.
+    pub fn adamw(&self) -> oxrl::worker::AdamParams {
+        let a = &self.json["adamw"];
+        oxrl::worker::AdamParams {
+            learning_rate: a["lr"].as_f64().unwrap(),
+            beta1: a["betas"][0].as_f64().unwrap(),
+            beta2: a["betas"][1].as_f64().unwrap(),
+            eps: a["eps"].as_f64().unwrap(),
+            weight_decay: a["weight_decay"].as_f64().unwrap(),
+            grad_clip_norm: 0.0,
+        }
+    }
+
     pub fn load(arch: &str) -> Golden {
         let dir = fixture_dir(arch);
         let tensors = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();

@@ -74,15 +74,7 @@ fn one_adamw_step_reproduces_transformers() {
             assert!(err < 1e-4, "{arch}: gradient of {param} off by {err} relative");
             checked.push(param.to_string());
         }
-        let a = &g.json["adamw"];
-        let params = AdamParams {
-            learning_rate: a["lr"].as_f64().unwrap(),
-            beta1: a["betas"][0].as_f64().unwrap(),
-            beta2: a["betas"][1].as_f64().unwrap(),
-            eps: a["eps"].as_f64().unwrap(),
-            weight_decay: a["weight_decay"].as_f64().unwrap(),
-            grad_clip_norm: 0.0,
-        };
+        let params = g.adamw();
         let norm = w.optim_step(&params).unwrap();
         assert!(norm.is_finite() && norm > 0.0);
         assert_eq!(w.step(), 1);
