@@ -3,6 +3,14 @@
 //! and the resident set now (`VmRSS`), read when asked. Other systems have no such file: the peak is then unknown (NaN, written as
 //! `null` in a metrics line).
 
+// Links mimalloc (the `oxrl` binary's allocator, src/main.rs) for `mi_collect`.
+use mimalloc as _;
+
+extern "C" {
+    /// mimalloc's collection (`mimalloc.h`): with `force`, frees what it holds for reuse.
+    fn mi_collect(force: bool);
+}
+
 /// Bytes in the `gb` of `peak_rss_gb` (decimal gigabytes).
 pub const GB: f64 = 1e9;
 
@@ -22,6 +30,15 @@ pub fn resident_rss_gb() -> f64 {
         .ok()
         .and_then(|s| status_bytes(&s, "VmRSS"))
         .map_or(f64::NAN, |b| b as f64 / GB)
+}
+
+/// Hands the memory the allocator keeps for reuse back to the kernel now, rather than after its
+/// purge delay (src/main.rs): after a sharded model has released the weights it does not own,
+/// what was freed would otherwise stay resident and be counted in the peak for seconds. A no-op
+/// for memory from another allocator.
+pub fn return_freed() {
+    // Safety: a collection call with no arguments to uphold, safe from any thread.
+    unsafe { mi_collect(true) };
 }
 
 /// The field `name` (`VmHWM:   123456 kB`) of a `/proc/PID/status` text, in bytes.

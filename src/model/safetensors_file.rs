@@ -5,15 +5,14 @@
 //! model at the peak of a process that may never need that much again. Here the header is read
 //! first (an 8-byte little-endian length, then that many bytes of JSON: for each tensor its
 //! dtype, shape and `data_offsets` [begin, end) into the data that follows), then each tensor's
-//! bytes are read into a buffer of their own and turned into the tensor, so the peak is the
-//! tensors and one buffer.
+//! bytes are read straight into the tensor's own buffer, so the peak is the tensors alone.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, WithDType};
 
 use crate::{Error, Result};
 
@@ -60,13 +59,31 @@ pub fn read_tensors(path: &Path, device: &Device) -> Result<Vec<(String, Tensor)
                 e.shape, e.dtype
             )));
         }
-        let mut bytes = vec![0u8; want as usize];
         file.seek(SeekFrom::Start(data_start + begin)).map_err(|err| bad(err.to_string()))?;
-        file.read_exact(&mut bytes).map_err(|err| bad(format!("tensor `{name}`: {err}")))?;
-        let t = Tensor::from_raw_buffer(&bytes, dtype, &e.shape, device)?;
-        out.push((name, t));
+        let read = |err: std::io::Error| bad(format!("tensor `{name}`: {err}"));
+        let count = e.shape.iter().product::<usize>();
+        let t = match dtype {
+            DType::F64 => read_into::<f64>(&mut file, count, &e.shape).map_err(read)?,
+            DType::F32 => read_into::<f32>(&mut file, count, &e.shape).map_err(read)?,
+            DType::BF16 => read_into::<half::bf16>(&mut file, count, &e.shape).map_err(read)?,
+            _ => read_into::<half::f16>(&mut file, count, &e.shape).map_err(read)?,
+        };
+        out.push((name, t.to_device(device)?));
     }
     Ok(out)
+}
+
+/// The next `count` elements of `file` (little-endian, as safetensors stores them) read straight
+/// into the tensor's own buffer: no second copy of the tensor's bytes beside it.
+fn read_into<T: WithDType>(file: &mut File, count: usize, shape: &[usize]) -> std::io::Result<Tensor> {
+    let mut data = vec![T::from_f64(0.0); count];
+    // Safety: T is a float of `size_of::<T>()` bytes, any bit pattern of which is a value; the
+    // byte view covers exactly `data`'s elements and ends before `data` is used again. (The
+    // bytes land in native order: the little-endian machines candle runs on.)
+    let bytes =
+        unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), count * std::mem::size_of::<T>()) };
+    file.read_exact(bytes)?;
+    Tensor::from_vec(data, shape, &Device::Cpu).map_err(std::io::Error::other)
 }
 
 fn dtype_of(name: &str) -> Option<DType> {

@@ -159,11 +159,12 @@ impl WeightSlices {
         self.sliced.contains(&t.id())
     }
 
-    /// Frees every weight this rank does not own.
+    /// Frees every weight this rank does not own, and returns the memory to the kernel.
     pub fn release_unowned(&self) -> Result<()> {
         for &u in self.units.keys() {
             self.release(u)?;
         }
+        crate::memory::return_freed();
         Ok(())
     }
 
