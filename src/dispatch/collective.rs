@@ -291,7 +291,7 @@ impl Collective for InProcess {
         let owners_of = owners.to_vec();
         let combine = move |all: Vec<Payload>| {
             let local: Vec<Vec<Tensor>> = all.into_iter().map(tensors).collect();
-            Ok(Payload::Owned(super::owned_across::reduce_to_owners(world, &local, &owners_of)?))
+            Ok(Payload::Owned(super::owned_across::reduce_to_owners(world, local, &owners_of)?))
         };
         Ok(keep(self.rendezvous(rank, Payload::Tensors(mine), combine).map(owned)?))
     }

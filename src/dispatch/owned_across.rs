@@ -14,15 +14,17 @@
 //!     all_gather (every process) or all_to_all to the root's process: each owner's tensors
 //! ```
 //! Tensors cross as safetensors bytes (dtype and shape exactly), one bucket's messages at a
-//! time; a cut tensor's pieces are joined into one buffer as they arrive. Global rank `p·L + i`
-//! is local rank i of process p (L ranks per process).
+//! time; a cut tensor's summed pieces are written over the owner's own copy as they arrive, its
+//! gathered pieces appended to one buffer. Global rank `p·L + i` is local rank i of process p
+//! (L ranks per process).
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use candle_core::{DType, Device, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, Device, Shape, Tensor};
 
 use super::collective::sum_in_rank_order;
+use crate::worker::in_place::write_at;
 use crate::world::World;
 use crate::{Error, Result};
 
@@ -64,8 +66,11 @@ fn unpack(bytes: &[u8], process: usize) -> Result<HashMap<String, Tensor>> {
 
 /// The sum over every rank of every process of each tensor, returned (`Some`) for the tensors
 /// that this process's ranks own (`owners[i]`, a global rank). `local[r]` = local rank r's
-/// tensors, every rank the same shapes in the same order.
-pub fn reduce_to_owners(world: &dyn World, local: &[Vec<Tensor>], owners: &[usize]) -> Result<Vec<Option<Tensor>>> {
+/// tensors, every rank the same shapes in the same order. The tensors are handed over: a sum cut
+/// into pieces is written over local rank 0's tensor as its pieces arrive (so an owner holds one
+/// tensor's worth, not its gradient, the summed pieces and their join), which must therefore own
+/// its storage ([`crate::worker::in_place`]).
+pub fn reduce_to_owners(world: &dyn World, local: Vec<Vec<Tensor>>, owners: &[usize]) -> Result<Vec<Option<Tensor>>> {
     reduce_in_pieces(world, local, owners, BUCKET)
 }
 
@@ -108,38 +113,77 @@ impl Pieces {
     }
 }
 
-/// The pieces of one tensor, in order, joined into a tensor of `shape`: each piece's elements
-/// are appended to one buffer and the piece dropped, so the join holds one piece beside it.
-fn join(pieces: Vec<Tensor>, shape: &Shape) -> Result<Tensor> {
-    fn append<T: WithDType>(pieces: Vec<Tensor>, n: usize, shape: &Shape) -> Result<Tensor> {
-        let mut all: Vec<T> = Vec::with_capacity(n);
-        for piece in pieces {
-            all.extend(piece.to_vec1::<T>()?);
+/// One tensor's pieces, in order, appended to one buffer as they arrive and each dropped, so the
+/// join holds one piece beside the buffer (pieces off the CPU are kept and concatenated).
+enum Join {
+    Cpu(CpuStorage),
+    Kept(Vec<Tensor>),
+}
+
+impl Join {
+    /// A join of `n` elements whose first piece is `first`.
+    fn new(first: &Tensor, n: usize) -> Self {
+        let cpu = first.device().is_cpu();
+        match first.dtype() {
+            DType::F32 if cpu => Join::Cpu(CpuStorage::F32(Vec::with_capacity(n))),
+            DType::F64 if cpu => Join::Cpu(CpuStorage::F64(Vec::with_capacity(n))),
+            DType::BF16 if cpu => Join::Cpu(CpuStorage::BF16(Vec::with_capacity(n))),
+            DType::F16 if cpu => Join::Cpu(CpuStorage::F16(Vec::with_capacity(n))),
+            _ => Join::Kept(vec![]),
         }
-        Ok(Tensor::from_vec(all, shape, &Device::Cpu)?)
     }
-    let (dtype, cpu) = (pieces[0].dtype(), pieces[0].device().is_cpu());
+
+    fn push(&mut self, piece: Tensor) -> Result<()> {
+        let piece = piece.flatten_all()?;
+        let mismatch = |e: candle_core::Error| Error::Other(format!("joining a tensor's pieces: {e}"));
+        match self {
+            Join::Cpu(CpuStorage::F32(all)) => all.extend(piece.to_vec1::<f32>().map_err(mismatch)?),
+            Join::Cpu(CpuStorage::F64(all)) => all.extend(piece.to_vec1::<f64>().map_err(mismatch)?),
+            Join::Cpu(CpuStorage::BF16(all)) => all.extend(piece.to_vec1::<half::bf16>().map_err(mismatch)?),
+            Join::Cpu(CpuStorage::F16(all)) => all.extend(piece.to_vec1::<half::f16>().map_err(mismatch)?),
+            Join::Cpu(_) => return Err(Error::Other("joining a tensor's pieces: not a float tensor".into())),
+            Join::Kept(pieces) => pieces.push(piece),
+        }
+        Ok(())
+    }
+
+    /// The joined tensor, of `shape`.
+    fn finish(self, shape: &Shape) -> Result<Tensor> {
+        let cpu = &Device::Cpu;
+        Ok(match self {
+            Join::Cpu(CpuStorage::F32(all)) => Tensor::from_vec(all, shape, cpu)?,
+            Join::Cpu(CpuStorage::F64(all)) => Tensor::from_vec(all, shape, cpu)?,
+            Join::Cpu(CpuStorage::BF16(all)) => Tensor::from_vec(all, shape, cpu)?,
+            Join::Cpu(CpuStorage::F16(all)) => Tensor::from_vec(all, shape, cpu)?,
+            Join::Cpu(_) => return Err(Error::Other("joining a tensor's pieces: not a float tensor".into())),
+            Join::Kept(pieces) => Tensor::cat(&pieces, 0)?.reshape(shape)?,
+        })
+    }
+}
+
+/// The pieces of one tensor, in order, joined into a tensor of `shape`.
+fn join(pieces: Vec<Tensor>, shape: &Shape) -> Result<Tensor> {
     if pieces.len() == 1 {
         return Ok(pieces.into_iter().next().expect("one piece").reshape(shape)?);
     }
-    let n = shape.elem_count();
-    match dtype {
-        DType::F32 if cpu => append::<f32>(pieces, n, shape),
-        DType::F64 if cpu => append::<f64>(pieces, n, shape),
-        DType::BF16 if cpu => append::<half::bf16>(pieces, n, shape),
-        DType::F16 if cpu => append::<half::f16>(pieces, n, shape),
-        _ => Ok(Tensor::cat(&pieces, 0)?.reshape(shape)?),
+    let mut pieces = pieces.into_iter();
+    let first = pieces.next().ok_or_else(|| Error::Other("a tensor of no pieces".into()))?;
+    let mut j = Join::new(&first, shape.elem_count());
+    j.push(first)?;
+    for piece in pieces {
+        j.push(piece)?;
     }
+    j.finish(shape)
 }
 
 /// [`reduce_to_owners`] with tensors cut into pieces of at most `bucket` elements.
 fn reduce_in_pieces(
     world: &dyn World,
-    local: &[Vec<Tensor>],
+    local: Vec<Vec<Tensor>>,
     owners: &[usize],
     bucket: usize,
 ) -> Result<Vec<Option<Tensor>>> {
-    let template = local.first().ok_or_else(|| Error::Other("reduce_to_owners: no local ranks".into()))?;
+    let template = local.first().ok_or_else(|| Error::Other("reduce_to_owners: no local ranks".into()))?.clone();
     if owners.len() != template.len() {
         return Err(Error::Other(format!("{} owners for {} tensors", owners.len(), template.len())));
     }
@@ -151,26 +195,55 @@ fn reduce_in_pieces(
             Ok(all.into_iter().flatten().collect())
         })
         .collect::<Result<_>>()?;
-    let piece_owners: Vec<usize> = pieces.tensor_of().into_iter().map(|i| owners[i]).collect();
-    let mut summed = reduce_in_buckets(world, &cut, &piece_owners, bucket)?.into_iter();
+    drop(local);
+    let tensor_of = pieces.tensor_of();
+    let piece_owners: Vec<usize> = tensor_of.iter().map(|&i| owners[i]).collect();
+    // Tensor i's summed pieces: written over it in place (`true`), or kept to be joined.
+    let mut in_place = vec![true; template.len()];
+    let mut kept: Vec<Vec<Tensor>> = vec![vec![]; template.len()];
+    let mut delivered = vec![0usize; template.len()];
+    reduce_in_buckets(world, &cut, &piece_owners, bucket, &mut |k, sum| {
+        let i = tensor_of[k];
+        let first = pieces.ranges[i].start;
+        if pieces.ranges[i].len() > 1 && in_place[i] {
+            // Piece k's elements of tensor i were packed for every owner before its sum came back.
+            if write_at(&template[i], (k - first) * pieces.bucket, &sum)? {
+                delivered[i] += 1;
+                return Ok(());
+            }
+            if k != first {
+                return Err(Error::Other(format!("reduce_to_owners: tensor {i} took part of its sum in place")));
+            }
+            in_place[i] = false; // not a plain CPU tensor: its pieces are joined
+        }
+        kept[i].push(sum);
+        delivered[i] += 1;
+        Ok(())
+    })?;
+    drop(cut);
     let mut out = Vec::with_capacity(template.len());
     for (i, range) in pieces.ranges.iter().enumerate() {
-        let mine: Vec<Tensor> = summed.by_ref().take(range.len()).flatten().collect();
-        out.push(match mine.len() {
+        out.push(match delivered[i] {
             0 => None,
-            n if n == range.len() => Some(join(mine, template[i].shape())?),
-            _ => return Err(Error::Other(format!("reduce_to_owners: part of tensor {i}'s sum is missing"))),
+            n if n != range.len() => {
+                return Err(Error::Other(format!("reduce_to_owners: part of tensor {i}'s sum is missing")))
+            }
+            _ if range.len() > 1 && in_place[i] => Some(template[i].clone()),
+            _ => Some(join(std::mem::take(&mut kept[i]), template[i].shape())?),
         });
     }
     Ok(out)
 }
 
+/// The sums of the tensors (pieces) of `local` that this process owns, handed to `deliver` with
+/// their index as each bucket's arrive.
 fn reduce_in_buckets(
     world: &dyn World,
     local: &[Vec<Tensor>],
     owners: &[usize],
     bucket: usize,
-) -> Result<Vec<Option<Tensor>>> {
+    deliver: &mut dyn FnMut(usize, Tensor) -> Result<()>,
+) -> Result<()> {
     let (w, me, per) = (world.size(), world.rank(), local.len());
     let template = local.first().ok_or_else(|| Error::Other("reduce_to_owners: no local ranks".into()))?;
     if owners.len() != template.len() {
@@ -178,7 +251,6 @@ fn reduce_in_buckets(
     }
     let process_of = |i: usize| owners[i] / per;
     let sizes: Vec<usize> = template.iter().map(|t| t.elem_count()).collect();
-    let mut out: Vec<Option<Tensor>> = vec![None; template.len()];
     for range in buckets(&sizes, bucket) {
         let parts = (0..w)
             .map(|q| {
@@ -205,10 +277,10 @@ fn reduce_in_buckets(
                 }
             }
             let sum = sum_in_rank_order(copies)?.pop().expect("one tensor");
-            out[i] = Some(sum.to_device(template[i].device())?);
+            deliver(i, sum.to_device(template[i].device())?)?;
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Every process's `Some` tensors (each index on at most one process), on every process
@@ -266,18 +338,30 @@ fn gather_in_pieces(
             shape_of.extend(crate::world::decode::<Vec<(usize, Vec<usize>)>>(bytes)?);
         }
     }
-    let mut got = gather_in_buckets(world, cut, &piece_sizes, root, device, bucket)?.into_iter();
+    // Each tensor as its pieces arrive: whole (one piece), or joined piece by piece.
+    let tensor_of = pieces.tensor_of();
+    let mut whole: Vec<Option<Tensor>> = vec![None; sizes.len()];
+    let mut joins: Vec<Option<Join>> = (0..sizes.len()).map(|_| None).collect();
+    let mut arrived = vec![0usize; sizes.len()];
+    gather_in_buckets(world, cut, &piece_sizes, root, device, bucket, &mut |k, t| {
+        let i = tensor_of[k];
+        arrived[i] += 1;
+        match pieces.ranges[i].len() {
+            1 => whole[i] = Some(t),
+            _ => joins[i].get_or_insert_with(|| Join::new(&t, sizes[i])).push(t)?,
+        }
+        Ok(())
+    })?;
     let mut out = Vec::with_capacity(sizes.len());
     for (i, range) in pieces.ranges.iter().enumerate() {
-        let parts: Vec<Tensor> = got.by_ref().take(range.len()).flatten().collect();
-        out.push(match (parts.len(), range.len()) {
+        out.push(match (arrived[i], joins[i].take()) {
             (0, _) => None,
-            (1, 1) => parts.into_iter().next(),
-            (n, k) if n == k => {
+            (n, _) if n != range.len() => return Err(Error::Other(format!("gather: part of tensor {i} is missing"))),
+            (_, None) => whole[i].take(),
+            (_, Some(j)) => {
                 let dims = shape_of.get(&i).ok_or_else(|| Error::Other(format!("gather: no shape for tensor {i}")))?;
-                Some(join(parts, &Shape::from(dims.clone()))?)
+                Some(j.finish(&Shape::from(dims.clone()))?)
             }
-            _ => return Err(Error::Other(format!("gather: part of tensor {i} is missing"))),
         });
     }
     Ok(out)
@@ -301,6 +385,8 @@ fn shapes_needed(pieces: &Pieces) -> bool {
     pieces.ranges.iter().any(|r| r.len() > 1)
 }
 
+/// Every owner's tensors (pieces) of `mine`, handed to `deliver` with their index as each
+/// bucket's arrive (on the root's process alone when there is a root).
 fn gather_in_buckets(
     world: &dyn World,
     mut mine: Vec<Option<Tensor>>,
@@ -308,12 +394,13 @@ fn gather_in_buckets(
     root: Option<usize>,
     device: &Device,
     bucket: usize,
-) -> Result<Vec<Option<Tensor>>> {
+    deliver: &mut dyn FnMut(usize, Tensor) -> Result<()>,
+) -> Result<()> {
     if mine.len() != sizes.len() {
         return Err(Error::Other(format!("gather: {} tensors for {} sizes", mine.len(), sizes.len())));
     }
     let me = world.rank();
-    let mut out: Vec<Option<Tensor>> = vec![None; sizes.len()];
+    let mut seen = vec![false; sizes.len()];
     for range in buckets(sizes, bucket) {
         let named: Vec<(String, Tensor)> =
             range.clone().filter_map(|i| Some((i.to_string(), mine[i].take()?))).collect();
@@ -324,14 +411,14 @@ fn gather_in_buckets(
         for (p, bytes) in received.iter().enumerate() {
             for (name, t) in unpack(bytes, p)? {
                 let i: usize = name.parse().map_err(|_| Error::Other(format!("gather: process {p} sent `{name}`")))?;
-                if !range.contains(&i) || out[i].is_some() {
+                if !range.contains(&i) || std::mem::replace(&mut seen[i], true) {
                     return Err(Error::Other(format!("gather: tensor {i} came twice or out of its bucket")));
                 }
-                out[i] = Some(if device.is_cpu() { t } else { t.to_device(device)? });
+                deliver(i, if device.is_cpu() { t } else { t.to_device(device)? })?;
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -375,8 +462,8 @@ mod tests {
                     .map(|(p, w)| {
                         s.spawn(move || {
                             let mine: Vec<Vec<Tensor>> = (0..local).map(|i| grads(p * local + i)).collect();
-                            let owned = reduce_in_pieces(w, &mine, &owners, bucket).unwrap();
                             let sizes: Vec<usize> = mine[0].iter().map(|t| t.elem_count()).collect();
+                            let owned = reduce_in_pieces(w, mine, &owners, bucket).unwrap();
                             let all = gather_in_pieces(w, owned.clone(), &sizes, None, &Device::Cpu, bucket);
                             let root = gather_in_pieces(w, owned.clone(), &sizes, Some(1), &Device::Cpu, bucket);
                             (owned, all.unwrap(), root.unwrap())

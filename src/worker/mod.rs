@@ -21,7 +21,7 @@
 
 pub mod adamw;
 mod adamw_fused;
-mod add_in_place;
+pub(crate) mod in_place;
 pub mod batch;
 pub mod checkpoint;
 pub mod loss_fn;

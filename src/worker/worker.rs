@@ -16,7 +16,7 @@ use std::sync::Arc;
 use candle_core::{Tensor, Var};
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
-use super::add_in_place::add_in_place;
+use super::in_place::add_in_place;
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
 use super::loss_fn::{needs_entropy, requirements};
 use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split};
