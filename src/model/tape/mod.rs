@@ -13,7 +13,8 @@
 //! else that reads them (a value head; [`Tape::hidden`]). That output is a fresh candle variable;
 //! the loss is a candle graph on it, and [`Tape::backward`] takes the gradient candle computed for
 //! it and returns the gradient of every trainable tensor of the model, by tensor (a tied
-//! embedding gets two parts, the head's and the gather's, which the caller sums). Numbers: the
+//! embedding's two parts, the head's and the gather's, summed: the gathered rows added into the
+//! head's part one by one). Numbers: the
 //! same operations as the candle path (the fused kernels' slice functions of
 //! [`crate::model::ops`] are shared), equal to it up to float summation order
 //! (tests/integration/model_tape.rs compares both in f64 and f32).
@@ -90,6 +91,12 @@ pub(crate) struct Grads<T> {
 impl<T: Real> Grads<T> {
     pub(crate) fn push(&mut self, param: &Tensor, grad: Vec<T>) {
         self.list.push((param.clone(), grad));
+    }
+
+    /// The gradient pushed for `param`, taken out of the list.
+    fn remove(&mut self, param: &Tensor) -> Option<Vec<T>> {
+        let at = self.list.iter().position(|(p, _)| p.id() == param.id())?;
+        Some(self.list.remove(at).1)
     }
 
     /// The gradients pushed so far, as tensors of their parameters' shapes; the list is emptied.
@@ -725,6 +732,14 @@ fn backward<T: Real>(
     let mut dh = vec![T::of(0.0); n * hd];
     rms_norm_backward(model, &r.h_last, &d_hidden, &model.norm, &mut dh, &mut grads)?;
     model.release_unit(Unit::Head)?;
+    let embedding_scale = gemma3::embedding_scale::<T>(model)?;
+    // A tied head's part waits here for the embedding's rows, added into it below: one
+    // vocabulary-sized buffer at the end of the backward instead of two. (A scaled embedding
+    // scales the rows' sum alone, so it keeps a buffer of its own.)
+    let tied_part = match embedding_scale {
+        None => grads.remove(&model.embed_tokens),
+        Some(_) => None,
+    };
     sink(Unit::Head, grads.take()?)?;
     // Each block's activations are dropped once its backward has read them.
     for (i, (layer, kept)) in model.layers.iter().zip(blocks).enumerate().rev() {
@@ -776,13 +791,13 @@ fn backward<T: Real>(
         sink(Unit::Layer(i), grads.take()?)?;
     }
     if model.embed_tokens.is_variable() {
-        let mut d_embed = vec![T::of(0.0); c.vocab_size * hd];
+        let mut d_embed = tied_part.unwrap_or_else(|| vec![T::of(0.0); c.vocab_size * hd]);
         for (row, &tok) in dh.chunks(hd).zip(&r.tokens) {
             for (a, &g) in d_embed[tok as usize * hd..(tok as usize + 1) * hd].iter_mut().zip(row) {
                 *a += g;
             }
         }
-        if let Some(s) = gemma3::embedding_scale::<T>(model)? {
+        if let Some(s) = embedding_scale {
             // d(e·s)/de = s, on the summed rows (the scale is a constant).
             gemma3::scale_embeddings(&mut d_embed, s);
         }
