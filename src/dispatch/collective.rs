@@ -30,7 +30,8 @@ pub trait Collective: Send + Sync {
     /// outputs). Every rank calls it, at the same point of the same call.
     fn all_gather_bytes(&self, rank: usize, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
     /// The sum over all ranks of tensor `i`, kept by rank `owners[i]` alone (`None` on the
-    /// others): a reduce-scatter by whole tensors, added in rank order like the all-reduce.
+    /// others): a reduce-scatter by whole tensors, added in rank order like the all-reduce. The
+    /// tensors are handed over, their storage with them: a sum may be written over it.
     fn reduce_to_owners(&self, rank: usize, tensors: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>>;
     /// Every rank's `Some` tensors (each index `Some` on at most one rank) on every rank (`root`
     /// `None`) or on rank `root` alone. `sizes[i]`: tensor i's element count, on every rank.

@@ -41,7 +41,8 @@ use crate::{Error, Result};
 pub trait RankExchange: Send + Sync {
     /// The sum over every rank of each tensor, on every rank.
     fn all_reduce(&self, tensors: Vec<Tensor>) -> Result<Vec<Tensor>>;
-    /// The sum over every rank of tensor `i`, on rank `owners[i]` only (`None` elsewhere).
+    /// The sum over every rank of tensor `i`, on rank `owners[i]` only (`None` elsewhere). The
+    /// tensors are handed over, their storage with them: a sum may be written over it.
     fn reduce_to_owners(&self, tensors: Vec<Tensor>, owners: &[usize]) -> Result<Vec<Option<Tensor>>>;
     /// Every rank's `Some` tensors (each index `Some` on at most one rank; tensor i has
     /// `sizes[i]` elements), on every rank (`root` `None`) or on rank `root` alone (the others get

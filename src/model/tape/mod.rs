@@ -14,9 +14,8 @@
 //! the loss is a candle graph on it, and [`Tape::backward`] takes the gradient candle computed for
 //! it and returns the gradient of every trainable tensor of the model, by tensor (a tied
 //! embedding's two parts, the head's and the gather's, summed: the gathered rows added into the
-//! head's part one by one). Numbers: the
-//! same operations as the candle path (the fused kernels' slice functions of
-//! [`crate::model::ops`] are shared), equal to it up to float summation order
+//! head's part one by one). Numbers: the same operations as the candle path (the fused kernels'
+//! slice functions of [`crate::model::ops`] are shared), equal to it up to float summation order
 //! (tests/integration/model_tape.rs compares both in f64 and f32).
 //!
 //! Simplifications: no KV cache and no per-row adapters (training and scoring only); f64 models
