@@ -50,21 +50,9 @@ fn chunk_rows(lm_head: &Linear, vocab: usize, m: usize, budget: usize) -> usize 
 
 /// log p(targets[i]) (and with `entropy` the entropy) for hidden row rows[i] of `hidden`
 /// [.., width], and the record (`keep_logits`: keep them for the backward rather than recompute
-/// them there).
-pub fn forward<T: Real>(
-    lm_head: &Linear,
-    hidden: &[T],
-    width: usize,
-    rows: &[u32],
-    targets: &[u32],
-    entropy: bool,
-    keep_logits: bool,
-) -> Result<HeadOutput<T>> {
-    forward_in_chunks(lm_head, hidden, width, rows, targets, entropy, keep_logits, CHUNK_LOGITS)
-}
-
+/// them there), in chunks of rows of at most `budget` logits ([`CHUNK_LOGITS`]).
 #[allow(clippy::too_many_arguments)]
-fn forward_in_chunks<T: Real>(
+pub fn forward<T: Real>(
     lm_head: &Linear,
     hidden: &[T],
     width: usize,
@@ -253,7 +241,7 @@ mod tests {
         let g: Vec<f64> = (0..rows.len()).map(|i| 0.3 - 0.1 * i as f64).collect();
         let g_h: Vec<f64> = (0..rows.len()).map(|i| 0.05 * i as f64).collect();
         let run = |keep: bool, budget: usize| {
-            let (lp, h, rec) = forward_in_chunks(&head, &hidden, width, &rows, &targets, true, keep, budget).unwrap();
+            let (lp, h, rec) = forward(&head, &hidden, width, &rows, &targets, true, keep, budget).unwrap();
             assert_eq!(rec.chunk, (budget / vocab).clamp(1, rows.len()));
             let mut grads = Grads { list: vec![] };
             let dx = backward(&head, rec, &g, Some(&g_h), n_rows, width, &mut grads).unwrap();

@@ -430,7 +430,8 @@ fn head_forward<T: Real>(
         return Err(Error::input(format!("tape: row {bad} is beyond the batch's {n} positions")));
     }
     let width = r.model.config.hidden_size;
-    let (lp, h, rec) = head::forward(&r.model.lm_head, &r.out, width, rows, targets, entropy, r.keep_logits)?;
+    let (lp, h, rec) =
+        head::forward(&r.model.lm_head, &r.out, width, rows, targets, entropy, r.keep_logits, CHUNK_LOGITS)?;
     r.head = Some(rec);
     let tensor = |v: Vec<T>| Tensor::from_vec(v, rows.len(), &Device::Cpu);
     Ok((tensor(lp)?, h.map(tensor).transpose()?))
