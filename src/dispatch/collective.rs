@@ -45,6 +45,11 @@ pub trait Collective: Send + Sync {
     /// Called when a rank fails before reaching a collective: wakes every waiting rank with
     /// an error instead of letting it wait forever. The collective stays failed afterwards.
     fn abort(&self, reason: &str);
+    /// Whether the tensors [`Collective::gather_owned`] hands a rank from other ranks are its
+    /// alone (fresh buffers no other rank or tensor shares), so that it may take their storage.
+    fn gathers_alone(&self) -> bool {
+        false
+    }
 }
 
 /// What a rank deposits and what it takes back.
@@ -331,6 +336,12 @@ impl Collective for InProcess {
             s.aborted.get_or_insert_with(|| reason.to_string());
             self.cv.notify_all();
         }
+    }
+
+    /// One rank in this process: the others' tensors arrive from other processes into buffers
+    /// of their own (ranks of one process share the owner's tensor).
+    fn gathers_alone(&self) -> bool {
+        self.n == 1
     }
 }
 

@@ -101,6 +101,10 @@ impl RankExchange for GroupExchange {
         self.collective.all_gather_bytes(self.rank, bytes)
     }
 
+    fn gathers_alone(&self) -> bool {
+        self.collective.gathers_alone()
+    }
+
     fn abort(&self, reason: &str) {
         self.collective.abort(reason);
     }

@@ -158,6 +158,26 @@ pub fn fill(t: &Tensor, from: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// [`fill`] with `from`'s own storage when it holds exactly its elements, contiguous from offset
+/// 0 (else copied): a gathered weight then takes the buffer it arrived in instead of a copy
+/// beside it (at Qwen's vocabulary, 0.55 GB more at the embedding's gather). `from` must be
+/// held by nothing else: it is left empty.
+pub fn fill_taking(t: &Tensor, from: Tensor) -> Result<()> {
+    let whole = from.layout().is_contiguous() && from.layout().start_offset() == 0;
+    if !whole || from.dims() != t.dims() || from.dtype() != t.dtype() {
+        return fill(t, &from);
+    }
+    check_whole_storage(t)?;
+    let taken = Take(std::sync::Mutex::new(None), from.elem_count());
+    from.inplace_op1(&taken)?;
+    let storage = taken.0.into_inner().map_err(|_| Error::Other("fill: poisoned".into()))?;
+    match storage {
+        Some(storage) => t.inplace_op1(&Fill(std::sync::Mutex::new(Some(storage))))?,
+        None => return fill(t, &from),
+    }
+    Ok(())
+}
+
 /// Whether `t`'s elements have been released.
 pub fn is_released(t: &Tensor) -> bool {
     let (storage, _) = t.storage_and_layout();
@@ -213,6 +233,17 @@ fn cpu_storage(t: &Tensor) -> Result<CpuStorage> {
     })
 }
 
+/// An empty storage of `s`'s float dtype.
+fn emptied(s: &CpuStorage) -> Option<CpuStorage> {
+    Some(match s {
+        CpuStorage::F32(_) => CpuStorage::F32(Vec::new()),
+        CpuStorage::F64(_) => CpuStorage::F64(Vec::new()),
+        CpuStorage::BF16(_) => CpuStorage::BF16(Vec::new()),
+        CpuStorage::F16(_) => CpuStorage::F16(Vec::new()),
+        _ => return None,
+    })
+}
+
 struct Release;
 
 impl candle_core::InplaceOp1 for Release {
@@ -221,13 +252,26 @@ impl candle_core::InplaceOp1 for Release {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        *s = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(Vec::new()),
-            CpuStorage::F64(_) => CpuStorage::F64(Vec::new()),
-            CpuStorage::BF16(_) => CpuStorage::BF16(Vec::new()),
-            CpuStorage::F16(_) => CpuStorage::F16(Vec::new()),
-            _ => candle_core::bail!("release: not a float weight"),
-        };
+        *s = emptied(s).ok_or_else(|| candle_core::Error::Msg("release: not a float weight".into()))?;
+        Ok(())
+    }
+}
+
+/// Moves a storage of exactly `.1` elements out into `.0`, leaving it empty (else leaves it).
+struct Take(std::sync::Mutex<Option<CpuStorage>>, usize);
+
+impl candle_core::InplaceOp1 for Take {
+    fn name(&self) -> &'static str {
+        "take"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        if storage_len(s) != self.1 {
+            return Ok(());
+        }
+        let Some(empty) = emptied(s) else { return Ok(()) };
+        let taken = std::mem::replace(s, empty);
+        *self.0.lock().map_err(|_| candle_core::Error::Msg("take: poisoned".into()))? = Some(taken);
         Ok(())
     }
 }
@@ -280,5 +324,22 @@ mod tests {
         assert_eq!(held_bytes(v.as_tensor()), 16);
         let wrong = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
         assert!(fill(v.as_tensor(), &wrong).unwrap_err().to_string().contains("gathered weight"));
+    }
+
+    /// Taking a whole tensor's storage leaves it empty; a view (the columns of a wider matrix)
+    /// is copied and kept.
+    #[test]
+    fn filling_takes_a_whole_storage_and_copies_a_view() {
+        let v = Var::from_tensor(&Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap()).unwrap();
+        release(v.as_tensor()).unwrap();
+        let from = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap();
+        fill_taking(v.as_tensor(), from.clone()).unwrap();
+        assert_eq!(v.as_tensor().to_vec2::<f32>().unwrap(), [[1., 2.], [3., 4.]]);
+        assert!(is_released(&from), "the storage was copied, not taken");
+        release(v.as_tensor()).unwrap();
+        let wide = Tensor::new(&[[1f32, 2., 9.], [3., 4., 9.]], &Device::Cpu).unwrap();
+        fill_taking(v.as_tensor(), wide.narrow(1, 0, 2).unwrap()).unwrap();
+        assert_eq!(v.as_tensor().to_vec2::<f32>().unwrap(), [[1., 2.], [3., 4.]]);
+        assert_eq!(wide.to_vec2::<f32>().unwrap(), [[1., 2., 9.], [3., 4., 9.]]);
     }
 }

@@ -3,7 +3,8 @@
 //! - [`add_in_place`]: `acc += g`, each element `a + g` in the dtype's own addition (half's for
 //!   bf16 and f16, widened and rounded), the arithmetic of candle's `add`, so the same bits;
 //! - [`write_at`]: `dst[offset..offset + n] = src`, a sum that arrives in pieces written over the
-//!   gradient it is the sum of.
+//!   gradient it is the sum of;
+//! - [`write_rows`]: `dst[rows[k]] = src[k]`, rows summed apart written into their places.
 //!
 //! Both need the written tensor to own its storage: every tensor sharing it changes too.
 
@@ -37,6 +38,43 @@ pub fn write_at(dst: &Tensor, offset: usize, src: &Tensor) -> Result<bool> {
     }
     dst.inplace_op2(src, &WriteAt(offset))?;
     Ok(true)
+}
+
+/// Overwrites row `rows[k]` of `dst` [.., width] with row k of `src` [rows.len(), width] when both
+/// are [`plain`] tensors of one dtype and every row fits; returns whether it did.
+pub fn write_rows(dst: &Tensor, rows: &[u32], src: &Tensor) -> Result<bool> {
+    let width = dst.dims().last().copied().unwrap_or(0);
+    let fits = rows.iter().all(|&r| (r as usize + 1) * width <= dst.elem_count());
+    if !(plain(dst) && plain(src)) || dst.dtype() != src.dtype() || !fits || src.elem_count() != rows.len() * width {
+        return Ok(false);
+    }
+    dst.inplace_op2(src, &WriteRows(rows, width))?;
+    Ok(true)
+}
+
+struct WriteRows<'a>(&'a [u32], usize);
+
+impl candle_core::InplaceOp2 for WriteRows<'_> {
+    fn name(&self) -> &'static str {
+        "write-rows"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, _: &Layout, src: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        fn rows<T: Copy>(d: &mut [T], s: &[T], rows: &[u32], w: usize) {
+            for (k, &r) in rows.iter().enumerate() {
+                d[r as usize * w..(r as usize + 1) * w].copy_from_slice(&s[k * w..(k + 1) * w]);
+            }
+        }
+        let (r, w) = (self.0, self.1);
+        match (dst, src) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => rows(d, s, r, w),
+            (CpuStorage::F64(d), CpuStorage::F64(s)) => rows(d, s, r, w),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => rows(d, s, r, w),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => rows(d, s, r, w),
+            _ => candle_core::bail!("write-rows: the tensors differ in dtype"),
+        }
+        Ok(())
+    }
 }
 
 struct WriteAt(usize);
@@ -121,5 +159,20 @@ mod tests {
         }
         let dst = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
         assert!(!write_at(&dst, 0, &Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap()).unwrap());
+    }
+
+    #[test]
+    fn writes_rows_and_nothing_else() {
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let dst =
+                Tensor::arange(0f32, 12., &Device::Cpu).unwrap().reshape((4, 3)).unwrap().to_dtype(dtype).unwrap();
+            let src =
+                Tensor::new(&[[-1f32, -2., -3.], [-4., -5., -6.]], &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            assert!(write_rows(&dst, &[3, 1], &src).unwrap(), "{dtype:?}");
+            let got = dst.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            assert_eq!(got, [0., 1., 2., -4., -5., -6., 6., 7., 8., -1., -2., -3.], "{dtype:?}");
+            assert!(!write_rows(&dst, &[4, 1], &src).unwrap(), "{dtype:?}: a row past the end");
+            assert!(!write_rows(&dst, &[1], &src).unwrap(), "{dtype:?}: rows and source differ");
+        }
     }
 }

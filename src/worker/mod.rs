@@ -21,6 +21,7 @@
 
 pub mod adamw;
 mod adamw_fused;
+mod head_stream;
 pub(crate) mod in_place;
 pub mod batch;
 pub mod checkpoint;

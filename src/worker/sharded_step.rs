@@ -24,7 +24,6 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use super::adamw::{clip_coefficient, norm_of_squares, square_sums, AdamParams, Moments};
-use super::mixed_precision::MASTER_DTYPE;
 use super::sharding::{ShardPlan, Sharding};
 use super::weight_slices::WeightSlices;
 use super::worker::Worker;
@@ -55,6 +54,11 @@ pub trait RankExchange: Send + Sync {
     ) -> Result<Vec<Option<Tensor>>>;
     /// Every rank's bytes, in rank order.
     fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+    /// Whether the other ranks' tensors `gather_owned` returns are this rank's alone (it may
+    /// take their storage rather than copy it).
+    fn gathers_alone(&self) -> bool {
+        false
+    }
     /// Wakes the other ranks with an error: this rank will not reach the next collective.
     fn abort(&self, reason: &str);
 }
@@ -166,8 +170,7 @@ impl Worker {
             return Ok(g);
         }
         let v = self.params[i].1.as_tensor();
-        let dtype = if self.masters.is_some() { MASTER_DTYPE } else { v.dtype() };
-        Ok(Tensor::zeros(v.shape(), dtype, v.device())?)
+        Ok(Tensor::zeros(v.shape(), self.accumulator_dtype(i), v.device())?)
     }
 
     /// One AdamW step of a sharded rank on its accumulated gradients (see the module

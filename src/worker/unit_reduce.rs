@@ -14,7 +14,9 @@
 //! step: the owners' sums as the summed gradients (the rest reduced as usual)
 //! ```
 //! A rank then holds its owned sums and one unit's gradients, not every gradient (FSDP's
-//! reduce-scatter after each layer's backward).
+//! reduce-scatter after each layer's backward). The head weight's gradient, as large as the
+//! embedding's, is summed in blocks of rows while the head's backward makes them
+//! (`head_stream.rs`).
 //!
 //! The sums are the step's: each rank's local gradient is its one backward's (a tied embedding's
 //! two parts added in the same order), zeros where it has none, summed over the ranks in rank
@@ -24,11 +26,16 @@
 //! under FSDP's `no_sync`).
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 
+use super::head_stream::HeadStream;
+use super::weight_slices::WeightSlices;
 use super::worker::Worker;
+use crate::locks::lock;
 use crate::model::sharded_weights::Unit;
+use crate::model::tape::Tape;
 use crate::{Error, Result};
 
 /// The state of one step whose gradients are summed during its backward.
@@ -39,6 +46,8 @@ pub(super) struct UnitReduce {
     pub(super) summed: Vec<Option<Tensor>>,
     /// Whether weight `i`'s gradient has been summed (on every rank).
     pub(super) done: Vec<bool>,
+    /// The head weight (its index) when its gradient is summed block by block.
+    pub(super) head: Option<(usize, Arc<Mutex<HeadStream>>)>,
 }
 
 impl Worker {
@@ -47,12 +56,30 @@ impl Worker {
     pub(super) fn start_unit_reduce(&mut self) -> Result<()> {
         let slices = self.slices.as_ref().ok_or_else(|| Error::Other("unit reduce without sliced weights".into()))?;
         let n = self.params.len();
-        self.unit_reduce = Some(UnitReduce {
-            completed_by: slices.completed_by(&self.params),
-            summed: vec![None; n],
-            done: vec![false; n],
-        });
+        let mut completed_by = slices.completed_by(&self.params);
+        let head = self.head_stream(slices);
+        if let Some((i, _)) = &head {
+            completed_by.values_mut().for_each(|list| list.retain(|j| j != i));
+        }
+        let head = head.map(|(i, h)| (i, Arc::new(Mutex::new(h))));
+        self.unit_reduce = Some(UnitReduce { completed_by, summed: vec![None; n], done: vec![false; n], head });
         Ok(())
+    }
+
+    /// The head weight's index and its stream, when the tape can hand its gradient over in
+    /// blocks: a policy's trained, sliced head on the tape ([`Tape::streams_head`]).
+    fn head_stream(&self, slices: &Arc<WeightSlices>) -> Option<(usize, HeadStream)> {
+        let w = &self.model.lm_head.weight;
+        let eligible = self.value_head.is_none() && Tape::serves(&self.model) && Tape::streams_head(&self.model);
+        let i = self.params.iter().position(|(_, v)| v.as_tensor().id() == w.id())?;
+        let plan = self.shard.as_ref()?;
+        let shape = w.dims2().ok()?;
+        let tied = w.id() == self.model.embed_tokens.id();
+        (eligible && slices.is_sliced(w)).then(|| {
+            let stream =
+                HeadStream::new(slices.clone(), plan.owners[i], plan.rank, shape, self.accumulator_dtype(i), tied);
+            (i, stream)
+        })
     }
 
     /// The backward has finished `unit`: the weights it finishes are summed to their owners
@@ -60,6 +87,21 @@ impl Worker {
     /// unit reduce is running.
     pub(super) fn unit_done(&mut self, unit: Unit) -> Result<()> {
         let Some(state) = self.unit_reduce.as_mut() else { return Ok(()) };
+        if let Some((i, head)) = state.head.clone() {
+            let mut head = lock(&head);
+            let last = match unit {
+                Unit::Head => {
+                    head.finish_blocks()?;
+                    !head.tied()
+                }
+                Unit::Embed => head.tied(),
+                Unit::Layer(_) => false,
+            };
+            if last {
+                state.summed[i] = head.finish()?;
+                state.done[i] = true;
+            }
+        }
         let Some(finished) = state.completed_by.remove(&unit) else { return Ok(()) };
         let (Some(slices), Some(plan)) = (self.slices.clone(), &self.shard) else {
             return Err(Error::Other("unit reduce without sliced weights".into()));

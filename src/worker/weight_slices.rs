@@ -154,6 +154,12 @@ impl WeightSlices {
         self.ex.reduce_to_owners(tensors, owners)
     }
 
+    /// [`RankExchange::all_gather_bytes`] over the group, after the gather in flight.
+    pub fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.settle()?;
+        self.ex.all_gather_bytes(bytes)
+    }
+
     /// Whether `t` is a sliced weight.
     pub fn is_sliced(&self, t: &Tensor) -> bool {
         self.sliced.contains(&t.id())
@@ -245,14 +251,18 @@ fn mine(u: &UnitWeights, rank: usize) -> Vec<Option<Tensor>> {
     u.tensors.iter().zip(&u.owners).map(|(t, &o)| (o == rank).then(|| t.clone())).collect()
 }
 
-/// Gives this rank's released tensors of `u` the owners' elements.
-fn fill_from(u: &UnitWeights, rank: usize, got: Vec<Option<Tensor>>) -> Result<()> {
+/// Gives this rank's released tensors of `u` the owners' elements (`take`: the gathered tensors'
+/// storage itself, [`RankExchange::gathers_alone`]).
+fn fill_from(u: &UnitWeights, rank: usize, got: Vec<Option<Tensor>>, take: bool) -> Result<()> {
     for (((t, &owner), name), from) in u.tensors.iter().zip(&u.owners).zip(&u.names).zip(got) {
         if owner == rank || !sharded_weights::is_released(t) {
             continue;
         }
         let from = from.ok_or_else(|| Error::Other(format!("no rank sent `{name}`")))?;
-        sharded_weights::fill(t, &from)?;
+        match take {
+            true => sharded_weights::fill_taking(t, from)?,
+            false => sharded_weights::fill(t, &from)?,
+        }
     }
     Ok(())
 }
@@ -260,7 +270,7 @@ fn fill_from(u: &UnitWeights, rank: usize, got: Vec<Option<Tensor>>) -> Result<(
 /// Gathers unit `u` whole on this rank.
 fn fetch(ex: &dyn RankExchange, u: &UnitWeights, rank: usize) -> Result<()> {
     let got = ex.gather_owned(mine(u, rank), &u.sizes, None)?;
-    fill_from(u, rank, got)
+    fill_from(u, rank, got, ex.gathers_alone())
 }
 
 impl UnitGather for WeightSlices {

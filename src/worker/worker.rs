@@ -16,8 +16,9 @@ use std::sync::Arc;
 use candle_core::{Tensor, Var};
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
-use super::in_place::add_in_place;
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
+use super::head_stream::SharedHeadStream;
+use super::in_place::add_in_place;
 use super::loss_fn::{needs_entropy, requirements};
 use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split};
 use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
@@ -30,7 +31,7 @@ use super::weight_slices::WeightSlices;
 use super::worker_config::WorkerConfig;
 use crate::algo::{Loss, Metrics};
 use crate::model::sharded_weights::{self, forward_units, UnitGather};
-use crate::model::tape::{self, Keep, Tape};
+use crate::model::tape::{self, HeadSink, Keep, Tape};
 use crate::model::{lora, SamplerWeights, Transformer};
 use crate::{Error, Result};
 
@@ -396,14 +397,30 @@ impl Worker {
         let Some(tape) = tape else { return Ok(()) };
         let index_of: std::collections::HashMap<_, usize> =
             self.params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect();
-        tape.backward_by_unit(&store, &mut |unit, grads| {
-            for (p, g) in grads {
-                if let Some(&i) = index_of.get(&p.id()) {
-                    self.add_gradient(i, &g)?;
+        let mut head =
+            self.unit_reduce.as_ref().and_then(|s| s.head.as_ref()).map(|(_, h)| SharedHeadStream(h.clone()));
+        tape.backward_by_unit(
+            &store,
+            &mut |unit, grads| {
+                for (p, g) in grads {
+                    if let Some(&i) = index_of.get(&p.id()) {
+                        self.add_gradient(i, &g)?;
+                    }
                 }
-            }
-            self.unit_done(unit)
-        })
+                self.unit_done(unit)
+            },
+            head.as_mut().map(|h| h as &mut dyn HeadSink),
+        )
+    }
+
+    /// The dtype of parameter `i`'s gradient accumulator: the parameter's, f32 under mixed
+    /// precision.
+    pub(super) fn accumulator_dtype(&self, i: usize) -> candle_core::DType {
+        if self.masters.is_some() {
+            MASTER_DTYPE
+        } else {
+            self.params[i].1.dtype()
+        }
     }
 
     /// Adds `g` to parameter `i`'s accumulator.
@@ -411,8 +428,7 @@ impl Worker {
         self.check_not_summed(i)?;
         // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
         // (The tape's gradients of a bf16 model are f32 already.)
-        let dtype = if self.masters.is_some() { MASTER_DTYPE } else { self.params[i].1.dtype() };
-        let g = g.to_dtype(dtype)?;
+        let g = g.to_dtype(self.accumulator_dtype(i))?;
         // An accumulator is the first part itself, whose storage nothing else keeps past the
         // backward; later parts are added into it.
         match &self.grads[i] {

@@ -358,6 +358,65 @@ fn full_sharding_sums_gradients_during_the_backward() {
     assert!(e.contains("optimizer step must come before another forward_backward"), "{e}");
 }
 
+/// A head of several vocabulary blocks (40,000 tokens, tied and untied) under `full`: its gradient
+/// is summed to its owner block by block during the backward, a tied head's hot rows (the tokens
+/// of every rank's batch, shared between ranks here) once more at the embedding, and the
+/// weights end on `none`'s bits at 2 and 3 ranks, one of the 3 without a datum.
+#[test]
+fn full_sharding_sums_a_head_of_several_blocks_to_none_bits() {
+    use oxrl::dispatch::{MeshShape, WorkerSpec};
+    use oxrl::model::model_config::{Arch, ModelShape};
+    use oxrl::worker::{AdamParams, Datum, WorkerConfig};
+    let vocab = 40_000;
+    assert!(oxrl::model::tape::vocab_blocks(vocab, oxrl::model::tape::VOCAB_BLOCK).len() >= 3);
+    let seq = |k: usize| -> Datum {
+        // Every datum shares the tokens j < 10; the rest are its own.
+        let t: Vec<u32> =
+            (0..=40).map(|j| if j < 10 { j * 3_989 } else { (k * 7_919 + j * 104_729) % vocab } as u32).collect();
+        Datum::supervised(t[..40].to_vec(), t[1..].to_vec(), vec![1.0; 40])
+    };
+    let loss = common::loss("cross_entropy", &serde_json::json!({}));
+    let adam = AdamParams { learning_rate: 1e-2, grad_clip_norm: 0.05, ..Default::default() };
+    for tied in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = ModelShape {
+            vocab_size: vocab,
+            hidden_size: 16,
+            intermediate_size: 32,
+            num_layers: 2,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 8,
+            rope_theta: 1e4,
+            max_position_embeddings: 512,
+            tie_word_embeddings: tied,
+        };
+        oxrl::model::init::write_random_model(dir.path(), Arch::Qwen3, &shape, 11, candle_core::DType::F32).unwrap();
+        let run = |mode: &str, ranks: usize, batch: &[Datum]| -> Vec<u8> {
+            let sharding = oxrl::worker::Sharding::from_name(mode).unwrap();
+            let worker = WorkerConfig { micro_batch_size: Some(4), sharding, ..Default::default() };
+            let spec = WorkerSpec { mesh: MeshShape::dp(ranks), threads: 1, worker, ..WorkerSpec::new(dir.path()) };
+            let d = Dispatch::new(false);
+            d.create_model(POLICY, &spec).unwrap();
+            for _ in 0..2 {
+                d.model(POLICY).unwrap().submit_forward_backward_for_step(batch, Some(&loss), false).wait().unwrap();
+                d.optim_step(POLICY, &adam).unwrap();
+            }
+            let out = tempfile::tempdir().unwrap();
+            d.export(POLICY, out.path(), false).unwrap();
+            std::fs::read(out.path().join("model.safetensors")).unwrap()
+        };
+        for (ranks, datums) in [(2, 4), (3, 2)] {
+            let batch: Vec<Datum> = (0..datums).map(seq).collect();
+            let none = run("none", ranks, &batch);
+            assert!(
+                run("full", ranks, &batch) == none,
+                "tied {tied}, {ranks} ranks: full's weights differ from none's"
+            );
+        }
+    }
+}
+
 /// A checkpoint does not depend on the layout that wrote it: a run stopped at step 2 under one
 /// sharding and resumed under another ends where the uninterrupted `none` run does.
 #[test]

@@ -39,6 +39,12 @@ pub(crate) fn row_lse<T: Real>(row: &[T]) -> T {
 /// The row's logit gradient for the output gradients (g_lp, g_lse), in place of the logits z:
 /// dz = p · (g_lse − g_lp) + g_lp · onehot(y), p = exp(z − lse).
 pub(crate) fn row_backward<T: Real>(z: &mut [T], y: u32, lse: T, g_lp: T, g_lse: T) {
+    part_backward(z, Some(y as usize), lse, g_lp, g_lse);
+}
+
+/// [`row_backward`] on a part of the row (columns of the vocabulary), `y` the target's column
+/// within it when it falls there: each element's gradient reads only its own logit.
+pub(crate) fn part_backward<T: Real>(z: &mut [T], y: Option<usize>, lse: T, g_lp: T, g_lse: T) {
     for x in z.iter_mut() {
         *x -= lse;
     }
@@ -47,7 +53,9 @@ pub(crate) fn row_backward<T: Real>(z: &mut [T], y: u32, lse: T, g_lp: T, g_lse:
     for x in z.iter_mut() {
         *x *= c;
     }
-    z[y as usize] += g_lp;
+    if let Some(y) = y {
+        z[y] += g_lp;
+    }
 }
 
 fn forward_kernel<T: Real>(z: &[T], y: &[u32], v: usize) -> candle_core::Result<Vec<T>> {

@@ -41,7 +41,7 @@ pub fn forward<T: Real>(lin: &Linear, x: &[T], n: usize) -> Result<(Vec<T>, Opti
 }
 
 /// x [n, k] · w [out, k]ᵀ: the fixed-order kernel for f32 ([`matmul_wt::xwt`]), gemm for f64.
-fn xwt<T: Real>(x: &[T], w: &[T], n: usize, out: usize, k: usize) -> Vec<T> {
+pub(super) fn xwt<T: Real>(x: &[T], w: &[T], n: usize, out: usize, k: usize) -> Vec<T> {
     matmul_wt::xwt_real(x, w, n, out, k).unwrap_or_else(|| product(Mat::of(x, n, k), Mat::of(w, out, k).t(), true))
 }
 

@@ -48,7 +48,8 @@ use super::sharded_weights::{self, Unit};
 use super::transformer::{attention_bias, Attention, Block, FeedForward, Mixer, Transformer};
 use crate::{Error, Result};
 use attention::Dims;
-pub use head::CHUNK_LOGITS;
+use head::WeightGradient;
+pub use head::{vocab_blocks, CHUNK_LOGITS, VOCAB_BLOCK};
 
 /// A tensor's contiguous CPU data as `T`: borrowed (read-locked) when the tensor is of dtype T,
 /// else converted (a bf16/f16 model's weights, computed in f32).
@@ -313,21 +314,35 @@ impl Tape {
     /// output.
     pub fn backward(self, store: &GradStore) -> Result<Vec<(Tensor, Tensor)>> {
         let mut all = vec![];
-        self.backward_by_unit(store, &mut |_, grads| {
-            all.extend(grads);
-            Ok(())
-        })?;
+        self.backward_by_unit(
+            store,
+            &mut |_, grads| {
+                all.extend(grads);
+                Ok(())
+            },
+            None,
+        )?;
         Ok(all)
     }
 
     /// [`Tape::backward`], handing each unit's gradients to `sink` as soon as that unit's
     /// backward is done, in the order of [`sharded_weights::gradient_units`] (every unit, with
     /// an empty list where it has none), so that no more than one unit's gradients are held here
-    /// at once. The concatenation of the lists is [`Tape::backward`]'s.
-    pub fn backward_by_unit(self, store: &GradStore, sink: &mut UnitSink<'_>) -> Result<()> {
+    /// at once. The concatenation of the lists is [`Tape::backward`]'s. With `head` (a model whose
+    /// head [`Tape::streams_head`]), the head weight's gradient goes there instead, block by block.
+    pub fn backward_by_unit(
+        self,
+        store: &GradStore,
+        sink: &mut UnitSink<'_>,
+        head: Option<&mut dyn HeadSink>,
+    ) -> Result<()> {
+        if head.is_some() && !Tape::streams_head(self.model()) {
+            return Err(Error::Other("tape: this model's head gradient cannot be handed over in blocks".into()));
+        }
         let host = |v: Option<&Var>| v.and_then(|v| store.get(v.as_tensor())).map(|g| g.flatten_all()).transpose();
         // No gradient reached the tape's output: the loss did not depend on it. A sharded model's
         // other ranks still gather every unit of their backward, so this one walks them too.
+        // (A head sink completes its sums from the unit callbacks.)
         let nothing = |model: &Transformer, sink: &mut UnitSink<'_>| -> Result<()> {
             walk_backward(model.weight_gate.as_ref().map(|g| &*g.0), model.layers.len(), sink)
         };
@@ -351,11 +366,11 @@ impl Tape {
         match self.record {
             Recorded::F32(r) => {
                 let ge = g_entropy.map(|g| g.to_vec1::<f32>()).transpose()?;
-                backward(r, &g.to_vec1::<f32>()?, ge.as_deref(), through_head, sink)
+                backward(r, &g.to_vec1::<f32>()?, ge.as_deref(), through_head, sink, head)
             }
             Recorded::F64(r) => {
                 let ge = g_entropy.map(|g| g.to_vec1::<f64>()).transpose()?;
-                backward(r, &g.to_vec1::<f64>()?, ge.as_deref(), through_head, sink)
+                backward(r, &g.to_vec1::<f64>()?, ge.as_deref(), through_head, sink, head)
             }
         }
     }
@@ -363,6 +378,26 @@ impl Tape {
 
 /// Where [`Tape::backward_by_unit`] hands each unit's gradients: (parameter, gradient) pairs.
 pub type UnitSink<'a> = dyn FnMut(Unit, Vec<(Tensor, Tensor)>) -> Result<()> + 'a;
+
+/// Where [`Tape::backward_by_unit`] hands a trained head weight's gradient block by block
+/// ([`VOCAB_BLOCK`] vocabulary rows at a time) instead of whole with the head unit's others:
+/// `sharding = "full"` sums each block to the weight's owner as soon as it is made, so that no
+/// rank holds the whole vocabulary-sized gradient (`worker/head_stream.rs`).
+///
+/// A tied head's rows that the embedding's backward adds to as well ("hot": the tokens of
+/// every rank's batch) are final only then: their head part is kept aside, the gathered rows
+/// are added to it in the usual order at the end of the backward, and they are handed over
+/// again whole. A row no rank's batch holds gets nothing from the embedding, so its head part
+/// is final at once: the bits are those of the whole gradient.
+pub trait HeadSink {
+    /// This rank's hot rows (its batch's tokens, sorted, each once) in, every rank's out
+    /// (sorted): asked once before the head's backward, for a tied head only.
+    fn hot_rows(&mut self, mine: Vec<u32>) -> Result<Vec<u32>>;
+    /// Rows `first..` of the head weight's gradient [rows, width]: final but for the hot rows.
+    fn rows(&mut self, first: usize, grad: Tensor) -> Result<()>;
+    /// The hot rows' gradients [hot, width], in `hot_rows`' order (a tied head, at the end).
+    fn hot(&mut self, grad: Tensor) -> Result<()>;
+}
 
 /// The backward of a rank that has nothing to differentiate: each unit gathered and released
 /// (through `gate`, when the model is sharded) and handed to `sink` with no gradients, in the
@@ -402,6 +437,18 @@ impl Tape {
         if let Some(s) = stats {
             s.scale = scale;
         }
+    }
+
+    /// Whether [`Tape::backward_by_unit`] can hand `model`'s head weight over in blocks ([`HeadSink`]):
+    /// a trained head without a bias or an adapter, and, when tied, an embedding without a
+    /// scale (a scaled one's gradient is scaled after its rows are summed).
+    pub fn streams_head(model: &Transformer) -> bool {
+        let head = &model.lm_head;
+        let tied = head.weight.id() == model.embed_tokens.id();
+        head.weight.is_variable()
+            && head.bias.is_none()
+            && head.lora.is_none()
+            && !(tied && model.config.gemma3.is_some())
     }
 
     fn model(&self) -> &Transformer {
@@ -711,6 +758,7 @@ fn backward<T: Real>(
     g_entropy: Option<&[T]>,
     through_head: bool,
     sink: &mut UnitSink<'_>,
+    mut head_sink: Option<&mut dyn HeadSink>,
 ) -> Result<()> {
     let head_record = r.head.take();
     let blocks = std::mem::take(&mut r.blocks);
@@ -724,9 +772,39 @@ fn backward<T: Real>(
     }
     let mut grads = Grads { list: vec![] };
     let aux = r.router.as_ref().and_then(|s| s.dprobs::<T>(&r.shared.mask.concat()));
+    let tied = model.lm_head.weight.id() == model.embed_tokens.id();
     model.gather_unit(Unit::Head)?;
-    let d_hidden = match head_record {
-        Some(rec) if through_head => head::backward(&model.lm_head, rec, g, g_entropy, n, hd, &mut grads)?,
+    // Handing the head's gradient over: the hot rows (a tied head) and their head part.
+    let mut hot = match head_sink.as_deref_mut() {
+        Some(hs) if tied => {
+            let mut mine = r.tokens.clone();
+            mine.sort_unstable();
+            mine.dedup();
+            let rows = hs.hot_rows(mine)?;
+            let grad = vec![T::of(0.0); rows.len() * hd];
+            Some((rows, grad))
+        }
+        _ => None,
+    };
+    let d_hidden = match (head_record, head_sink.as_deref_mut()) {
+        (Some(rec), None) if through_head => {
+            head::backward(&model.lm_head, rec, g, g_entropy, n, hd, VOCAB_BLOCK, &mut grads, WeightGradient::Whole)?
+        }
+        (Some(rec), Some(hs)) if through_head => {
+            let mut hand = |first: usize, part: Vec<T>| -> Result<()> {
+                let end = first + part.len() / hd;
+                if let Some((rows, grad)) = hot.as_mut() {
+                    let at = rows.partition_point(|&t| (t as usize) < first);
+                    for (k, &t) in rows.iter().enumerate().skip(at).take_while(|&(_, &t)| (t as usize) < end) {
+                        let src = (t as usize - first) * hd;
+                        grad[k * hd..(k + 1) * hd].copy_from_slice(&part[src..src + hd]);
+                    }
+                }
+                hs.rows(first, Tensor::from_vec(part, (end - first, hd), &Device::Cpu)?)
+            };
+            let to = WeightGradient::Blocks(&mut hand);
+            head::backward(&model.lm_head, rec, g, g_entropy, n, hd, VOCAB_BLOCK, &mut grads, to)?
+        }
         _ => g.to_vec(),
     };
     let mut dh = vec![T::of(0.0); n * hd];
@@ -790,7 +868,18 @@ fn backward<T: Real>(
         model.release_unit(Unit::Layer(i))?;
         sink(Unit::Layer(i), grads.take()?)?;
     }
-    if model.embed_tokens.is_variable() {
+    if let (Some((rows, mut grad)), Some(hs)) = (hot, head_sink) {
+        // A tied head handed over: the gathered rows added into the hot rows' head part, in
+        // the order the whole gradient adds them.
+        for (row, &tok) in dh.chunks(hd).zip(&r.tokens) {
+            let k =
+                rows.binary_search(&tok).map_err(|_| Error::Other(format!("tape: token {tok} is not a hot row")))?;
+            for (a, &g) in grad[k * hd..(k + 1) * hd].iter_mut().zip(row) {
+                *a += g;
+            }
+        }
+        hs.hot(Tensor::from_vec(grad, (rows.len(), hd), &Device::Cpu)?)?;
+    } else if model.embed_tokens.is_variable() {
         let mut d_embed = tied_part.unwrap_or_else(|| vec![T::of(0.0); c.vocab_size * hd]);
         for (row, &tok) in dh.chunks(hd).zip(&r.tokens) {
             for (a, &g) in d_embed[tok as usize * hd..(tok as usize + 1) * hd].iter_mut().zip(row) {
