@@ -141,6 +141,35 @@ fn worker_step_on_cuda_equals_cpu() {
     }
 }
 
+/// Activation checkpointing on candle's graph (the device's path): a worker's gradients, metrics
+/// and stepped weights with it are the bits of the same worker without it, on the GPU.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn checkpointed_worker_on_cuda_trains_the_same_bits() {
+    let dev = gpu();
+    let loss = common::loss("cross_entropy", &json!({}));
+    let params = AdamParams { learning_rate: 1e-2, weight_decay: 0.01, ..Default::default() };
+    for arch in ARCHS {
+        let data = golden_datums(&Golden::load(arch));
+        let run = |activation_checkpointing: bool| {
+            let cfg = WorkerConfig { micro_batch_size: Some(2), activation_checkpointing, ..Default::default() };
+            let mut w = Worker::new(load(arch, &dev), cfg).unwrap();
+            let out = w.forward_backward(&data, Some(&loss), true).unwrap();
+            let grads: Vec<Vec<f32>> = w
+                .gradients()
+                .into_iter()
+                .map(|(_, g)| cpu(g.expect("a gradient")).flatten_all().unwrap().to_vec1().unwrap())
+                .collect();
+            let norm = w.optim_step(&params).unwrap();
+            let after: Vec<Vec<f32>> =
+                w.params().iter().map(|(_, v)| cpu(v.as_tensor()).flatten_all().unwrap().to_vec1().unwrap()).collect();
+            (out.metrics.value("loss:sum").unwrap().to_bits(), grads, norm.to_bits(), after)
+        };
+        let (kept, ckpt) = (run(false), run(true));
+        assert!(kept == ckpt, "{arch}: checkpointing on the GPU changed a bit");
+    }
+}
+
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
 fn engine_greedy_tokens_on_cuda_equal_transformers() {

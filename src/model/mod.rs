@@ -4,6 +4,7 @@ pub mod attention_gate;
 pub mod delta_net;
 pub mod delta_net_chunked;
 pub mod gemma3;
+pub mod graph_checkpoint;
 pub mod hub;
 pub mod kv_cache;
 pub mod linear;

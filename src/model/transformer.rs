@@ -89,6 +89,15 @@ pub struct Block {
     pub post_norms: Option<super::gemma3::PostNorms>,
 }
 
+/// What every block of a training forward reads besides its input: the RoPE tables, the
+/// attention bias, the sliding layers' own (Gemma 3) and the key mask.
+pub(crate) struct BlockInputs {
+    cos_sin: (Tensor, Tensor),
+    bias: Tensor,
+    local: Option<super::gemma3::LocalLayers>,
+    mask: Vec<Vec<u8>>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Transformer {
     pub config: ModelConfig,
@@ -634,14 +643,8 @@ impl Transformer {
             c.extend_mask(mask);
         }
 
-        let mut h = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?;
-        if h.dtype() != self.compute_dtype() {
-            h = h.to_dtype(self.compute_dtype())?;
-        }
+        let mut h = self.embed(&ids)?;
         let cfg = &self.config;
-        if cfg.gemma3.is_some() {
-            h = (h * super::gemma3::embed_scale(cfg.hidden_size, self.dtype)?)?;
-        }
         let last = self.layers.len().saturating_sub(1);
         let mut first = 0;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -680,23 +683,84 @@ impl Transformer {
                     a
                 }
             };
-            let a = match &layer.post_norms {
-                Some(n) => model_norm(&a, &n.attn, cfg)?,
-                None => a,
-            };
-            h = (h + a)?;
-            let x = model_norm(&h, &layer.post_attention_layernorm, cfg)?;
-            let m = match &layer.mlp {
-                FeedForward::Dense(mlp) => mlp.forward(&x, mlp_adapters, cfg.gemma3.is_some())?,
-                FeedForward::Sparse(moe) => moe.forward(&x)?,
-            };
-            let m = match &layer.post_norms {
-                Some(n) => model_norm(&m, &n.mlp, cfg)?,
-                None => m,
-            };
-            h = (h + m)?;
+            h = self.finish_block(layer, h, a, mlp_adapters)?;
         }
         hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose()
+    }
+
+    /// The embeddings [B, T, hidden] of `ids` [B, T], in the compute dtype (Gemma's scaled).
+    pub(crate) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let mut h = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?;
+        if h.dtype() != self.compute_dtype() {
+            h = h.to_dtype(self.compute_dtype())?;
+        }
+        if self.config.gemma3.is_some() {
+            h = (h * super::gemma3::embed_scale(self.config.hidden_size, self.dtype)?)?;
+        }
+        Ok(h)
+    }
+
+    /// A block's second half from its input `h` and its mixer's output `a`:
+    /// h' = h + post(a), out = h' + post(mlp(norm(h'))).
+    fn finish_block(
+        &self,
+        layer: &Block,
+        h: Tensor,
+        a: Tensor,
+        mlp_adapters: Option<(&RowAdapters, usize)>,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let a = match &layer.post_norms {
+            Some(n) => model_norm(&a, &n.attn, cfg)?,
+            None => a,
+        };
+        let h = (h + a)?;
+        let x = model_norm(&h, &layer.post_attention_layernorm, cfg)?;
+        let m = match &layer.mlp {
+            FeedForward::Dense(mlp) => mlp.forward(&x, mlp_adapters, cfg.gemma3.is_some())?,
+            FeedForward::Sparse(moe) => moe.forward(&x)?,
+        };
+        let m = match &layer.post_norms {
+            Some(n) => model_norm(&m, &n.mlp, cfg)?,
+            None => m,
+        };
+        Ok((h + m)?)
+    }
+
+    /// Block `i` of a training forward (no cache, no per-row adapters) on `h` [B, T, hidden]:
+    /// the operations [`Transformer::forward_hidden`] runs for it, so the same graph and bits.
+    pub(crate) fn train_block(&self, i: usize, h: &Tensor, inputs: &BlockInputs) -> Result<Tensor> {
+        let (layer, cfg) = (&self.layers[i], &self.config);
+        let x = model_norm(h, &layer.input_layernorm, cfg)?;
+        let a = match &layer.mixer {
+            Mixer::Attention(attn) => {
+                let local = inputs.local.as_ref().filter(|_| attn.sliding);
+                let cos_sin = local.map_or(&inputs.cos_sin, |l| &l.cos_sin);
+                let bias = match local {
+                    Some(l) => l.bias(0)?,
+                    None => inputs.bias.clone(),
+                };
+                attn.forward(&x, cfg, cos_sin, &bias, None, None)?
+            }
+            Mixer::DeltaNet(dn) => {
+                let dnc = cfg.delta_net.as_ref().expect("a DeltaNet layer has its config");
+                dn.forward(&x, dnc, cfg.rms_norm_eps, &inputs.mask, None, None)?
+            }
+        };
+        self.finish_block(layer, h.clone(), a, None)
+    }
+
+    /// What every block of a training forward reads besides its input (see
+    /// [`Transformer::train_block`]).
+    pub(crate) fn block_inputs(&self, positions: &[Vec<u32>], mask: &[Vec<u8>]) -> Result<BlockInputs> {
+        let t = mask.first().map_or(0, Vec::len);
+        Ok(BlockInputs {
+            cos_sin: self.rope.tables(positions, self.compute_dtype())?,
+            bias: attention_bias(mask, 0, t, &self.device)?,
+            local: super::gemma3::LocalLayers::new(self, positions, mask, 0, t)?,
+            mask: mask.to_vec(),
+        })
     }
 
     /// Checks a batch's shapes and token ids; returns (rows, tokens per row).

@@ -12,6 +12,7 @@ use super::adamw::state_dtype;
 use super::batch::{Datum, FloatField};
 use super::value_head::ValueHead;
 use crate::algo::{Loss, LossInputs, LossOutput, Metrics};
+use crate::model::graph_checkpoint::GraphCheckpoint;
 use crate::model::logprobs::{entropy as token_entropy, target_logprobs_and_lse};
 use crate::model::tape::{Keep, Tape};
 use crate::model::Transformer;
@@ -26,12 +27,15 @@ pub struct TokenOutputs {
     pub lengths: Vec<usize>,
     /// The model's recorded forward, when it ran on the tape: its backward completes candle's.
     pub tape: Option<Tape>,
+    /// Off the tape with activation checkpointing: the blocks' inputs, for the backward.
+    pub graph: Option<GraphCheckpoint>,
 }
 
 /// Runs the model on the datums `members` of `batch`. `critic` selects the value head;
 /// `entropy` asks for per-token entropies (policy only). The model runs on the [`Tape`] where it
 /// can (the CPU), keeping what `keep` says for a backward (anything but [`Keep::Nothing`]): the
-/// caller then hands the tape candle's gradients.
+/// caller then hands the tape candle's gradients. Off the tape, [`Keep::LayerInputs`] runs the
+/// blocks through a [`GraphCheckpoint`] (activation checkpointing on candle's graph).
 pub fn model_outputs(
     model: &Transformer,
     value_head: Option<&ValueHead>,
@@ -81,11 +85,15 @@ pub fn model_outputs(
         } else {
             (t.logprobs(&gather, &targets())?, None)
         };
-        return Ok(TokenOutputs { main: logprobs, entropy, lengths, tape: tape.filter(|_| backward) });
+        return Ok(TokenOutputs { main: logprobs, entropy, lengths, tape: tape.filter(|_| backward), graph: None });
     }
-    let hidden = match tape.as_mut() {
-        Some(t) => t.hidden()?,
-        None => model.forward_hidden(&ids, &positions, &mask, None)?,
+    let (hidden, graph) = match tape.as_mut() {
+        Some(t) => (t.hidden()?, None),
+        None if keep == Keep::LayerInputs => {
+            let (hidden, graph) = GraphCheckpoint::forward(model, &ids, &positions, &mask)?;
+            (hidden, Some(graph))
+        }
+        None => (model.forward_hidden(&ids, &positions, &mask, None)?, None),
     };
     let tape = tape.filter(|_| backward);
     let hidden_size = hidden.dim(2)?;
@@ -94,13 +102,13 @@ pub fn model_outputs(
     let dtype = state_dtype(model.dtype);
     if let Some(head) = value_head {
         let values = head.forward(&hidden)?.to_dtype(dtype)?;
-        return Ok(TokenOutputs { main: values, entropy: None, lengths, tape });
+        return Ok(TokenOutputs { main: values, entropy: None, lengths, tape, graph });
     }
     let logits = model.lm_head.forward(&hidden)?.to_dtype(dtype)?;
     let targets = Tensor::from_vec(targets(), n_real, device)?;
     let (logprobs, lse) = target_logprobs_and_lse(&logits, &targets)?;
     let entropy = if entropy { Some(token_entropy(&logits, &lse)?) } else { None };
-    Ok(TokenOutputs { main: logprobs, entropy, lengths, tape })
+    Ok(TokenOutputs { main: logprobs, entropy, lengths, tape, graph })
 }
 
 /// The field concatenated over `members`, as a tensor of `dtype`, if the datums have it.

@@ -30,6 +30,7 @@ use super::value_head::ValueHead;
 use super::weight_slices::WeightSlices;
 use super::worker_config::WorkerConfig;
 use crate::algo::{Loss, Metrics};
+use crate::model::graph_checkpoint::GraphCheckpoint;
 use crate::model::sharded_weights::{self, forward_units, UnitGather};
 use crate::model::tape::{self, HeadSink, Keep, Tape};
 use crate::model::{lora, SamplerWeights, Transformer};
@@ -83,13 +84,6 @@ impl Worker {
             cfg.validate()?;
         }
         plan_micro_batches(&[1], config.micro_batch_size, config.max_tokens_per_microbatch)?;
-        if config.activation_checkpointing && !Tape::serves(&model) {
-            return Err(Error::input(format!(
-                "activation_checkpointing: only the CPU tape recomputes layers; a model on {:?} trains \
-                 through candle's graph, which keeps every activation",
-                model.device.location()
-            )));
-        }
         if config.router_aux_loss_coef != 0.0 && model.config.moe.is_none() {
             return Err(Error::input(format!(
                 "router_aux_loss_coef: a {} model has no experts (the load-balancing loss is Qwen3-MoE's)",
@@ -348,7 +342,7 @@ impl Worker {
                 let (loss_out, weights) = apply_loss(loss, &out, batch, members)?;
                 metrics.merge(&loss_out.metrics);
                 if backward {
-                    self.accumulate(&loss_out.weighted_sum, out.tape.take())?;
+                    self.accumulate(&loss_out.weighted_sum, out.tape.take(), out.graph.take())?;
                 }
                 if outputs {
                     elementwise = Some((loss_out.per_token_loss.detach() * weights)?);
@@ -386,17 +380,27 @@ impl Worker {
     /// Backward of `weighted_sum` (and of the model's tape, when it ran on one); adds each
     /// parameter's gradient to its accumulator: candle's part first, then the tape's unit by unit
     /// as its backward produces them (a tied embedding gets one part from each side, the head's
-    /// and the gather's, added in that order).
-    fn accumulate(&mut self, weighted_sum: &Tensor, tape: Option<Tape>) -> Result<()> {
+    /// and the gather's, added in that order). A checkpointed graph forward (`graph`) hands its
+    /// blocks' gradients after candle's own.
+    fn accumulate(&mut self, weighted_sum: &Tensor, tape: Option<Tape>, graph: Option<GraphCheckpoint>) -> Result<()> {
         let store = weighted_sum.backward()?;
+        let index_of: std::collections::HashMap<_, usize> =
+            self.params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect();
+        if let Some(graph) = graph {
+            let params: Vec<Tensor> = self.params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+            for (p, g) in graph.backward(&store, &params)? {
+                if let Some(&i) = index_of.get(&p.id()) {
+                    self.add_gradient(i, &g)?;
+                }
+            }
+            return Ok(());
+        }
         for i in 0..self.params.len() {
             if let Some(g) = store.get(self.params[i].1.as_tensor()) {
                 self.add_gradient(i, g)?;
             }
         }
         let Some(tape) = tape else { return Ok(()) };
-        let index_of: std::collections::HashMap<_, usize> =
-            self.params.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect();
         let mut head =
             self.unit_reduce.as_ref().and_then(|s| s.head.as_ref()).map(|(_, h)| SharedHeadStream(h.clone()));
         tape.backward_by_unit(

@@ -27,8 +27,9 @@ pub struct WorkerConfig {
     /// dtype (pure bf16). Ignored for f32 / f64 models. Default `true`.
     pub master_weights: bool,
     /// Activation checkpointing: the forward keeps only each decoder layer's input and the
-    /// backward recomputes the layer from it ([`crate::model::tape::Keep::LayerInputs`]); the
-    /// gradients are the same bits. The CPU tape only: other devices refuse it. Default `false`.
+    /// backward recomputes the layer from it ([`crate::model::tape::Keep::LayerInputs`] on the
+    /// CPU tape, [`crate::model::graph_checkpoint`] on candle's graph elsewhere); the gradients
+    /// are the same bits. Default `false`.
     pub activation_checkpointing: bool,
     /// What this worker keeps of the training state when it is one of several data-parallel
     /// ranks ([`Sharding`]); dispatch gives it its [`super::ShardPlan`]. Default `none`.

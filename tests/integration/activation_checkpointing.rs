@@ -3,7 +3,8 @@
 //! with tied embeddings, Qwen2 with q/k/v biases, Qwen3 with head norms), full fine-tuning and
 //! LoRA on every projection including lm_head, in f32, f64 and bf16; on the tape itself (both
 //! cuts, with and without entropies) and through a worker's forward_backward + AdamW steps with
-//! micro-batches. Devices without the tape refuse the setting.
+//! micro-batches. Candle's graph (the path off the tape, a GPU's) checkpointed by
+//! `GraphCheckpoint`, run on the CPU: the bits of its backward of the whole graph.
 
 use crate::common;
 
@@ -83,6 +84,54 @@ fn checkpointed_tape_gradients_are_bit_identical() {
                         assert!(a.1.iter().any(|&x| x != 0), "{what}: gradient {i} is zero");
                     }
                     assert_eq!(all.2, ckpt.2, "{what}: candle's side");
+                }
+            }
+        }
+    }
+}
+
+/// Activation checkpointing on candle's graph (the path of a model off the tape, a GPU's), run on
+/// the CPU: `GraphCheckpoint`'s forward and, after a fixed loss on the head's logits, its
+/// backward give every gradient the bits of candle's backward of the whole graph (a tied
+/// embedding's included), for the dense families, Qwen3-MoE and Gemma 3,
+/// full fine-tuning and LoRA, in f32, f64 and bf16.
+#[test]
+fn checkpointed_graph_gradients_are_bit_identical() {
+    use oxrl::model::graph_checkpoint::GraphCheckpoint;
+    for arch in ARCHS.iter().copied().chain(["qwen3_moe", "gemma3"]) {
+        let b = Golden::load(arch).batch();
+        for dtype in [DType::F32, DType::F64, DType::BF16] {
+            for lora_rank in [0, 3] {
+                let what = format!("{arch} {dtype:?} lora {lora_rank}");
+                let (m, vars) = trainable(arch, dtype, lora_rank);
+                let loss = |hidden: &Tensor| {
+                    let logits = m.lm_head.forward(hidden).unwrap();
+                    let w = Tensor::from_vec(values(logits.elem_count(), 9), logits.shape(), &Device::Cpu).unwrap();
+                    let w = w.to_dtype(logits.dtype()).unwrap();
+                    (&logits * &w).unwrap().sum_all().unwrap().backward().unwrap()
+                };
+                let hidden = m.forward_hidden(&b.ids, &b.positions, &b.mask, None).unwrap();
+                let store = loss(&hidden);
+                let whole: Vec<Option<Vec<u64>>> =
+                    vars.iter().map(|(_, v)| store.get(v.as_tensor()).map(bits)).collect();
+                let (hidden_ckpt, ckpt) = GraphCheckpoint::forward(&m, &b.ids, &b.positions, &b.mask).unwrap();
+                assert!(bits(&hidden) == bits(&hidden_ckpt), "{what}: hidden states");
+                let store = loss(&hidden_ckpt);
+                let params: Vec<Tensor> = vars.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+                let parts = ckpt.backward(&store, &params).unwrap();
+                let checkpointed: Vec<Option<Vec<u64>>> = vars
+                    .iter()
+                    .map(|(_, v)| {
+                        let mut of_v = parts.iter().filter(|(p, _)| p.id() == v.as_tensor().id());
+                        let g = of_v.next().map(|(_, g)| bits(g));
+                        assert!(of_v.next().is_none(), "{what}: two gradients of one parameter");
+                        g
+                    })
+                    .collect();
+                let reached = whole.iter().flatten().filter(|g| g.iter().any(|&x| x != 0)).count();
+                assert!(reached >= 9, "{what}: only {reached} non-zero gradients");
+                for (i, ((name, _), (a, c))) in vars.iter().zip(whole.iter().zip(&checkpointed)).enumerate() {
+                    assert!(a == c, "{what}: gradient {i} ({name}) differs");
                 }
             }
         }

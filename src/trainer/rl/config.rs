@@ -463,7 +463,7 @@ pub struct LaunchSection {
     pub max_tokens_per_microbatch: usize,
     /// Keep only each decoder layer's input in the forward and recompute the layer in the
     /// backward, for every trained model: less memory for one more forward, the same gradients
-    /// bit for bit. CPU only. Default `false`.
+    /// bit for bit. Default `false`.
     pub activation_checkpointing: bool,
     /// How the data-parallel ranks of each trained model share its state
     /// ([`crate::worker::Sharding`]): `none` (the default), `optimizer` (ZeRO-1) or `gradients`

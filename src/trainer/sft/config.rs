@@ -113,8 +113,8 @@ pub struct TrainSection {
     /// default) packs by `micro_batch_size` only.
     pub max_tokens_per_microbatch: usize,
     /// Keep only each decoder layer's input in the forward and recompute the layer in the
-    /// backward: less memory for one more forward, the same gradients bit for bit. CPU only.
-    /// Default `false`.
+    /// backward: less memory for one more forward, the same gradients bit for bit. Default
+    /// `false`.
     pub activation_checkpointing: bool,
     /// How the data-parallel ranks share the model's state ([`crate::worker::Sharding`]):
     /// `none` (the default), `optimizer` (ZeRO-1) or `gradients` (ZeRO-2) — the same weights
