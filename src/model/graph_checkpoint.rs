@@ -77,10 +77,12 @@ impl GraphCheckpoint {
             drop(h);
             let y = self.model.train_block(i, v.as_tensor(), &self.inputs)?;
             let part = (y * &g)?.sum_all()?.backward()?;
-            grads.extend(params.iter().filter_map(|p| part.get(p).map(|gp| (p.clone(), gp.clone()))));
+            // Detached: a gradient computed from variables records how, and would keep the
+            // recomputed block alive through it.
+            grads.extend(params.iter().filter_map(|p| part.get(p).map(|gp| (p.clone(), gp.detach()))));
             g = part
                 .get(v.as_tensor())
-                .cloned()
+                .map(Tensor::detach)
                 .ok_or_else(|| Error::Other(format!("graph checkpoint: no gradient reached block {i}'s input")))?;
         }
         let embed = &self.model.embed_tokens;
