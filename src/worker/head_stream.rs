@@ -35,7 +35,6 @@ pub(super) struct HeadStream {
     slices: Arc<WeightSlices>,
     /// The weight's owner; its shape; the accumulators' dtype.
     owner: usize,
-    rank: usize,
     vocab: usize,
     width: usize,
     dtype: DType,
@@ -53,24 +52,11 @@ impl HeadStream {
     pub(super) fn new(
         slices: Arc<WeightSlices>,
         owner: usize,
-        rank: usize,
         (vocab, width): (usize, usize),
         dtype: DType,
         tied: bool,
     ) -> Self {
-        HeadStream {
-            slices,
-            owner,
-            rank,
-            vocab,
-            width,
-            dtype,
-            tied,
-            hot: None,
-            next_row: 0,
-            hot_summed: false,
-            sum: None,
-        }
+        HeadStream { slices, owner, vocab, width, dtype, tied, hot: None, next_row: 0, hot_summed: false, sum: None }
     }
 
     /// After the head unit's backward: the blocks this rank made none of (no batch, or a loss
@@ -144,7 +130,6 @@ impl HeadStream {
 
     /// The owner's sum, made at its first block.
     fn owner_sum(&mut self) -> Result<Tensor> {
-        debug_assert_eq!(self.rank, self.owner);
         if self.sum.is_none() {
             self.sum = Some(Tensor::zeros((self.vocab, self.width), self.dtype, &Device::Cpu)?);
         }

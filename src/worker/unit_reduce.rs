@@ -76,8 +76,7 @@ impl Worker {
         let shape = w.dims2().ok()?;
         let tied = w.id() == self.model.embed_tokens.id();
         (eligible && slices.is_sliced(w)).then(|| {
-            let stream =
-                HeadStream::new(slices.clone(), plan.owners[i], plan.rank, shape, self.accumulator_dtype(i), tied);
+            let stream = HeadStream::new(slices.clone(), plan.owners[i], shape, self.accumulator_dtype(i), tied);
             (i, stream)
         })
     }
