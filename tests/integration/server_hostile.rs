@@ -124,9 +124,15 @@ fn sdk_step(python: &Path, port: u16) -> (String, f64) {
     (line("losses "), round_trip)
 }
 
+/// How long `healthz` may take under the slow clients: well below the header timeout a starved
+/// server's answer would wait for.
+const HEALTH_DEADLINE: Duration = Duration::from_secs(3);
+
 /// A thousand connections from one address that never finish their headers, held and reopened
-/// for `OXRL_SLOW_CLIENT_S` (120 s): `healthz` from another address answers within 1 s
-/// throughout, and another client's SDK training step gets exactly a fresh server's losses.
+/// for `OXRL_SLOW_CLIENT_S` (120 s): `healthz` from another address answers within 3 s
+/// throughout, and another client's SDK training step gets exactly a fresh server's losses. (A
+/// starved server would answer only as slow clients hit the 10 s header timeout; an idle machine
+/// answers in milliseconds, but this test shares two cores with the rest of the suite.)
 #[test]
 fn slow_clients_from_one_address_cannot_starve_the_server() {
     let Some(python) = crate::server_sdk::sdk_python() else {
@@ -151,7 +157,7 @@ fn slow_clients_from_one_address_cannot_starve_the_server() {
     let (mut checks, mut slowest, began) = (0, Duration::ZERO, Instant::now());
     while Instant::now() < until {
         let t = Instant::now();
-        let answer = get(port, "/api/v1/healthz", Duration::from_secs(1));
+        let answer = get(port, "/api/v1/healthz", HEALTH_DEADLINE);
         let took = t.elapsed();
         assert!(
             answer.as_deref().is_ok_and(|a| a.starts_with("HTTP/1.1 200")),
@@ -159,7 +165,7 @@ fn slow_clients_from_one_address_cannot_starve_the_server() {
             began.elapsed(),
             server.log_text()
         );
-        assert!(took < Duration::from_secs(1), "healthz took {took:?}");
+        assert!(took < HEALTH_DEADLINE, "healthz took {took:?}");
         slowest = slowest.max(took);
         checks += 1;
         std::thread::sleep(Duration::from_millis(250));
