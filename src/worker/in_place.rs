@@ -6,7 +6,7 @@
 //!   gradient it is the sum of;
 //! - [`write_rows`]: `dst[rows[k]] = src[k]`, rows summed apart written into their places.
 //!
-//! Both need the written tensor to own its storage: every tensor sharing it changes too.
+//! Each needs the written tensor to own its storage: every tensor sharing it changes too.
 
 use candle_core::{CpuStorage, DType, Layout, Tensor};
 
