@@ -16,16 +16,19 @@
 #
 #   OUT=dir ROUNDS=2 bash scripts/gpu_check.sh     # OUT: where the logs go (default runs/gpu_check)
 #   STEPS="launches profile" bash scripts/gpu_check.sh   # only some steps (default: all)
+#   KERNELS=1 bash scripts/gpu_check.sh   # oxrl's kernels on only (default "0 1": off, then on)
 #
 # STEPS names: tests, train, decode, launches, profile.
 #
 # Files in OUT: summary.md (the table), results.jsonl (every measurement), tests_off.log,
-# tests_on.log, bench.log (the benchmarks' stderr), launches.txt, profile.txt, setup.log.
+# tests_on.log, bench.log (the benchmarks' stderr), launches.txt, profile.txt (and the traced step's
+# kernels, train_2.tsv.xz), setup.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 ROUNDS=${ROUNDS:-2}
 STEPS=" ${STEPS:-tests train decode launches profile} "
+KERNELS=${KERNELS:-0 1}
 want() { [[ $STEPS == *" $1 "* ]]; }
 mkdir -p "$OUT"
 RESULTS="$OUT/results.jsonl"
@@ -57,7 +60,7 @@ if want train; then
 fi
 
 # 2. The GPU suite, kernels off then on.
-want tests && for k in 0 1; do
+want tests && for k in $KERNELS; do
     log="$OUT/tests_$([ $k = 1 ] && echo on || echo off).log"
     : >"$log"
     OXRL_CUDA_KERNELS=$k timeout -k 5 90 .gpu/gpu-tests --nocapture --test-threads 1 --exact \
@@ -74,17 +77,39 @@ if { want train || want decode || want launches || want profile; } && [ ! -e "$M
         --vocab 151936 --tie --max-position 32768 --rope-theta 1000000 --dtype bf16 --out "$MODEL" \
         >>"$OUT/bench.log" 2>&1 || echo "init-model failed"
 fi
+# limited LIMIT STDOUT COMMAND...: runs COMMAND for at most LIMIT seconds, its stdout into the
+# file STDOUT, its stderr into bench.log. Once it has printed its result it has EXIT_GRACE
+# seconds to exit; a teardown that hangs costs that, not the limit (and is reported).
+EXIT_GRACE=${EXIT_GRACE:-15}
+limited() {
+    local limit=$1 stdout=$2 ticks=0
+    shift 2
+    timeout -k 5 "$limit" "$@" >"$stdout" 2>>"$OUT/bench.log" &
+    local pid=$!
+    while kill -0 $pid 2>/dev/null; do
+        if [ -s "$stdout" ]; then
+            ticks=$((ticks + 1))
+            if [ $ticks -gt $((EXIT_GRACE * 5)) ]; then
+                echo "[$(since)] $(basename "$1") printed its result but had not exited ${EXIT_GRACE} s later: killed" \
+                    | tee -a "$OUT/bench.log"
+                pkill -KILL -P $pid
+                kill -KILL $pid 2>/dev/null
+                break
+            fi
+        fi
+        sleep 0.2
+    done
+    wait $pid
+}
 bench() { # what, limit, command...
     local what=$1 limit=$2
     shift 2
     echo "== $what" >>"$OUT/bench.log"
-    timeout -k 5 "$limit" "$@" >>"$RESULTS" 2>>"$OUT/bench.log" || {
-        local rc=$?
-        echo "[$(since)] $what failed (rc $rc)"
-    }
+    limited "$limit" /tmp/bench_out "$@" || echo "[$(since)] $what failed (rc $?)"
+    cat /tmp/bench_out >>"$RESULTS"
 }
 want train && for r in $(seq "$ROUNDS"); do
-    for k in 0 1; do
+    for k in $KERNELS; do
         OXRL_CUDA_KERNELS=$k bench "oxrl train k=$k" 120 $OXRL bench train --model "$MODEL" --device cuda \
             --dtype bf16 --batch 8 --seq 1024 --warmup 2 --reps 5
     done
@@ -92,7 +117,7 @@ want train && for r in $(seq "$ROUNDS"); do
     echo "[$(since)] train round $r done"
 done
 want decode && for r in $(seq "$ROUNDS"); do
-    for k in 0 1; do
+    for k in $KERNELS; do
         OXRL_CUDA_KERNELS=$k bench "oxrl decode k=$k" 150 $OXRL bench decode --model "$MODEL" --device cuda \
             --dtype bf16 --batch 1,16,64,256 --prompt 16 --new-tokens 32 --warmup 1 --reps 3
     done
@@ -106,7 +131,10 @@ TRACE="$PWD/.gpu/libkernel_trace.so"
 traced() { # trace file, time limit, command...
     local file=$1 limit=$2
     shift 2
-    CUDA_INJECTION64_PATH="$TRACE" OXRL_KERNEL_TRACE="$file" timeout -k 5 "$limit" "$@" 2>>"$OUT/bench.log"
+    CUDA_INJECTION64_PATH="$TRACE" OXRL_KERNEL_TRACE="$file" limited "$limit" /tmp/traced_out "$@"
+    local rc=$?
+    cat /tmp/traced_out
+    return $rc
 }
 kernels() { grep -vc '^#' "$1" 2>/dev/null || true; }
 
@@ -151,9 +179,10 @@ one, two = load(sys.argv[1]), load(sys.argv[2])
 step = {k: [two[k][0] - one.get(k, [0, 0.0])[0], two[k][1] - one.get(k, [0, 0.0])[1]] for k in two}
 total = sum(v[1] for v in step.values())
 print(f"one training step (8 x 1024, bf16): {sum(v[0] for v in step.values())} kernels, {total / 1e3:.1f} ms of device time; the largest:")
-for name, (n, us) in sorted(step.items(), key=lambda x: -x[1][1])[:20]:
+for name, (n, us) in sorted(step.items(), key=lambda x: -x[1][1])[:40]:
     print(f"  {us / 1e3:8.2f} ms {n:6d}x {name}")
 PY
+    xz -c /tmp/train_2.tsv >"$OUT/train_2.tsv.xz" 2>/dev/null
     echo "[$(since)] profile done"
 fi
 

@@ -244,11 +244,11 @@ impl Attention {
         // fused op, which reads the cache's views in place and sums in the order the trainer's
         // forward does; everything else (uncached forwards off the tape, CUDA) the
         // candle path: the `rep` query heads sharing a kv head folded into the rows of one
-        // batched matmul, softmax in f32.
+        // batched matmul, softmax in f32, as one graph node when it is differentiated.
         let out = if cached && ops::fused(&q) {
             ops::cached_attention::cached_attention(&q, &k, &v, bias, scale)?
         } else {
-            ops::cached_attention::reference(&q, &k, &v, bias, scale)?
+            ops::attention::attention(&q, &k, &v, bias, scale)?
         };
         let out = match gate {
             Some(g) => super::attention_gate::apply(&out, &g)?,

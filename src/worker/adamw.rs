@@ -134,7 +134,7 @@ pub fn clip_coefficient(norm: f64, clip: f64) -> f64 {
 pub fn update(var: &Var, grad: &Tensor, state: &mut Moments, p: &AdamParams) -> Result<()> {
     let param = var.as_tensor();
     if super::adamw_fused::applies(param, state) {
-        return super::adamw_fused::update(var, grad, 1.0, state, p);
+        return super::adamw_fused::update(param, grad, 1.0, state, p);
     }
     update_reference(var, grad, state, p)
 }

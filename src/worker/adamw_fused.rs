@@ -7,12 +7,22 @@
 //! g ← g · clip;  p ← p · (1 − lr·wd);  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²
 //! p ← p − (lr / (1 − β1^t)) · m / (sqrt(v · 1/(1 − β2^t)) + eps)
 //! ```
-//! The parameter is written in place, as `Var::set` would.
+//! The parameter is written in place, as `Var::set` would. On CUDA (f32) the same three passes
+//! are kernels (`ops/cuda/adamw.cu`), rounding each operation in f32 in the same order: the same
+//! bits as candle's primitive ops there.
+//!
+//! The gradient norm's Σ g² is one pass too: on the CPU in chunks summed in chunk order, on
+//! CUDA per block, the blocks' sums then added by one block (candle's `sum_all` is a single
+//! block over the whole tensor).
 
-use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Shape, Tensor, Var, WithDType};
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::adamw::{AdamParams, Moments};
+#[cfg(feature = "cuda")]
+use crate::model::ops::cuda::{self, launch};
 use crate::model::ops::{data, dispatch_real};
 use crate::Result;
 
@@ -67,6 +77,27 @@ impl InplaceOp2 for Moment {
             _ => Err(candle_core::Error::Msg("adamw: f32 or f64 only".into())),
         }
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> candle_core::Result<()> {
+        let st = self.step;
+        let beta = if self.second { st.beta2 } else { st.beta1 };
+        let (clip, one_beta, second) = (st.clip as f32, (1.0 - beta) as f32, i32::from(self.second));
+        let (n, beta) = (l1.shape().elem_count(), beta as f32);
+        let g = cuda::view::<f32>(s2, l2)?;
+        let dev = s1.device.clone();
+        let (a, b) = contiguous(l1, "moment")?;
+        let mut m = s1.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
+        let ni = n as i64;
+        launch!(dev, cuda::ADAMW, "adamw_moment".to_string(), cuda::elementwise(n); &mut m, &g, &clip, &beta, &one_beta, &second, &ni);
+        Ok(())
+    }
+}
+
+/// The start and end of a contiguous in-place operand, or an error naming it.
+#[cfg(feature = "cuda")]
+fn contiguous(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
+    l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("adamw: the {what} is not contiguous")))
 }
 
 /// p ← p · decay − lr/bias1 · m' / (sqrt(v' / bias2) + eps), in place, from m' and v'.
@@ -109,6 +140,28 @@ impl InplaceOp3 for Step {
             _ => Err(candle_core::Error::Msg("adamw: f32 or f64 only".into())),
         }
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let c = *self;
+        let (decay, lr_b1, inv_b2, eps) = (c.decay as f32, c.lr_over_bias1 as f32, c.inv_bias2 as f32, c.eps as f32);
+        let n = l1.shape().elem_count();
+        let (m, v) = (cuda::view::<f32>(s2, l2)?, cuda::view::<f32>(s3, l3)?);
+        let dev = s1.device.clone();
+        let (a, b) = contiguous(l1, "parameter")?;
+        let mut p = s1.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
+        let ni = n as i64;
+        launch!(dev, cuda::ADAMW, "adamw_param".to_string(), cuda::elementwise(n); &mut p, &m, &v, &decay, &lr_b1, &inv_b2, &eps, &ni);
+        Ok(())
+    }
 }
 
 /// Elements per rayon task.
@@ -148,26 +201,61 @@ impl candle_core::CustomOp1 for SumSquares {
             Ok((CpuStorage::F64(vec![total]), Shape::from(1)))
         })
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let n = l.shape().elem_count();
+        // The grid an elementwise kernel takes: each block's partial sum, then one block adds them.
+        let grid = cuda::elementwise(n);
+        let blocks = grid.grid_dim.0 as usize;
+        // Safety: each kernel writes every element of its output (a partial per block; the total).
+        let partials = unsafe { s.device.alloc::<f64>(blocks) }?;
+        let total = unsafe { s.device.alloc::<f64>(1) }?;
+        let ni = n as i64;
+        cuda::dispatch_cuda!(s, T => {
+            let x = cuda::view::<T>(s, l)?;
+            launch!(s.device, cuda::ADAMW, cuda::entry::<T>("sum_squares"), grid; &x, &partials, &ni);
+            Ok::<(), candle_core::Error>(())
+        })?;
+        let one_block = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let bi = blocks as i64;
+        launch!(s.device, cuda::ADAMW, "sum_partials".to_string(), one_block; &partials, &total, &bi);
+        Ok((CudaStorage::wrap_cuda_slice(total, s.device.clone()), Shape::from(1)))
+    }
 }
 
-/// Σ x² of `t` (f32/f64 on the CPU) as a one-element f64 tensor; None where it does not apply.
+/// Σ x² of `t` as a one-element f64 tensor: f32/f64 on the CPU, f32/bf16/f16 on CUDA; None
+/// where it does not apply.
 pub fn sum_squares(t: &Tensor) -> Result<Option<Tensor>> {
-    if !(t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)) {
+    let served = match t.device() {
+        candle_core::Device::Cpu => matches!(t.dtype(), DType::F32 | DType::F64),
+        candle_core::Device::Cuda(_) => matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16),
+        _ => false,
+    };
+    if !served {
         return Ok(None);
     }
     Ok(Some(t.contiguous()?.apply_op1_no_bwd(&SumSquares)?))
 }
 
-/// Whether the one-pass update serves this parameter: CPU, f32/f64, moments of its dtype.
+/// Whether the one-pass update serves this parameter: f32/f64 on the CPU, f32 on CUDA, with
+/// moments of its dtype.
 pub fn applies(param: &Tensor, state: &Moments) -> bool {
-    param.device().is_cpu()
-        && matches!(param.dtype(), DType::F32 | DType::F64)
-        && state.exp_avg.dtype() == param.dtype()
+    let served = match param.device() {
+        candle_core::Device::Cpu => matches!(param.dtype(), DType::F32 | DType::F64),
+        candle_core::Device::Cuda(_) => param.dtype() == DType::F32,
+        _ => false,
+    };
+    served && state.exp_avg.dtype() == param.dtype()
 }
 
-/// One AdamW step of `var` with `grad · clip`; advances `state.step`. Call when [`applies`].
-pub fn update(var: &Var, grad: &Tensor, clip: f64, state: &mut Moments, p: &AdamParams) -> Result<()> {
-    let param = var.as_tensor();
+/// One AdamW step of `param` (a parameter's storage, or its master copy), in place, with
+/// `grad · clip`; advances `state.step`. Call when [`applies`].
+pub fn update(param: &Tensor, grad: &Tensor, clip: f64, state: &mut Moments, p: &AdamParams) -> Result<()> {
     state.step += 1;
     let t = state.step as i32;
     let step = Step {
@@ -194,7 +282,7 @@ pub fn update(var: &Var, grad: &Tensor, clip: f64, state: &mut Moments, p: &Adam
 mod tests {
     use super::*;
     use crate::worker::adamw::update_reference;
-    use candle_core::Device;
+    use candle_core::{Device, Var};
 
     #[test]
     fn fused_step_equals_the_primitive_step() {
@@ -206,7 +294,7 @@ mod tests {
             let params = AdamParams { learning_rate: 1e-2, weight_decay: 0.1, eps: 1e-8, ..Default::default() };
             for step in 0..3 {
                 let g = ((a.as_tensor() * (0.3 + step as f64)).unwrap().sin().unwrap() * 0.01).unwrap();
-                update(&a, &g, 1.0, &mut sa, &params).unwrap();
+                update(a.as_tensor(), &g, 1.0, &mut sa, &params).unwrap();
                 update_reference(&b, &g, &mut sb, &params).unwrap();
             }
             for (x, y) in [(a.as_tensor(), b.as_tensor()), (&sa.exp_avg, &sb.exp_avg), (&sa.exp_avg_sq, &sb.exp_avg_sq)]

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use candle_core::{Tensor, Var};
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
+use super::adamw_fused;
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
 use super::head_stream::SharedHeadStream;
 use super::in_place::add_in_place;
@@ -469,17 +470,26 @@ impl Worker {
     /// AdamW on parameter `i` with its summed gradient times the clip coefficient `coef`.
     pub(super) fn update_param(&mut self, i: usize, grad: Tensor, coef: f64, params: &AdamParams) -> Result<()> {
         let var = &self.params[i].1;
-        let grad = if coef < 1.0 { (grad * coef)? } else { grad };
         if self.moments[i].is_none() {
             self.moments[i] = Some(Moments::zeros(var.as_tensor())?);
         }
         let state = self.moments[i].as_mut().expect("just set");
+        // On CUDA a master copy takes the one-pass kernels (candle's primitive step is a dozen
+        // passes over it); on the CPU the primitive step keeps the bits pinned elsewhere.
+        let fused_master = self.masters.as_ref().and_then(|m| m[i].as_ref()).is_some_and(|master| {
+            master.device().is_cuda() && adamw_fused::applies(master, state) && grad.dtype() == master.dtype()
+        });
+        let grad = if coef < 1.0 && !fused_master { (grad * coef)? } else { grad };
         match self.masters.as_mut() {
             Some(masters) => {
                 let master = masters[i]
                     .as_mut()
                     .ok_or_else(|| Error::Other(format!("no master weight of `{}` on this rank", self.params[i].0)))?;
-                *master = adamw::step_value(master, &grad, state, params)?;
+                if fused_master {
+                    adamw_fused::update(master, &grad, coef.min(1.0), state, params)?;
+                } else {
+                    *master = adamw::step_value(master, &grad, state, params)?;
+                }
                 var.set(&master.to_dtype(var.dtype())?)?;
             }
             None => adamw::update(var, &grad, state, params)?,

@@ -118,6 +118,24 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
     return other;
 }
 
+inline double __shfl_xor_sync(unsigned, double v, int offset) {
+    static double exchange[1024];
+    const unsigned tid = threadIdx.x;
+    emu::Barrier& warp = emu::warp_barriers[tid / 32];
+    exchange[tid] = v;
+    warp.wait();
+    const double other = exchange[tid ^ (unsigned)offset];
+    warp.wait();
+    return other;
+}
+
+// IEEE operations rounded to nearest (C++ without -ffp-contract rounds each one as written).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+
 struct __nv_bfloat16 {
     uint16_t bits;
 };

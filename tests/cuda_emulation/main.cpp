@@ -10,6 +10,7 @@
 #include <functional>
 #include <string>
 
+#include "../../src/model/ops/cuda/adamw.cu"
 #include "../../src/model/ops/cuda/cached_attention.cu"
 #include "../../src/model/ops/cuda/logprob_lse.cu"
 #include "../../src/model/ops/cuda/rms_norm.cu"
@@ -99,6 +100,7 @@ template <typename T> struct Kernels;
         static constexpr auto masked_softmax_bwd = masked_softmax_bwd_##sfx;    \
         static constexpr auto cached_attention = cached_attention_##sfx;        \
         static constexpr auto sample_rows = sample_rows_##sfx;                  \
+        static constexpr auto sum_squares = sum_squares_##sfx;                  \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -367,6 +369,52 @@ template <typename T> static void sample_rows(unsigned block) {
     expect(label<T>("sample_rows log-probs", block), got_lp, want, 2e-5);
 }
 
+// Σ x² in f64 over a grid of several blocks (partials, then one block adds them), against a
+// double sum of the rounded inputs: a different order of exact-ish f64 adds.
+template <typename T> static void sum_squares(unsigned block) {
+    for (long long n : {1ll, 1000ll, 4099ll}) {
+        const Vec x = rounded<T>(values(n, 11, 3.0));
+        const auto xs = cast<T>(x);
+        const unsigned blocks = 3;
+        std::vector<double> partial(blocks), total(1);
+        launch({blocks}, {block}, Kernels<T>::sum_squares, xs.data(), partial.data(), n);
+        launch({1}, {block}, sum_partials, (const double*)partial.data(), total.data(), (long long)blocks);
+        double want = 0;
+        for (double v : x) want += v * v;
+        expect(label<T>("sum_squares", block) + " n=" + std::to_string(n), total, {want}, 1e-14);
+    }
+}
+
+// AdamW in place against the same f32 operations in the same order, written here: the same bits.
+static void adamw(unsigned block) {
+    const long long n = 1000;
+    std::vector<float> p, m, v, g;
+    for (double x : values(n, 21, 1.0)) p.push_back((float)x);
+    for (double x : values(n, 22, 0.1)) m.push_back((float)x);
+    for (double x : values(n, 23, 0.01)) v.push_back((float)(x * x));
+    for (double x : values(n, 24, 0.5)) g.push_back((float)x);
+    const float clip = 0.75f, b1 = 0.9f, b2 = 0.95f, one_b1 = 1.0f - 0.9f, one_b2 = (float)(1.0 - 0.95);
+    const float decay = 0.999f, lr_b1 = 1e-3f / 0.1f, inv_b2 = 1.0f / 0.05f, eps = 1e-8f;
+    std::vector<float> wp = p, wm = m, wv = v;
+    for (long long i = 0; i < n; ++i) {
+        const float gj = g[i] * clip;
+        wm[i] = wm[i] * b1 + gj * one_b1;
+        wv[i] = wv[i] * b2 + gj * gj * one_b2;
+        const float denom = std::sqrt(wv[i] * inv_b2) + eps;
+        wp[i] = wp[i] * decay - wm[i] * lr_b1 / denom;
+    }
+    launch({3}, {block}, adamw_moment, m.data(), (const float*)g.data(), clip, b1, one_b1, 0, n);
+    launch({3}, {block}, adamw_moment, v.data(), (const float*)g.data(), clip, b2, one_b2, 1, n);
+    launch({3}, {block}, adamw_param, p.data(), (const float*)m.data(), (const float*)v.data(), decay, lr_b1, inv_b2,
+           eps, n);
+    const bool same = std::memcmp(p.data(), wp.data(), n * 4) == 0 && std::memcmp(m.data(), wm.data(), n * 4) == 0 &&
+                      std::memcmp(v.data(), wv.data(), n * 4) == 0;
+    ++checks;
+    if (!same) ++failures;
+    std::printf("%s adamw block %u: parameter and moments %s the f32 formulas' bits\n", same ? "ok  " : "FAIL", block,
+                same ? "equal" : "DIFFER from");
+}
+
 template <typename T> static void all(unsigned block) {
     rms_norm<T>(block);
     swiglu<T>(block);
@@ -375,6 +423,7 @@ template <typename T> static void all(unsigned block) {
     masked_softmax<T>(block);
     cached_attention<T>(block);
     sample_rows<T>(block);
+    sum_squares<T>(block);
 }
 
 int main() {
@@ -382,6 +431,7 @@ int main() {
         all<float>(block);
         all<bf16>(block);
         all<f16>(block);
+        adamw(block);
     }
     std::printf("emulated kernel checks: %d, failed: %d\n", checks, failures);
     return failures == 0 ? 0 : 1;

@@ -9,6 +9,7 @@
 //! graph the op replaces: it is what runs for the other dtypes (bf16/f16 on the CPU, f64 on a
 //! GPU), and what the tests compare values and gradients against.
 
+pub mod attention;
 pub mod cached_attention;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

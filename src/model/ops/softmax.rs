@@ -118,8 +118,7 @@ impl FusedOp<2> for MaskedSoftmax {
     }
 
     fn bwd(&self, _inputs: [&Tensor; 2], p: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
-        let ds = p.apply_op2_no_bwd(&g.contiguous()?, &Op(SoftmaxBwd { scale: self.scale }))?;
-        Ok([Some(ds), None])
+        Ok([Some(backward(p, g, self.scale).map_err(|e| candle_core::Error::Msg(e.to_string()))?), None])
     }
 }
 
@@ -159,6 +158,12 @@ impl FusedOp<2> for SoftmaxBwd {
 
 /// softmax(scale · scores + bias) for scores [B, G, T, S] and bias [B, T, S] (any float dtype:
 /// it is converted to the scores' dtype).
+/// The scores' gradient ds = scale · p · (g − Σ g·p) per row, from the fused op's output `p`
+/// and its gradient `g` (the op's backward, for ops that run it themselves).
+pub(crate) fn backward(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
+    Ok(p.apply_op2_no_bwd(&g.contiguous()?, &Op(SoftmaxBwd { scale }))?)
+}
+
 pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let (b, _, t, s) = scores.dims4()?;
     if bias.dims() != [b, t, s] {

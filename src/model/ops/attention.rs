@@ -1,0 +1,192 @@
+//! Attention as one node of candle's graph, its backward written out: out = softmax(scale · q kᵀ
+//! + bias) v as [B, T, H·D], for q [B, H, T, D], k and v [B, KV, S, D].
+//!
+//! The reference ([`super::cached_attention::reference`]) is a chain of a dozen nodes: a matmul,
+//! reshapes, casts to and from f32 around the fused softmax, a transpose. candle's backward adds
+//! each node's gradient into a fresh zero-filled buffer, a pass over a [B, H, T, S] tensor per
+//! edge, several per layer. As one node, only q, k and v receive a gradient.
+//!
+//! Forward: the reference's operations on detached inputs; the softmax's probabilities P (f32
+//! for bf16/f16 inputs) are kept for the backward. Backward, with the `rep` query heads that
+//! share a kv head folded into the rows of one batched product as the forward does (′ marks
+//! that layout, dO the output's gradient):
+//! ```text
+//! dO′ = dO as [B, KV, REP·T, D]
+//! dP′ = dO′ · vᵀ,    dv = P′ᵀ · dO′        (P′ = P in the inputs' dtype)
+//! dS  = scale · P ⊙ (dP − Σ_s P ⊙ dP)     (the fused softmax's backward, in P's dtype)
+//! dq′ = dS′ · k,     dk = (q′ᵀ · dS′)ᵀ
+//! ```
+//! These are the operations candle's backward of the reference runs, in its order, on the
+//! layouts it stores (every gradient it keeps is contiguous): the gradients are the
+//! reference's bits. Where the fused softmax does not run (CUDA with oxrl's kernels off), and
+//! where no input tracks a gradient, the reference runs itself.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor};
+
+use super::matmul::matmul;
+use super::{cached_attention, cuda_kernels, norm_dtype, softmax};
+use crate::Result;
+
+/// The attention output [B, T, H·D] (see the module docs).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let tracked = q.track_op() || k.track_op() || v.track_op();
+    // The fused softmax runs on the scores (f32, f64 on the CPU): its backward is this node's.
+    let softmax_fused = match q.device() {
+        Device::Cpu => true,
+        Device::Cuda(_) => cuda_kernels() && norm_dtype(q.dtype()) == DType::F32,
+        _ => false,
+    };
+    if !tracked || !softmax_fused {
+        return cached_attention::reference(q, k, v, bias, scale);
+    }
+    let (b, h, t, d) = q.dims4()?;
+    let (_, kvh, s, _) = k.dims4()?;
+    let rep = h / kvh;
+    let dtype = q.dtype();
+    let qg = q.detach().reshape((b, kvh, rep * t, d))?;
+    let scores = matmul(&qg, &k.detach().t()?)?.reshape((b, h, t, s))?.to_dtype(norm_dtype(dtype))?;
+    let probs = softmax::masked_softmax(&scores, bias, scale)?;
+    let folded = probs.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
+    let out = matmul(&folded, &v.detach())?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
+    let node = AttentionNode { out: Mutex::new(Some(out)), probs, scale };
+    Ok(q.apply_op3(k, v, node)?)
+}
+
+/// The graph node: its output (computed before the node exists, handed over once by the
+/// forward) and what the backward reads.
+struct AttentionNode {
+    out: Mutex<Option<Tensor>>,
+    /// P [B, H, T, S], in the softmax's dtype.
+    probs: Tensor,
+    scale: f64,
+}
+
+impl AttentionNode {
+    /// The output computed in [`attention`], as the storage the node's forward returns.
+    fn output(&self) -> candle_core::Result<(Storage, Shape)> {
+        let out = self.out.lock().expect("not poisoned").take();
+        let out = out.ok_or_else(|| candle_core::Error::Msg("attention: the node's output was taken".into()))?;
+        // A fresh product or copy, so its storage holds exactly its elements, from the start.
+        let (storage, layout) = out.storage_and_layout();
+        if layout.contiguous_offsets() != Some((0, out.elem_count())) {
+            return Err(candle_core::Error::Msg("attention: the output is not a contiguous storage".into()));
+        }
+        let storage = match &*storage {
+            Storage::Cpu(s) => Storage::Cpu(s.try_clone(layout)?),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Storage::Cuda(s.try_clone(layout)?),
+            _ => return Err(candle_core::Error::Msg("attention: CPU or CUDA only".into())),
+        };
+        Ok((storage, out.shape().clone()))
+    }
+}
+
+impl CustomOp3 for AttentionNode {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        match self.output()? {
+            (Storage::Cpu(s), shape) => Ok((s, shape)),
+            _ => Err(candle_core::Error::Msg("attention: the output is not on the CPU".into())),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::cuda_backend::CudaStorage,
+        _: &Layout,
+        _: &candle_core::cuda_backend::CudaStorage,
+        _: &Layout,
+        _: &candle_core::cuda_backend::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        match self.output()? {
+            (Storage::Cuda(s), shape) => Ok((s, shape)),
+            _ => Err(candle_core::Error::Msg("attention: the output is not on the GPU".into())),
+        }
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let m = |e: crate::Error| candle_core::Error::Msg(e.to_string());
+        let (b, h, t, d) = q.dims4()?;
+        let (_, kvh, s, _) = k.dims4()?;
+        let rep = h / kvh;
+        let dtype = q.dtype();
+        // The reference's nodes from the last back: reshape, transpose (stored contiguous),
+        // reshape; the weighted sum's matmul; reshape and cast; the softmax; cast and reshape;
+        // the scores' matmul; k's transpose (stored contiguous) and q's reshape.
+        let d_out = grad.contiguous()?.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?;
+        let d_out = d_out.reshape((b, kvh, rep * t, d))?;
+        let folded = self.probs.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
+        let d_folded = matmul(&d_out, &v.t()?).map_err(m)?;
+        let dv = matmul(&folded.t()?, &d_out).map_err(m)?;
+        let d_probs = d_folded.reshape((b, h, t, s))?.to_dtype(self.probs.dtype())?;
+        let d_scores = softmax::backward(&self.probs, &d_probs, self.scale).map_err(m)?;
+        let d_scores = d_scores.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
+        let qg = q.reshape((b, kvh, rep * t, d))?;
+        let kt = k.t()?;
+        let dqg = matmul(&d_scores, &kt.t()?).map_err(m)?;
+        let dkt = matmul(&qg.t()?, &d_scores).map_err(m)?;
+        let dk = dkt.t()?.contiguous()?;
+        let dq = dqg.reshape((b, h, t, d))?;
+        Ok((Some(dq), Some(dk), Some(dv.contiguous()?)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::bits;
+    use candle_core::{DType, Device, Var};
+
+    fn var(shape: &[usize], seed: u64, dtype: DType) -> Var {
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|i| ((i as f64 + seed as f64 * 0.37) * 0.731).sin()).collect();
+        Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).unwrap()
+    }
+
+    /// One node, the reference's values and gradients to the bit: f32 and f64, one kv head per
+    /// query head and kv heads shared by three, a masked key (left padding) in one row.
+    #[test]
+    fn one_node_gives_the_reference_graphs_bits() {
+        for dtype in [DType::F32, DType::F64] {
+            for (h, kvh) in [(2, 2), (3, 1)] {
+                let (b, t, d) = (2, 5, 4);
+                let (q, k, v) = (var(&[b, h, t, d], 1, dtype), var(&[b, kvh, t, d], 2, dtype), var(&[b, kvh, t, d], 3, dtype));
+                let mask = vec![vec![1u8; t], [vec![0u8], vec![1u8; t - 1]].concat()];
+                let bias = crate::model::transformer::attention_bias(&mask, 0, t, &Device::Cpu).unwrap();
+                let w = var(&[b, t, h * d], 4, dtype);
+                let run = |f: &dyn Fn() -> Tensor| {
+                    let out = f();
+                    let grads = (&out * w.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+                    let g = |x: &Var| bits(grads.get(x.as_tensor()).expect("a gradient"));
+                    (bits(&out), g(&q), g(&k), g(&v))
+                };
+                let node = run(&|| attention(&q, &k, &v, &bias, 0.5).unwrap());
+                let reference = run(&|| cached_attention::reference(&q, &k, &v, &bias, 0.5).unwrap());
+                assert_eq!(node, reference, "{dtype:?}, {h} heads over {kvh}");
+            }
+        }
+    }
+}

@@ -1,0 +1,65 @@
+// The optimizer's kernels (see worker/adamw_fused.rs): the gradient norm's sums and AdamW in
+// place, on f32 parameters, moments and gradients.
+//
+//   sum_squares: Σ x² in f64. Each block sums a grid-stride share of the n elements (each thread
+//     in f64), reduces it over the block in a fixed tree and writes partial[block];
+//     sum_partials (one block) then adds the partials in the same fixed way. Same bits every run.
+//   adamw_moment: m ← β m + (1 − β) (g·clip), or (second) v ← β v + (1 − β) (g·clip)²
+//   adamw_param:  p ← p · decay − m · (lr / bias1) / (sqrt(v · (1 / bias2)) + eps)
+//
+// AdamW rounds each operation in f32 in the order written (no fused multiply-add: the _rn
+// intrinsics), as the CPU's one-pass update and candle's primitive ops do: the same bits.
+#include "common.cuh"
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block; thread 0 gets it. Called by every thread of the block.
+__device__ __forceinline__ double block_sum_f64(double v) {
+    __shared__ double partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum_f64(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.0;
+    return warp_sum_f64(v);
+}
+
+template <typename T>
+__device__ void sum_squares_kernel(const T* x, double* partial, long long n) {
+    double s = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const double v = (double)to_f32(x[i]);
+        s += v * v;
+    }
+    s = block_sum_f64(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+#define SUM_SQUARES_PARAMS(T) (const T* x, double* partial, long long n)
+INSTANTIATE(sum_squares, SUM_SQUARES_PARAMS, (x, partial, n))
+
+extern "C" __global__ void sum_partials(const double* partial, double* out, long long n) {
+    double s = 0.0;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) s += partial[i];
+    s = block_sum_f64(s);
+    if (threadIdx.x == 0) out[0] = s;
+}
+
+extern "C" __global__ void adamw_moment(float* m, const float* g, float clip, float beta, float one_beta, int second,
+                                        long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float gj = __fmul_rn(g[i], clip);
+        const float term = second ? __fmul_rn(__fmul_rn(gj, gj), one_beta) : __fmul_rn(gj, one_beta);
+        m[i] = __fadd_rn(__fmul_rn(m[i], beta), term);
+    }
+}
+
+extern "C" __global__ void adamw_param(float* p, const float* m, const float* v, float decay, float lr_over_bias1,
+                                       float inv_bias2, float eps, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float denom = __fadd_rn(__fsqrt_rn(__fmul_rn(v[i], inv_bias2)), eps);
+        p[i] = __fsub_rn(__fmul_rn(p[i], decay), __fdiv_rn(__fmul_rn(m[i], lr_over_bias1), denom));
+    }
+}
