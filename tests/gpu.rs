@@ -389,6 +389,109 @@ fn optimizer_kernels_on_cuda_equal_the_cpu() {
     }
 }
 
+/// Attention as one graph node (its backward written out; in bf16 the softmax's mixed kernels)
+/// gives the reference graph's values and gradients to the bit on CUDA, in f32 and bf16, with
+/// kv heads shared by three query heads and left padding.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn attention_node_on_cuda_gives_the_reference_bits() {
+    use candle_core::Var;
+    use oxrl::model::ops::{attention::attention, cached_attention::reference};
+    let dev = gpu();
+    // The nodes run oxrl's kernels (the suite's run with them off would test the fallback).
+    let before = oxrl::model::ops::cuda_kernels();
+    oxrl::model::ops::set_cuda_kernels(true);
+    for dtype in [DType::F32, DType::BF16] {
+        let (b, h, kvh, t, d) = (2, 6, 2, 33, 16);
+        let var = |shape: &[usize], seed| Var::from_tensor(&random(shape, seed, 1.0, dtype, &dev)).unwrap();
+        let (q, k, v) = (var(&[b, h, t, d], 61), var(&[b, kvh, t, d], 62), var(&[b, kvh, t, d], 63));
+        let mask = vec![vec![1u8; t], [vec![0u8; 4], vec![1u8; t - 4]].concat()];
+        let bias = oxrl::model::transformer::attention_bias(&mask, 0, t, &dev).unwrap();
+        let w = random(&[b, t, h * d], 64, 1.0, dtype, &dev);
+        let run = |out: Tensor| {
+            let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let bits =
+                |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            [
+                bits(&out),
+                bits(grads.get(q.as_tensor()).unwrap()),
+                bits(grads.get(k.as_tensor()).unwrap()),
+                bits(grads.get(v.as_tensor()).unwrap()),
+            ]
+        };
+        let node = run(attention(&q, &k, &v, &bias, 0.25).unwrap());
+        let graph = run(reference(&q, &k, &v, &bias, 0.25).unwrap());
+        for (i, what) in ["output", "dq", "dk", "dv"].iter().enumerate() {
+            assert_eq!(node[i], graph[i], "{dtype:?}: the attention node's {what} differs from the reference graph's");
+        }
+        println!("attention node {dtype:?}: output and gradients equal the reference graph's bits");
+    }
+    oxrl::model::ops::set_cuda_kernels(before);
+}
+
+/// A projection as one graph node gives the chain's values and gradients to the bit on CUDA
+/// (rows reshaped, the product with the weight's transpose, reshaped back), in f32 and bf16.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn linear_node_on_cuda_gives_the_chains_bits() {
+    use candle_core::Var;
+    use oxrl::model::ops::{linear::linear, matmul::matmul};
+    let dev = gpu();
+    for dtype in [DType::F32, DType::BF16] {
+        let x = Var::from_tensor(&random(&[4, 77, 96], 81, 1.0, dtype, &dev)).unwrap();
+        let w = Var::from_tensor(&random(&[200, 96], 82, 1.0, dtype, &dev)).unwrap();
+        let c = random(&[4, 77, 200], 83, 1.0, dtype, &dev);
+        let run = |y: Tensor| {
+            let grads = (&y * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            let bits =
+                |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            [bits(&y), bits(grads.get(x.as_tensor()).unwrap()), bits(grads.get(w.as_tensor()).unwrap())]
+        };
+        let node = run(linear(x.as_tensor(), w.as_tensor()).unwrap());
+        let rows = x.as_tensor().reshape(((), 96)).unwrap();
+        let chain = run(matmul(&rows, &w.as_tensor().t().unwrap()).unwrap().reshape((4, 77, 200)).unwrap());
+        for (i, what) in ["output", "dx", "dW"].iter().enumerate() {
+            assert_eq!(node[i], chain[i], "{dtype:?}: the linear node's {what} differs from the chain's");
+        }
+        println!("linear node {dtype:?}: output and gradients equal the chain's bits");
+    }
+}
+
+/// The LM head and the log-probs as one graph node (in bf16 the log-prob op's mixed kernels)
+/// give the chain's values and gradients to the bit on CUDA (a matmul with the weight's
+/// transpose, the logits cast to f32, the fused op), in f32 and bf16.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn head_node_on_cuda_gives_the_chains_bits() {
+    use candle_core::Var;
+    use oxrl::model::ops::{head_logprobs::head_logprobs, logprob_lse, matmul::matmul};
+    let dev = gpu();
+    // The nodes run oxrl's kernels (the suite's run with them off would test the fallback).
+    let before = oxrl::model::ops::cuda_kernels();
+    oxrl::model::ops::set_cuda_kernels(true);
+    for dtype in [DType::F32, DType::BF16] {
+        let (n, h, v) = (300, 64, 5000);
+        let x = Var::from_tensor(&random(&[n, h], 71, 1.0, dtype, &dev)).unwrap();
+        let w = Var::from_tensor(&random(&[v, h], 72, 1.0, dtype, &dev)).unwrap();
+        let targets = Tensor::from_vec((0..n as u32).map(|i| i * 37 % v as u32).collect(), n, &dev).unwrap();
+        let weights = random(&[n], 73, 1.0, DType::F32, &dev);
+        let run = |lp: Tensor| {
+            let grads = (&lp * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+            let bits =
+                |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            [bits(&lp), bits(grads.get(x.as_tensor()).unwrap()), bits(grads.get(w.as_tensor()).unwrap())]
+        };
+        let node = run(head_logprobs(x.as_tensor(), w.as_tensor(), &targets).unwrap().0);
+        let logits = matmul(x.as_tensor(), &w.as_tensor().t().unwrap()).unwrap().to_dtype(DType::F32).unwrap();
+        let chain = run(logprob_lse::forward(&logits, &targets).unwrap().0);
+        for (i, what) in ["log-probs", "dh", "dW"].iter().enumerate() {
+            assert_eq!(node[i], chain[i], "{dtype:?}: the head node's {what} differs from the chain's");
+        }
+        println!("head node {dtype:?}: log-probs and gradients equal the chain's bits");
+    }
+    oxrl::model::ops::set_cuda_kernels(before);
+}
+
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
 fn fused_ops_on_cuda_equal_their_reference_graphs() {

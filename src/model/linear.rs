@@ -109,6 +109,15 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // On a GPU a differentiated product without an adapter is one graph node (ops::linear:
+        // no edge for the reshapes and the weight's transpose).
+        if self.lora.is_none() && x.device().is_cuda() && (x.track_op() || self.weight.track_op()) {
+            let y = super::ops::linear::linear(x, &Self::as_dtype(&self.weight, x.dtype())?)?;
+            return match &self.bias {
+                Some(b) => Ok(y.broadcast_add(&Self::as_dtype(b, y.dtype())?)?),
+                None => Ok(y),
+            };
+        }
         let dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
         let x2 = x.reshape(((), in_dim))?;

@@ -89,7 +89,7 @@ impl InplaceOp2 for Moment {
         let (a, b) = contiguous(l1, "moment")?;
         let mut m = s1.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
         let ni = n as i64;
-        launch!(dev, cuda::ADAMW, "adamw_moment".to_string(), cuda::elementwise(n); &mut m, &g, &clip, &beta, &one_beta, &second, &ni);
+        launch!(dev, cuda::ADAMW, "adamw_moment", cuda::elementwise(n); &mut m, &g, &clip, &beta, &one_beta, &second, &ni);
         Ok(())
     }
 }
@@ -159,7 +159,7 @@ impl InplaceOp3 for Step {
         let (a, b) = contiguous(l1, "parameter")?;
         let mut p = s1.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
         let ni = n as i64;
-        launch!(dev, cuda::ADAMW, "adamw_param".to_string(), cuda::elementwise(n); &mut p, &m, &v, &decay, &lr_b1, &inv_b2, &eps, &ni);
+        launch!(dev, cuda::ADAMW, "adamw_param", cuda::elementwise(n); &mut p, &m, &v, &decay, &lr_b1, &inv_b2, &eps, &ni);
         Ok(())
     }
 }
@@ -223,7 +223,7 @@ impl candle_core::CustomOp1 for SumSquares {
             shared_mem_bytes: 0,
         };
         let bi = blocks as i64;
-        launch!(s.device, cuda::ADAMW, "sum_partials".to_string(), one_block; &partials, &total, &bi);
+        launch!(s.device, cuda::ADAMW, "sum_partials", one_block; &partials, &total, &bi);
         Ok((CudaStorage::wrap_cuda_slice(total, s.device.clone()), Shape::from(1)))
     }
 }

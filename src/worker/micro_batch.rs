@@ -14,6 +14,7 @@ use super::value_head::ValueHead;
 use crate::algo::{Loss, LossInputs, LossOutput, Metrics};
 use crate::model::graph_checkpoint::GraphCheckpoint;
 use crate::model::logprobs::{entropy as token_entropy, target_logprobs_and_lse};
+use crate::model::ops::head_logprobs;
 use crate::model::tape::{Keep, Tape};
 use crate::model::Transformer;
 use crate::Result;
@@ -97,15 +98,33 @@ pub fn model_outputs(
     };
     let tape = tape.filter(|_| backward);
     let hidden_size = hidden.dim(2)?;
-    let gather = Tensor::from_vec(gather, n_real, device)?;
-    let hidden = hidden.reshape((members.len() * t_max, hidden_size))?.index_select(&gather, 0)?;
+    let hidden = hidden.reshape((members.len() * t_max, hidden_size))?;
+    // Rows of padding are dropped; without any, the gather (and its backward, a scatter-add)
+    // would copy every row to where it is.
+    let hidden = match n_real == members.len() * t_max {
+        true => hidden,
+        false => hidden.index_select(&Tensor::from_vec(gather, n_real, device)?, 0)?,
+    };
     let dtype = state_dtype(model.dtype);
     if let Some(head) = value_head {
         let values = head.forward(&hidden)?.to_dtype(dtype)?;
         return Ok(TokenOutputs { main: values, entropy: None, lengths, tape, graph });
     }
-    let logits = model.lm_head.forward(&hidden)?.to_dtype(dtype)?;
     let targets = Tensor::from_vec(targets(), n_real, device)?;
+    // On a GPU the head and the log-probs are one graph node (the logits are no edge of the
+    // graph); the entropy reads the logits, an adapted head has more than a weight.
+    let lm_head = &model.lm_head;
+    let one_node = device.is_cuda()
+        && !entropy
+        && lm_head.bias.is_none()
+        && lm_head.lora.is_none()
+        && lm_head.weight.dtype() == hidden.dtype()
+        && head_logprobs::serves(device, hidden.dtype());
+    if one_node {
+        let (logprobs, _) = head_logprobs::head_logprobs(&hidden, &lm_head.weight, &targets)?;
+        return Ok(TokenOutputs { main: logprobs, entropy: None, lengths, tape, graph });
+    }
+    let logits = lm_head.forward(&hidden)?.to_dtype(dtype)?;
     let (logprobs, lse) = target_logprobs_and_lse(&logits, &targets)?;
     let entropy = if entropy { Some(token_entropy(&logits, &lse)?) } else { None };
     Ok(TokenOutputs { main: logprobs, entropy, lengths, tape, graph })

@@ -101,6 +101,10 @@ template <typename T> struct Kernels;
         static constexpr auto cached_attention = cached_attention_##sfx;        \
         static constexpr auto sample_rows = sample_rows_##sfx;                  \
         static constexpr auto sum_squares = sum_squares_##sfx;                  \
+        static constexpr auto softmax_mixed = masked_softmax_mixed_##sfx;       \
+        static constexpr auto softmax_bwd_mixed = masked_softmax_bwd_mixed_##sfx; \
+        static constexpr auto lse_mixed = logprob_lse_mixed_##sfx;              \
+        static constexpr auto lse_bwd_mixed = logprob_lse_bwd_mixed_##sfx;      \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -239,6 +243,21 @@ template <typename T> static void logprob_lse(unsigned block) {
     const bool nan = std::isnan(to_double(out[2])) && !std::isnan(to_double(out[0]));
     if (!nan) ++failures;
     std::printf("%s %s\n", nan ? "ok  " : "FAIL", label<T>("logprob_lse out-of-range target is NaN", block).c_str());
+
+    // The mixed kernels: T logits with f32 outputs and output gradients are the f32 kernels'
+    // bits on the cast logits (dz rounded once to T).
+    const std::vector<float> zf = cast<float>(z), rgf = cast<float>(rg);
+    std::vector<float> of(2 * n), om(2 * n), dzf(n * v);
+    std::vector<T> dzm(n * v);
+    launch({(unsigned)n}, {block}, Kernels<float>::logprob_lse, zf.data(), y.data(), of.data(), v);
+    launch({(unsigned)n}, {block}, Kernels<T>::lse_mixed, (const T*)zs.data(), y.data(), om.data(), v);
+    launch({(unsigned)n}, {block}, Kernels<float>::logprob_lse_bwd, zf.data(), y.data(), rgf.data(), dzf.data(), v);
+    launch({(unsigned)n}, {block}, Kernels<T>::lse_bwd_mixed, (const T*)zs.data(), y.data(), rgf.data(), dzm.data(), v);
+    const std::vector<T> dzf_rounded = cast<T>(widen(dzf));
+    const bool same = om == of && std::memcmp(dzm.data(), dzf_rounded.data(), dzm.size() * sizeof(T)) == 0;
+    ++checks;
+    if (!same) ++failures;
+    std::printf("%s %s: the f32 kernels' bits\n", same ? "ok  " : "FAIL", label<T>("logprob_lse mixed", block).c_str());
 }
 
 template <typename T> static void masked_softmax(unsigned block) {
@@ -270,6 +289,24 @@ template <typename T> static void masked_softmax(unsigned block) {
            s, scale);
     expect(label<T>("masked_softmax backward", block), widen(ds),
            numeric_grad([&](const Vec& x) { return dot(fwd(x), gout); }, x), 4 * tolerance<T>());
+
+    // The mixed kernels: T scores and gradients with f32 bias and p are the f32 kernels' bits on
+    // the casts (the f32 ds rounded once to T).
+    const std::vector<float> xf = cast<float>(x), bf = cast<float>(bias), gf = cast<float>(gout);
+    std::vector<float> pf(rows * s), pm(rows * s), dsf(rows * s);
+    std::vector<T> dsm(rows * s);
+    launch({(unsigned)rows}, {block}, Kernels<float>::masked_softmax, xf.data(), bf.data(), pf.data(), g, t, s, scale);
+    launch({(unsigned)rows}, {block}, Kernels<T>::softmax_mixed, (const T*)xs.data(), bf.data(), pm.data(), g, t, s,
+           scale);
+    launch({(unsigned)rows}, {block}, Kernels<float>::masked_softmax_bwd, (const float*)pf.data(), gf.data(),
+           dsf.data(), s, scale);
+    launch({(unsigned)rows}, {block}, Kernels<T>::softmax_bwd_mixed, (const float*)pf.data(), (const T*)gs.data(),
+           dsm.data(), s, scale);
+    const std::vector<T> dsf_rounded = cast<T>(widen(dsf));
+    const bool same = pm == pf && std::memcmp(dsm.data(), dsf_rounded.data(), dsm.size() * sizeof(T)) == 0;
+    ++checks;
+    if (!same) ++failures;
+    std::printf("%s %s: the f32 kernels' bits\n", same ? "ok  " : "FAIL", label<T>("masked_softmax mixed", block).c_str());
 }
 
 template <typename T> static void cached_attention(unsigned block) {

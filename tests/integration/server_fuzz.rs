@@ -11,7 +11,9 @@
 //! request itself.
 
 use crate::common;
-use crate::server_protocol::{fwdbwd_body, lora_model, post, post_as, request, result, result_as};
+use crate::server_protocol::{fwdbwd_body, lora_model, post, request, result};
+#[cfg(feature = "failpoints")]
+use crate::server_protocol::{post_as, result_as};
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -7,7 +7,9 @@
 //! edge, several per layer. As one node, only q, k and v receive a gradient.
 //!
 //! Forward: the reference's operations on detached inputs; the softmax's probabilities P (f32
-//! for bf16/f16 inputs) are kept for the backward. Backward, with the `rep` query heads that
+//! for bf16/f16 inputs) and P in the inputs' dtype are kept for the backward. On CUDA in
+//! bf16/f16 the softmax's mixed kernels read the scores and write the gradient in that dtype:
+//! the f32 kernels' values on the casts, without the casts' passes. Backward, with the `rep` query heads that
 //! share a kv head folded into the rows of one batched product as the forward does (′ marks
 //! that layout, dO the output's gradient):
 //! ```text
@@ -46,12 +48,16 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
     let (_, kvh, s, _) = k.dims4()?;
     let rep = h / kvh;
     let dtype = q.dtype();
+    let mixed = q.device().is_cuda() && matches!(dtype, DType::BF16 | DType::F16);
     let qg = q.detach().reshape((b, kvh, rep * t, d))?;
-    let scores = matmul(&qg, &k.detach().t()?)?.reshape((b, h, t, s))?.to_dtype(norm_dtype(dtype))?;
-    let probs = softmax::masked_softmax(&scores, bias, scale)?;
+    let scores = matmul(&qg, &k.detach().t()?)?.reshape((b, h, t, s))?;
+    let probs = match mixed {
+        true => softmax::masked_softmax_mixed(&scores, bias, scale)?,
+        false => softmax::masked_softmax(&scores.to_dtype(norm_dtype(dtype))?, bias, scale)?,
+    };
     let folded = probs.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
     let out = matmul(&folded, &v.detach())?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
-    let node = AttentionNode { out: Mutex::new(Some(out)), probs, scale };
+    let node = AttentionNode { out: Mutex::new(Some(out)), probs, folded, scale, mixed };
     Ok(q.apply_op3(k, v, node)?)
 }
 
@@ -61,7 +67,11 @@ struct AttentionNode {
     out: Mutex<Option<Tensor>>,
     /// P [B, H, T, S], in the softmax's dtype.
     probs: Tensor,
+    /// P in the inputs' dtype, as [B, KV, REP·T, S]: the weighted sum's operand.
+    folded: Tensor,
     scale: f64,
+    /// bf16/f16 on CUDA: the softmax's mixed kernels (the casts around the f32 ones, fused).
+    mixed: bool,
 }
 
 impl AttentionNode {
@@ -138,12 +148,17 @@ impl CustomOp3 for AttentionNode {
         // the scores' matmul; k's transpose (stored contiguous) and q's reshape.
         let d_out = grad.contiguous()?.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?;
         let d_out = d_out.reshape((b, kvh, rep * t, d))?;
-        let folded = self.probs.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
         let d_folded = matmul(&d_out, &v.t()?).map_err(m)?;
-        let dv = matmul(&folded.t()?, &d_out).map_err(m)?;
-        let d_probs = d_folded.reshape((b, h, t, s))?.to_dtype(self.probs.dtype())?;
-        let d_scores = softmax::backward(&self.probs, &d_probs, self.scale).map_err(m)?;
-        let d_scores = d_scores.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
+        let dv = matmul(&self.folded.t()?, &d_out).map_err(m)?;
+        let d_probs = d_folded.reshape((b, h, t, s))?;
+        let d_scores = match self.mixed {
+            true => softmax::backward_mixed(&self.probs, &d_probs, self.scale).map_err(m)?,
+            false => {
+                let d_probs = d_probs.to_dtype(self.probs.dtype())?;
+                softmax::backward(&self.probs, &d_probs, self.scale).map_err(m)?.to_dtype(dtype)?
+            }
+        };
+        let d_scores = d_scores.reshape((b, kvh, rep * t, s))?;
         let qg = q.reshape((b, kvh, rep * t, d))?;
         let kt = k.t()?;
         let dqg = matmul(&d_scores, &kt.t()?).map_err(m)?;
@@ -173,7 +188,8 @@ mod tests {
         for dtype in [DType::F32, DType::F64] {
             for (h, kvh) in [(2, 2), (3, 1)] {
                 let (b, t, d) = (2, 5, 4);
-                let (q, k, v) = (var(&[b, h, t, d], 1, dtype), var(&[b, kvh, t, d], 2, dtype), var(&[b, kvh, t, d], 3, dtype));
+                let (q, k, v) =
+                    (var(&[b, h, t, d], 1, dtype), var(&[b, kvh, t, d], 2, dtype), var(&[b, kvh, t, d], 3, dtype));
                 let mask = vec![vec![1u8; t], [vec![0u8], vec![1u8; t - 1]].concat()];
                 let bias = crate::model::transformer::attention_bias(&mask, 0, t, &Device::Cpu).unwrap();
                 let w = var(&[b, t, h * d], 4, dtype);

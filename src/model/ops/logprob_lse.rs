@@ -99,9 +99,14 @@ impl FusedOp<2> for LogprobLse {
     fn bwd(&self, [z, y]: [&Tensor; 2], res: &Tensor, g: &Tensor) -> candle_core::Result<[Option<Tensor>; 2]> {
         let res = res.contiguous()?;
         let g = g.contiguous()?;
-        let dz = z.apply_op3_no_bwd(y, &Tensor::cat(&[&res, &g], D::Minus1)?, &Op(LogprobLseBwd))?;
-        Ok([Some(dz), None])
+        Ok([Some(backward(z, y, &Tensor::cat(&[&res, &g], D::Minus1)?)?), None])
     }
+}
+
+/// The op's backward: dz from the logits `z`, the targets and `rg` = [(lp, lse) | (g_lp, g_lse)]
+/// [..., 4], all of z's dtype.
+pub(crate) fn backward(z: &Tensor, targets: &Tensor, rg: &Tensor) -> candle_core::Result<Tensor> {
+    z.apply_op3_no_bwd(targets, rg, &Op(LogprobLseBwd))
 }
 
 /// dz from (z, y, [res | g]) with res = (lp, lse) and g = (g_lp, g_lse): [..., 4].
@@ -149,6 +154,92 @@ pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     }
     let out = logits.contiguous()?.apply_op2(&targets.contiguous()?, Op(LogprobLse))?;
     Ok((out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?, out.narrow(D::Minus1, 1, 1)?))
+}
+
+/// The op's output [..., 2] = (log p(y), lse) without a graph node, for ops that run the
+/// backward themselves (with [`backward`]): f32/f64 logits on the CPU, CUDA's of every dtype.
+pub(crate) fn forward_no_grad(z: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Op(LogprobLse))?)
+}
+
+/// The op's output [..., 2] = (log p(y), lse) in f32 from bf16/f16 logits `z` [..., V]: the f32
+/// op's values on the logits cast to f32, without the cast (CUDA's mixed kernel; no gradient:
+/// for ops that run the backward themselves, with [`backward_mixed`]).
+pub(crate) fn forward_mixed(z: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Mixed { rg: None })?)
+}
+
+/// The op's backward from bf16/f16 logits `z` and `rg` = [(lp, lse) | (g_lp, g_lse)] [..., 4] in
+/// f32: dz in z's dtype, the f32 op's values rounded once (CUDA's mixed kernel).
+pub(crate) fn backward_mixed(z: &Tensor, targets: &Tensor, rg: &Tensor) -> Result<Tensor> {
+    Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Mixed { rg: Some(rg.contiguous()?) })?)
+}
+
+/// The mixed-dtype kernels: the forward, or (with `rg`) the backward. CUDA only: the CPU
+/// computes in f32.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Mixed {
+    rg: Option<Tensor>,
+}
+
+impl candle_core::CustomOp2 for Mixed {
+    fn name(&self) -> &'static str {
+        "logprob-lse-mixed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("the mixed-dtype log-prob kernels run on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        zs: &candle_core::cuda_backend::CudaStorage,
+        zl: &candle_core::Layout,
+        ys: &candle_core::cuda_backend::CudaStorage,
+        yl: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaStorage;
+        let v = *zl.dims().last().expect("logits have a vocabulary dimension");
+        let y = cuda::view::<u32>(ys, yl)?;
+        let rows = y.len();
+        let vi = v as i64;
+        let dev = zs.device.clone();
+        match &self.rg {
+            None => {
+                let mut dims = yl.dims().to_vec();
+                dims.push(2);
+                let out = cuda::output::<f32>(zs, 2 * rows)?;
+                cuda::dispatch_cuda!(zs, T => {
+                    let z = cuda::view::<T>(zs, zl)?;
+                    launch!(dev, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse_mixed"), cuda::per_row(rows);
+                        &z, &y, &out, &vi);
+                    Ok::<(), candle_core::Error>(())
+                })?;
+                Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(dims)))
+            }
+            Some(rg) => {
+                let (rg_storage, rg_layout) = rg.storage_and_layout();
+                let candle_core::Storage::Cuda(rg_storage) = &*rg_storage else {
+                    return Err(candle_core::Error::Msg("logprob-lse-mixed: rg is not on the GPU".into()));
+                };
+                let rgv = cuda::view::<f32>(rg_storage, rg_layout)?;
+                cuda::dispatch_cuda!(zs, T => {
+                    let z = cuda::view::<T>(zs, zl)?;
+                    let dz = cuda::output::<T>(zs, z.len())?;
+                    launch!(dev, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse_bwd_mixed"), cuda::per_row(rows);
+                        &z, &y, &rgv, &dz, &vi);
+                    Ok((CudaStorage::wrap_cuda_slice(dz, dev.clone()), zl.shape().clone()))
+                })
+            }
+        }
+    }
 }
 
 /// logsumexp over the last dimension, keeping it (shape [..., 1]); the max is subtracted first

@@ -16,6 +16,8 @@ pub(crate) mod cuda;
 mod custom_op;
 pub mod exp;
 pub mod gelu_tanh;
+pub mod head_logprobs;
+pub mod linear;
 pub mod logprob_lse;
 pub mod matmul;
 pub mod matmul_panel;

@@ -156,14 +156,96 @@ impl FusedOp<2> for SoftmaxBwd {
     }
 }
 
-/// softmax(scale · scores + bias) for scores [B, G, T, S] and bias [B, T, S] (any float dtype:
-/// it is converted to the scores' dtype).
 /// The scores' gradient ds = scale · p · (g − Σ g·p) per row, from the fused op's output `p`
 /// and its gradient `g` (the op's backward, for ops that run it themselves).
 pub(crate) fn backward(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
     Ok(p.apply_op2_no_bwd(&g.contiguous()?, &Op(SoftmaxBwd { scale }))?)
 }
 
+/// [`masked_softmax`] of bf16/f16 `scores` in f32, with an f32 bias: the f32 op's values on the
+/// scores cast to f32, without the cast (CUDA's mixed kernel; no gradient: for ops that run the
+/// backward themselves, with [`backward_mixed`]).
+pub(crate) fn masked_softmax_mixed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let (b, _, t, s) = scores.dims4()?;
+    if bias.dims() != [b, t, s] {
+        return Err(Error::input(format!("bias {:?} does not match scores {:?}", bias.dims(), scores.dims())));
+    }
+    let bias = bias.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    Ok(scores.contiguous()?.apply_op2_no_bwd(&bias, &Mixed { scale, backward: false })?)
+}
+
+/// [`backward`] from f32 `p` and a bf16/f16 gradient `g`, ds in g's dtype: the f32 op's values
+/// on g cast to f32, rounded once (CUDA's mixed kernel).
+pub(crate) fn backward_mixed(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
+    Ok(p.apply_op2_no_bwd(&g.contiguous()?, &Mixed { scale, backward: true })?)
+}
+
+/// The mixed-dtype kernels: forward (x: bf16/f16 scores, bias f32) → f32 p; backward (p f32, g
+/// bf16/f16) → ds of g's dtype. CUDA only: the CPU computes activations in f32.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Mixed {
+    scale: f64,
+    backward: bool,
+}
+
+impl candle_core::CustomOp2 for Mixed {
+    fn name(&self) -> &'static str {
+        "masked-softmax-mixed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("the mixed-dtype softmax runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::cuda_backend::CudaStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::cuda_backend::CudaStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaStorage;
+        let scale = self.scale as f32;
+        // The bf16/f16 operand: the scores (forward) or the gradient (backward).
+        let (x, xl) = if self.backward { (s2, l2) } else { (s1, l1) };
+        let shape = xl.shape().clone();
+        let s = *shape.dims().last().expect("softmax has a last dimension");
+        let n = shape.elem_count();
+        let rows = n.checked_div(s).unwrap_or(0);
+        let si = s as i64;
+        if self.backward {
+            let p = cuda::view::<f32>(s1, l1)?;
+            return cuda::dispatch_cuda!(x, T => {
+                let g = cuda::view::<T>(x, xl)?;
+                let ds = cuda::output::<T>(x, n)?;
+                launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd_mixed"), cuda::per_row(rows);
+                    &p, &g, &ds, &si, &scale);
+                Ok((CudaStorage::wrap_cuda_slice(ds, x.device.clone()), shape.clone()))
+            });
+        }
+        let (b, g, t, _) = shape.dims4()?;
+        let [gi, ti] = [g, t].map(|v| v as i64);
+        let bias = cuda::view::<f32>(s2, l2)?;
+        let p = cuda::output::<f32>(s1, n)?;
+        cuda::dispatch_cuda!(x, T => {
+            let xs = cuda::view::<T>(x, xl)?;
+            launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_mixed"), cuda::per_row(b * g * t);
+                &xs, &bias, &p, &gi, &ti, &si, &scale);
+            Ok::<(), candle_core::Error>(())
+        })?;
+        Ok((CudaStorage::wrap_cuda_slice(p, s1.device.clone()), shape))
+    }
+}
+
+/// softmax(scale · scores + bias) for scores [B, G, T, S] and bias [B, T, S] (any float dtype:
+/// it is converted to the scores' dtype).
 pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let (b, _, t, s) = scores.dims4()?;
     if bias.dims() != [b, t, s] {
