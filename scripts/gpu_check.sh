@@ -78,19 +78,23 @@ if { want train || want decode || want launches || want profile; } && [ ! -e "$M
         >>"$OUT/bench.log" 2>&1 || echo "init-model failed"
 fi
 # limited LIMIT STDOUT COMMAND...: runs COMMAND for at most LIMIT seconds, its stdout into the
-# file STDOUT, its stderr into bench.log. Once it has printed its result it has EXIT_GRACE
-# seconds to exit; a teardown that hangs costs that, not the limit (and is reported).
-EXIT_GRACE=${EXIT_GRACE:-15}
+# file STDOUT, its stderr into bench.log. Once it has printed a result it has EXIT_GRACE seconds
+# from its last output line to print the next or exit; a teardown that hangs costs that, not
+# the limit (and is reported).
+EXIT_GRACE=${EXIT_GRACE:-60}
 limited() {
-    local limit=$1 stdout=$2 ticks=0
+    local limit=$1 stdout=$2 ticks=0 size=0
     shift 2
     timeout -k 5 "$limit" "$@" >"$stdout" 2>>"$OUT/bench.log" &
     local pid=$!
     while kill -0 $pid 2>/dev/null; do
         if [ -s "$stdout" ]; then
+            local now
+            now=$(stat -c %s "$stdout")
+            if [ "$now" != "$size" ]; then size=$now ticks=0; fi
             ticks=$((ticks + 1))
             if [ $ticks -gt $((EXIT_GRACE * 5)) ]; then
-                echo "[$(since)] $(basename "$1") printed its result but had not exited ${EXIT_GRACE} s later: killed" \
+                echo "[$(since)] $(basename "$1") printed a result but neither another nor its exit in ${EXIT_GRACE} s: killed" \
                     | tee -a "$OUT/bench.log"
                 pkill -KILL -P $pid
                 kill -KILL $pid 2>/dev/null
@@ -131,7 +135,9 @@ TRACE="$PWD/.gpu/libkernel_trace.so"
 traced() { # trace file, time limit, command...
     local file=$1 limit=$2
     shift 2
-    CUDA_INJECTION64_PATH="$TRACE" OXRL_KERNEL_TRACE="$file" limited "$limit" /tmp/traced_out "$@"
+    # The trace reaches its file every half second: a traced process that hangs at its exit
+    # (CUPTI's teardown) is given 5 s.
+    CUDA_INJECTION64_PATH="$TRACE" OXRL_KERNEL_TRACE="$file" EXIT_GRACE=5 limited "$limit" /tmp/traced_out "$@"
     local rc=$?
     cat /tmp/traced_out
     return $rc

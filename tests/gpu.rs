@@ -362,6 +362,8 @@ fn optimizer_kernels_on_cuda_equal_the_cpu() {
     use candle_core::Var;
     use oxrl::worker::adamw::{square_sums, update, Moments};
     let dev = gpu();
+    let before = oxrl::model::ops::cuda_kernels();
+    oxrl::model::ops::set_cuda_kernels(true);
     let params = AdamParams { learning_rate: 1e-2, weight_decay: 0.1, eps: 1e-8, ..Default::default() };
     let p0 = random(&[300, 1000], 31, 1.0, DType::F32, &Device::Cpu);
     let (on_gpu, on_cpu) = (Var::from_tensor(&p0.to_device(&dev).unwrap()).unwrap(), Var::from_tensor(&p0).unwrap());
@@ -387,6 +389,7 @@ fn optimizer_kernels_on_cuda_equal_the_cpu() {
         println!("sum of squares {dtype:?}: {got} against the CPU's {want}");
         assert!((got - want).abs() <= 1e-12 * want, "{dtype:?}: Σ g² {got}, the CPU's {want}");
     }
+    oxrl::model::ops::set_cuda_kernels(before);
 }
 
 /// Attention as one graph node (its backward written out; in bf16 the softmax's mixed kernels)

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use super::adamw::{AdamParams, Moments};
 #[cfg(feature = "cuda")]
 use crate::model::ops::cuda::{self, launch};
-use crate::model::ops::{data, dispatch_real};
+use crate::model::ops::{cuda_kernels, data, dispatch_real};
 use crate::Result;
 
 /// Scalars of one step, in the order the kernel uses them.
@@ -228,12 +228,12 @@ impl candle_core::CustomOp1 for SumSquares {
     }
 }
 
-/// Σ x² of `t` as a one-element f64 tensor: f32/f64 on the CPU, f32/bf16/f16 on CUDA; None
-/// where it does not apply.
+/// Σ x² of `t` as a one-element f64 tensor: f32/f64 on the CPU, f32/bf16/f16 on CUDA (with
+/// oxrl's kernels on); None where it does not apply.
 pub fn sum_squares(t: &Tensor) -> Result<Option<Tensor>> {
     let served = match t.device() {
         candle_core::Device::Cpu => matches!(t.dtype(), DType::F32 | DType::F64),
-        candle_core::Device::Cuda(_) => matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16),
+        candle_core::Device::Cuda(_) => cuda_kernels() && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16),
         _ => false,
     };
     if !served {
@@ -242,12 +242,12 @@ pub fn sum_squares(t: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(t.contiguous()?.apply_op1_no_bwd(&SumSquares)?))
 }
 
-/// Whether the one-pass update serves this parameter: f32/f64 on the CPU, f32 on CUDA, with
-/// moments of its dtype.
+/// Whether the one-pass update serves this parameter: f32/f64 on the CPU, f32 on CUDA (with
+/// oxrl's kernels on), with moments of its dtype.
 pub fn applies(param: &Tensor, state: &Moments) -> bool {
     let served = match param.device() {
         candle_core::Device::Cpu => matches!(param.dtype(), DType::F32 | DType::F64),
-        candle_core::Device::Cuda(_) => param.dtype() == DType::F32,
+        candle_core::Device::Cuda(_) => cuda_kernels() && param.dtype() == DType::F32,
         _ => false,
     };
     served && state.exp_avg.dtype() == param.dtype()
