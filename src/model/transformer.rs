@@ -162,6 +162,9 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// j ≤ past + i and key j is real. A query always sees itself, so that padded queries (whose
 /// outputs are discarded) never have an empty row.
 pub fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
+    if !device.is_cpu() {
+        return attention_bias_on_device(key_mask, past, t, device);
+    }
     let b = key_mask.len();
     let s = past + t;
     let mut bias = vec![0f32; b * t * s];
@@ -178,6 +181,24 @@ pub fn attention_bias(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Devi
         }
     }
     Ok(Tensor::from_vec(bias, (b, t, s), device)?)
+}
+
+/// [`attention_bias`] built where it is used, from the key mask alone (B × S bytes cross to the
+/// device, not the B × T × S floats of a bias built on the host): the same values.
+fn attention_bias_on_device(key_mask: &[Vec<u8>], past: usize, t: usize, device: &Device) -> Result<Tensor> {
+    let (b, s) = (key_mask.len(), past + t);
+    if let Some(bad) = key_mask.iter().find(|m| m.len() != s) {
+        return Err(Error::input(format!("attention bias: a key mask of {} entries for {s} keys", bad.len())));
+    }
+    let keys = Tensor::from_vec(key_mask.concat(), (b, 1, s), device)?.ne(0u8)?;
+    let queries = Tensor::arange(past as u32, s as u32, device)?.reshape((1, t, 1))?;
+    let columns = Tensor::arange(0u32, s as u32, device)?.reshape((1, 1, s))?;
+    // Key j is visible to query q when j == q, or j < q and key j is real.
+    let earlier = columns.broadcast_lt(&queries)?.broadcast_mul(&keys)?;
+    let visible = earlier.broadcast_maximum(&columns.broadcast_eq(&queries)?)?;
+    let zeros = Tensor::zeros((b, t, s), DType::F32, device)?;
+    let masked = Tensor::full(MASKED, (b, t, s), device)?;
+    Ok(visible.where_cond(&zeros, &masked)?)
 }
 
 impl Attention {
@@ -905,5 +926,26 @@ impl Block {
             Mixer::Attention(a) => Some(a),
             Mixer::DeltaNet(_) => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::bits;
+
+    /// The bias built from the key mask by tensor ops (a GPU's way; run here on the CPU) is the
+    /// host loop's, bit for bit: left padding, a masked key in the middle, a cache before the
+    /// queries, one query.
+    #[test]
+    fn bias_built_by_tensor_ops_is_the_host_loops() {
+        let mask = vec![vec![0, 0, 1, 1, 1, 1, 1], vec![1, 1, 1, 0, 1, 1, 1], vec![1; 7]];
+        for (past, t) in [(0, 7), (3, 4), (6, 1)] {
+            let host = attention_bias(&mask, past, t, &Device::Cpu).unwrap();
+            let ops = attention_bias_on_device(&mask, past, t, &Device::Cpu).unwrap();
+            assert_eq!(ops.dims(), host.dims());
+            assert_eq!(bits(&ops), bits(&host), "past {past}, t {t}");
+        }
+        assert!(attention_bias_on_device(&[vec![1; 3]], 0, 4, &Device::Cpu).is_err());
     }
 }
