@@ -1,6 +1,8 @@
 //! The CUDA build on a GPU: the HF fixtures' log-probs, logits and gradients reproduced on
 //! `cuda:0`, a worker's forward_backward + AdamW step equal to the CPU one, the engine's greedy
-//! tokens equal to transformers', a short SFT and a short RL run through the library.
+//! tokens equal to transformers', a short SFT and a short RL run through the library; the fused
+//! ops against their reference graphs, the optimizer kernels against the CPU, and the graph
+//! nodes (attention, projection, head) against the chains they replace, to the bit.
 //!
 //! Compiled in every build. Without `--features cuda` the GPU tests are ignored (reported as
 //! such, never as passed); a CUDA build fails them when no device opens. Run them with

@@ -23,12 +23,10 @@
 //! reference's bits. Where the fused softmax does not run (CUDA with oxrl's kernels off), and
 //! where no input tracks a gradient, the reference runs itself.
 
-use std::sync::Mutex;
-
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use super::matmul::matmul;
+use super::node_output::NodeOutput;
 use super::{cached_attention, cuda_kernels, norm_dtype, softmax};
 use crate::Result;
 
@@ -57,14 +55,13 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
     };
     let folded = probs.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
     let out = matmul(&folded, &v.detach())?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
-    let node = AttentionNode { out: Mutex::new(Some(out)), probs, folded, scale, mixed };
+    let node = AttentionNode { out: NodeOutput::new("attention", out), probs, folded, scale, mixed };
     Ok(q.apply_op3(k, v, node)?)
 }
 
-/// The graph node: its output (computed before the node exists, handed over once by the
-/// forward) and what the backward reads.
+/// The graph node: its output (computed before the node exists) and what the backward reads.
 struct AttentionNode {
-    out: Mutex<Option<Tensor>>,
+    out: NodeOutput,
     /// P [B, H, T, S], in the softmax's dtype.
     probs: Tensor,
     /// P in the inputs' dtype, as [B, KV, REP·T, S]: the weighted sum's operand.
@@ -72,26 +69,6 @@ struct AttentionNode {
     scale: f64,
     /// bf16/f16 on CUDA: the softmax's mixed kernels (the casts around the f32 ones, fused).
     mixed: bool,
-}
-
-impl AttentionNode {
-    /// The output computed in [`attention`], as the storage the node's forward returns.
-    fn output(&self) -> candle_core::Result<(Storage, Shape)> {
-        let out = self.out.lock().expect("not poisoned").take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg("attention: the node's output was taken".into()))?;
-        // A fresh product or copy, so its storage holds exactly its elements, from the start.
-        let (storage, layout) = out.storage_and_layout();
-        if layout.contiguous_offsets() != Some((0, out.elem_count())) {
-            return Err(candle_core::Error::Msg("attention: the output is not a contiguous storage".into()));
-        }
-        let storage = match &*storage {
-            Storage::Cpu(s) => Storage::Cpu(s.try_clone(layout)?),
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(s) => Storage::Cuda(s.try_clone(layout)?),
-            _ => return Err(candle_core::Error::Msg("attention: CPU or CUDA only".into())),
-        };
-        Ok((storage, out.shape().clone()))
-    }
 }
 
 impl CustomOp3 for AttentionNode {
@@ -108,10 +85,7 @@ impl CustomOp3 for AttentionNode {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        match self.output()? {
-            (Storage::Cpu(s), shape) => Ok((s, shape)),
-            _ => Err(candle_core::Error::Msg("attention: the output is not on the CPU".into())),
-        }
+        self.out.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -124,10 +98,7 @@ impl CustomOp3 for AttentionNode {
         _: &candle_core::cuda_backend::CudaStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        match self.output()? {
-            (Storage::Cuda(s), shape) => Ok((s, shape)),
-            _ => Err(candle_core::Error::Msg("attention: the output is not on the GPU".into())),
-        }
+        self.out.cuda()
     }
 
     fn bwd(

@@ -17,12 +17,10 @@
 //! the chain's backward operation by operation (candle's matmul backward, the transpose's
 //! gradient stored contiguous): its bits.
 
-use std::sync::Mutex;
-
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, D};
 
 use super::matmul::matmul;
+use super::node_output::NodeOutput;
 use super::{cuda_kernels, logprob_lse, norm_dtype};
 use crate::{Error, Result};
 
@@ -36,9 +34,9 @@ pub fn serves(device: &candle_core::Device, dtype: DType) -> bool {
     }
 }
 
-/// (log p(targets) [N], logsumexp [N, 1]), in f32 (f64 for f64), from hidden states [N, H], the
-/// head's weight [V, H] (of the hidden states' dtype) and u32 targets [N]. Call where
-/// [`serves`] says.
+/// (log p(targets) of shape \[N\], logsumexp of shape \[N, 1\]), in f32 (f64 for f64), from
+/// hidden states \[N, H\], the head's weight \[V, H\] (of the hidden states' dtype) and u32
+/// targets \[N\]. Call where [`serves`] says.
 pub fn head_logprobs(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let dtype = hidden.dtype();
     if !serves(hidden.device(), dtype) || weight.dtype() != dtype {
@@ -64,39 +62,19 @@ pub fn head_logprobs(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Resu
         true => logprob_lse::forward_mixed(&z, &targets)?,
         false => logprob_lse::forward_no_grad(&z, &targets)?,
     };
-    let node = HeadNode { out: Mutex::new(Some(out)), logits: z, targets, mixed };
+    let node = HeadNode { out: NodeOutput::new("head log-probs", out), logits: z, targets, mixed };
     let out = hidden.apply_op2(weight, node)?;
     Ok((out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?, out.narrow(D::Minus1, 1, 1)?))
 }
 
-/// The graph node: its output (computed before the node exists, handed over once by the
-/// forward) and what the backward reads.
+/// The graph node: its output (computed before the node exists) and what the backward reads.
 struct HeadNode {
-    out: Mutex<Option<Tensor>>,
+    out: NodeOutput,
     /// z [N, V] in the hidden states' dtype.
     logits: Tensor,
     targets: Tensor,
     /// bf16/f16 logits: the log-prob op's mixed kernels.
     mixed: bool,
-}
-
-impl HeadNode {
-    fn output(&self) -> candle_core::Result<(Storage, Shape)> {
-        let out = self.out.lock().expect("not poisoned").take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg("head log-probs: the node's output was taken".into()))?;
-        // A fresh kernel output: its storage holds exactly its elements, from the start.
-        let (storage, layout) = out.storage_and_layout();
-        if layout.contiguous_offsets() != Some((0, out.elem_count())) {
-            return Err(candle_core::Error::Msg("head log-probs: the output is not a contiguous storage".into()));
-        }
-        let storage = match &*storage {
-            Storage::Cpu(s) => Storage::Cpu(s.try_clone(layout)?),
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(s) => Storage::Cuda(s.try_clone(layout)?),
-            _ => return Err(candle_core::Error::Msg("head log-probs: CPU or CUDA only".into())),
-        };
-        Ok((storage, out.shape().clone()))
-    }
 }
 
 impl CustomOp2 for HeadNode {
@@ -111,10 +89,7 @@ impl CustomOp2 for HeadNode {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        match self.output()? {
-            (Storage::Cpu(s), shape) => Ok((s, shape)),
-            _ => Err(candle_core::Error::Msg("head log-probs: the output is not on the CPU".into())),
-        }
+        self.out.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -125,10 +100,7 @@ impl CustomOp2 for HeadNode {
         _: &candle_core::cuda_backend::CudaStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        match self.output()? {
-            (Storage::Cuda(s), shape) => Ok((s, shape)),
-            _ => Err(candle_core::Error::Msg("head log-probs: the output is not on the GPU".into())),
-        }
+        self.out.cuda()
     }
 
     fn bwd(

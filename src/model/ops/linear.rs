@@ -14,12 +14,10 @@
 //! gradient stored contiguous): each gradient is the chain's bits. (Where x feeds several
 //! projections, candle adds their parts in its own order, as it did before.)
 
-use std::sync::Mutex;
-
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 use super::matmul::matmul;
+use super::node_output::NodeOutput;
 use crate::{Error, Result};
 
 /// x [..., in] · Wᵀ for W [out, in], as one node when an input tracks a gradient (else the
@@ -42,31 +40,12 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !(x.track_op() || w.track_op()) {
         return Ok(y);
     }
-    Ok(x.apply_op2(w, LinearNode { out: Mutex::new(Some(y)) })?)
+    Ok(x.apply_op2(w, LinearNode { out: NodeOutput::new("linear", y) })?)
 }
 
-/// The graph node: its output, computed before the node exists and handed over once.
+/// The graph node: its output, computed before the node exists.
 struct LinearNode {
-    out: Mutex<Option<Tensor>>,
-}
-
-impl LinearNode {
-    fn output(&self) -> candle_core::Result<(Storage, Shape)> {
-        let out = self.out.lock().expect("not poisoned").take();
-        let out = out.ok_or_else(|| candle_core::Error::Msg("linear: the node's output was taken".into()))?;
-        // A fresh product: its storage holds exactly its elements, from the start.
-        let (storage, layout) = out.storage_and_layout();
-        if layout.contiguous_offsets() != Some((0, out.elem_count())) {
-            return Err(candle_core::Error::Msg("linear: the output is not a contiguous storage".into()));
-        }
-        let storage = match &*storage {
-            Storage::Cpu(s) => Storage::Cpu(s.try_clone(layout)?),
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(s) => Storage::Cuda(s.try_clone(layout)?),
-            _ => return Err(candle_core::Error::Msg("linear: CPU or CUDA only".into())),
-        };
-        Ok((storage, out.shape().clone()))
-    }
+    out: NodeOutput,
 }
 
 impl CustomOp2 for LinearNode {
@@ -81,10 +60,7 @@ impl CustomOp2 for LinearNode {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        match self.output()? {
-            (Storage::Cpu(s), shape) => Ok((s, shape)),
-            _ => Err(candle_core::Error::Msg("linear: the output is not on the CPU".into())),
-        }
+        self.out.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -95,10 +71,7 @@ impl CustomOp2 for LinearNode {
         _: &candle_core::cuda_backend::CudaStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        match self.output()? {
-            (Storage::Cuda(s), shape) => Ok((s, shape)),
-            _ => Err(candle_core::Error::Msg("linear: the output is not on the GPU".into())),
-        }
+        self.out.cuda()
     }
 
     fn bwd(

@@ -8,6 +8,11 @@
 //! `cuda.rs`), for f32, bf16 and f16. Each file also keeps `reference`, the candle-primitive
 //! graph the op replaces: it is what runs for the other dtypes (bf16/f16 on the CPU, f64 on a
 //! GPU), and what the tests compare values and gradients against.
+//!
+//! Three files are graph nodes over candle operations rather than kernels: [`attention`],
+//! [`linear`] and [`head_logprobs`] run a chain of candle operations on detached inputs and
+//! write its backward out, operation by operation, so that the chain's many edges (each a
+//! zero-filled buffer and an add in candle's backward) become one node with its chain's bits.
 
 pub mod attention;
 pub mod cached_attention;
@@ -22,6 +27,7 @@ pub mod logprob_lse;
 pub mod matmul;
 pub mod matmul_panel;
 pub mod matmul_wt;
+mod node_output;
 mod reduce;
 pub mod rms_norm;
 pub mod rope;
