@@ -2,6 +2,10 @@
 //! (`VmHWM` of `/proc/self/status`, the high-water mark of pages in RAM over the process's life)
 //! and the resident set now (`VmRSS`), read when asked. Other systems have no such file: the peak is then unknown (NaN, written as
 //! `null` in a metrics line).
+//!
+//! And on a GPU, the most device memory in use at once ([`device_peak_bytes`]): the high-water
+//! mark of the CUDA memory pool that candle's allocations draw on (`cuMemAllocAsync`), what
+//! PyTorch's `max_memory_allocated` counts for its own allocator.
 
 // Links mimalloc (the `oxrl` binary's allocator, src/main.rs) for `mi_collect`.
 use mimalloc as _;
@@ -48,9 +52,83 @@ fn status_bytes(status: &str, name: &str) -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The most memory in use at once on `device` since it was opened or since the last
+/// [`reset_device_peak`], in bytes: the used-memory high-water mark of the device's current
+/// CUDA memory pool. None off CUDA, or where allocations bypass a pool.
+pub fn device_peak_bytes(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::{result::mem_pool, sys};
+        let pool = cuda_pool(device)?;
+        let mut bytes: u64 = 0;
+        // Safety: a valid pool, and the attribute's value is a u64 (cuuint64_t).
+        let read = unsafe {
+            mem_pool::get_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut bytes as *mut u64).cast(),
+            )
+        };
+        read.ok().map(|_| bytes)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        None
+    }
+}
+
+/// Starts [`device_peak_bytes`] over from the memory in use now.
+pub fn reset_device_peak(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::{result::mem_pool, sys};
+        let Some(pool) = cuda_pool(device) else { return };
+        let mut zero: u64 = 0;
+        // Safety: a valid pool; setting the high-water mark takes a u64 zero.
+        let _ = unsafe {
+            mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        };
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+}
+
+/// The peak of [`device_peak_bytes`] summed over the CUDA devices this process has opened, in
+/// gigabytes (10⁹ bytes); None where none is open or none reports one.
+pub fn device_peak_gb() -> Option<f64> {
+    let peaks: Vec<u64> = crate::model::weights::opened_cuda_devices().iter().filter_map(device_peak_bytes).collect();
+    (!peaks.is_empty()).then(|| peaks.iter().sum::<u64>() as f64 / GB)
+}
+
+/// The memory pool `device`'s allocations come from, where they come from one.
+#[cfg(feature = "cuda")]
+fn cuda_pool(device: &candle_core::Device) -> Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+    let candle_core::Device::Cuda(d) = device else { return None };
+    let stream = d.cuda_stream();
+    let context = stream.context();
+    if !context.has_async_alloc() {
+        return None;
+    }
+    context.bind_to_thread().ok()?;
+    // Safety: the device of a context this process holds.
+    unsafe { candle_core::cuda_backend::cudarc::driver::result::device::get_mem_pool(context.cu_device()) }.ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Off CUDA there is no device peak, and a reset is a no-op.
+    #[test]
+    fn no_device_peak_on_the_cpu() {
+        reset_device_peak(&candle_core::Device::Cpu);
+        assert_eq!(device_peak_bytes(&candle_core::Device::Cpu), None);
+    }
 
     #[test]
     fn reads_the_high_water_mark() {

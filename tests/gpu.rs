@@ -434,6 +434,27 @@ fn attention_node_on_cuda_gives_the_reference_bits() {
     oxrl::model::ops::set_cuda_kernels(before);
 }
 
+/// The device's peak memory (the CUDA pool's high-water mark, as `oxrl bench train` and the SFT
+/// and RL metrics report it) counts a 256 MiB tensor made after a reset, and a reset starts it
+/// over from what is in use.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn device_peak_memory_counts_an_allocation() {
+    use oxrl::memory::{device_peak_bytes, reset_device_peak};
+    let dev = gpu();
+    reset_device_peak(&dev);
+    let before = device_peak_bytes(&dev).expect("the device allocates from a memory pool");
+    let big = Tensor::ones((64, 1 << 20), DType::F32, &dev).unwrap();
+    let after = device_peak_bytes(&dev).unwrap();
+    assert!(after >= before + (256 << 20), "peak {after} after a 256 MiB tensor (was {before})");
+    drop(big);
+    dev.synchronize().unwrap();
+    reset_device_peak(&dev);
+    let reset = device_peak_bytes(&dev).unwrap();
+    assert!(reset < after, "the reset peak {reset} is not below {after}");
+    println!("device peak: {before} → {after} bytes with a 256 MiB tensor, {reset} after a reset");
+}
+
 /// A projection as one graph node gives the chain's values and gradients to the bit on CUDA
 /// (rows reshaped, the product with the weight's transpose, reshaped back), in f32 and bf16.
 #[test]

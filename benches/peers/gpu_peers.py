@@ -163,15 +163,16 @@ def table(args):
             fpt = train_flops_per_token(cfg, train_rows[0]["seq_len"])
         except OSError:
             fpt = None
-        print("\n| training step, bf16, 8 x 1024 | median ms | tokens/s | MFU | vs PyTorch |")
-        print("|---|---|---|---|---|")
+        print("\n| training step, bf16, 8 x 1024 | median ms | tokens/s | MFU | vs PyTorch | peak GiB |")
+        print("|---|---|---|---|---|---|")
         torch_tps = med([r["tokens_per_s"] for r in train_rows if r["framework"] == "pytorch"])
         for k in sorted({key(r) for r in train_rows}):
             rs = [r for r in train_rows if key(r) == k]
             tps = med([r["tokens_per_s"] for r in rs])
             mfu = f"{tps * fpt / (peak * 1e12) * 100:.1f} %" if fpt and peak == peak else "-"
+            peak_gib = med([r["peak_gib"] for r in rs if "peak_gib" in r])
             print(f"| {k} ({len(rs)} runs) | {med([r['median_ms'] for r in rs]):.1f} | {tps:,.0f} | {mfu} "
-                  f"| {tps / torch_tps:.2f}x |")
+                  f"| {tps / torch_tps:.2f}x | {peak_gib:.1f} |")
     dec = [r for r in rows if r["bench"] == "decode"]
     if dec:
         batches = sorted({r["batch"] for r in dec})

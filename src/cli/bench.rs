@@ -271,7 +271,9 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     let (model, name) = c.load()?;
     anyhow::ensure!(!a.pure_bf16 || c.dtype()? == DType::BF16, "--pure-bf16 needs --dtype bf16");
     let mixed = c.dtype()? != DType::F32 && !a.pure_bf16;
+    let device = model.device.clone();
     let mut bench = workloads::TrainBench::new(model, a.batch, a.seq, !a.pure_bf16)?;
+    crate::memory::reset_device_peak(&device);
     let mut losses = Vec::new();
     let ms = measure_ms(c.warmup, c.reps, || {
         losses.push(bench.step()?);
@@ -287,6 +289,10 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     r["tokens_per_s"] = json!(bench.tokens_per_step() as f64 / (med / 1e3));
     r["first_loss"] = json!(losses.first());
     r["last_loss"] = json!(losses.last());
+    if let Some(bytes) = crate::memory::device_peak_bytes(&device) {
+        // GiB, as the PyTorch peer reports its `max_memory_allocated`.
+        r["peak_gib"] = json!(bytes as f64 / (1u64 << 30) as f64);
+    }
     println!("{r}");
     // The GPU check times each process to its exit: say how long the teardown's first part took.
     let dropping = std::time::Instant::now();

@@ -53,10 +53,17 @@ pub fn check_device_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The CUDA devices this process has opened, by ordinal.
+static OPENED: std::sync::Mutex<Vec<(usize, Device)>> = std::sync::Mutex::new(Vec::new());
+
+/// The CUDA devices this process has opened ([`cuda_device`]), in the order it opened them.
+pub fn opened_cuda_devices() -> Vec<Device> {
+    lock(&OPENED).iter().map(|(_, d)| d.clone()).collect()
+}
+
 /// The process's one [`Device`] for CUDA ordinal `ordinal`, opened on first use.
 pub fn cuda_device(ordinal: usize) -> Result<Device> {
     check_device_name(&format!("cuda:{ordinal}"))?;
-    static OPENED: std::sync::Mutex<Vec<(usize, Device)>> = std::sync::Mutex::new(Vec::new());
     let mut opened = lock(&OPENED);
     if let Some((_, d)) = opened.iter().find(|(n, _)| *n == ordinal) {
         return Ok(d.clone());

@@ -11,6 +11,7 @@
 mod common;
 
 mod activation_checkpointing;
+mod candle_backward;
 mod algo_estimators;
 mod algo_gradients;
 mod algo_losses;

@@ -297,6 +297,7 @@ impl<'a> RlRun<'a> {
             ));
         }
         line.peak_rss_gb = crate::memory::peak_rss_gb();
+        line.peak_device_gb = crate::memory::device_peak_gb();
         self.dir.write_metrics(&line)?;
         self.dir.progress().set_position(step as u64);
         self.dir.progress().set_message(format!("reward {:.3} kl {:.4}", rollouts.reward_mean(), metric("kl:mean")));

@@ -62,6 +62,10 @@ pub struct RlStepMetrics {
     /// Peak resident set size of the process writing the line, in GB (10⁹ bytes), since it
     /// started ([`crate::memory`]); null where the system does not report it.
     pub peak_rss_gb: f64,
+    /// The most GPU memory in use at once since the process opened its GPUs, in GB, summed over
+    /// them ([`crate::memory::device_peak_gb`]); absent where it opened none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_gb: Option<f64>,
 }
 
 /// What the step's generated episodes looked like (every episode generated for it, filtered or

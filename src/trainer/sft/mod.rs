@@ -143,7 +143,8 @@ pub fn run_sft(cfg: &SftConfig, dispatch: &Dispatch, opts: &RunOptions) -> Resul
             elapsed_s: started.elapsed().as_secs_f64(),
             eval_loss,
             peak_rss_gb: crate::memory::peak_rss_gb(),
-            extra: Default::default(),
+            // On a GPU, the most device memory in use at once (absent on the CPU).
+            extra: crate::memory::device_peak_gb().map(|gb| ("peak_device_gb".into(), gb.into())).into_iter().collect(),
         })?;
         let pb = run.progress();
         pb.set_position(step as u64);

@@ -682,6 +682,24 @@ impl Tensor {
     }
 }
 
+thread_local! {
+    static STORE_FIRST_ON_CPU: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the backwards of this thread storing a node's first gradient as it is on the
+/// CPU too, as they do off the CPU (oxrl's patch): for tests that compare the two ways.
+pub fn with_first_gradients_stored<R>(f: impl FnOnce() -> R) -> R {
+    let before = STORE_FIRST_ON_CPU.with(|c| c.replace(true));
+    let out = f();
+    STORE_FIRST_ON_CPU.with(|c| c.set(before));
+    out
+}
+
+/// Whether a tensor's first gradient is added into zeros (see [`GradStore::accumulate`]).
+fn zero_first(tensor: &Tensor) -> bool {
+    tensor.device().is_cpu() && !STORE_FIRST_ON_CPU.with(|c| c.get())
+}
+
 /// A store for gradients, associating a tensor id to the corresponding gradient tensor, used for back propagation.
 #[derive(Default, Debug)]
 pub struct GradStore(HashMap<TensorId, Tensor>);
@@ -721,7 +739,8 @@ impl GradStore {
     /// first gradient of a tensor off the CPU is stored as it is, contiguous, instead of added
     /// into a fresh zero-filled tensor: two passes over every edge of the graph saved. On the
     /// CPU the first gradient is still added into zeros, so that every stored gradient owns its
-    /// storage, as code that adds into a gradient in place relies on, and is the same bits.)
+    /// storage, as code that adds into a gradient in place relies on, and is the same bits;
+    /// [`with_first_gradients_stored`] stores it there too, for tests.)
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
@@ -729,7 +748,7 @@ impl GradStore {
                 *sum = sum.add(grad)?;
             }
             Entry::Vacant(entry) => {
-                let first = match tensor.device().is_cpu() {
+                let first = match zero_first(tensor) {
                     true => tensor.zeros_like()?.add(grad)?,
                     false => grad.contiguous()?,
                 };
@@ -747,7 +766,7 @@ impl GradStore {
                 *sum = sum.sub(grad)?;
             }
             Entry::Vacant(entry) => {
-                let first = match tensor.device().is_cpu() {
+                let first = match zero_first(tensor) {
                     true => tensor.zeros_like()?.sub(grad)?,
                     false => grad.neg()?,
                 };
