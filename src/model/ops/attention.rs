@@ -32,6 +32,7 @@ use crate::Result;
 
 /// The attention output [B, T, H·D] (see the module docs).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    cached_attention::check(q, k, v, bias)?;
     let tracked = q.track_op() || k.track_op() || v.track_op();
     // The fused softmax runs on the scores (f32, f64 on the CPU): its backward is this node's.
     let softmax_fused = match q.device() {
@@ -154,6 +155,13 @@ mod tests {
 
     /// One node, the reference's values and gradients to the bit: f32 and f64, one kv head per
     /// query head and kv heads shared by three, a masked key (left padding) in one row.
+    #[test]
+    fn mismatched_shapes_are_errors() {
+        let (q, k) = (var(&[1, 2, 3, 4], 1, DType::F32), var(&[1, 0, 3, 4], 2, DType::F32));
+        let bias = Tensor::zeros((1, 3, 3), DType::F32, &Device::Cpu).unwrap();
+        assert!(attention(q.as_tensor(), k.as_tensor(), k.as_tensor(), &bias, 1.0).is_err());
+    }
+
     #[test]
     fn one_node_gives_the_reference_graphs_bits() {
         for dtype in [DType::F32, DType::F64] {

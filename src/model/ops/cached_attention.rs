@@ -603,7 +603,7 @@ pub const CUDA_MAX_HEAD_DIM: usize = 256;
 const CUDA_THREADS: u32 = 128;
 
 /// Checks the shapes: q [B, H, T, D], k and v [B, KV, S, D] with KV dividing H, bias [B, T, S].
-fn check(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<()> {
+pub(crate) fn check(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<()> {
     let (b, h, t, d) = q.dims4()?;
     let (kb, kvh, s, kd) = k.dims4()?;
     let bad = kb != b || kd != d || v.dims() != k.dims() || kvh == 0 || h % kvh != 0 || s == 0;
