@@ -11,10 +11,10 @@
 mod common;
 
 mod activation_checkpointing;
-mod candle_backward;
 mod algo_estimators;
 mod algo_gradients;
 mod algo_losses;
+mod candle_backward;
 mod cli;
 mod cli_bench;
 mod cli_plot;
