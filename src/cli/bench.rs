@@ -231,7 +231,7 @@ impl Common {
     }
 
     /// The fields every record has (on a GPU also whether oxrl's CUDA kernels ran, see
-    /// `ops::cuda_kernels`).
+    /// `ops::cuda_kernels`, and whether candle's backward ran as upstream has it).
     fn record(&self, bench: &str, model: &str) -> serde_json::Value {
         let mut r = json!({
             "bench": bench,
@@ -244,6 +244,10 @@ impl Common {
         });
         if self.device.starts_with("cuda") {
             r["cuda_kernels"] = json!(crate::model::ops::cuda_kernels());
+            // Upstream candle's backward (see `weights::cuda_device`), when asked for.
+            if std::env::var("OXRL_CANDLE_ZERO_FIRST").as_deref() == Ok("1") {
+                r["candle_zero_first"] = json!(true);
+            }
         }
         r
     }

@@ -64,6 +64,11 @@ pub fn opened_cuda_devices() -> Vec<Device> {
 /// The process's one [`Device`] for CUDA ordinal `ordinal`, opened on first use.
 pub fn cuda_device(ordinal: usize) -> Result<Device> {
     check_device_name(&format!("cuda:{ordinal}"))?;
+    // `OXRL_CANDLE_ZERO_FIRST=1`: candle's backward as upstream has it on a GPU (each node's
+    // first gradient added into a zero buffer; see vendor/candle-core), to measure the patch.
+    if std::env::var("OXRL_CANDLE_ZERO_FIRST").as_deref() == Ok("1") {
+        candle_core::backprop::set_zero_first_gradients_off_cpu(true);
+    }
     let mut opened = lock(&OPENED);
     if let Some((_, d)) = opened.iter().find(|(n, _)| *n == ordinal) {
         return Ok(d.clone());

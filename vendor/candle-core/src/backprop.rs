@@ -695,9 +695,21 @@ pub fn with_first_gradients_stored<R>(f: impl FnOnce() -> R) -> R {
     out
 }
 
+/// Off the CPU, whether a node's first gradient is added into zeros, as upstream candle does.
+static ZERO_FIRST_OFF_CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Off the CPU, add a node's first gradient into a zero buffer as upstream candle does (`true`)
+/// or store it as it is (`false`, the default): to measure one against the other.
+pub fn set_zero_first_gradients_off_cpu(on: bool) {
+    ZERO_FIRST_OFF_CPU.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether a tensor's first gradient is added into zeros (see [`GradStore::accumulate`]).
 fn zero_first(tensor: &Tensor) -> bool {
-    tensor.device().is_cpu() && !STORE_FIRST_ON_CPU.with(|c| c.get())
+    match tensor.device().is_cpu() {
+        true => !STORE_FIRST_ON_CPU.with(|c| c.get()),
+        false => ZERO_FIRST_OFF_CPU.load(std::sync::atomic::Ordering::Relaxed),
+    }
 }
 
 /// A store for gradients, associating a tensor id to the corresponding gradient tensor, used for back propagation.
