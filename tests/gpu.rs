@@ -317,6 +317,23 @@ fn device_names_and_cpu_builds_refusing_cuda() {
 }
 
 /// Deterministic values in [-scale, scale) as a tensor of `shape` on `dev`.
+/// oxrl's CUDA kernels on while it lives, then as they were (also when a test fails).
+struct KernelsOn(bool);
+
+impl KernelsOn {
+    fn new() -> Self {
+        let before = oxrl::model::ops::cuda_kernels();
+        oxrl::model::ops::set_cuda_kernels(true);
+        KernelsOn(before)
+    }
+}
+
+impl Drop for KernelsOn {
+    fn drop(&mut self) {
+        oxrl::model::ops::set_cuda_kernels(self.0);
+    }
+}
+
 fn random(shape: &[usize], seed: u64, scale: f64, dtype: DType, dev: &Device) -> Tensor {
     let v: Vec<f32> = values(shape.iter().product(), seed).into_iter().map(|x| (x * scale) as f32).collect();
     Tensor::from_vec(v, shape, dev).unwrap().to_dtype(dtype).unwrap()
@@ -364,8 +381,7 @@ fn optimizer_kernels_on_cuda_equal_the_cpu() {
     use candle_core::Var;
     use oxrl::worker::adamw::{square_sums, update, Moments};
     let dev = gpu();
-    let before = oxrl::model::ops::cuda_kernels();
-    oxrl::model::ops::set_cuda_kernels(true);
+    let _kernels = KernelsOn::new();
     let params = AdamParams { learning_rate: 1e-2, weight_decay: 0.1, eps: 1e-8, ..Default::default() };
     let p0 = random(&[300, 1000], 31, 1.0, DType::F32, &Device::Cpu);
     let (on_gpu, on_cpu) = (Var::from_tensor(&p0.to_device(&dev).unwrap()).unwrap(), Var::from_tensor(&p0).unwrap());
@@ -391,7 +407,6 @@ fn optimizer_kernels_on_cuda_equal_the_cpu() {
         println!("sum of squares {dtype:?}: {got} against the CPU's {want}");
         assert!((got - want).abs() <= 1e-12 * want, "{dtype:?}: Σ g² {got}, the CPU's {want}");
     }
-    oxrl::model::ops::set_cuda_kernels(before);
 }
 
 /// Attention as one graph node (its backward written out; in bf16 the softmax's mixed kernels)
@@ -404,8 +419,7 @@ fn attention_node_on_cuda_gives_the_reference_bits() {
     use oxrl::model::ops::{attention::attention, cached_attention::reference};
     let dev = gpu();
     // The nodes run oxrl's kernels (the suite's run with them off would test the fallback).
-    let before = oxrl::model::ops::cuda_kernels();
-    oxrl::model::ops::set_cuda_kernels(true);
+    let _kernels = KernelsOn::new();
     for dtype in [DType::F32, DType::BF16] {
         let (b, h, kvh, t, d) = (2, 6, 2, 33, 16);
         let var = |shape: &[usize], seed| Var::from_tensor(&random(shape, seed, 1.0, dtype, &dev)).unwrap();
@@ -431,7 +445,6 @@ fn attention_node_on_cuda_gives_the_reference_bits() {
         }
         println!("attention node {dtype:?}: output and gradients equal the reference graph's bits");
     }
-    oxrl::model::ops::set_cuda_kernels(before);
 }
 
 /// The device's peak memory (the CUDA pool's high-water mark, as `oxrl bench train` and the SFT
@@ -493,8 +506,7 @@ fn head_node_on_cuda_gives_the_chains_bits() {
     use oxrl::model::ops::{head_logprobs::head_logprobs, logprob_lse, matmul::matmul};
     let dev = gpu();
     // The nodes run oxrl's kernels (the suite's run with them off would test the fallback).
-    let before = oxrl::model::ops::cuda_kernels();
-    oxrl::model::ops::set_cuda_kernels(true);
+    let _kernels = KernelsOn::new();
     for dtype in [DType::F32, DType::BF16] {
         let (n, h, v) = (300, 64, 5000);
         let x = Var::from_tensor(&random(&[n, h], 71, 1.0, dtype, &dev)).unwrap();
@@ -515,7 +527,6 @@ fn head_node_on_cuda_gives_the_chains_bits() {
         }
         println!("head node {dtype:?}: log-probs and gradients equal the chain's bits");
     }
-    oxrl::model::ops::set_cuda_kernels(before);
 }
 
 #[test]
@@ -526,8 +537,7 @@ fn fused_ops_on_cuda_equal_their_reference_graphs() {
     let dev = gpu();
     // On for this test (the other tests pass either way: scripts/gpu_check.sh runs the suite
     // with OXRL_CUDA_KERNELS=0 and =1 to cover both paths), then as it was.
-    let before = ops::cuda_kernels();
-    ops::set_cuda_kernels(true);
+    let _kernels = KernelsOn::new();
     assert!(ops::fused(&Tensor::zeros(1, DType::F32, &dev).unwrap()), "the CUDA kernels did not turn on");
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 5e-2), (DType::F16, 1e-2)] {
         let var = |shape: &[usize], seed, scale| Var::from_tensor(&random(shape, seed, scale, dtype, &dev)).unwrap();
@@ -609,7 +619,6 @@ fn fused_ops_on_cuda_equal_their_reference_graphs() {
             assert!(e < tol, "cached_attention {dtype:?} d={d}: differs by {e}");
         }
     }
-    ops::set_cuda_kernels(before);
 }
 
 /// The device sampler (`ops::sample_rows`, what the engine draws with on a GPU) against the host

@@ -244,8 +244,7 @@ impl Common {
         });
         if self.device.starts_with("cuda") {
             r["cuda_kernels"] = json!(crate::model::ops::cuda_kernels());
-            // Upstream candle's backward (see `weights::cuda_device`), when asked for.
-            if std::env::var("OXRL_CANDLE_ZERO_FIRST").as_deref() == Ok("1") {
+            if weights::upstream_backward() {
                 r["candle_zero_first"] = json!(true);
             }
         }

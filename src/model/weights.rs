@@ -61,14 +61,17 @@ pub fn opened_cuda_devices() -> Vec<Device> {
     lock(&OPENED).iter().map(|(_, d)| d.clone()).collect()
 }
 
+/// Whether this process runs candle's backward as upstream has it on a GPU
+/// (`OXRL_CANDLE_ZERO_FIRST=1`: each node's first gradient added into a zero buffer; see
+/// vendor/candle-core), to measure the patch against it. Read once.
+pub fn upstream_backward() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("OXRL_CANDLE_ZERO_FIRST").as_deref() == Ok("1"))
+}
+
 /// The process's one [`Device`] for CUDA ordinal `ordinal`, opened on first use.
 pub fn cuda_device(ordinal: usize) -> Result<Device> {
     check_device_name(&format!("cuda:{ordinal}"))?;
-    // `OXRL_CANDLE_ZERO_FIRST=1`: candle's backward as upstream has it on a GPU (each node's
-    // first gradient added into a zero buffer; see vendor/candle-core), to measure the patch.
-    if std::env::var("OXRL_CANDLE_ZERO_FIRST").as_deref() == Ok("1") {
-        candle_core::backprop::set_zero_first_gradients_off_cpu(true);
-    }
     let mut opened = lock(&OPENED);
     if let Some((_, d)) = opened.iter().find(|(n, _)| *n == ordinal) {
         return Ok(d.clone());
@@ -79,6 +82,7 @@ pub fn cuda_device(ordinal: usize) -> Result<Device> {
         let e = e.lines().next().unwrap_or_default();
         Error::input(format!("device `cuda:{ordinal}`: no CUDA device could be opened: {e}"))
     })?;
+    candle_core::backprop::set_zero_first_gradients_off_cpu(upstream_backward());
     opened.push((ordinal, device.clone()));
     Ok(device)
 }
