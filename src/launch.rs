@@ -115,6 +115,7 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
             master_weights: cfg.model.master_weights,
             activation_checkpointing: cfg.train.activation_checkpointing,
             sharding: cfg.train.sharding,
+            gradient_sum: cfg.train.gradient_sum,
             router_aux_loss_coef: cfg.train.router_aux_loss_coef,
         },
         ..WorkerSpec::new(&cfg.model.path)
@@ -170,6 +171,7 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
             Sharding::Full => Sharding::Full,
             _ => Sharding::None,
         },
+        gradient_sum: l.gradient_sum,
         router_aux_loss_coef: 0.0,
     };
     let base = WorkerSpec {

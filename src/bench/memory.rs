@@ -20,13 +20,14 @@
 //!
 //! Under sharding ([`RankMemory::sharded`]) the optimizer state is split over the ranks, and
 //! under `full` the parameters too (plus, while a layer is in use, that layer whole), and the
-//! gradients when a rank's step is one micro-batch.
+//! gradients when they are summed during the backward (a step of one micro-batch a rank, or
+//! `gradient_sum = "micro_batch"`).
 //!
 //! Temporaries of the backward (one layer's gradients in flight) and the allocator's slack are
 //! not counted: the measured peak is above the prediction by about them.
 
 use crate::model::ModelConfig;
-use crate::worker::Sharding;
+use crate::worker::{GradientSum, Sharding};
 
 /// Predicted bytes of one rank, by kind.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -43,17 +44,25 @@ impl RankMemory {
         self.params + self.grads + self.optimizer + self.activations
     }
 
-    /// The same rank as one of `ranks` under `sharding`: every mode but `none` keeps 1/ranks
-    /// of the optimizer state, and `full` 1/ranks of the parameters, and of the gradients too
-    /// when the rank's step is `one_micro_batch` (they are summed to their owners during the
-    /// backward: `worker::unit_reduce`). Otherwise the accumulators stay whole: each rank's
-    /// backwards fill all of them before the sum, in the order that keeps the bits of `none`
-    /// (`gradients` keeps only the owned part of the sum, which is transient here).
-    pub fn sharded(self, sharding: Sharding, ranks: usize, one_micro_batch: bool) -> Self {
+    /// The same rank as one of `ranks` under `sharding`, running `micro_batches` micro-batches
+    /// a step whose gradients are summed as `gradient_sum` says: every mode but `none` keeps
+    /// 1/ranks of the optimizer state, and `full` 1/ranks of the parameters. The gradients:
+    /// - `full`, summed during the backward (one micro-batch a step, or each micro-batch's
+    ///   summed as it comes: `worker::unit_reduce`): 1/ranks;
+    /// - summed after each of several micro-batches in another mode: the sums the rank keeps
+    ///   (1/ranks sharded, all of them under `none`) beside one micro-batch's whole gradients;
+    /// - otherwise whole: each rank's backwards fill every accumulator before the step's sum
+    ///   (`gradients` keeps only the owned part of the sum, which is transient here).
+    pub fn sharded(self, sharding: Sharding, ranks: usize, micro_batches: usize, gradient_sum: GradientSum) -> Self {
         let share = if sharding.is_sharded() { 1.0 / ranks.max(1) as f64 } else { 1.0 };
         let full = sharding == Sharding::Full;
+        let each = gradient_sum == GradientSum::MicroBatch;
         let params = if full { self.params * share } else { self.params };
-        let grads = if full && one_micro_batch { self.grads * share } else { self.grads };
+        let grads = match (full && (micro_batches <= 1 || each), each && micro_batches > 1) {
+            (true, _) => self.grads * share,
+            (false, true) => self.grads * (1.0 + share),
+            (false, false) => self.grads,
+        };
         RankMemory { optimizer: self.optimizer * share, params, grads, ..self }
     }
 }
@@ -156,5 +165,25 @@ mod tests {
         assert!(ckpt.activations * 3.0 < all.activations, "{ckpt:?} vs {all:?}");
         let bf16 = predict(&c, 2, true, 1, 1, false);
         assert_eq!((bf16.grads, bf16.optimizer), (all.grads, all.optimizer + all.params));
+    }
+
+    /// Each layout's share of a rank's 4-byte parameters, gradients and moments, by hand.
+    #[test]
+    fn shares_by_layout() {
+        use GradientSum::{MicroBatch, Step};
+        let whole = RankMemory { params: 4.0, grads: 4.0, optimizer: 8.0, activations: 1.0 };
+        let at = |s: Sharding, micro_batches: usize, sum: GradientSum| {
+            let m = whole.sharded(s, 4, micro_batches, sum);
+            assert_eq!(m.activations, 1.0);
+            (m.params, m.grads, m.optimizer)
+        };
+        assert_eq!(at(Sharding::None, 3, Step), (4.0, 4.0, 8.0));
+        assert_eq!(at(Sharding::None, 3, MicroBatch), (4.0, 8.0, 8.0)); // the sums and one round
+        assert_eq!(at(Sharding::None, 1, MicroBatch), (4.0, 4.0, 8.0));
+        assert_eq!(at(Sharding::Gradients, 3, Step), (4.0, 4.0, 2.0));
+        assert_eq!(at(Sharding::Gradients, 3, MicroBatch), (4.0, 5.0, 2.0));
+        assert_eq!(at(Sharding::Full, 1, Step), (1.0, 1.0, 2.0));
+        assert_eq!(at(Sharding::Full, 3, Step), (1.0, 4.0, 2.0));
+        assert_eq!(at(Sharding::Full, 3, MicroBatch), (1.0, 1.0, 2.0));
     }
 }

@@ -87,9 +87,16 @@ struct MemoryArgs {
     /// Keep only each layer's input in the forward and recompute the layer in the backward.
     #[arg(long)]
     activation_checkpointing: bool,
-    /// Sequences per rank per step (one micro-batch).
+    /// Sequences per rank per step.
     #[arg(long, default_value_t = 4)]
     batch: usize,
+    /// Sequences per micro-batch; 0: the rank's whole batch in one.
+    #[arg(long, default_value_t = 0)]
+    micro_batch_size: usize,
+    /// When the ranks' gradients are summed: step (once, at the optimizer step) or micro_batch
+    /// (after every micro-batch; under full a rank then keeps only its slice of the gradients).
+    #[arg(long, default_value = "step")]
+    gradient_sum: String,
     /// Tokens per sequence.
     #[arg(long, default_value_t = 256)]
     seq: usize,
@@ -316,6 +323,13 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
     );
     let sharding = crate::worker::Sharding::from_name(&a.sharding).map_err(|e| anyhow::anyhow!("--sharding: {e}"))?;
     sharding.check_served("cpu")?;
+    let gradient_sum =
+        crate::worker::GradientSum::from_name(&a.gradient_sum).map_err(|e| anyhow::anyhow!("--gradient-sum: {e}"))?;
+    let micro_batch = match a.micro_batch_size {
+        0 => a.batch,
+        m => m.min(a.batch),
+    };
+    let micro_batches = a.batch.div_ceil(micro_batch);
     let dtype = match weights::parse_dtype(&a.dtype) {
         Ok(d @ (DType::F32 | DType::BF16)) => d,
         _ => anyhow::bail!("--dtype `{}`: expected f32 or bf16", a.dtype),
@@ -327,7 +341,13 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
         dtype,
         mesh: MeshShape::dp(a.ranks * world.size()),
         threads: (crate::launch::cores() / a.ranks).max(1),
-        worker: WorkerConfig { activation_checkpointing: a.activation_checkpointing, sharding, ..Default::default() },
+        worker: WorkerConfig {
+            activation_checkpointing: a.activation_checkpointing,
+            sharding,
+            gradient_sum,
+            micro_batch_size: (a.micro_batch_size > 0).then_some(a.micro_batch_size),
+            ..Default::default()
+        },
         ..WorkerSpec::new(&dir)
     };
     let dispatch = Dispatch::new(false);
@@ -358,13 +378,18 @@ fn memory(a: MemoryArgs) -> anyhow::Result<()> {
     let all: Vec<serde_json::Value> =
         world.all_gather(&mine)?.iter().map(|b| serde_json::from_slice(b)).collect::<Result<_, _>>()?;
     if crate::world::is_writer() {
-        let p = predict(&config, dtype.size_in_bytes(), true, a.batch, a.seq, a.activation_checkpointing)
-            .sharded(sharding, ranks, true); // no micro_batch_size: one micro-batch a rank
+        let p = predict(&config, dtype.size_in_bytes(), true, micro_batch, a.seq, a.activation_checkpointing).sharded(
+            sharding,
+            ranks,
+            micro_batches,
+            gradient_sum,
+        );
         let gb = |b: f64| b / GB;
         let med = median(ms.clone());
         let r = json!({
             "bench": "memory", "framework": "oxrl", "model": a.model.display().to_string(), "dtype": a.dtype,
             "sharding": a.sharding, "activation_checkpointing": a.activation_checkpointing,
+            "micro_batches_per_rank": micro_batches, "gradient_sum": a.gradient_sum,
             "processes": world.size(), "ranks_per_process": a.ranks, "batch_per_rank": a.batch, "seq_len": a.seq,
             "threads_per_rank": spec.threads, "reps": a.reps,
             "median_ms": med, "min_ms": ms.iter().cloned().fold(f64::INFINITY, f64::min),

@@ -205,15 +205,15 @@ impl WorkerGroup {
                 let mut worker = build(coord)?;
                 let mode = worker.config().sharding;
                 let local_rank = coord.dp - first_local;
+                // Over the data-parallel group: the ranks sharing this rank's (tp, sp, pp).
+                let ex: Arc<dyn RankExchange> =
+                    Arc::new(GroupExchange { collective: collective.clone(), rank: local_rank });
+                worker.join_group(ex.clone());
                 if mode.is_sharded() {
                     sharded.store(true, Ordering::Relaxed);
-                    // Over the data-parallel group: the ranks sharing this rank's (tp, sp, pp).
                     let plan = ShardPlan::new(mode, coord.dp, shape.dp, &worker.param_sizes());
                     match mode {
-                        Sharding::Full => {
-                            let ex = GroupExchange { collective: collective.clone(), rank: local_rank };
-                            worker.shard_full(plan, Arc::new(ex))?
-                        }
+                        Sharding::Full => worker.shard_full(plan, ex)?,
                         _ => worker.shard(plan)?,
                     }
                 }

@@ -21,10 +21,11 @@
 
 pub mod adamw;
 mod adamw_fused;
-mod head_stream;
-pub(crate) mod in_place;
 pub mod batch;
 pub mod checkpoint;
+pub mod gradient_sum;
+mod head_stream;
+pub(crate) mod in_place;
 pub mod loss_fn;
 mod micro_batch;
 pub mod mixed_precision;
@@ -43,6 +44,7 @@ pub mod worker_config;
 
 pub use adamw::AdamParams;
 pub use batch::{Datum, LossFnInputs, LossFnOutput};
+pub use gradient_sum::GradientSum;
 pub use schedule::LrSchedule;
 pub use sharded_step::RankExchange;
 pub use sharding::{ShardPlan, Sharding};

@@ -48,8 +48,13 @@ fn to_device(t: Tensor, device: &Device) -> Result<Tensor> {
 impl Worker {
     /// Replaces the accumulated gradients by `reduce(gradients)` — the all-reduce of dispatch.
     /// Parameters without a gradient contribute zeros, so every rank passes the same shapes.
+    /// Gradients already summed after each micro-batch ([`Worker::gradients_summed`]) stay as
+    /// they are.
     pub fn reduce_gradients(&mut self, reduce: impl FnOnce(Vec<Tensor>) -> Result<Vec<Tensor>>) -> Result<()> {
         self.check_resident()?;
+        if self.summed {
+            return Ok(());
+        }
         let all: Vec<usize> = (0..self.params.len()).collect();
         let local = self.take_local_gradients(&all)?;
         let reduced = reduce(local)?;

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use super::adamw::{clip_coefficient, norm_of_squares, square_sums, AdamParams, Moments};
-use super::sharding::{ShardPlan, Sharding};
+use super::sharding::ShardPlan;
 use super::weight_slices::WeightSlices;
 use super::worker::Worker;
 use crate::model::sharded_weights::WeightGate;
@@ -183,27 +183,16 @@ impl Worker {
         let plan =
             self.shard.clone().ok_or_else(|| Error::Other("optim_step_sharded on an unsharded worker".into()))?;
         let n = self.params.len();
-        // Every rank started the unit reduce together, so every rank sums the same rest.
+        // Every rank started the unit reduce together, so every rank sums the same rest; sums
+        // made after each micro-batch are taken as they are.
         let (mut owned, summed) = match self.unit_reduce.take() {
             Some(state) => (state.summed, state.done),
+            None if self.summed => (std::mem::replace(&mut self.grads, vec![None; n]), vec![true; n]),
             None => (vec![None; n], vec![false; n]),
         };
         let rest: Vec<usize> = (0..n).filter(|&i| !summed[i]).collect();
-        if !rest.is_empty() {
-            let local = self.take_local_gradients(&rest)?;
-            let sums: Vec<Option<Tensor>> = match plan.mode {
-                Sharding::Gradients | Sharding::Full => {
-                    let owners: Vec<usize> = rest.iter().map(|&i| plan.owners[i]).collect();
-                    ex.reduce_to_owners(local, &owners)?
-                }
-                _ => ex.all_reduce(local)?.into_iter().zip(&rest).map(|(g, &i)| plan.owns(i).then_some(g)).collect(),
-            };
-            if sums.len() != rest.len() {
-                return Err(Error::Other(format!("{} summed gradients for {} parameters", sums.len(), rest.len())));
-            }
-            for (&i, sum) in rest.iter().zip(sums) {
-                owned[i] = sum;
-            }
+        for (&i, sum) in rest.iter().zip(self.sum_to_keepers(&rest, ex)?) {
+            owned[i] = sum;
         }
 
         // The norm: the owners' squares, in parameter order.

@@ -154,6 +154,12 @@ impl WeightSlices {
         self.ex.reduce_to_owners(tensors, owners)
     }
 
+    /// The group's exchange, for collectives of the worker's own, once no gather is in flight.
+    pub fn exchange(&self) -> Result<Arc<dyn RankExchange>> {
+        self.settle()?;
+        Ok(self.ex.clone())
+    }
+
     /// [`RankExchange::all_gather_bytes`] over the group, after the gather in flight.
     pub fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         self.settle()?;

@@ -18,6 +18,7 @@ use candle_core::{Tensor, Var};
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::adamw_fused;
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
+use super::gradient_sum::agree_on_rounds;
 use super::head_stream::SharedHeadStream;
 use super::in_place::add_in_place;
 use super::loss_fn::{needs_entropy, requirements};
@@ -25,6 +26,7 @@ use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split};
 use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
+use super::sharded_step::RankExchange;
 use super::sharding::ShardPlan;
 use super::unit_reduce::UnitReduce;
 use super::value_head::ValueHead;
@@ -67,9 +69,14 @@ pub struct Worker {
     /// `full` sharding: the base weights this rank keeps, and how the others are gathered
     /// ([`super::weight_slices`]; the model's weight gate is the same object).
     pub(super) slices: Option<Arc<WeightSlices>>,
-    /// `full`: the gradients of this step summed to their owners during its backward
-    /// (`worker/unit_reduce.rs`); the next call must be the optimizer step.
+    /// `full`: the gradients of this step (or, summing each micro-batch, of this round) summed
+    /// to their owners during its backward (`worker/unit_reduce.rs`).
     pub(super) unit_reduce: Option<UnitReduce>,
+    /// The group's collectives, for the sums of each micro-batch (`gradient_sum.rs`); `None`: a
+    /// worker alone.
+    pub(super) exchange: Option<Arc<dyn RankExchange>>,
+    /// The accumulators hold the ranks' sums, not this rank's own gradients.
+    pub(super) summed: bool,
     /// Optimizer steps applied.
     pub(super) step: u64,
     pub(super) rng: WorkerRng,
@@ -120,6 +127,8 @@ impl Worker {
             shard: None,
             slices: None,
             unit_reduce: None,
+            exchange: None,
+            summed: false,
             step: 0,
             rng,
             offloaded: false,
@@ -188,6 +197,7 @@ impl Worker {
     pub fn zero_grad(&mut self) {
         self.grads.iter_mut().for_each(|g| *g = None);
         self.unit_reduce = None;
+        self.summed = false;
     }
 
     /// Adds the gradient of `loss` (see [`super::loss_fn`]) over `batch` to the accumulators
@@ -262,8 +272,11 @@ impl Worker {
                  step must come before another forward_backward",
             ));
         }
+        if backward && self.sums_each_micro_batch() {
+            return self.run_summing_each(batch, loss, outputs);
+        }
         let Some(slices) = self.slices.clone() else {
-            return self.run_micro_batches(batch, loss, backward, outputs, 0);
+            return self.run_micro_batches(batch, loss, backward, outputs, 0, None);
         };
         // Sliced weights: every rank runs as many forwards (and backwards) as the busiest one.
         let pending = self.grads.iter().any(Option::is_some);
@@ -272,9 +285,34 @@ impl Worker {
         if backward && step_next && most == 1 && !any_pending {
             self.start_unit_reduce()?;
         }
-        let out = self.run_micro_batches(batch, loss, backward, outputs, most);
+        let out = self.run_micro_batches(batch, loss, backward, outputs, most, None);
         if let Err(e) = &out {
             slices.abort(&format!("a data-parallel rank failed: {e}"));
+        }
+        out
+    }
+
+    /// A backward under `gradient_sum = "micro_batch"` (`gradient_sum.rs`): every rank runs as
+    /// many rounds as the busiest one has micro-batches, and each round's gradients are summed
+    /// across the ranks into the sums this rank keeps.
+    fn run_summing_each(
+        &mut self,
+        batch: &[Datum],
+        loss: Option<&Loss>,
+        outputs: bool,
+    ) -> Result<ForwardBackwardOutput> {
+        let ex = self.round_exchange()?;
+        let mine = self.micro_batch_count(batch, loss).map_err(|e| e.to_string());
+        let rounds = match (&self.slices, &ex) {
+            (Some(slices), _) => slices.agree(mine.map(|n| (n, false)))?.0,
+            (None, Some(ex)) => agree_on_rounds(&**ex, mine)?,
+            (None, None) => mine.map_err(Error::input)?,
+        };
+        let mut sums = self.start_summing_call()?;
+        let out = self.run_micro_batches(batch, loss, true, outputs, rounds, Some(&mut sums));
+        self.end_summing_call(sums, rounds);
+        if let (Err(e), Some(ex)) = (&out, &ex) {
+            ex.abort(&format!("a data-parallel rank failed: {e}"));
         }
         out
     }
@@ -309,9 +347,11 @@ impl Worker {
         validate_batch(batch, self.model.config.vocab_size, &needs)
     }
 
-    /// The micro-batches of `batch`, run (and differentiated when `backward`); with sliced
-    /// weights, then `lockstep − count` walks of the units without data, so that every rank of
-    /// the group gathers the same units.
+    /// The micro-batches of `batch`, run (and differentiated when `backward`), then
+    /// `lockstep − count` rounds without data, so that every rank of the group takes part in
+    /// the same collectives: with sliced weights, walks of the units that gather them. With
+    /// `sums`, each round's gradients are summed across the ranks into them
+    /// ([`Worker::end_round`]).
     fn run_micro_batches(
         &mut self,
         batch: &[Datum],
@@ -319,6 +359,7 @@ impl Worker {
         backward: bool,
         outputs: bool,
         lockstep: usize,
+        mut sums: Option<&mut Vec<Option<Tensor>>>,
     ) -> Result<ForwardBackwardOutput> {
         self.check_batch(batch, loss)?;
         let critic = self.value_head.is_some();
@@ -333,46 +374,51 @@ impl Worker {
 
         let mut metrics = Metrics::new();
         let mut records = vec![LossFnOutput::default(); batch.len()];
-        for members in &plan {
-            let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, keep)?;
-            if let (true, Some(tape)) = (backward && loss.is_some(), out.tape.as_mut()) {
-                router_aux_loss(tape, batch, members, self.config.router_aux_loss_coef, &mut metrics);
+        for round in 0..plan.len().max(lockstep) {
+            if sums.is_some() {
+                self.start_round()?;
             }
-            let mut elementwise = None;
-            if let Some(loss) = loss {
-                let (loss_out, weights) = apply_loss(loss, &out, batch, members)?;
-                metrics.merge(&loss_out.metrics);
-                if backward {
-                    self.accumulate(&loss_out.weighted_sum, out.tape.take(), out.graph.take())?;
+            if let Some(members) = plan.get(round) {
+                let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, keep)?;
+                if let (true, Some(tape)) = (backward && loss.is_some(), out.tape.as_mut()) {
+                    router_aux_loss(tape, batch, members, self.config.router_aux_loss_coef, &mut metrics);
+                }
+                let mut elementwise = None;
+                if let Some(loss) = loss {
+                    let (loss_out, weights) = apply_loss(loss, &out, batch, members)?;
+                    metrics.merge(&loss_out.metrics);
+                    if backward {
+                        self.accumulate(&loss_out.weighted_sum, out.tape.take(), out.graph.take())?;
+                    }
+                    if outputs {
+                        elementwise = Some((loss_out.per_token_loss.detach() * weights)?);
+                    }
                 }
                 if outputs {
-                    elementwise = Some((loss_out.per_token_loss.detach() * weights)?);
-                }
-            }
-            if outputs {
-                let main = split(out.main.detach().to_dtype(candle_core::DType::F32)?.to_vec1()?, &out.lengths);
-                let elementwise = match elementwise {
-                    Some(e) => split(e.to_dtype(candle_core::DType::F32)?.to_vec1()?, &out.lengths),
-                    None => vec![vec![]; members.len()],
-                };
-                for ((&i, main), elementwise) in members.iter().zip(main).zip(elementwise) {
-                    let record = &mut records[i];
-                    if critic {
-                        record.values = main;
-                    } else {
-                        record.logprobs = main;
+                    let main = split(out.main.detach().to_dtype(candle_core::DType::F32)?.to_vec1()?, &out.lengths);
+                    let elementwise = match elementwise {
+                        Some(e) => split(e.to_dtype(candle_core::DType::F32)?.to_vec1()?, &out.lengths),
+                        None => vec![vec![]; members.len()],
+                    };
+                    for ((&i, main), elementwise) in members.iter().zip(main).zip(elementwise) {
+                        let record = &mut records[i];
+                        if critic {
+                            record.values = main;
+                        } else {
+                            record.logprobs = main;
+                        }
+                        record.elementwise_loss = elementwise;
                     }
-                    record.elementwise_loss = elementwise;
                 }
-            }
-        }
-        if let Some(slices) = self.slices.clone() {
-            let layers = self.model.layers.len();
-            for _ in plan.len()..lockstep {
+            } else if let Some(slices) = self.slices.clone() {
+                let layers = self.model.layers.len();
                 sharded_weights::walk(&*slices, &forward_units(layers))?;
                 if backward {
                     tape::walk_backward(Some(&*slices), layers, &mut |unit, _| self.unit_done(unit))?;
                 }
+            }
+            if let Some(sums) = sums.as_deref_mut() {
+                self.end_round(sums)?;
             }
         }
         Ok(ForwardBackwardOutput { metrics, loss_fn_outputs: records })

@@ -1,6 +1,7 @@
 //! [`WorkerConfig`]: how one worker trains (every weight or LoRA adapters, its seed, a critic
-//! head, micro-batch limits, master weights, activation checkpointing, sharding), with its defaults.
+//! head, micro-batch limits, master weights, activation checkpointing, sharding and when the ranks' gradients are summed), with its defaults.
 
+use super::gradient_sum::GradientSum;
 use super::sharding::Sharding;
 use crate::model::lora::LoraConfig;
 
@@ -34,6 +35,10 @@ pub struct WorkerConfig {
     /// What this worker keeps of the training state when it is one of several data-parallel
     /// ranks ([`Sharding`]); dispatch gives it its [`super::ShardPlan`]. Default `none`.
     pub sharding: Sharding,
+    /// When the data-parallel ranks' gradients are summed ([`GradientSum`]): at the optimizer
+    /// step (the default), or after every micro-batch, so that under `full` a rank keeps only its
+    /// slice of the gradients however many micro-batches it runs. Default `step`.
+    pub gradient_sum: GradientSum,
     /// Weight of the load-balancing loss of a model with experts (transformers'
     /// `router_aux_loss_coef`), added per micro-batch as coef × aux × Σ of the micro-batch's
     /// loss weights (with token-mean weights and one micro-batch, transformers' term); its
@@ -52,6 +57,7 @@ impl Default for WorkerConfig {
             master_weights: true,
             activation_checkpointing: false,
             sharding: Sharding::None,
+            gradient_sum: GradientSum::Step,
             router_aux_loss_coef: 0.0,
         }
     }

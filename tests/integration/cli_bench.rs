@@ -99,7 +99,8 @@ fn bench_train_and_decode_print_one_json_line_per_measurement() {
 
 /// `bench memory`: the measured peak of each process and the per-rank prediction, which
 /// activation checkpointing lowers only in its activations, sharding in its optimizer state, and
-/// `full` in its parameters (and, a rank's step being one micro-batch, its gradients) too.
+/// `full` in its parameters (and, a rank's step being one micro-batch or its micro-batches summed
+/// as they come, its gradients) too.
 #[test]
 fn bench_memory_prints_the_peak_beside_the_prediction() {
     let model = fixture_dir("qwen3");
@@ -160,6 +161,19 @@ fn bench_memory_prints_the_peak_beside_the_prediction() {
     // One micro-batch a rank: the gradients are summed to their owners during the backward.
     assert_eq!(pf["grads"].as_f64().unwrap(), pa["grads"].as_f64().unwrap() / 2.0);
     assert_eq!(ps["grads"], pa["grads"], "{sharded}");
+    // Two micro-batches a rank: summed at the step, every gradient is whole until then; summed
+    // after each micro-batch, `full` keeps its half; the loss is the same to rounding.
+    let two = ["--ranks", "2", "--sharding", "full", "--micro-batch-size", "1"];
+    let (at_step, each) = (run(&two), run(&[&two[..], &["--gradient-sum", "micro_batch"]].concat()));
+    assert_eq!(
+        (at_step["micro_batches_per_rank"].as_u64(), each["gradient_sum"].as_str()),
+        (Some(2), Some("micro_batch"))
+    );
+    let grads = |r: &serde_json::Value| r["predicted_per_rank_gb"]["grads"].as_f64().unwrap();
+    assert_eq!(grads(&at_step), grads(&all), "{at_step}");
+    assert_eq!(grads(&each), grads(&all) / 2.0, "{each}");
+    let (l0, l1) = (at_step["last_loss"].as_f64().unwrap(), each["last_loss"].as_f64().unwrap());
+    assert!((l0 - l1).abs() <= 1e-6 * l0.abs(), "{l0} against {l1}");
 }
 
 #[test]
@@ -172,6 +186,7 @@ fn bench_rejects_bad_arguments_clearly() {
         (&["bench", "gemm", "--size", "0"][..], "--size must be at least 1"),
         (&["bench", "memory", "--model", "m", "--sharding", "optimiser"][..], "did you mean `optimizer`?"),
         (&["bench", "memory", "--model", "m", "--ranks", "0"][..], "must be positive"),
+        (&["bench", "memory", "--model", "m", "--gradient-sum", "microbatch"][..], "did you mean `micro_batch`?"),
     ] {
         let out = oxrl(args);
         let stderr = String::from_utf8_lossy(&out.stderr);

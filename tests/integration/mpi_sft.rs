@@ -89,7 +89,8 @@ fn two_processes_train_what_two_threads_do() {
 /// `full` at 2 and 3 processes end with the parameters (and losses, gradient norms) of the same
 /// ranks unsharded as threads of one process, bit for bit, the norm clipped; the checkpoints the
 /// sharded processes wrote (the optimizer state and, under `full`, the weights gathered to process
-/// 0) resume as unsharded threads to the same end.
+/// 0) resume as unsharded threads to the same end. The same with the gradients summed after each
+/// micro-batch (`gradients` at 2 processes, `full` at 3).
 #[test]
 fn sharded_processes_train_what_unsharded_threads_do() {
     let dir = tempfile::tempdir().unwrap();
@@ -113,6 +114,22 @@ fn sharded_processes_train_what_unsharded_threads_do() {
             .unwrap());
         assert!(model(&run) == model(&format!("dp{np}")), "mpirun -np {np} under {mode} differs");
         assert_eq!(norms(lines(&run)), norms(lines(&format!("dp{np}"))), "{mode} at {np}");
+    }
+    // Summed across the processes after each of a rank's two micro-batches.
+    let each = ["train.batch_size=4", "train.gradient_sum=\"micro_batch\"", clip];
+    for (np, mode) in [(2, "gradients"), (3, "full")] {
+        let (threads, run) = (format!("each_dp{np}"), format!("each_mpi{np}{mode}"));
+        let (out, dp, shard) = (
+            format!("output.run_dir=\"{threads}\""),
+            format!("train.data_parallel={np}"),
+            format!("train.sharding=\"{mode}\""),
+        );
+        oxrl_sft(&config, &[&[out.as_str(), dp.as_str()][..], &each].concat());
+        let out = format!("output.run_dir=\"{run}\"");
+        let sets = [&[out.as_str(), shard.as_str()][..], &each].concat();
+        ok(mpirun(np, &config, &sets).output().unwrap());
+        assert!(model(&run) == model(&threads), "mpirun -np {np} under {mode}, summing each micro-batch, differs");
+        assert_eq!(norms(lines(&run)), norms(lines(&threads)), "{mode} at {np}, summing each micro-batch");
     }
     // LoRA under `full`: each process keeps its slice of the frozen base.
     let lora = ["model.lora.rank=4", "model.lora.alpha=8"];

@@ -154,6 +154,14 @@ fn sft_sharded_ends_bit_identical() {
         (false, &["train.micro_batch_size=2", "optimizer.grad_clip_norm=0.05"]),
         (false, &["train.micro_batch_size=2", "model.dtype=\"bf16\"", "optimizer.grad_clip_norm=0.05"]),
         (false, &["train.micro_batch_size=2", "train.data_parallel=3", "train.activation_checkpointing=true"]),
+        // Two micro-batches a rank, summed across the ranks after each (`full`: unit by unit).
+        (false, &["train.gradient_sum=\"micro_batch\"", "optimizer.grad_clip_norm=0.05"]),
+        (true, &["train.gradient_sum=\"micro_batch\"", "optimizer.grad_clip_norm=0.05"]),
+        (false, &["train.gradient_sum=\"micro_batch\"", "model.dtype=\"bf16\"", "optimizer.grad_clip_norm=0.05"]),
+        (
+            false,
+            &["train.gradient_sum=\"micro_batch\"", "train.data_parallel=3", "train.activation_checkpointing=true"],
+        ),
     ];
     for (lora, extra) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -358,6 +366,114 @@ fn full_sharding_sums_gradients_during_the_backward() {
     assert!(e.contains("optimizer step must come before another forward_backward"), "{e}");
 }
 
+/// `gradient_sum = "micro_batch"` sums each round of micro-batches across the ranks and adds the
+/// rounds, `step` adds each rank's micro-batches and sums the ranks: with 2 ranks of 2 one-datum
+/// micro-batches (d0 d1 | d2 d3) the accumulators hold (g0 + g2) + (g1 + g3) and g0 + g1 (rank
+/// 0; g2 + g3 on rank 1), where gk is datum k's gradient computed alone by the same rank. Under
+/// `full` each rank holds only the sums it owns (about half), every mode ends on `none`'s weights
+/// under the same setting, and a worker alone adds its micro-batches' gradients in order.
+#[test]
+fn gradient_sum_micro_batch_sums_each_round_across_ranks() {
+    use candle_core::Tensor;
+    use oxrl::dispatch::{MeshShape, WorkerSpec};
+    use oxrl::worker::{AdamParams, Datum, GradientSum, Sharding, WorkerConfig};
+    let seq = |n: usize, k: usize| -> Datum {
+        let t: Vec<u32> = (0..=n).map(|j| ((k * 37 + j * 11) % 250 + 3) as u32).collect();
+        Datum::supervised(t[..n].to_vec(), t[1..].to_vec(), vec![1.0; n])
+    };
+    // (A rank runs its micro-batches longest first: the rounds are d0 d2, then d1 d3.)
+    let d: Vec<Datum> = [9, 8, 12, 5].iter().enumerate().map(|(k, &n)| seq(n, k)).collect();
+    let loss = common::loss("cross_entropy", &serde_json::json!({}));
+    let group = |sharding: Sharding, gradient_sum: GradientSum| -> Dispatch {
+        let worker = WorkerConfig { micro_batch_size: Some(1), sharding, gradient_sum, ..Default::default() };
+        let spec = WorkerSpec { mesh: MeshShape::dp(2), threads: 1, worker, ..WorkerSpec::new(fixture_dir("qwen3")) };
+        let dispatch = Dispatch::new(false);
+        dispatch.create_model(POLICY, &spec).unwrap();
+        dispatch
+    };
+    // Each rank's accumulators after one forward_backward of `batch`, by parameter name.
+    let held = |dispatch: &Dispatch, batch: &[Datum]| -> Vec<Vec<(String, Option<Tensor>)>> {
+        dispatch.forward_backward(POLICY, batch, Some(&loss), false).unwrap();
+        let read = |w: &oxrl::worker::Worker| -> Vec<(String, Option<Tensor>)> {
+            w.gradients().into_iter().map(|(n, g)| (n.to_string(), g.cloned())).collect()
+        };
+        dispatch.model(POLICY).unwrap().inspect(read).unwrap()
+    };
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    };
+    // gk on the rank that runs it in the grouped calls: d0, d1 on rank 0, d2, d3 on rank 1.
+    let first = held(&group(Sharding::None, GradientSum::Step), &[d[0].clone(), d[2].clone()]);
+    let second = held(&group(Sharding::None, GradientSum::Step), &[d[1].clone(), d[3].clone()]);
+    let all = d.clone();
+    let each = held(&group(Sharding::None, GradientSum::MicroBatch), &all);
+    let step = held(&group(Sharding::None, GradientSum::Step), &all);
+    let mut differ = 0;
+    for (i, (name, _)) in first[0].iter().enumerate() {
+        let g = |ranks: &[Vec<(String, Option<Tensor>)>], r: usize| ranks[r][i].1.clone().unwrap();
+        let (g0, g2, g1, g3) = (g(&first, 0), g(&first, 1), g(&second, 0), g(&second, 1));
+        let rounds = ((&g0 + &g2).unwrap() + (&g1 + &g3).unwrap()).unwrap();
+        for r in 0..2 {
+            assert!(bits(&g(&each, r)) == bits(&rounds), "{name}, rank {r}: not (g0 + g2) + (g1 + g3)");
+            assert!(each[r][i].0 == *name && each[r][i].0 == step[r][i].0);
+        }
+        assert!(bits(&g(&step, 0)) == bits(&(&g0 + &g1).unwrap()), "{name}: step's rank 0 holds not g0 + g1");
+        assert!(bits(&g(&step, 1)) == bits(&(&g2 + &g3).unwrap()), "{name}: step's rank 1 holds not g2 + g3");
+        let summed_at_step = (g(&step, 0) + g(&step, 1)).unwrap();
+        differ += usize::from(bits(&summed_at_step) != bits(&rounds));
+    }
+    assert!(differ > 0, "the two orders gave the same bits everywhere: this test cannot tell them apart");
+
+    // Under `full` a rank keeps the sums it owns; the step applies them.
+    let full = group(Sharding::Full, GradientSum::MicroBatch);
+    let per_rank = held(&full, &all);
+    let bytes = full.model(POLICY).unwrap().inspect(|w| w.gradient_bytes()).unwrap();
+    let whole: usize = each[0].iter().map(|(_, g)| g.as_ref().unwrap().elem_count() * 4).sum();
+    assert_eq!(bytes.iter().sum::<usize>(), whole, "the owners' sums make one whole set: {bytes:?}");
+    for b in &bytes {
+        let share = *b as f64 / (whole as f64 / 2.0);
+        assert!((0.8..=1.2).contains(&share), "a rank holds {share:.3} of its half: {bytes:?}");
+    }
+    for (i, (name, _)) in each[0].iter().enumerate() {
+        let owner: Vec<&Tensor> = per_rank.iter().filter_map(|r| r[i].1.as_ref()).collect();
+        assert_eq!(owner.len(), 1, "{name}: one owner keeps the sum");
+        assert!(bits(owner[0]) == bits(each[0][i].1.as_ref().unwrap()), "{name}: the owner's sum is not none's");
+    }
+    let adam = AdamParams { learning_rate: 1e-2, grad_clip_norm: 0.05, ..Default::default() };
+    let export = |dispatch: &Dispatch| -> Vec<u8> {
+        let dir = tempfile::tempdir().unwrap();
+        dispatch.export(POLICY, dir.path(), false).unwrap();
+        std::fs::read(dir.path().join("model.safetensors")).unwrap()
+    };
+    let none = group(Sharding::None, GradientSum::MicroBatch);
+    held(&none, &all);
+    for dispatch in [&none, &full] {
+        dispatch.optim_step(POLICY, &adam).unwrap();
+        // A second step of two calls, each of two rounds, summed as they come.
+        held(dispatch, &all[..2]);
+        held(dispatch, &all[2..]);
+        dispatch.optim_step(POLICY, &adam).unwrap();
+    }
+    assert!(export(&none) == export(&full), "full's weights differ from none's under micro_batch");
+
+    // A worker alone: its micro-batches' gradients are its sums, added in order (for this
+    // untied model, the bits of `step`, which adds a tied embedding's two parts one by one).
+    let alone = |gradient_sum: GradientSum| -> Vec<Vec<u32>> {
+        let model =
+            oxrl::model::Transformer::load(&fixture_dir("qwen3"), candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
+        let config = WorkerConfig { micro_batch_size: Some(1), gradient_sum, ..Default::default() };
+        let mut worker = oxrl::worker::Worker::new(model, config).unwrap();
+        worker.forward_backward(&all, Some(&loss), false).unwrap();
+        assert_eq!(worker.gradients_summed(), gradient_sum == GradientSum::MicroBatch);
+        worker.gradients().iter().map(|(_, g)| bits(g.unwrap())).collect()
+    };
+    assert!(
+        alone(GradientSum::MicroBatch) == alone(GradientSum::Step),
+        "a worker alone adds its micro-batches otherwise"
+    );
+}
+
 /// A head of several vocabulary blocks (40,000 tokens, tied and untied) under `full`: its gradient
 /// is summed to its owner block by block during the backward, a tied head's hot rows (the tokens
 /// of every rank's batch, shared between ranks here) once more at the embedding, and the
@@ -452,7 +568,9 @@ fn rl_sharded_ends_bit_identical() {
     let gae_one: &[&str] = &[gae, &["launch.micro_batch_size=8"][..]].concat();
     // LoRA: under `full` the frozen base is sliced; the engines receive the adapters.
     let lora: &[&str] = &["model.lora.rank=4", "model.lora.alpha=8"];
-    for extra in [&[][..], gae, async_rl, gae_one, lora] {
+    // Every micro-batch summed across the ranks: the policy's two a rank and the critic's.
+    let each: &[&str] = &[gae, &["launch.gradient_sum=\"micro_batch\""][..]].concat();
+    for extra in [&[][..], gae, async_rl, gae_one, lora, each] {
         let dir = tempfile::tempdir().unwrap();
         let (m0, w0) = grpo(dir.path(), "plain", extra);
         for mode in ["optimizer", "gradients", "full"] {
@@ -483,6 +601,17 @@ fn sharding_names_are_checked_and_unserved_modes_refused() {
         assert_eq!(sft(mode), Ok(mode));
         assert_eq!(rl(mode), Ok(mode));
     }
+    let e = SftConfig::load(
+        None,
+        &["model.path=\"m\"".into(), "data.train_file=\"d.jsonl\"".into(), "train.gradient_sum=\"microbatch\"".into()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("train.gradient_sum") && e.contains("did you mean `micro_batch`?"), "{e}");
+    let e = RlConfig::load(None, &["model.path=\"m\"".into(), "launch.gradient_sum=\"steps\"".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("launch.gradient_sum") && e.contains("did you mean `step`?"), "{e}");
     for (load, key) in
         [(&sft as &dyn Fn(&str) -> Result<&'static str, String>, "train.sharding"), (&rl, "launch.sharding")]
     {

@@ -29,7 +29,7 @@ use crate::trainer::sections::{
     ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleKind, ScheduleSection,
 };
 use crate::trainer::tracking::TrackingSection;
-use crate::worker::Sharding;
+use crate::worker::{GradientSum, Sharding};
 
 use super::plan::LossFault;
 
@@ -466,9 +466,15 @@ pub struct LaunchSection {
     /// bit for bit. Default `false`.
     pub activation_checkpointing: bool,
     /// How the data-parallel ranks of each trained model share its state
-    /// ([`crate::worker::Sharding`]): `none` (the default), `optimizer` (ZeRO-1) or `gradients`
-    /// (ZeRO-2) — the same weights and metrics bit for bit whichever.
+    /// ([`crate::worker::Sharding`]): `none` (the default), `optimizer` (ZeRO-1), `gradients`
+    /// (ZeRO-2) or `full` (ZeRO-3; a frozen reference model's weights are sliced too) — the same
+    /// weights and metrics bit for bit whichever.
     pub sharding: Sharding,
+    /// When the ranks' gradients are summed ([`crate::worker::GradientSum`]): `step` (the
+    /// default) or `micro_batch` (after every micro-batch, so that under `full` a rank keeps
+    /// only its slice of the gradients). Their bits differ; each gives the same bits under
+    /// every sharding.
+    pub gradient_sum: GradientSum,
     /// Engines in processes of their own (`oxrl engine`), by URL (`http://host:port`): sampling
     /// goes to them instead of `engines` engines in this process. Each must serve the model of
     /// `model.path` in `model.dtype`. An API key, if they need one, is read from the environment
@@ -490,6 +496,7 @@ impl Default for LaunchSection {
             max_tokens_per_microbatch: 0,
             activation_checkpointing: false,
             sharding: Sharding::None,
+            gradient_sum: GradientSum::Step,
             remote_engines: vec![],
             remote_timeout_s: 60.0,
         }

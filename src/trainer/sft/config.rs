@@ -18,7 +18,7 @@ use crate::error::Result;
 use crate::trainer::config_file::{ConfigPaths, Sources};
 use crate::trainer::sections::{ModelSection, OnBadRow, OptimizerSection, OutputSection, ScheduleSection};
 use crate::trainer::tracking::TrackingSection;
-use crate::worker::Sharding;
+use crate::worker::{GradientSum, Sharding};
 
 /// A full SFT run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -117,9 +117,15 @@ pub struct TrainSection {
     /// `false`.
     pub activation_checkpointing: bool,
     /// How the data-parallel ranks share the model's state ([`crate::worker::Sharding`]):
-    /// `none` (the default), `optimizer` (ZeRO-1) or `gradients` (ZeRO-2) — the same weights
-    /// and metrics bit for bit whichever.
+    /// `none` (the default), `optimizer` (ZeRO-1), `gradients` (ZeRO-2) or `full` (ZeRO-3) —
+    /// the same weights and metrics bit for bit whichever.
     pub sharding: Sharding,
+    /// When the ranks' gradients are summed ([`crate::worker::GradientSum`]): `step` (the
+    /// default: each rank adds up its micro-batches, the step sums the ranks once) or
+    /// `micro_batch` (after every micro-batch, so that under `full` a rank keeps only its slice
+    /// of the gradients). The two add in different orders, so their bits differ; each gives the
+    /// same bits under every sharding.
+    pub gradient_sum: GradientSum,
     /// Weight of a model with experts' load-balancing loss (transformers' `router_aux_loss_coef`;
     /// Qwen3-MoE's configs suggest 0.001), added to the token-mean loss; 0 (the default): off.
     pub router_aux_loss_coef: f64,
@@ -139,6 +145,7 @@ impl Default for TrainSection {
             max_tokens_per_microbatch: 0,
             activation_checkpointing: false,
             sharding: Sharding::None,
+            gradient_sum: GradientSum::Step,
             router_aux_loss_coef: 0.0,
         }
     }
