@@ -13,8 +13,9 @@
 //! every sharding mode gives the bits of `none` under the same setting. `step` sums once and
 //! keeps each rank's gradients whole until then. `micro_batch` sums every round, and between
 //! rounds a rank keeps the sums it owns: under `full` a round's gradients are summed unit by
-//! unit during its backward (`unit_reduce.rs`), so a rank holds its slice of the gradients
-//! plus one unit's, however many micro-batches it runs. In the other modes a round's gradients
+//! unit during its backward (`unit_reduce.rs`), each added into the running sum as soon as it
+//! is made (the head's block by block: `head_stream.rs`), so a rank holds its slice of the
+//! gradients plus one unit's, however many micro-batches it runs. In the other modes a round's gradients
 //! are summed after its backward, so a rank holds its own sums plus the round's whole gradients
 //! (twice the gradients under `none`).
 //!
@@ -62,6 +63,17 @@ pub(super) fn agree_on_rounds(ex: &dyn RankExchange, mine: std::result::Result<u
     Ok(most)
 }
 
+/// `acc += sum`, or `sum` itself where there is no `acc` yet; in `acc`'s storage when this rank
+/// alone reads it (`in_place`), else into a new tensor.
+pub(super) fn add_sum(acc: &mut Option<Tensor>, sum: Tensor, in_place: bool) -> Result<()> {
+    match acc {
+        Some(a) if in_place && add_in_place(a, &sum)? => {}
+        Some(a) => *a = (&*a + &sum)?,
+        None => *acc = Some(sum),
+    }
+    Ok(())
+}
+
 impl Worker {
     /// Makes this worker one rank of a group whose collectives go over `ex` (dispatch gives each
     /// rank its side); without one a worker is a group of one.
@@ -103,17 +115,24 @@ impl Worker {
     /// accumulators again. After any round they are sums on every rank alike (the count is the
     /// group's), so every rank's step skips the sum together; a call without a round on any rank
     /// leaves them as they were.
-    pub(super) fn end_summing_call(&mut self, sums: Vec<Option<Tensor>>, rounds: usize) {
+    pub(super) fn end_summing_call(&mut self, mut sums: Vec<Option<Tensor>>, rounds: usize) {
+        // A round that failed under `full` left them with its unit reduce.
+        if let Some(running) = self.unit_reduce.take().and_then(|state| state.running) {
+            sums = running;
+        }
+        if sums.len() != self.params.len() {
+            sums = vec![None; self.params.len()];
+        }
         self.grads = sums;
         self.summed |= rounds > 0;
-        self.unit_reduce = None;
     }
 
     /// Starts one round: under `full`, its gradients are summed unit by unit as the backward
-    /// finishes them.
-    pub(super) fn start_round(&mut self) -> Result<()> {
+    /// finishes them, each added into `sums` there (which the unit reduce holds until
+    /// [`Worker::end_round`]).
+    pub(super) fn start_round(&mut self, sums: &mut Vec<Option<Tensor>>) -> Result<()> {
         if self.slices.is_some() {
-            self.start_unit_reduce()?;
+            self.start_unit_reduce(Some(std::mem::take(sums)))?;
         }
         Ok(())
     }
@@ -121,32 +140,28 @@ impl Worker {
     /// Ends one round: the gradients its backward left (all of them but the ones a `full` rank
     /// summed during it) are summed across the ranks, and every sum this rank keeps is added to
     /// `sums`.
-    pub(super) fn end_round(&mut self, sums: &mut [Option<Tensor>]) -> Result<()> {
+    pub(super) fn end_round(&mut self, sums: &mut Vec<Option<Tensor>>) -> Result<()> {
         let n = self.params.len();
-        let (mut round, done) = match self.unit_reduce.take() {
-            Some(state) => (state.summed, state.done),
-            None => (vec![None; n], vec![false; n]),
+        let done = match self.unit_reduce.take() {
+            Some(state) => {
+                *sums = state.running.ok_or_else(|| Error::Other("a round's unit reduce lost its sums".into()))?;
+                state.done
+            }
+            None => vec![false; n],
         };
         let rest: Vec<usize> = (0..n).filter(|&i| !done[i]).collect();
         let ex = self.round_exchange()?;
         // Unsharded ranks of one process share the all-reduce's sums (one tensor read by each):
         // those are added out of place. A sum only its owner keeps is the owner's to write.
         let mine_alone = self.shard.is_some() || ex.as_ref().is_none_or(|ex| ex.gathers_alone());
-        match ex {
-            Some(ex) => {
-                for (&i, sum) in rest.iter().zip(self.sum_to_keepers(&rest, &*ex)?) {
-                    round[i] = sum;
-                }
-            }
+        let round: Vec<Option<Tensor>> = match ex {
+            Some(ex) => self.sum_to_keepers(&rest, &*ex)?,
             // Alone: the round's own gradients are the sums.
-            None => rest.iter().for_each(|&i| round[i] = self.grads[i].take()),
-        }
-        for (acc, sum) in sums.iter_mut().zip(round) {
-            let Some(sum) = sum else { continue };
-            match acc {
-                Some(a) if mine_alone && add_in_place(a, &sum)? => {}
-                Some(a) => *a = (&*a + &sum)?,
-                None => *acc = Some(sum),
+            None => rest.iter().map(|&i| self.grads[i].take()).collect(),
+        };
+        for (&i, sum) in rest.iter().zip(round) {
+            if let Some(sum) = sum {
+                add_sum(&mut sums[i], sum, mine_alone)?;
             }
         }
         Ok(())

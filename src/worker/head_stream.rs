@@ -17,13 +17,16 @@
 //! The bits are those of the whole gradient summed after the backward: a row outside `hot` gets
 //! nothing from any rank's embedding, and a hot row is summed again, with its rows added in the
 //! tape's order, over the head-only sum. The owner holds its sum (its own gradient, as before);
-//! every other rank holds one block and the hot rows.
+//! every other rank holds one block and the hot rows. Summing each micro-batch
+//! (`gradient_sum.rs`), from the second on the owner adds each block into its running sum
+//! instead of writing a new one, and sets a hot row to its running sum from before the
+//! backward plus the hot sum: the bits of adding the whole sum after the backward.
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::in_place::{write_at, write_rows};
+use super::in_place::{add_at, write_at, write_rows};
 use super::weight_slices::WeightSlices;
 use crate::locks::lock;
 use crate::model::tape::{vocab_blocks, HeadSink, VOCAB_BLOCK};
@@ -46,17 +49,37 @@ pub(super) struct HeadStream {
     hot_summed: bool,
     /// The owner's sum, written block by block.
     sum: Option<Tensor>,
+    /// The owner's running sum that this backward's is added into instead (the gradients summed
+    /// after each micro-batch, from the second on: `gradient_sum.rs`), and its hot rows as they
+    /// were before this backward's blocks were added.
+    into: Option<Tensor>,
+    hot_before: Option<Tensor>,
 }
 
 impl HeadStream {
+    /// `into`: on the owner, a running sum to add this backward's to (see [`HeadStream::into`]).
     pub(super) fn new(
         slices: Arc<WeightSlices>,
         owner: usize,
         (vocab, width): (usize, usize),
         dtype: DType,
         tied: bool,
+        into: Option<Tensor>,
     ) -> Self {
-        HeadStream { slices, owner, vocab, width, dtype, tied, hot: None, next_row: 0, hot_summed: false, sum: None }
+        HeadStream {
+            slices,
+            owner,
+            vocab,
+            width,
+            dtype,
+            tied,
+            hot: None,
+            next_row: 0,
+            hot_summed: false,
+            sum: None,
+            into,
+            hot_before: None,
+        }
     }
 
     /// After the head unit's backward: the blocks this rank made none of (no batch, or a loss
@@ -75,7 +98,8 @@ impl HeadStream {
     }
 
     /// After the embedding's backward (a tied head): the hot rows summed as zeros where this
-    /// rank made none; then the owner's sum (`None` on the other ranks).
+    /// rank made none; then the owner's sum (`None` on the other ranks, and where it was added
+    /// into a running sum).
     pub(super) fn finish(&mut self) -> Result<Option<Tensor>> {
         if self.tied && !self.hot_summed {
             let count = self.hot.as_ref().map_or(0, Vec::len);
@@ -103,8 +127,11 @@ impl HeadStream {
         else {
             return Ok(());
         };
-        let sum = self.owner_sum()?;
-        if !write_at(&sum, first * self.width, &summed)? {
+        let written = match &self.into {
+            Some(into) => add_at(into, first * self.width, &summed)?,
+            None => write_at(&self.owner_sum()?, first * self.width, &summed)?,
+        };
+        if !written {
             return Err(Error::Other("the head's summed gradient block could not be written in place".into()));
         }
         Ok(())
@@ -120,9 +147,15 @@ impl HeadStream {
         else {
             return Ok(());
         };
-        let sum = self.owner_sum()?;
-        let hot = self.hot.as_ref().ok_or_else(|| Error::Other("hot rows summed before they were agreed".into()))?;
-        if !write_rows(&sum, hot, &summed)? {
+        let hot = self.hot.clone().ok_or_else(|| Error::Other("hot rows summed before they were agreed".into()))?;
+        // Added into a running sum, the blocks added the hot rows' head part alone: those rows
+        // are the running sum's before them plus this backward's whole sum.
+        let written = match (&self.into, &self.hot_before) {
+            (Some(into), Some(before)) => write_rows(into, &hot, &(before + &summed)?)?,
+            (Some(_), None) => return Err(Error::Other("the hot rows' running sums were not kept".into())),
+            (None, _) => write_rows(&self.owner_sum()?, &hot, &summed)?,
+        };
+        if !written {
             return Err(Error::Other("the head's summed hot rows could not be written in place".into()));
         }
         Ok(())
@@ -145,6 +178,10 @@ impl HeadSink for HeadStream {
         }
         all.sort_unstable();
         all.dedup();
+        if let Some(into) = &self.into {
+            let rows = Tensor::from_vec(all.clone(), all.len(), &Device::Cpu)?;
+            self.hot_before = Some(into.index_select(&rows, 0)?);
+        }
         self.hot = Some(all.clone());
         Ok(all)
     }

@@ -2,6 +2,7 @@
 //! tied embedding at Qwen's vocabulary, hundreds of megabytes at the peak of a step):
 //! - [`add_in_place`]: `acc += g`, each element `a + g` in the dtype's own addition (half's for
 //!   bf16 and f16, widened and rounded), the arithmetic of candle's `add`, so the same bits;
+//!   [`add_at`] the same into a range, `acc[offset..offset + n] += g`;
 //! - [`write_at`]: `dst[offset..offset + n] = src`, a sum that arrives in pieces written over the
 //!   gradient it is the sum of;
 //! - [`write_rows`]: `dst[rows[k]] = src[k]`, rows summed apart written into their places.
@@ -26,7 +27,18 @@ pub fn add_in_place(acc: &Tensor, g: &Tensor) -> Result<bool> {
     if !(plain(acc) && plain(g)) || acc.dtype() != g.dtype() || acc.dims() != g.dims() {
         return Ok(false);
     }
-    acc.inplace_op2(g, &AddInto)?;
+    acc.inplace_op2(g, &AddInto(0))?;
+    Ok(true)
+}
+
+/// Adds `src` into `src.elem_count()` elements of `acc`, flat from `offset`, with
+/// [`add_in_place`]'s arithmetic, when both are [`plain`] tensors of one dtype and it fits;
+/// returns whether it did.
+pub fn add_at(acc: &Tensor, offset: usize, src: &Tensor) -> Result<bool> {
+    if !(plain(acc) && plain(src)) || acc.dtype() != src.dtype() || offset + src.elem_count() > acc.elem_count() {
+        return Ok(false);
+    }
+    acc.inplace_op2(src, &AddInto(offset))?;
     Ok(true)
 }
 
@@ -97,23 +109,24 @@ impl candle_core::InplaceOp2 for WriteAt {
     }
 }
 
-struct AddInto;
+/// `acc[offset..offset + n] += g`.
+struct AddInto(usize);
 
 impl candle_core::InplaceOp2 for AddInto {
     fn name(&self) -> &'static str {
         "add-into"
     }
 
-    fn cpu_fwd(&self, acc: &mut CpuStorage, la: &Layout, g: &CpuStorage, lg: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(&self, acc: &mut CpuStorage, _: &Layout, g: &CpuStorage, lg: &Layout) -> candle_core::Result<()> {
         fn add<T: Copy + std::ops::Add<Output = T>>(acc: &mut [T], g: &[T]) {
             acc.iter_mut().zip(g).for_each(|(a, &g)| *a = *a + g);
         }
-        let (n, m) = (la.shape().elem_count(), lg.shape().elem_count());
+        let (at, m) = (self.0, lg.shape().elem_count());
         match (acc, g) {
-            (CpuStorage::F32(a), CpuStorage::F32(g)) => add(&mut a[..n], &g[..m]),
-            (CpuStorage::F64(a), CpuStorage::F64(g)) => add(&mut a[..n], &g[..m]),
-            (CpuStorage::BF16(a), CpuStorage::BF16(g)) => add(&mut a[..n], &g[..m]),
-            (CpuStorage::F16(a), CpuStorage::F16(g)) => add(&mut a[..n], &g[..m]),
+            (CpuStorage::F32(a), CpuStorage::F32(g)) => add(&mut a[at..at + m], &g[..m]),
+            (CpuStorage::F64(a), CpuStorage::F64(g)) => add(&mut a[at..at + m], &g[..m]),
+            (CpuStorage::BF16(a), CpuStorage::BF16(g)) => add(&mut a[at..at + m], &g[..m]),
+            (CpuStorage::F16(a), CpuStorage::F16(g)) => add(&mut a[at..at + m], &g[..m]),
             _ => candle_core::bail!("add-into: the accumulator and the gradient differ in dtype"),
         }
         Ok(())
@@ -142,6 +155,28 @@ mod tests {
         }
         let m = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
         assert!(!add_in_place(&m.t().unwrap(), &m).unwrap(), "a transposed view is not added in place");
+    }
+
+    /// A range takes candle's add of its elements and the source; the rest keeps its own; a
+    /// source that would run past the end is refused.
+    #[test]
+    fn adds_a_range_and_nothing_else() {
+        let a: Vec<f32> = (0..12).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
+        let b: Vec<f32> = (0..5).map(|i| (i as f32 * 1.91).cos() * 1e-3).collect();
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let x = Tensor::new(&a[..], &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let y = Tensor::new(&b[..], &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let acc = x.copy().unwrap();
+            assert!(add_at(&acc, 6, &y).unwrap(), "{dtype:?}");
+            let want = Tensor::cat(
+                &[x.narrow(0, 0, 6).unwrap(), (x.narrow(0, 6, 5).unwrap() + &y).unwrap(), x.narrow(0, 11, 1).unwrap()],
+                0,
+            )
+            .unwrap();
+            let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+            assert_eq!(bits(&acc), bits(&want), "{dtype:?}");
+            assert!(!add_at(&acc, 8, &y).unwrap(), "{dtype:?}: past the end");
+        }
     }
 
     /// The written range takes the source's bits and the rest keeps its own; a source that would

@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 
+use super::gradient_sum::add_sum;
 use super::head_stream::HeadStream;
 use super::weight_slices::WeightSlices;
 use super::worker::Worker;
@@ -48,35 +49,58 @@ pub(super) struct UnitReduce {
     pub(super) done: Vec<bool>,
     /// The head weight (its index) when its gradient is summed block by block.
     pub(super) head: Option<(usize, Arc<Mutex<HeadStream>>)>,
+    /// Summing each micro-batch (`gradient_sum.rs`): the sums of the earlier ones, which each
+    /// finished weight's sum is added into at once, so that a rank never holds two sums of a
+    /// weight.
+    pub(super) running: Option<Vec<Option<Tensor>>>,
+}
+
+impl UnitReduce {
+    /// Weight `i`'s sum (`None` on a rank that does not own it), made: kept for the step, or
+    /// added into the running sums (the owner's alone: in place).
+    fn keep(&mut self, i: usize, sum: Option<Tensor>) -> Result<()> {
+        self.done[i] = true;
+        match (&mut self.running, sum) {
+            (Some(running), Some(sum)) => add_sum(&mut running[i], sum, true),
+            (None, sum) => {
+                self.summed[i] = sum;
+                Ok(())
+            }
+            (Some(_), None) => Ok(()),
+        }
+    }
 }
 
 impl Worker {
     /// Starts summing this call's gradients during its backward (every rank of the group starts
-    /// together: see [`Worker::forward_backward_for_step`]).
-    pub(super) fn start_unit_reduce(&mut self) -> Result<()> {
+    /// together: see [`Worker::forward_backward_for_step`]); `running`: the sums of earlier
+    /// micro-batches, which this backward's are added into (`gradient_sum.rs`).
+    pub(super) fn start_unit_reduce(&mut self, running: Option<Vec<Option<Tensor>>>) -> Result<()> {
         let slices = self.slices.as_ref().ok_or_else(|| Error::Other("unit reduce without sliced weights".into()))?;
         let n = self.params.len();
         let mut completed_by = slices.completed_by(&self.params);
-        let head = self.head_stream(slices);
+        let head = self.head_stream(slices, running.as_deref());
         if let Some((i, _)) = &head {
             completed_by.values_mut().for_each(|list| list.retain(|j| j != i));
         }
         let head = head.map(|(i, h)| (i, Arc::new(Mutex::new(h))));
-        self.unit_reduce = Some(UnitReduce { completed_by, summed: vec![None; n], done: vec![false; n], head });
+        self.unit_reduce =
+            Some(UnitReduce { completed_by, summed: vec![None; n], done: vec![false; n], head, running });
         Ok(())
     }
 
     /// The head weight's index and its stream, when the tape can hand its gradient over in
     /// blocks: a policy's trained, sliced head on the tape ([`Tape::streams_head`]).
-    fn head_stream(&self, slices: &Arc<WeightSlices>) -> Option<(usize, HeadStream)> {
+    fn head_stream(&self, slices: &Arc<WeightSlices>, sums: Option<&[Option<Tensor>]>) -> Option<(usize, HeadStream)> {
         let w = &self.model.lm_head.weight;
         let eligible = self.value_head.is_none() && Tape::serves(&self.model) && Tape::streams_head(&self.model);
         let i = self.params.iter().position(|(_, v)| v.as_tensor().id() == w.id())?;
         let plan = self.shard.as_ref()?;
         let shape = w.dims2().ok()?;
         let tied = w.id() == self.model.embed_tokens.id();
+        let into = sums.and_then(|s| s.get(i).cloned().flatten()).filter(|_| plan.owns(i));
         (eligible && slices.is_sliced(w)).then(|| {
-            let stream = HeadStream::new(slices.clone(), plan.owners[i], shape, self.accumulator_dtype(i), tied);
+            let stream = HeadStream::new(slices.clone(), plan.owners[i], shape, self.accumulator_dtype(i), tied, into);
             (i, stream)
         })
     }
@@ -97,8 +121,8 @@ impl Worker {
                 Unit::Layer(_) => false,
             };
             if last {
-                state.summed[i] = head.finish()?;
-                state.done[i] = true;
+                let sum = head.finish()?;
+                state.keep(i, sum)?;
             }
         }
         let Some(finished) = state.completed_by.remove(&unit) else { return Ok(()) };
@@ -110,8 +134,7 @@ impl Worker {
         let summed = slices.reduce_to_owners(local, &owners)?;
         let state = self.unit_reduce.as_mut().expect("checked above");
         for (&i, sum) in finished.iter().zip(summed) {
-            state.summed[i] = sum;
-            state.done[i] = true;
+            state.keep(i, sum)?;
         }
         Ok(())
     }

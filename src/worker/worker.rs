@@ -283,7 +283,7 @@ impl Worker {
         let mine = self.micro_batch_count(batch, loss).map(|n| (n, pending)).map_err(|e| e.to_string());
         let (most, any_pending) = slices.agree(mine)?;
         if backward && step_next && most == 1 && !any_pending {
-            self.start_unit_reduce()?;
+            self.start_unit_reduce(None)?;
         }
         let out = self.run_micro_batches(batch, loss, backward, outputs, most, None);
         if let Err(e) = &out {
@@ -375,8 +375,8 @@ impl Worker {
         let mut metrics = Metrics::new();
         let mut records = vec![LossFnOutput::default(); batch.len()];
         for round in 0..plan.len().max(lockstep) {
-            if sums.is_some() {
-                self.start_round()?;
+            if let Some(sums) = sums.as_deref_mut() {
+                self.start_round(sums)?;
             }
             if let Some(members) = plan.get(round) {
                 let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, keep)?;

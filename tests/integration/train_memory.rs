@@ -477,12 +477,14 @@ fn gradient_sum_micro_batch_sums_each_round_across_ranks() {
 /// A head of several vocabulary blocks (40,000 tokens, tied and untied) under `full`: its gradient
 /// is summed to its owner block by block during the backward, a tied head's hot rows (the tokens
 /// of every rank's batch, shared between ranks here) once more at the embedding, and the
-/// weights end on `none`'s bits at 2 and 3 ranks, one of the 3 without a datum.
+/// weights end on `none`'s bits at 2 and 3 ranks, one of the 3 without a datum; the same with
+/// every micro-batch summed (`gradient_sum = "micro_batch"`, the owner adding each block and
+/// hot row into its running sum).
 #[test]
 fn full_sharding_sums_a_head_of_several_blocks_to_none_bits() {
     use oxrl::dispatch::{MeshShape, WorkerSpec};
     use oxrl::model::model_config::{Arch, ModelShape};
-    use oxrl::worker::{AdamParams, Datum, WorkerConfig};
+    use oxrl::worker::{AdamParams, Datum, GradientSum, WorkerConfig};
     let vocab = 40_000;
     assert!(oxrl::model::tape::vocab_blocks(vocab, oxrl::model::tape::VOCAB_BLOCK).len() >= 3);
     let seq = |k: usize| -> Datum {
@@ -508,9 +510,12 @@ fn full_sharding_sums_a_head_of_several_blocks_to_none_bits() {
             tie_word_embeddings: tied,
         };
         oxrl::model::init::write_random_model(dir.path(), Arch::Qwen3, &shape, 11, candle_core::DType::F32).unwrap();
-        let run = |mode: &str, ranks: usize, batch: &[Datum]| -> Vec<u8> {
+        let run = |mode: &str, ranks: usize, batch: &[Datum], gradient_sum: GradientSum| -> Vec<u8> {
             let sharding = oxrl::worker::Sharding::from_name(mode).unwrap();
-            let worker = WorkerConfig { micro_batch_size: Some(4), sharding, ..Default::default() };
+            // Summing each micro-batch, a rank runs several, the head's sums added into the
+            // owner's running sum from the second on.
+            let micro_batch_size = Some(if gradient_sum == GradientSum::Step { 4 } else { 1 });
+            let worker = WorkerConfig { micro_batch_size, sharding, gradient_sum, ..Default::default() };
             let spec = WorkerSpec { mesh: MeshShape::dp(ranks), threads: 1, worker, ..WorkerSpec::new(dir.path()) };
             let d = Dispatch::new(false);
             d.create_model(POLICY, &spec).unwrap();
@@ -522,12 +527,18 @@ fn full_sharding_sums_a_head_of_several_blocks_to_none_bits() {
             d.export(POLICY, out.path(), false).unwrap();
             std::fs::read(out.path().join("model.safetensors")).unwrap()
         };
-        for (ranks, datums) in [(2, 4), (3, 2)] {
+        let cases = [
+            (2, 4, GradientSum::Step),
+            (3, 2, GradientSum::Step),
+            (2, 4, GradientSum::MicroBatch),
+            (3, 5, GradientSum::MicroBatch),
+        ];
+        for (ranks, datums, sum) in cases {
             let batch: Vec<Datum> = (0..datums).map(seq).collect();
-            let none = run("none", ranks, &batch);
+            let none = run("none", ranks, &batch, sum);
             assert!(
-                run("full", ranks, &batch) == none,
-                "tied {tied}, {ranks} ranks: full's weights differ from none's"
+                run("full", ranks, &batch, sum) == none,
+                "tied {tied}, {ranks} ranks, {sum}: full's weights differ from none's"
             );
         }
     }
