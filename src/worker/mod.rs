@@ -9,6 +9,8 @@
 //!   accumulators; metrics merge exactly; one record per datum comes back in input order.
 //! - [`Worker::forward_backward_for_step`]: the same when the optimizer step comes next, which
 //!   lets `full` sharding sum each gradient to its owner during the backward (`unit_reduce.rs`).
+//!   Under `gradient_sum = "micro_batch"` every backward sums each micro-batch's gradients
+//!   across the ranks as it goes ([`gradient_sum`]).
 //! - [`Worker::forward`]: the same without gradients.
 //! - [`Worker::optim_step`]: AdamW ([`adamw`]) with optional global-norm clipping.
 //! - [`Worker::save_state`] / [`Worker::load_state`] / [`Worker::export`]: [`checkpoint`].
