@@ -23,7 +23,9 @@
 //! order, so the bits are those of `none`. With more micro-batches or calls per step, a rank's
 //! local gradient is final only after its last backward; summing earlier would change the
 //! order of the additions, hence the bits, so the accumulators stay whole until the step (as
-//! under FSDP's `no_sync`).
+//! under FSDP's `no_sync`) — unless the run asks for sums after every micro-batch
+//! (`gradient_sum = "micro_batch"`, `gradient_sum.rs`), which runs this reduce in each
+//! micro-batch's backward and adds each sum into the owner's running sum.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
