@@ -474,6 +474,36 @@ fn gradient_sum_micro_batch_sums_each_round_across_ranks() {
     );
 }
 
+/// Summing each micro-batch, a rank whose batch is refused (a token past the vocabulary) makes
+/// every rank fail with its reason before any collective, unsharded and under `full`, and the
+/// group then trains on a good batch.
+#[test]
+fn gradient_sum_micro_batch_refused_batch_fails_every_rank() {
+    use oxrl::dispatch::{MeshShape, WorkerSpec};
+    use oxrl::worker::{Datum, GradientSum, Sharding, WorkerConfig};
+    let good = Datum::supervised(vec![5, 6, 7], vec![6, 7, 8], vec![1.0; 3]);
+    let bad = Datum::supervised(vec![5, 6, 7], vec![6, 7, 1_000_000], vec![1.0; 3]);
+    let loss = common::loss("cross_entropy", &serde_json::json!({}));
+    for sharding in [Sharding::None, Sharding::Full] {
+        let worker = WorkerConfig {
+            micro_batch_size: Some(1),
+            sharding,
+            gradient_sum: GradientSum::MicroBatch,
+            ..Default::default()
+        };
+        let spec = WorkerSpec { mesh: MeshShape::dp(2), threads: 1, worker, ..WorkerSpec::new(fixture_dir("qwen3")) };
+        let d = Dispatch::new(false);
+        d.create_model(POLICY, &spec).unwrap();
+        let e = d.forward_backward(POLICY, &[good.clone(), bad.clone()], Some(&loss), false).unwrap_err().to_string();
+        assert!(
+            e.contains("data-parallel rank 1 refused its batch") && e.contains("token id 1000000"),
+            "{sharding}: {e}"
+        );
+        let out = d.forward_backward(POLICY, &[good.clone(), good.clone()], Some(&loss), false).unwrap();
+        assert!(out.metrics.value("loss:sum").is_some_and(f64::is_finite), "{sharding}");
+    }
+}
+
 /// A head of several vocabulary blocks (40,000 tokens, tied and untied) under `full`: its gradient
 /// is summed to its owner block by block during the backward, a tied head's hot rows (the tokens
 /// of every rank's batch, shared between ranks here) once more at the embedding, and the
