@@ -2,7 +2,7 @@
 //! declared once where they belong (an algorithm's in `algo`, a pause mode in `rollout`) and held
 //! as they are by the configs that choose them.
 //!
-//! [`choice!`] declares such an enum with its names and the kind of thing it names, and gives
+//! [`choice!`](crate::choice!) declares such an enum with its names and the kind of thing it names, and gives
 //! it `Serialize`/`Deserialize` as those names. An unknown name is a deserialisation error that
 //! names the kind, suggests the nearest valid name and lists them all (`unknown mode `asyncc`;
 //! did you mean `async`? (valid: sync, async)`); the config resolver prefixes the dotted key and

@@ -10,14 +10,14 @@
 //! - [`dispatch`]: worker groups per role over a data-parallel mesh, colocation.
 //! - [`rollout`]: the sampling engine, its client, weight updates (beside `dispatch`, over
 //!   `world`: neither imports the other).
-//! - [`env`]: RL environments and rewards (text and tokens in, rewards out; no models).
+//! - [`env`](mod@env): RL environments and rewards (text and tokens in, rewards out; no models).
 //! - [`trainer`]: the SFT loop, run configs, datasets, metrics and plots.
 //! - [`launch`]: run configs → ready workers and engines (devices, meshes, thread budgets).
 //! - [`server`]: the Tinker-compatible HTTP server (`oxrl serve`).
 //! - [`engine_server`]: one sampling engine as a server (`oxrl engine`): oxrl's API for
 //!   trainers in other processes, and OpenAI's.
 //! - [`cli`]: the `oxrl` command line.
-//! - [`bench`]: the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
+//! - [`bench`](mod@bench): the benchmark model and workloads (`oxrl bench`, `cargo bench`, the peer script).
 //!
 //! Beside them: [`handle`] (results of submitted calls, awaited or waited on); [`actor`]
 //! (the threads that own workers and engines, each with its own tensor-math thread budget);

@@ -1,7 +1,7 @@
 //! The benchmark model of the issues: qwen3-shaped, hidden 256, 4 layers, 4 heads of 64 (2 kv
 //! heads), MLP 1024, vocab 4096, max position 1024, untied — 6.0 M parameters — with the crate's
 //! seeded initialisation ([`crate::model::init`]: N(0, 0.02²), norms 1), so the same seed gives
-//! the same weights in `cargo bench`, `oxrl bench` and the HF directory [`write`] makes.
+//! the same weights in `cargo bench`, `oxrl bench` and the HF directory [`write`](fn@write) makes.
 
 use std::path::Path;
 
@@ -37,7 +37,7 @@ pub fn config() -> Result<ModelConfig> {
 }
 
 /// The benchmark model with the weights of `seed`, in `dtype` on `device` (drawn in f32 and
-/// rounded to `dtype`, so every dtype rounds the one model that [`write`] stores).
+/// rounded to `dtype`, so every dtype rounds the one model that [`write`](fn@write) stores).
 pub fn build(seed: u64, dtype: DType, device: &Device) -> Result<Transformer> {
     init::random_model(config()?, seed, dtype, device)
 }

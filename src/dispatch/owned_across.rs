@@ -69,7 +69,7 @@ fn unpack(bytes: &[u8], process: usize) -> Result<HashMap<String, Tensor>> {
 /// tensors, every rank the same shapes in the same order. The tensors are handed over: a sum cut
 /// into pieces is written over local rank 0's tensor as its pieces arrive (so an owner holds one
 /// tensor's worth, not its gradient, the summed pieces and their join), which must therefore own
-/// its storage ([`crate::worker::in_place`]).
+/// its storage (`crate::worker::in_place`).
 pub fn reduce_to_owners(world: &dyn World, local: Vec<Vec<Tensor>>, owners: &[usize]) -> Result<Vec<Option<Tensor>>> {
     reduce_in_pieces(world, local, owners, BUCKET)
 }

@@ -6,7 +6,7 @@
 //!   the model and the optimizer state);
 //! - creating a model leaves only that model resident; a dropped model is forgotten.
 //!
-//! This module is the pure state machine; [`super::group`] applies its decisions to workers.
+//! This module is the pure state machine; [`super::worker_group`] applies its decisions to workers.
 
 use std::collections::BTreeMap;
 

@@ -11,7 +11,7 @@
 //!     S ← e^g·S;  δ = β·(v − Sᵀk);  S ← S + k δᵀ;  o = Sᵀq
 //! y = out_proj(rms_norm(o)·w ⊙ silu(z))                   (RMSNorm per head over dv)
 //! ```
-//! The recurrence runs token by token, in the one order of [`step`], in the trainer's forward
+//! The recurrence runs token by token, in the one order of `step`, in the trainer's forward
 //! and in the engine's prefill and decode (where S and the last K−1 conv inputs are the state a
 //! row carries instead of a KV cache), so a sampled token's log-prob is the trainer's bits. It
 //! is what transformers' recurrent kernel computes; its chunked training kernel sums in another
@@ -23,7 +23,7 @@
 //! the conv history as they were and outputs zeros (for left padding, what transformers' zeroed
 //! inputs give).
 //!
-//! The backward keeps the state every [`CHECKPOINT`] tokens; per value head it recomputes a
+//! The backward keeps the state every `CHECKPOINT` tokens; per value head it recomputes a
 //! chunk's states from its checkpoint (the forward's bits) and walks the chunk back:
 //! ```text
 //! dS += q doᵀ;  dq = S do;  dk = dS δ;  dδ = dSᵀk;  dv = β dδ;  dβ = dδ·(v − m)
@@ -64,7 +64,7 @@ pub struct GatedDeltaNet {
     pub a_log: Tensor,
     /// [value heads]
     pub dt_bias: Tensor,
-    /// The gated RMSNorm's weight [value_head_dim] (plain scale, no `1 +`).
+    /// The gated RMSNorm's weight \[value_head_dim\] (plain scale, no `1 +`).
     pub norm: Tensor,
 }
 
@@ -260,8 +260,8 @@ fn step<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: T, beta: T, o: &mut 
     }
 }
 
-/// The recurrence of one value head over n tokens, token by token in [`step`]'s order (the
-/// forward's inner loop, without its checkpoints): q, k [n, dk], v and o [n, dv], g and β [n],
+/// The recurrence of one value head over n tokens, token by token in `step`'s order (the
+/// forward's inner loop, without its checkpoints): q, k [n, dk], v and o [n, dv], g and β \[n\],
 /// S [dk, dv] advanced in place. The reference [`super::delta_net_chunked`] is tested and
 /// measured against.
 pub fn recurrence<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: &[T], beta: &[T], o: &mut [T]) {
@@ -275,9 +275,9 @@ pub fn recurrence<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: &[T], beta
 }
 
 /// The backward of [`recurrence`] from a zero state, as training runs it: `kept` holds S before
-/// every [`CHECKPOINT`]-th token (the recorded forward's); per chunk, last first, the chunk's
+/// every `CHECKPOINT`-th token (the recorded forward's); per chunk, last first, the chunk's
 /// states are recomputed from its checkpoint (the forward's bits) and walked back. Returns dq,
-/// dk [n, dk], dv [n, dv], dg and dβ [n] for the outputs' gradient `d_o` [n, dv].
+/// dk [n, dk], dv [n, dv], dg and dβ \[n\] for the outputs' gradient `d_o` [n, dv].
 #[allow(clippy::type_complexity)]
 pub fn recurrence_backward<T: Real>(
     kept: &[T],

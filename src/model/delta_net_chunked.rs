@@ -26,7 +26,7 @@ use crate::model::tape::matmul::{matmul, Mat};
 pub const CHUNK: usize = 64;
 
 /// The chunked recurrence of one value head over n tokens: q, k [n, dk], v and o [n, dv], g and
-/// β [n], S [dk, dv] advanced in place (the same arguments as
+/// β \[n\], S [dk, dv] advanced in place (the same arguments as
 /// [`super::delta_net::recurrence`]). Runs its products on the calling thread.
 pub fn forward<T: Real>(s: &mut [T], q: &[T], k: &[T], v: &[T], g: &[T], beta: &[T], o: &mut [T]) {
     forward_kept(s, q, k, v, g, beta, o, None)
@@ -121,7 +121,7 @@ pub fn forward_kept<T: Real>(
     }
 }
 
-/// Gradients of one head's inputs: q, k [n, dk], v [n, dv], g and β [n].
+/// Gradients of one head's inputs: q, k [n, dk], v [n, dv], g and β \[n\].
 pub struct HeadGrads<T> {
     pub q: Vec<T>,
     pub k: Vec<T>,

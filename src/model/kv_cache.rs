@@ -18,7 +18,7 @@
 //! row with nothing cached yet starts from zeros).
 //!
 //! A sliding-window layer (Gemma 3's local layers) keeps only the last columns a later query can
-//! see ([`KvCache::keep_last`]): its keys and values are the *last* C columns of the key mask,
+//! see (`KvCache::keep_last`): its keys and values are the *last* C columns of the key mask,
 //! C bounded by the window whatever the sequence's length. Row surgery aligns every layer on
 //! the right (the newest column); columns a windowed layer lacks are outside every window, so
 //! whatever fills them (zeros when rows are joined) is masked.

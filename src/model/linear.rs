@@ -30,7 +30,7 @@ pub(crate) fn owned(t: &Tensor) -> Result<Tensor> {
 }
 
 impl LoraPair {
-    /// The pair with A and B [`owned`].
+    /// The pair with A and B `owned`.
     pub fn owned(&self) -> Result<LoraPair> {
         Ok(LoraPair { a: owned(&self.a)?, b: owned(&self.b)?, scale: self.scale })
     }
@@ -52,7 +52,7 @@ impl LoraPair {
 pub struct Linear {
     /// [out, in]
     pub weight: Tensor,
-    /// [out]
+    /// \[out\]
     pub bias: Option<Tensor>,
     pub lora: Option<LoraPair>,
     /// The weight packed for inference, made at first use and kept while the weight is the same

@@ -62,7 +62,7 @@ pub struct Routing<T> {
     pub experts: Vec<u32>,
     /// [N, k] their weights (renormalised with `norm_topk_prob`).
     pub weights: Vec<T>,
-    /// [N] Σ of the chosen probabilities (the renormalisation's divisor).
+    /// \[N\] Σ of the chosen probabilities (the renormalisation's divisor).
     pub chosen_sum: Vec<T>,
 }
 
@@ -266,7 +266,7 @@ pub fn router_mismatch(
     count_mismatches(&s, &t, weights, width)
 }
 
-/// Tokens with a nonzero weight (`weights` [B][T], `width` = T) whose experts differ in any layer
+/// Tokens with a nonzero weight (`weights` \[B\]\[T\], `width` = T) whose experts differ in any layer
 /// between two route logs of the same batch (each layer's entry [B·T] rows).
 pub fn count_mismatches(
     sampler: &[Vec<Vec<u32>>],

@@ -1,4 +1,4 @@
-//! log p(seq[i] | seq[..i]) of whole sequences through the trainer's forward: what `oxrl score`
+//! log p(seq\[i\] | seq[..i]) of whole sequences through the trainer's forward: what `oxrl score`
 //! reports and what the engine's prompt log-probs must equal, bit for bit.
 //!
 //! The batch is laid out as the trainer lays out a micro-batch (each sequence's first L − 1 tokens
@@ -17,7 +17,7 @@ use super::tape::Tape;
 use super::Transformer;
 use crate::{Error, Result};
 
-/// For each sequence, log p(seq[i] | seq[..i]) for i = 1..L (L − 1 values; none for one token).
+/// For each sequence, log p(seq\[i\] | seq[..i]) for i = 1..L (L − 1 values; none for one token).
 pub fn sequence_logprobs(model: &Transformer, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
     if let Some(i) = seqs.iter().position(Vec::is_empty) {
         return Err(Error::input(format!("sequence {i} is empty")));

@@ -591,7 +591,7 @@ impl Transformer {
     }
 
     /// Final hidden states [B, T, hidden] for `input_ids` [B, T] at `positions` [B, T] with the
-    /// key mask `mask` [B][T] (1 = real token). With a cache, the tokens are appended after the
+    /// key mask `mask` \[B\]\[T\] (1 = real token). With a cache, the tokens are appended after the
     /// cached ones and attend to them.
     pub fn forward_hidden(
         &self,

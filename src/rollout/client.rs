@@ -107,7 +107,7 @@ impl EngineClient {
         Ok(EngineClient { shared: Arc::new(shared), sharing: None })
     }
 
-    /// These engines, shared by the processes of `world` (see [`Sharing`]); `link`: they are
+    /// These engines, shared by the processes of `world` (see `Sharing`); `link`: they are
     /// the processes of the MPI job's engine link, at `urls`.
     pub fn shared_by(self, world: &'static dyn World, link: Option<(&'static dyn World, Vec<String>)>) -> Self {
         EngineClient { sharing: Sharing::new(world, link), ..self }
@@ -205,7 +205,7 @@ impl EngineClient {
 
     /// Sends the weights to every engine (those of this process share the snapshot; none
     /// copies it). A down engine is probed in the background; once a probe found it answering,
-    /// it rejoins at the next update, at those weights. ClientState engines: see [`Sharing`] (the
+    /// it rejoins at the next update, at those weights. ClientState engines: see `Sharing` (the
     /// call then returns once every process knows the update done).
     pub fn update_weights(&self, weights: &SamplerWeights) -> Handle<()> {
         let Some(sharing) = &self.sharing else { return self.update_own(weights) };

@@ -7,15 +7,15 @@
 //!   pause (`abort` / `keep`), resume, versioned weight updates.
 //! - [`scheduler`]: admission — which waiting requests join the batch, FIFO, under `max_batch`
 //!   and the KV-cache budget.
-//! - [`prefill`]: the prompts admitted in one step, prefilled in one forward per length.
+//! - `prefill`: the prompts admitted in one step, prefilled in one forward per length.
 //! - [`engine`]: an engine core on its own thread, driven through channels.
 //! - [`sampling_engine`]: what the client needs of an engine, local or remote.
 //! - [`remote_engine`]: an engine in another process (`oxrl engine`), over [`engine_api`].
 //! - [`weight_broadcast`]: weights to the engines of the trainer's MPI job, over MPI.
 //! - [`client`]: routing over N engines, abort-and-continue retry, pause/resume/update for all;
 //!   `shared_engines`: engines shared by the processes of a job, led by process 0.
-//! - [`chat`]: messages in, the assistant's reply out (with the tokens the trainer needs).
-//! - [`generate`]: every prompt through a private engine in one call (`oxrl generate`).
+//! - [`chat`](mod@chat): messages in, the assistant's reply out (with the tokens the trainer needs).
+//! - [`generate`](mod@generate): every prompt through a private engine in one call (`oxrl generate`).
 
 pub mod chat;
 pub mod client;

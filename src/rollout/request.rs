@@ -60,7 +60,7 @@ pub struct Request {
     pub params: SamplingParams,
     /// Completions of the prompt (they share its prefill). Default 1.
     pub num_samples: usize,
-    /// Also return log p(prompt[i] | prompt[..i]) for i ≥ 1.
+    /// Also return log p(prompt\[i\] | prompt[..i]) for i ≥ 1.
     pub prompt_logprobs: bool,
     /// Also return the `prompt_topk` most likely tokens at each prompt position i ≥ 1.
     pub prompt_topk: usize,

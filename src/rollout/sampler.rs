@@ -194,7 +194,7 @@ fn model_logprob(logits: &[f32], token: u32) -> f32 {
     logprob_lse::row_forward(logits, token).0
 }
 
-/// log softmax(z / t)[i]: exponentials in f32 (the precision of the logits; f64's `exp` was a
+/// log softmax(z / t)\[i\]: exponentials in f32 (the precision of the logits; f64's `exp` was a
 /// tenth of a 64-row decode step), summed and logged in f64.
 pub fn log_softmax_at(logits: &[f32], i: usize, t: f64) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -1,5 +1,5 @@
 //! Weights from trainer process 0 to the sampling engines of its MPI job, broadcast over the
-//! job's engine link ([`engine_link`](crate::world::engine_link): trainer 0 is its
+//! job's engine link ([`engine_link`]: trainer 0 is its
 //! rank 0, the engines 1, 2, …) instead of one HTTP push per engine.
 //!
 //! ```text

@@ -18,7 +18,7 @@
 //! - [`run_dir`]: the run directory both trainers write — new vs resume, `config.toml`,
 //!   `metrics.jsonl`, plots, checkpoints in one layout, the final export, Ctrl-C, `finish_when`.
 //! - [`config_file`]: TOML run configs — defaults, file, `--set` overrides, checked keys with
-//!   suggestions; generic over the config type (closed choices as enums: [`crate::choice`]).
+//!   suggestions; generic over the config type (closed choices as enums: [`crate::choice`](mod@crate::choice)).
 //! - [`sections`]: the config sections both configs have (`[model]`, `[optimizer]`,
 //!   `[schedule]`, `[output]`, the `[data]` setting `on_bad_row`); [`model_ids`]: the ids of a
 //!   run's models.

@@ -80,7 +80,7 @@ impl Worker {
     }
 
     /// [`Worker::shard`] for `full`: also keeps only the owned base weights, releasing the others;
-    /// the forward and backward gather them unit by unit over `ex` ([`WeightSlices`]).
+    /// the forward and backward gather them unit by unit over `ex` (`WeightSlices`).
     pub fn shard_full(&mut self, plan: ShardPlan, ex: Arc<dyn RankExchange>) -> Result<()> {
         if !Tape::serves(&self.model) {
             return Err(Error::input(format!(

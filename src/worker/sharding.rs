@@ -8,7 +8,7 @@
 //! chosen by size so the ranks hold nearly equal element counts (largest first, each to the
 //! least-loaded rank). Whole parameters keep the arithmetic of the unsharded step: the owner
 //! computes a parameter's update and its share of the gradient norm exactly as every rank does
-//! under `none`, so the result is the same bits (see [`super::sharded_step`]).
+//! under `none`, so the result is the same bits (see `super::sharded_step`).
 //!
 //! The names are a closed choice (`train.sharding`, `launch.sharding`, `oxrl bench memory
 //! --sharding`): an unknown one is an error with the nearest name. [`Sharding::check_served`]

@@ -1,6 +1,6 @@
 //! The critic's value head: a linear map from the final hidden state to one value per token.
 //!
-//! `v_t = h_t · wᵀ + b` with `value_head.weight` [1, hidden] and `value_head.bias` [1], both
+//! `v_t = h_t · wᵀ + b` with `value_head.weight` [1, hidden] and `value_head.bias` \[1\], both
 //! trainable. Fresh heads start as PyTorch's `nn.Linear`'s weight, `w ~ U(±1/√hidden)`, and
 //! `b = 0` (a zero weight would stop the gradient from reaching the body at step 0).
 
@@ -26,7 +26,7 @@ impl ValueHead {
         Ok(ValueHead { weight: Var::from_tensor(&w)?, bias: Var::zeros(1, dtype, device)? })
     }
 
-    /// Values [N] for hidden states [N, hidden].
+    /// Values \[N\] for hidden states [N, hidden].
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         let linear = Linear::new(self.weight.as_tensor().clone(), Some(self.bias.as_tensor().clone()));
         Ok(linear.forward(hidden)?.squeeze(1)?)

@@ -27,9 +27,9 @@
 //! Measured (`cargo bench --bench kernels attention`, BENCHMARKS.md): faster than the candle path for decode
 //! steps at every batch and for short prefills. The candle path was the better one for query blocks of 32 and more after a long cache (gemm's blocking
 //! pays), but it sums in gemm's order: every cached forward takes this op now, and the trainer's
-//! forward runs the same rows ([`forward_slices`]), so a token's log-prob is one set of bits
+//! forward runs the same rows (`forward_slices`), so a token's log-prob is one set of bits
 //! however it was computed. The normaliser of each softmax is summed key by key
-//! ([`softmax::normalise_rows`]), the weighted sums add key by key: padding and masked keys,
+//! (`softmax::normalise_rows`), the weighted sums add key by key: padding and masked keys,
 //! exactly zero, change nothing wherever they sit.
 //!
 //! No backward through the op: nothing trains through a cached forward (the callers with a cache are the

@@ -145,8 +145,8 @@ unsafe fn small_any<const R: usize>(
     }
 }
 
-/// W [n, k] laid out for [`packed_rows`]: per block of 16 outputs, their weights column by
-/// column ([ceil(n/16)][k][16], zero past n), so that the 16 outputs' weights at one k are one
+/// W [n, k] laid out for `packed_rows`: per block of 16 outputs, their weights column by
+/// column ([ceil(n/16)]\[k\]\[16\], zero past n), so that the 16 outputs' weights at one k are one
 /// vector load. An engine packs each weight once per weight version ([`crate::model::linear`]).
 /// bf16 weights stay bf16 (half the bytes to read; widened to f32 in registers, exactly).
 #[derive(Debug)]

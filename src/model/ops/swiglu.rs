@@ -41,7 +41,7 @@ pub(crate) fn silu_mul_plain<T: Real>(out: &mut [T], g: &[T], u: &[T]) {
     }
 }
 
-/// [`silu_mul_plain`] for f32 in one vectorised pass, with the same operations in the same
+/// `silu_mul_plain` for f32 in one vectorised pass, with the same operations in the same
 /// order (so the same bits): 1 / (1 + exp(0 − g)), times g · u. The separate passes ran their
 /// arithmetic at the baseline's 4 lanes (their share of a decode run: BENCHMARKS.md).
 pub fn silu_mul_f32(out: &mut [f32], g: &[f32], u: &[f32]) {

@@ -281,7 +281,7 @@ impl Tape {
         Ok(out)
     }
 
-    /// log p(targets[i]) at the flattened position rows[i] (row-major over [B, T]) as a fresh
+    /// log p(targets\[i\]) at the flattened position rows\[i\] (row-major over [B, T]) as a fresh
     /// variable: the LM head and the log-softmax run on the tape too.
     pub fn logprobs(&mut self, rows: &[u32], targets: &[u32]) -> Result<Tensor> {
         Ok(self.head(rows, targets, false)?.0)

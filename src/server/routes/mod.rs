@@ -3,7 +3,7 @@
 //! answer in the shape the SDK validates. One file per resource: `sessions`, `training`,
 //! `checkpoints`, `sampling`, `listings`, `futures`; here the router, the key check and
 //! redaction middleware, the caller checks every handler shares, and the service endpoints.
-//! Request types and their validation are in [`types`](super::types), limits in
+//! Request types and their validation are in [`types`], limits in
 //! [`limits`](super::limits).
 
 mod checkpoints;

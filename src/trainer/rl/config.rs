@@ -8,7 +8,7 @@
 //! `runs/rl`). Two tables are free-form
 //! ([`ConfigPaths::OPEN_KEYS`]): `algorithm.loss_config` (checked by the loss,
 //! [`LossName::build`]) and `algorithm.off_policy` (checked by
-//! [`OffPolicyCorrection::from_config`]); [`RlConfig::validate`] runs those parsers, so a bad key
+//! [`crate::algo::OffPolicyCorrection::from_config`]); [`RlConfig::validate`] runs those parsers, so a bad key
 //! in them is reported before a run starts. What the sections build (losses, the step recipe,
 //! the KL controller) is [`super::plan`].
 //!
@@ -279,7 +279,7 @@ pub struct AlgorithmSection {
     /// Off-policy correction of the sampler / learner mismatch, with keys `outlier_low`,
     /// `outlier_high`, `token_mask_low`, `token_mask_high`, `tis_level` (`token` | `sequence`),
     /// `tis_cap`, `sequence_mask` (`geometric` | `product`), `sequence_mask_low`,
-    /// `sequence_mask_high` (see [`OffPolicyCorrection::from_config`]). Default `{}`: none.
+    /// `sequence_mask_high` (see [`crate::algo::OffPolicyCorrection::from_config`]). Default `{}`: none.
     pub off_policy: toml::Table,
     /// Groups whose episodes are all correct or all wrong (the env's verdict, not the reward,
     /// which may include format rewards): `none` (keep them, the default), `filter` (drop them;

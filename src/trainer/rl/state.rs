@@ -21,7 +21,7 @@ pub struct RlState {
     /// The KL controller's coefficient.
     #[serde(default)]
     pub kl_coef: f64,
-    /// Every evaluation so far: (step, [pass@1, pass@n]).
+    /// Every evaluation so far: (step, \[pass@1, pass@n\]).
     #[serde(default)]
     pub evals: Vec<(usize, Vec<f64>)>,
 }
