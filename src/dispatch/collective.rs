@@ -24,7 +24,9 @@ use crate::{Error, Result};
 pub trait Collective: Send + Sync {
     fn world_size(&self) -> usize;
     /// Replaces each of `tensors` by its sum over all ranks. Every rank passes tensors of the
-    /// same shapes, in the same order.
+    /// same shapes, in the same order. The ranks of one process may receive the same sums (one
+    /// storage, computed once): a rank that keeps them must not write into them in place while
+    /// others still read them.
     fn all_reduce_sum(&self, rank: usize, tensors: Vec<Tensor>) -> Result<Vec<Tensor>>;
     /// Every rank's `bytes`, in global rank order (how ranks in other processes share their
     /// outputs). Every rank calls it, at the same point of the same call.
