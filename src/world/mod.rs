@@ -246,34 +246,68 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(feature = "mpi")]
 mod mpi;
 
-/// Each process's deposit (one message for all_gather, one per process for all_to_all), and the
-/// barrier that makes them all visible.
+/// What the processes of a [`ThreadWorld`] share: each one's deposit for the exchange under way
+/// (one message for all_gather, one per process for all_to_all), the last complete exchange, and
+/// whether a process has panicked (the others then panic too instead of waiting forever).
 #[cfg(test)]
-type Slots = std::sync::Arc<(std::sync::Mutex<Vec<Vec<Vec<u8>>>>, std::sync::Barrier)>;
+#[derive(Default)]
+struct Rendezvous {
+    deposits: Vec<Option<Vec<Vec<u8>>>>,
+    done: Vec<Vec<Vec<u8>>>,
+    exchanges: u64,
+    panicked: bool,
+}
 
-/// Processes played by threads, for tests: `all_gather` through shared slots and a barrier.
+#[cfg(test)]
+type Slots = std::sync::Arc<(std::sync::Mutex<Rendezvous>, std::sync::Condvar)>;
+
+/// Processes played by threads, for tests: `all_gather` through a shared rendezvous.
 #[cfg(test)]
 pub(crate) struct ThreadWorld {
     pub rank: usize,
-    pub slots: Slots,
+    slots: Slots,
 }
 
 #[cfg(test)]
 impl ThreadWorld {
-    /// Every process's deposit, once all have deposited.
+    /// Every process's deposit, once all have deposited. Panics if another process panicked.
     fn exchange(&self, mine: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
-        let (slots, barrier) = &*self.slots;
-        slots.lock().unwrap()[self.rank] = mine;
-        barrier.wait();
-        let all = slots.lock().unwrap().clone();
-        barrier.wait();
-        all
+        let (lock, cv) = &*self.slots;
+        let gone = "another process of this test world panicked";
+        let mut r = lock.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(!r.panicked, "{gone}");
+        let exchange = r.exchanges;
+        r.deposits[self.rank] = Some(mine);
+        if r.deposits.iter().all(Option::is_some) {
+            r.done = r.deposits.iter_mut().map(|d| d.take().expect("every process deposited")).collect();
+            r.exchanges += 1;
+            cv.notify_all();
+        }
+        while r.exchanges == exchange {
+            assert!(!r.panicked, "{gone}");
+            r = cv.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+        // The next exchange cannot complete before this process deposits for it.
+        r.done.clone()
     }
 
     /// The `size` processes of one world.
     pub fn world(size: usize) -> Vec<ThreadWorld> {
-        let slots = std::sync::Arc::new((std::sync::Mutex::new(vec![vec![]; size]), std::sync::Barrier::new(size)));
+        let shared = Rendezvous { deposits: vec![None; size], ..Default::default() };
+        let slots = std::sync::Arc::new((std::sync::Mutex::new(shared), std::sync::Condvar::new()));
         (0..size).map(|rank| ThreadWorld { rank, slots: slots.clone() }).collect()
+    }
+}
+
+/// A process that panics wakes the others, which would otherwise wait for it forever.
+#[cfg(test)]
+impl Drop for ThreadWorld {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let (lock, cv) = &*self.slots;
+            lock.lock().unwrap_or_else(|e| e.into_inner()).panicked = true;
+            cv.notify_all();
+        }
     }
 }
 
@@ -283,7 +317,7 @@ impl World for ThreadWorld {
         self.rank
     }
     fn size(&self) -> usize {
-        self.slots.0.lock().unwrap().len()
+        self.slots.0.lock().unwrap_or_else(|e| e.into_inner()).deposits.len()
     }
     fn all_gather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         let all = self.exchange(vec![bytes.to_vec()]);
@@ -332,6 +366,25 @@ mod tests {
             assert_eq!(*asked, (p..8).step_by(3).collect::<Vec<_>>(), "process {p} computed others' items");
             assert_eq!(bits(all), bits(&expected), "process {p}");
         }
+    }
+
+    /// A process that panics before an exchange makes the others panic in it, not wait forever.
+    #[test]
+    fn a_panicking_process_wakes_the_others() {
+        let outcomes: Vec<bool> = std::thread::scope(|s| {
+            let hs: Vec<_> = ThreadWorld::world(3)
+                .into_iter()
+                .map(|w| {
+                    s.spawn(move || {
+                        assert_eq!(w.all_gather(&[w.rank as u8]).unwrap().len(), 3);
+                        assert!(w.rank != 2, "process 2 fails after one exchange");
+                        w.all_gather(b"second").unwrap();
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().is_ok()).collect()
+        });
+        assert_eq!(outcomes, vec![false, false, false]);
     }
 
     #[test]
