@@ -18,9 +18,8 @@ use candle_core::{Tensor, Var};
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::adamw_fused;
 use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
-use super::gradient_sum::agree_on_rounds;
+use super::gradient_sum::{add_sum, agree_on_rounds};
 use super::head_stream::SharedHeadStream;
-use super::in_place::add_in_place;
 use super::loss_fn::{needs_entropy, requirements};
 use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split};
 use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
@@ -482,12 +481,7 @@ impl Worker {
         let g = g.to_dtype(self.accumulator_dtype(i))?;
         // An accumulator is the first part itself, whose storage nothing else keeps past the
         // backward; later parts are added into it.
-        match &self.grads[i] {
-            Some(acc) if add_in_place(acc, &g)? => {}
-            Some(acc) => self.grads[i] = Some((acc + &g)?),
-            None => self.grads[i] = Some(g),
-        }
-        Ok(())
+        add_sum(&mut self.grads[i], g, true)
     }
 
     /// One AdamW step on the accumulated gradients; returns the global gradient norm before
