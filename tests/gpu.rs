@@ -447,6 +447,34 @@ fn attention_node_on_cuda_gives_the_reference_bits() {
     }
 }
 
+/// A matrix's transpose written out by the tiled kernel is candle's strided copy of the
+/// transposed view, bit for bit, in every element type, for shapes over and under a tile and a
+/// batch of matrices; and a bf16/f16 parameter set from its f32 master in one pass holds the
+/// master cast, as `Var::set` of the cast would leave it.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn transpose_and_master_rounding_on_cuda_are_candles_copies() {
+    use oxrl::model::ops::transpose::transposed;
+    let dev = gpu();
+    let _kernels = KernelsOn::new();
+    let bits = |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for shape in [vec![70, 33], vec![3, 5, 100], vec![896, 4867], vec![2, 4, 64, 1000]] {
+            let x = random(&shape, 91, 3.0, dtype, &dev);
+            let (got, want) = (transposed(&x).unwrap(), x.t().unwrap().contiguous().unwrap());
+            assert_eq!(got.dims(), want.dims(), "{dtype:?} {shape:?}");
+            assert_eq!(bits(&got), bits(&want), "{dtype:?} {shape:?}: the transpose moved an element wrongly");
+        }
+    }
+    for dtype in [DType::BF16, DType::F16] {
+        let master = random(&[300, 1001], 92, 5.0, DType::F32, &dev);
+        let param = candle_core::Var::from_tensor(&Tensor::zeros((300, 1001), dtype, &dev).unwrap()).unwrap();
+        oxrl::worker::mixed_precision::round_into(&param, &master).unwrap();
+        assert_eq!(bits(param.as_tensor()), bits(&master.to_dtype(dtype).unwrap()), "{dtype:?}: the master rounded");
+    }
+    println!("transpose and master rounding: candle's bits");
+}
+
 /// The device's peak memory (the CUDA pool's high-water mark, as `oxrl bench train` and the SFT
 /// and RL metrics report it) counts a 256 MiB tensor made after a reset, and a reset starts it
 /// over from what is in use.

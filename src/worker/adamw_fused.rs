@@ -278,6 +278,54 @@ pub fn update(param: &Tensor, grad: &Tensor, clip: f64, state: &mut Moments, p: 
     Ok(())
 }
 
+/// A half-precision parameter set in place to its f32 master, rounded (on CUDA with oxrl's
+/// kernels on: one pass; elsewhere the cast and `Var::set`'s copy). The same values either way.
+pub fn round_into(param: &candle_core::Var, master: &Tensor) -> Result<()> {
+    let kernel = param.device().is_cuda()
+        && cuda_kernels()
+        && master.dtype() == DType::F32
+        && matches!(param.dtype(), DType::BF16 | DType::F16)
+        && param.dims() == master.dims();
+    if !kernel {
+        return Ok(param.set(&master.to_dtype(param.dtype())?)?);
+    }
+    Ok(param.as_tensor().inplace_op2(&master.contiguous()?, &RoundInto)?)
+}
+
+/// The kernel of [`round_into`].
+struct RoundInto;
+
+impl InplaceOp2 for RoundInto {
+    fn name(&self) -> &'static str {
+        "round-into"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Err(candle_core::Error::Msg("round-into: the kernel runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> candle_core::Result<()> {
+        let n = l1.shape().elem_count();
+        let p = cuda::view::<f32>(s2, l2)?;
+        let dev = s1.device.clone();
+        let (a, b) = contiguous(l1, "parameter")?;
+        let ni = n as i64;
+        match &mut s1.slice {
+            candle_core::cuda_backend::CudaStorageSlice::BF16(w) => {
+                let mut w = w.slice_mut(a..b);
+                launch!(dev, cuda::ADAMW, "round_into_bf16", cuda::elementwise(n); &mut w, &p, &ni);
+            }
+            candle_core::cuda_backend::CudaStorageSlice::F16(w) => {
+                let mut w = w.slice_mut(a..b);
+                launch!(dev, cuda::ADAMW, "round_into_f16", cuda::elementwise(n); &mut w, &p, &ni);
+            }
+            _ => return Err(candle_core::Error::Msg("round-into: a bf16 or f16 parameter only".into())),
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

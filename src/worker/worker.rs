@@ -530,7 +530,7 @@ impl Worker {
                 } else {
                     *master = adamw::step_value(master, &grad, state, params)?;
                 }
-                var.set(&master.to_dtype(var.dtype())?)?;
+                adamw_fused::round_into(var, master)?;
             }
             None => adamw::update(var, &grad, state, params)?,
         }

@@ -6,6 +6,7 @@
 // cached attention, 256 for the rest) and shapes that are not multiples of a block.
 //
 // Built and run by tests/integration/cuda_kernels_emulated.rs; exits 1 when a check fails.
+#include <array>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "../../src/model/ops/cuda/sample_rows.cu"
 #include "../../src/model/ops/cuda/softmax.cu"
 #include "../../src/model/ops/cuda/swiglu.cu"
+#include "../../src/model/ops/cuda/transpose.cu"
 
 using Vec = std::vector<double>;
 using Fn = std::function<double(const Vec&)>;
@@ -105,6 +107,8 @@ template <typename T> struct Kernels;
         static constexpr auto softmax_bwd_mixed = masked_softmax_bwd_mixed_##sfx; \
         static constexpr auto lse_mixed = logprob_lse_mixed_##sfx;              \
         static constexpr auto lse_bwd_mixed = logprob_lse_bwd_mixed_##sfx;      \
+        static constexpr auto transpose = transpose_##sfx;                      \
+        static constexpr auto round_into = round_into_##sfx;                    \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -172,6 +176,18 @@ template <typename T> static void swiglu(unsigned block) {
            numeric_grad([&](const Vec& g) { return dot(fwd(g, u), dy); }, g), 4 * tolerance<T>());
     expect(label<T>("swiglu du", block), Vec(both.begin() + n, both.end()),
            numeric_grad([&](const Vec& u) { return dot(fwd(g, u), dy); }, u), 4 * tolerance<T>());
+    // n = 1000 took the four-at-a-time loop; n − 1 (not a multiple of 4) takes the one-at-a-time
+    // loop: the same bits.
+    std::vector<T> y1(n - 1), out1(2 * (n - 1));
+    launch({3}, {block}, Kernels<T>::swiglu, gs.data(), us.data(), y1.data(), n - 1);
+    launch({3}, {block}, Kernels<T>::swiglu_bwd, gs.data(), us.data(), dys.data(), out1.data(), n - 1);
+    const bool same = std::memcmp(y1.data(), y.data(), (n - 1) * sizeof(T)) == 0 &&
+                      std::memcmp(out1.data(), out.data(), (n - 1) * sizeof(T)) == 0 &&
+                      std::memcmp(out1.data() + n - 1, out.data() + n, (n - 1) * sizeof(T)) == 0;
+    ++checks;
+    if (!same) ++failures;
+    std::printf("%s %s: four at a time and one at a time give the same bits\n", same ? "ok  " : "FAIL",
+                label<T>("swiglu", block).c_str());
 }
 
 template <typename T> static void rope(unsigned block) {
@@ -282,10 +298,12 @@ template <typename T> static void masked_softmax(unsigned block) {
     };
     auto xs = cast<T>(x), bs = cast<T>(bias), gs = cast<T>(gout);
     std::vector<T> p(rows * s), ds(rows * s);
-    launch({(unsigned)rows}, {block}, Kernels<T>::masked_softmax, (const T*)xs.data(), (const T*)bs.data(), p.data(), g, t,
+    // A warp per row: the last block's warps past the rows do nothing.
+    const dim3 grid{(unsigned)((rows + block / 32 - 1) / (block / 32))};
+    launch(grid, {block}, Kernels<T>::masked_softmax, (const T*)xs.data(), (const T*)bs.data(), p.data(), rows, g, t,
            s, scale);
     expect(label<T>("masked_softmax", block), widen(p), fwd(x), tolerance<T>());
-    launch({(unsigned)rows}, {block}, Kernels<T>::masked_softmax_bwd, (const T*)p.data(), (const T*)gs.data(), ds.data(),
+    launch(grid, {block}, Kernels<T>::masked_softmax_bwd, (const T*)p.data(), (const T*)gs.data(), ds.data(), rows,
            s, scale);
     expect(label<T>("masked_softmax backward", block), widen(ds),
            numeric_grad([&](const Vec& x) { return dot(fwd(x), gout); }, x), 4 * tolerance<T>());
@@ -294,19 +312,21 @@ template <typename T> static void masked_softmax(unsigned block) {
     // the casts (the f32 ds rounded once to T).
     const std::vector<float> xf = cast<float>(x), bf = cast<float>(bias), gf = cast<float>(gout);
     std::vector<float> pf(rows * s), pm(rows * s), dsf(rows * s);
-    std::vector<T> dsm(rows * s);
-    launch({(unsigned)rows}, {block}, Kernels<float>::masked_softmax, xf.data(), bf.data(), pf.data(), g, t, s, scale);
-    launch({(unsigned)rows}, {block}, Kernels<T>::softmax_mixed, (const T*)xs.data(), bf.data(), pm.data(), g, t, s,
+    std::vector<T> dsm(rows * s), pmx(rows * s);
+    launch(grid, {block}, Kernels<float>::masked_softmax, xf.data(), bf.data(), pf.data(), rows, g, t, s, scale);
+    launch(grid, {block}, Kernels<T>::softmax_mixed, (const T*)xs.data(), bf.data(), pm.data(), pmx.data(), rows, g, t,
+           s, scale);
+    launch(grid, {block}, Kernels<float>::masked_softmax_bwd, (const float*)pf.data(), gf.data(), dsf.data(), rows, s,
            scale);
-    launch({(unsigned)rows}, {block}, Kernels<float>::masked_softmax_bwd, (const float*)pf.data(), gf.data(),
-           dsf.data(), s, scale);
-    launch({(unsigned)rows}, {block}, Kernels<T>::softmax_bwd_mixed, (const float*)pf.data(), (const T*)gs.data(),
-           dsm.data(), s, scale);
-    const std::vector<T> dsf_rounded = cast<T>(widen(dsf));
-    const bool same = pm == pf && std::memcmp(dsm.data(), dsf_rounded.data(), dsm.size() * sizeof(T)) == 0;
+    launch(grid, {block}, Kernels<T>::softmax_bwd_mixed, (const float*)pf.data(), (const T*)gs.data(), dsm.data(), rows,
+           s, scale);
+    const std::vector<T> dsf_rounded = cast<T>(widen(dsf)), pf_rounded = cast<T>(widen(pf));
+    const bool same = pm == pf && std::memcmp(dsm.data(), dsf_rounded.data(), dsm.size() * sizeof(T)) == 0 &&
+                      std::memcmp(pmx.data(), pf_rounded.data(), pmx.size() * sizeof(T)) == 0;
     ++checks;
     if (!same) ++failures;
-    std::printf("%s %s: the f32 kernels' bits\n", same ? "ok  " : "FAIL", label<T>("masked_softmax mixed", block).c_str());
+    std::printf("%s %s: the f32 kernels' bits (p also rounded to the scores' type)\n", same ? "ok  " : "FAIL",
+                label<T>("masked_softmax mixed", block).c_str());
 }
 
 template <typename T> static void cached_attention(unsigned block) {
@@ -452,7 +472,41 @@ static void adamw(unsigned block) {
                 same ? "equal" : "DIFFER from");
 }
 
+// The transpose moves every element to its place: out[a][j][i] = x[a][i][j], bit for bit, for
+// shapes under, at and over a tile's 32 in either dimension.
+template <typename T> static void transpose(unsigned block) {
+    for (auto [a, m, n] : {std::array<long long, 3>{1, 5, 7}, {3, 32, 33}, {2, 70, 31}, {1, 1, 100}}) {
+        const std::vector<T> x = cast<T>(values(a * m * n, 7, 3.0));
+        std::vector<T> out(a * m * n), want(a * m * n);
+        for (long long b = 0; b < a; ++b)
+            for (long long i = 0; i < m; ++i)
+                for (long long j = 0; j < n; ++j) want[(b * n + j) * m + i] = x[(b * m + i) * n + j];
+        launch({(unsigned)((n + 31) / 32), (unsigned)((m + 31) / 32), (unsigned)a}, {block}, Kernels<T>::transpose,
+               x.data(), out.data(), m, n);
+        const bool same = std::memcmp(out.data(), want.data(), out.size() * sizeof(T)) == 0;
+        ++checks;
+        if (!same) ++failures;
+        std::printf("%s %s: [%lld, %lld, %lld] moved to its transpose\n", same ? "ok  " : "FAIL",
+                    label<T>("transpose", block).c_str(), a, m, n);
+    }
+}
+
+// A parameter set from its f32 master is the master rounded to the parameter's type.
+template <typename T> static void round_into(unsigned block) {
+    const long long n = 1000;
+    const std::vector<float> p = cast<float>(values(n, 8, 5.0));
+    std::vector<T> w(n);
+    launch({3}, {block}, Kernels<T>::round_into, w.data(), p.data(), n);
+    const std::vector<T> want = cast<T>(widen(p));
+    const bool same = std::memcmp(w.data(), want.data(), n * sizeof(T)) == 0;
+    ++checks;
+    if (!same) ++failures;
+    std::printf("%s %s: the master rounded\n", same ? "ok  " : "FAIL", label<T>("round_into", block).c_str());
+}
+
 template <typename T> static void all(unsigned block) {
+    transpose<T>(block);
+    round_into<T>(block);
     rms_norm<T>(block);
     swiglu<T>(block);
     rope<T>(block);

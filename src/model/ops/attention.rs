@@ -8,8 +8,9 @@
 //!
 //! Forward: the reference's operations on detached inputs; the softmax's probabilities P (f32
 //! for bf16/f16 inputs) and P in the inputs' dtype are kept for the backward. On CUDA in
-//! bf16/f16 the softmax's mixed kernels read the scores and write the gradient in that dtype:
-//! the f32 kernels' values on the casts, without the casts' passes. Backward, with the `rep` query heads that
+//! bf16/f16 the softmax's mixed kernels read the scores, write P in f32 and in that dtype at
+//! once, and write the gradient in that dtype: the f32 kernels' values on the casts, without
+//! the casts' passes. Backward, with the `rep` query heads that
 //! share a kv head folded into the rows of one batched product as the forward does (′ marks
 //! that layout, dO the output's gradient):
 //! ```text
@@ -27,6 +28,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use super::matmul::matmul;
 use super::node_output::NodeOutput;
+use super::transpose::transposed;
 use super::{cached_attention, cuda_kernels, norm_dtype, softmax};
 use crate::Result;
 
@@ -50,11 +52,15 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
     let mixed = q.device().is_cuda() && matches!(dtype, DType::BF16 | DType::F16);
     let qg = q.detach().reshape((b, kvh, rep * t, d))?;
     let scores = matmul(&qg, &k.detach().t()?)?.reshape((b, h, t, s))?;
-    let probs = match mixed {
+    let (probs, rounded) = match mixed {
         true => softmax::masked_softmax_mixed(&scores, bias, scale)?,
-        false => softmax::masked_softmax(&scores.to_dtype(norm_dtype(dtype))?, bias, scale)?,
+        false => {
+            let probs = softmax::masked_softmax(&scores.to_dtype(norm_dtype(dtype))?, bias, scale)?;
+            let rounded = probs.to_dtype(dtype)?;
+            (probs, rounded)
+        }
     };
-    let folded = probs.to_dtype(dtype)?.reshape((b, kvh, rep * t, s))?;
+    let folded = rounded.reshape((b, kvh, rep * t, s))?;
     let out = matmul(&folded, &v.detach())?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
     let node = AttentionNode { out: NodeOutput::new("attention", out), probs, folded, scale, mixed };
     Ok(q.apply_op3(k, v, node)?)
@@ -135,7 +141,7 @@ impl CustomOp3 for AttentionNode {
         let kt = k.t()?;
         let dqg = matmul(&d_scores, &kt.t()?).map_err(m)?;
         let dkt = matmul(&qg.t()?, &d_scores).map_err(m)?;
-        let dk = dkt.t()?.contiguous()?;
+        let dk = transposed(&dkt).map_err(m)?;
         let dq = dqg.reshape((b, h, t, d))?;
         Ok((Some(dq), Some(dk), Some(dv.contiguous()?)))
     }

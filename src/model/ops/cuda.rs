@@ -5,7 +5,8 @@
 //! Kernels exist for f32, bf16 and f16 (entry points `<kernel>_f32`, `_bf16`, `_f16`); each
 //! computes in f32 and rounds once when it writes. Inputs are contiguous (the wrappers make
 //! them so) and read from their layout's start offset. Row kernels take a block of
-//! [`ROW_THREADS`] per row; elementwise kernels a grid-stride loop. The kernels' logic is
+//! [`ROW_THREADS`] per row (the attention softmax's short rows a warp each); elementwise
+//! kernels a grid-stride loop. The kernels' logic is
 //! tested on the CPU by `tests/cuda_emulation` (every build) and against each op's `reference`
 //! on a GPU by `tests/gpu.rs`.
 
@@ -33,6 +34,7 @@ pub(crate) const SOFTMAX: Module = module!("softmax");
 pub(crate) const CACHED_ATTENTION: Module = module!("cached_attention");
 pub(crate) const SAMPLE_ROWS: Module = module!("sample_rows");
 pub(crate) const ADAMW: Module = module!("adamw");
+pub(crate) const TRANSPOSE: Module = module!("transpose");
 
 /// Threads per block of a row kernel (a block per row; any multiple of 32 up to 1024 works).
 pub(crate) const ROW_THREADS: u32 = 256;
@@ -74,6 +76,12 @@ pub(crate) fn view<'a, T: candle_core::cuda_backend::CudaDType>(
 /// A block of [`ROW_THREADS`] for each of `rows` rows.
 pub(crate) fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Rows of a warp each, [`ROW_THREADS`] / 32 rows to a block.
+pub(crate) fn per_warp_row(rows: usize) -> LaunchConfig {
+    let blocks = rows.div_ceil(ROW_THREADS as usize / 32);
+    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// A grid-stride launch over n elements.

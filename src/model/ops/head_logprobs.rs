@@ -21,6 +21,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, D};
 
 use super::matmul::matmul;
 use super::node_output::NodeOutput;
+use super::transpose::transposed;
 use super::{cuda_kernels, logprob_lse, norm_dtype};
 use crate::{Error, Result};
 
@@ -118,7 +119,7 @@ impl CustomOp2 for HeadNode {
         };
         let wt = weight.t()?;
         let dh = matmul(&dz, &wt.t()?).map_err(m)?;
-        let dw = matmul(&hidden.t()?, &dz).map_err(m)?.t()?.contiguous()?;
+        let dw = transposed(&matmul(&hidden.t()?, &dz).map_err(m)?).map_err(m)?;
         Ok((Some(dh), Some(dw)))
     }
 }

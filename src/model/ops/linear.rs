@@ -18,6 +18,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 use super::matmul::matmul;
 use super::node_output::NodeOutput;
+use super::transpose::transposed;
 use crate::{Error, Result};
 
 /// x [..., in] · Wᵀ for W [out, in], as one node when an input tracks a gradient (else the
@@ -87,7 +88,7 @@ impl CustomOp2 for LinearNode {
         let x2 = x.reshape(((), inp))?;
         let wt = w.t()?;
         let dx = matmul(&dy, &wt.t()?).map_err(m)?.reshape(x.dims())?;
-        let dw = matmul(&x2.t()?, &dy).map_err(m)?.t()?.contiguous()?;
+        let dw = transposed(&matmul(&x2.t()?, &dy).map_err(m)?).map_err(m)?;
         Ok((Some(dx), Some(dw)))
     }
 }

@@ -35,6 +35,7 @@ pub mod rope;
 pub mod sample_rows;
 pub mod softmax;
 pub mod swiglu;
+pub mod transpose;
 
 pub(crate) use reduce::{dot, dot3, max};
 

@@ -110,10 +110,10 @@ impl FusedOp<2> for MaskedSoftmax {
         let (b, g, t, s) = xs.shape().dims4()?;
         let (x, bias) = (xs.view::<T>()?, biass.view::<T>()?);
         let p = cuda::output::<T>(xs.storage, x.len())?;
-        let [gi, ti, si] = [g, t, s].map(|v| v as i64);
+        let [ri, gi, ti, si] = [b * g * t, g, t, s].map(|v| v as i64);
         let scale = self.scale as f32;
-        launch!(xs.storage.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax"), cuda::per_row(b * g * t);
-            &x, &bias, &p, &gi, &ti, &si, &scale);
+        launch!(xs.storage.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax"), cuda::per_warp_row(b * g * t);
+            &x, &bias, &p, &ri, &gi, &ti, &si, &scale);
         Ok((p, xs.shape().clone()))
     }
 
@@ -150,8 +150,9 @@ impl FusedOp<2> for SoftmaxBwd {
         let ds = cuda::output::<T>(ps.storage, p.len())?;
         let (si, scale) = (s as i64, self.scale as f32);
         let rows = p.len().checked_div(s).unwrap_or(0);
-        launch!(ps.storage.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd"), cuda::per_row(rows);
-            &p, &g, &ds, &si, &scale);
+        let ri = rows as i64;
+        launch!(ps.storage.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd"), cuda::per_warp_row(rows);
+            &p, &g, &ds, &ri, &si, &scale);
         Ok((ds, ps.shape().clone()))
     }
 }
@@ -164,28 +165,53 @@ pub(crate) fn backward(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
 
 /// [`masked_softmax`] of bf16/f16 `scores` in f32, with an f32 bias: the f32 op's values on the
 /// scores cast to f32, without the cast (CUDA's mixed kernel; no gradient: for ops that run the
-/// backward themselves, with [`backward_mixed`]).
-pub(crate) fn masked_softmax_mixed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+/// backward themselves, with [`backward_mixed`]). Returns p in f32 and p cast to the scores'
+/// dtype, both written by the one kernel.
+pub(crate) fn masked_softmax_mixed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
     let (b, _, t, s) = scores.dims4()?;
     if bias.dims() != [b, t, s] {
         return Err(Error::input(format!("bias {:?} does not match scores {:?}", bias.dims(), scores.dims())));
     }
     let bias = bias.to_dtype(candle_core::DType::F32)?.contiguous()?;
-    Ok(scores.contiguous()?.apply_op2_no_bwd(&bias, &Mixed { scale, backward: false })?)
+    let op = Mixed { scale, backward: false, rounded: Default::default() };
+    let p = scores.contiguous()?.apply_op2_no_bwd(&bias, &op)?;
+    let rounded = op.take_rounded(p.shape())?;
+    Ok((p, rounded))
 }
 
 /// [`backward`] from f32 `p` and a bf16/f16 gradient `g`, ds in g's dtype: the f32 op's values
 /// on g cast to f32, rounded once (CUDA's mixed kernel).
 pub(crate) fn backward_mixed(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
-    Ok(p.apply_op2_no_bwd(&g.contiguous()?, &Mixed { scale, backward: true })?)
+    Ok(p.apply_op2_no_bwd(&g.contiguous()?, &Mixed { scale, backward: true, rounded: Default::default() })?)
 }
 
-/// The mixed-dtype kernels: forward (x: bf16/f16 scores, bias f32) → f32 p; backward (p f32, g
-/// bf16/f16) → ds of g's dtype. CUDA only: the CPU computes activations in f32.
+/// The mixed-dtype kernels: forward (x: bf16/f16 scores, bias f32) → f32 p, and p in x's dtype
+/// kept in `rounded` until taken; backward (p f32, g bf16/f16) → ds of g's dtype. CUDA only:
+/// the CPU computes activations in f32.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Mixed {
     scale: f64,
     backward: bool,
+    #[cfg(feature = "cuda")]
+    rounded: std::sync::Mutex<Option<candle_core::cuda_backend::CudaStorage>>,
+    #[cfg(not(feature = "cuda"))]
+    rounded: (),
+}
+
+impl Mixed {
+    /// The forward's second output, p in the scores' dtype, of p's shape.
+    #[cfg(feature = "cuda")]
+    fn take_rounded(&self, shape: &Shape) -> Result<Tensor> {
+        let storage = self.rounded.lock().expect("not poisoned").take();
+        let storage = storage.ok_or_else(|| Error::Other("masked-softmax-mixed: no rounded probabilities".into()))?;
+        let none = candle_core::op::BackpropOp::none();
+        Ok(Tensor::from_storage(candle_core::Storage::Cuda(storage), shape.clone(), none, false))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn take_rounded(&self, _: &Shape) -> Result<Tensor> {
+        Err(Error::Other("the mixed-dtype softmax runs on CUDA only".into()))
+    }
 }
 
 impl candle_core::CustomOp2 for Mixed {
@@ -219,27 +245,29 @@ impl candle_core::CustomOp2 for Mixed {
         let s = *shape.dims().last().expect("softmax has a last dimension");
         let n = shape.elem_count();
         let rows = n.checked_div(s).unwrap_or(0);
-        let si = s as i64;
+        let (ri, si) = (rows as i64, s as i64);
         if self.backward {
             let p = cuda::view::<f32>(s1, l1)?;
             return cuda::dispatch_cuda!(x, T => {
                 let g = cuda::view::<T>(x, xl)?;
                 let ds = cuda::output::<T>(x, n)?;
-                launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd_mixed"), cuda::per_row(rows);
-                    &p, &g, &ds, &si, &scale);
+                launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd_mixed"), cuda::per_warp_row(rows);
+                    &p, &g, &ds, &ri, &si, &scale);
                 Ok((CudaStorage::wrap_cuda_slice(ds, x.device.clone()), shape.clone()))
             });
         }
-        let (b, g, t, _) = shape.dims4()?;
+        let (_, g, t, _) = shape.dims4()?;
         let [gi, ti] = [g, t].map(|v| v as i64);
         let bias = cuda::view::<f32>(s2, l2)?;
         let p = cuda::output::<f32>(s1, n)?;
-        cuda::dispatch_cuda!(x, T => {
+        let rounded = cuda::dispatch_cuda!(x, T => {
             let xs = cuda::view::<T>(x, xl)?;
-            launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_mixed"), cuda::per_row(b * g * t);
-                &xs, &bias, &p, &gi, &ti, &si, &scale);
-            Ok::<(), candle_core::Error>(())
+            let px = cuda::output::<T>(x, n)?;
+            launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_mixed"), cuda::per_warp_row(rows);
+                &xs, &bias, &p, &px, &ri, &gi, &ti, &si, &scale);
+            Ok::<CudaStorage, candle_core::Error>(CudaStorage::wrap_cuda_slice(px, x.device.clone()))
         })?;
+        *self.rounded.lock().expect("not poisoned") = Some(rounded);
         Ok((CudaStorage::wrap_cuda_slice(p, s1.device.clone()), shape))
     }
 }

@@ -6,6 +6,7 @@
 //     sum_partials (one block) then adds the partials in the same fixed way. Same bits every run.
 //   adamw_moment: m ← β m + (1 − β) (g·clip), or (second) v ← β v + (1 − β) (g·clip)²
 //   adamw_param:  p ← p · decay − m · (lr / bias1) / (sqrt(v · (1 / bias2)) + eps)
+//   round_into:   a half-precision parameter ← its f32 master, rounded
 //
 // AdamW rounds each operation in f32 in the order written (no fused multiply-add: the _rn
 // intrinsics), as the CPU's one-pass update and candle's primitive ops do: the same bits.
@@ -63,3 +64,14 @@ extern "C" __global__ void adamw_param(float* p, const float* m, const float* v,
         p[i] = __fsub_rn(__fmul_rn(p[i], decay), __fdiv_rn(__fmul_rn(m[i], lr_over_bias1), denom));
     }
 }
+
+// w ← p rounded to w's type: a half-precision parameter set from its f32 master in one pass
+// (what a cast to a new buffer and a copy of it into the parameter do in two).
+template <typename T>
+__device__ void round_into_kernel(T* w, const float* p, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        w[i] = from_f32<T>(p[i]);
+    }
+}
+#define ROUND_INTO_PARAMS(T) (T* w, const float* p, long long n)
+INSTANTIATE(round_into, ROUND_INTO_PARAMS, (w, p, n))

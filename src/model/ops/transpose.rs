@@ -1,0 +1,65 @@
+//! A matrix's transpose written out: x [..., m, n] → [..., n, m] contiguous, the values of
+//! `x.t()?.contiguous()` (a copy: the same bits).
+//!
+//! The backward of a projection computes dW as (xᵀ · dy)ᵀ, the chain's order, and stores it
+//! contiguous. candle's strided copy on CUDA gives each thread one output element, read from
+//! the transposed view a row apart from its neighbour's: a memory transaction per element, and
+//! the tied LM head's gradient alone is 136 M of them. On CUDA (oxrl's kernels on) the copy is
+//! `cuda/transpose.cu`'s tiled kernel instead; elsewhere it is candle's.
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+
+use super::fused;
+use crate::Result;
+
+/// x [..., m, n] transposed in its last two dimensions, contiguous.
+pub fn transposed(x: &Tensor) -> Result<Tensor> {
+    if x.rank() < 2 || !x.device().is_cuda() || !fused(x) || x.elem_count() == 0 {
+        return Ok(x.t()?.contiguous()?);
+    }
+    Ok(x.contiguous()?.apply_op1_no_bwd(&Transpose)?)
+}
+
+/// The CUDA kernel (use [`transposed`]).
+struct Transpose;
+
+impl CustomOp1 for Transpose {
+    fn name(&self) -> &'static str {
+        "transpose"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("transpose: the kernel runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::cuda_backend::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        use super::cuda::{self, launch};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+        let dims = l.dims();
+        let (m, n) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        let batches = l.shape().elem_count() / (m * n);
+        let mut out_dims = dims.to_vec();
+        out_dims.swap(dims.len() - 2, dims.len() - 1);
+        let (grid_y, grid_z) = (m.div_ceil(32), batches);
+        if grid_y > 65_535 || grid_z > 65_535 {
+            return Err(candle_core::Error::Msg(format!("transpose: {dims:?} has more tiles than a grid holds")));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(32) as u32, grid_y as u32, grid_z as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let [mi, ni] = [m, n].map(|v| v as i64);
+        cuda::dispatch_cuda!(s, T => {
+            let x = cuda::view::<T>(s, l)?;
+            let out = cuda::output::<T>(s, x.len())?;
+            launch!(s.device, cuda::TRANSPOSE, cuda::entry::<T>("transpose"), cfg; &x, &out, &mi, &ni);
+            Ok((cuda::storage(s, out), Shape::from(out_dims)))
+        })
+    }
+}
