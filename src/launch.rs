@@ -20,6 +20,7 @@ use crate::dispatch::{Dispatch, WorkerSpec};
 use crate::model::lora::LoraConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{weights, Transformer};
+use crate::rollout::sampler::is_greedy;
 use crate::rollout::{Engine, EngineClient, EngineConfig, RemoteEngine, SamplingEngine};
 use crate::trainer::model_ids::{CRITIC, POLICY, REFERENCE};
 use crate::trainer::sections::ModelSection;
@@ -117,6 +118,7 @@ pub fn sft_dispatch(cfg: &SftConfig, threads_per_rank: Option<usize>) -> Result<
             sharding: cfg.train.sharding,
             gradient_sum: cfg.train.gradient_sum,
             router_aux_loss_coef: cfg.train.router_aux_loss_coef,
+            temperature: 1.0,
         },
         ..WorkerSpec::new(&cfg.model.path)
     };
@@ -173,6 +175,12 @@ pub fn rl_runtime(cfg: &RlConfig, threads: Option<usize>) -> Result<(Dispatch, E
         },
         gradient_sum: l.gradient_sum,
         router_aux_loss_coef: 0.0,
+        // The policy's and the reference's log-probs are those of the distribution the
+        // rollouts are drawn from (the model's own for greedy ones).
+        temperature: match is_greedy(cfg.rollout.temperature) {
+            true => 1.0,
+            false => cfg.rollout.temperature,
+        },
     };
     let base = WorkerSpec {
         dtype,

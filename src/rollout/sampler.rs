@@ -2,11 +2,13 @@
 //!
 //! The distribution drawn from is p ∝ exp(z / T) restricted to the k most likely tokens and then
 //! to the smallest prefix (by decreasing probability) whose mass reaches top_p, renormalised.
-//! The returned log-prob is log p(token) under exactly that distribution. With T = 1 and no
-//! truncation, and when greedy (T = 0, argmax, ties to the lowest id), that is the model's own
-//! log-prob, computed by the trainer's function of the logits: the same bits as the trainer's
-//! forward gives for the token. Otherwise the weights exp((z − max) / T) are f32,
-//! the logits' precision, from the vectorised exp; sums and the log in f64.
+//! The returned log-prob is log p(token) under exactly that distribution. Without truncation it
+//! is computed by the trainer's function of the logits scaled by 1/T (each z · (1/T) in f32, as
+//! the trainer's head scales them when its temperature is T): the same bits as the trainer's
+//! forward at that temperature gives for the token; greedy (T = 0, argmax, ties to the lowest
+//! id) reports the model's own log-prob, as the trainer at temperature 1. The weights drawn from
+//! are exp((z − max) / T) in f32, the logits' precision, from the vectorised exp; with top-k /
+//! top-p, the reported log-prob is theirs (sums and the log in f64).
 
 use rand::{rngs::StdRng, Rng};
 
@@ -97,12 +99,14 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
     // Unnormalised probabilities exp((z − max) / T), in f32 with the vectorised exp (f64's libm
     // exp over the vocabulary was a sixth of a temperature-1 decode step at 64 rows), and their sum.
     let mut weights = vec![0f32; logits.len()];
-    let total = row_math::exp_scaled(&mut weights, logits, max, (1.0 / p.temperature) as f32);
+    let inv_t = (1.0 / p.temperature) as f32;
+    let total = row_math::exp_scaled(&mut weights, logits, max, inv_t);
     let truncate = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0;
     if !truncate {
-        let (token, lp) = draw(weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)), total, rng);
-        // At T = 1 the distribution is the model's: report its log-prob as the trainer computes it.
-        return Ok((token, if p.temperature == 1.0 { model_logprob(logits, token) } else { lp }));
+        let (token, _) = draw(weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)), total, rng);
+        // The distribution is softmax(z / T): report its log-prob as the trainer computes it at
+        // temperature T (the model's own at T = 1).
+        return Ok((token, tempered_logprob(logits, inv_t, token)));
     }
     // Tokens by decreasing probability, ties to the lower id: a total order, so a partial
     // selection gives the same leading tokens as a full sort. Sorting a 152k vocabulary for every
@@ -192,6 +196,16 @@ fn draw(probs: impl Iterator<Item = (u32, f64)>, total: f64, rng: &mut StdRng) -
 /// ([`logprob_lse::row_forward`]), so that a sampled token's log-prob is the trainer's bits.
 fn model_logprob(logits: &[f32], token: u32) -> f32 {
     logprob_lse::row_forward(logits, token).0
+}
+
+/// [`model_logprob`] of softmax(z · inv_t): each logit times inv_t in f32, as the trainer's
+/// head scales them at temperature 1 / inv_t (`model::tape::head`), then the same row function.
+fn tempered_logprob(logits: &[f32], inv_t: f32, token: u32) -> f32 {
+    if inv_t == 1.0 {
+        return model_logprob(logits, token);
+    }
+    let scaled: Vec<f32> = logits.iter().map(|&z| z * inv_t).collect();
+    model_logprob(&scaled, token)
 }
 
 /// log softmax(z / t)\[i\]: exponentials in f32 (the precision of the logits; f64's `exp` was a

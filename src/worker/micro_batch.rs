@@ -32,8 +32,17 @@ pub struct TokenOutputs {
     pub graph: Option<GraphCheckpoint>,
 }
 
+/// What a policy's head computes besides the target log-probs.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadOptions {
+    /// Per-token entropies too.
+    pub entropy: bool,
+    /// 1 / the temperature: log-probs (and entropies) of softmax(logits · inv_temperature).
+    pub inv_temperature: f64,
+}
+
 /// Runs the model on the datums `members` of `batch`. `critic` selects the value head;
-/// `entropy` asks for per-token entropies (policy only). The model runs on the [`Tape`] where it
+/// `head` says what a policy's head computes (entropies, the temperature). The model runs on the [`Tape`] where it
 /// can (the CPU), keeping what `keep` says for a backward (anything but [`Keep::Nothing`]): the
 /// caller then hands the tape candle's gradients. Off the tape, [`Keep::LayerInputs`] runs the
 /// blocks through a [`GraphCheckpoint`] (activation checkpointing on candle's graph).
@@ -42,9 +51,10 @@ pub fn model_outputs(
     value_head: Option<&ValueHead>,
     batch: &[Datum],
     members: &[usize],
-    entropy: bool,
+    head: HeadOptions,
     keep: Keep,
 ) -> Result<TokenOutputs> {
+    let HeadOptions { entropy, inv_temperature } = head;
     let backward = keep != Keep::Nothing;
     let lengths: Vec<usize> = members.iter().map(|&i| batch[i].len()).collect();
     let t_max = *lengths.iter().max().expect("a micro-batch is never empty");
@@ -80,12 +90,7 @@ pub fn model_outputs(
         if Tape::serves(model) { Some(Tape::forward_keeping(model, &ids, &positions, &mask, keep)?) } else { None };
     // A policy: the head runs on the tape as well.
     if let (Some(t), None) = (tape.as_mut(), value_head) {
-        let (logprobs, entropy) = if entropy {
-            let (lp, h) = t.logprobs_and_entropy(&gather, &targets())?;
-            (lp, Some(h))
-        } else {
-            (t.logprobs(&gather, &targets())?, None)
-        };
+        let (logprobs, entropy) = t.tempered_logprobs(&gather, &targets(), inv_temperature, entropy)?;
         return Ok(TokenOutputs { main: logprobs, entropy, lengths, tape: tape.filter(|_| backward), graph: None });
     }
     let (hidden, graph) = match tape.as_mut() {
@@ -116,6 +121,7 @@ pub fn model_outputs(
     let lm_head = &model.lm_head;
     let one_node = device.is_cuda()
         && !entropy
+        && inv_temperature == 1.0
         && lm_head.bias.is_none()
         && lm_head.lora.is_none()
         && lm_head.weight.dtype() == hidden.dtype()
@@ -124,7 +130,10 @@ pub fn model_outputs(
         let (logprobs, _) = head_logprobs::head_logprobs(&hidden, &lm_head.weight, &targets)?;
         return Ok(TokenOutputs { main: logprobs, entropy: None, lengths, tape, graph });
     }
-    let logits = lm_head.forward(&hidden)?.to_dtype(dtype)?;
+    let mut logits = lm_head.forward(&hidden)?.to_dtype(dtype)?;
+    if inv_temperature != 1.0 {
+        logits = (logits * inv_temperature)?;
+    }
     let (logprobs, lse) = target_logprobs_and_lse(&logits, &targets)?;
     let entropy = if entropy { Some(token_entropy(&logits, &lse)?) } else { None };
     Ok(TokenOutputs { main: logprobs, entropy, lengths, tape, graph })

@@ -21,7 +21,7 @@ use super::batch::{validate_batch, Datum, LossFnOutput, Requirements};
 use super::gradient_sum::{add_sum, agree_on_rounds};
 use super::head_stream::SharedHeadStream;
 use super::loss_fn::{needs_entropy, requirements};
-use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split};
+use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split, HeadOptions};
 use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
@@ -91,6 +91,12 @@ impl Worker {
             cfg.validate()?;
         }
         plan_micro_batches(&[1], config.micro_batch_size, config.max_tokens_per_microbatch)?;
+        if !(config.temperature.is_finite() && config.temperature > 0.0) {
+            return Err(Error::input(format!(
+                "temperature: the log-probs' temperature must be finite and positive, not {}",
+                config.temperature
+            )));
+        }
         if config.router_aux_loss_coef != 0.0 && model.config.moe.is_none() {
             return Err(Error::input(format!(
                 "router_aux_loss_coef: a {} model has no experts (the load-balancing loss is Qwen3-MoE's)",
@@ -378,7 +384,8 @@ impl Worker {
                 self.start_round(sums)?;
             }
             if let Some(members) = plan.get(round) {
-                let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, entropy, keep)?;
+                let head = HeadOptions { entropy, inv_temperature: 1.0 / self.config.temperature };
+                let mut out = model_outputs(&self.model, self.value_head.as_ref(), batch, members, head, keep)?;
                 if let (true, Some(tape)) = (backward && loss.is_some(), out.tape.as_mut()) {
                     router_aux_loss(tape, batch, members, self.config.router_aux_loss_coef, &mut metrics);
                 }

@@ -44,6 +44,12 @@ pub struct WorkerConfig {
     /// loss weights (with token-mean weights and one micro-batch, transformers' term); its
     /// gradient reaches the routers. 0 (the default): off.
     pub router_aux_loss_coef: f64,
+    /// The temperature T of the policy's log-probs and entropies: they are those of
+    /// softmax(logits / T), the distribution a sampler at T draws from, so that an RL run
+    /// sampling at T trains on its sampler's probabilities (verl's, SkyRL's and TRL's
+    /// `temperature`). RL sets its rollout temperature (1 for greedy rollouts); finite and
+    /// positive. Default 1.
+    pub temperature: f64,
 }
 
 impl Default for WorkerConfig {
@@ -59,6 +65,7 @@ impl Default for WorkerConfig {
             sharding: Sharding::None,
             gradient_sum: GradientSum::Step,
             router_aux_loss_coef: 0.0,
+            temperature: 1.0,
         }
     }
 }

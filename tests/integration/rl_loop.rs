@@ -73,6 +73,26 @@ fn a_short_run_writes_metrics_checkpoints_and_exports() {
     assert!(s.export_dir.unwrap().join("model.safetensors").exists());
 }
 
+/// Sampling at a temperature, the trainer's log-probs are those of the tempered distribution
+/// the sampler drew from, bit for bit: the mismatch is 0 at T = 0.7 as at 1 (with the trainer
+/// at the model's own distribution it is 0.107 here), a reference's KL at the same temperature.
+#[test]
+fn sampling_at_a_temperature_trains_on_the_samplers_logprobs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::tiny_byte_model(&model, 32, 256, 7);
+    let extra = ["rollout.temperature=0.7", "train.max_steps=2", "train.eval_every=0", "algorithm.kl.coef=0.05"];
+    let cfg = config(&model, &tmp.path().join("run"), &extra);
+    let (d, engines) = runtime(&cfg);
+    run_rl(&cfg, &d, &engines, &RunOptions::default()).unwrap();
+    let text = std::fs::read_to_string(tmp.path().join("run/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    for l in &lines {
+        assert_eq!(l["logprob_mismatch_max"].as_f64(), Some(0.0), "{l}");
+    }
+}
+
 /// Every algorithm path runs end to end: GAE with a critic, a LoRA policy, dynamic sampling
 /// with replacement and the zero-variance filter, rollout IS with truncated IS, sequence mean,
 /// adaptive KL in the reward, several mini-batches and epochs.

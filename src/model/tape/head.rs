@@ -1,10 +1,13 @@
 //! The LM head, the target log-probs and (optionally) the entropy on the tape:
-//! z = lm_head(h), log p(y) = z_y − lse(z), H = lse(z) − Σ p·z with p = softmax(z).
+//! z = lm_head(h) · s, log p(y) = z_y − lse(z), H = lse(z) − Σ p·z with p = softmax(z), where
+//! s = 1 / temperature (1: the model's own distribution; a sampler at temperature T draws from
+//! softmax(lm_head(h) / T), and its log-probs are these at s = 1/T, the logits scaled as the
+//! sampler scales them: each rounded product z · s in the logits' dtype).
 //!
 //! Only the rows the loss reads (real tokens) go through the head, in chunks of rows whose
 //! logits take at most [`CHUNK_LOGITS`] elements. The backward turns the logits in place into
 //!   dz = g_lp · (onehot(y) − p) − g_H · p · (z − Σ p·z)
-//! and runs the projection's backward on it, in blocks of vocabulary rows ([`VOCAB_BLOCK`]), each
+//! times s, and runs the projection's backward on it, in blocks of vocabulary rows ([`VOCAB_BLOCK`]), each
 //! over the row chunks: dW of the block accumulated chunk after chunk, dx of each chunk's rows
 //! accumulated block after block. A block of dW is then final before the next is begun, and can
 //! be handed on at once (`sharding = "full"` sums it to its owner: `worker/head_stream.rs`).
@@ -40,6 +43,28 @@ pub struct HeadRecord<T> {
     lse: Vec<T>,
     /// The entropies, when asked for.
     entropy: Option<Vec<T>>,
+    /// s = 1 / temperature, as the logits' dtype.
+    scale: T,
+}
+
+/// How [`forward`] runs.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadForward {
+    /// The entropies too.
+    pub entropy: bool,
+    /// Keep the logits for the backward rather than recompute them there.
+    pub keep_logits: bool,
+    /// At most this many logits a chunk of rows ([`CHUNK_LOGITS`]).
+    pub budget: usize,
+    /// s = 1 / temperature: the logits are scaled by it (1: as they are).
+    pub inv_temperature: f64,
+}
+
+/// z ← z · s, unless s is 1.
+fn scale_logits<T: Real>(z: &mut [T], s: T) {
+    if s != T::of(1.0) {
+        z.par_chunks_mut(1 << 14).for_each(|z| z.iter_mut().for_each(|v| *v *= s));
+    }
 }
 
 /// The log-probs, the entropies (when asked for) and the record.
@@ -54,19 +79,17 @@ fn chunk_rows(lm_head: &Linear, vocab: usize, m: usize, budget: usize) -> usize 
 }
 
 /// log p(targets[i]) (and with `entropy` the entropy) for hidden row rows[i] of `hidden`
-/// [.., width], and the record (`keep_logits`: keep them for the backward rather than recompute
-/// them there), in chunks of rows of at most `budget` logits ([`CHUNK_LOGITS`]).
-#[allow(clippy::too_many_arguments)]
+/// [.., width], and the record, as `options` say.
 pub fn forward<T: Real>(
     lm_head: &Linear,
     hidden: &[T],
     width: usize,
     rows: &[u32],
     targets: &[u32],
-    entropy: bool,
-    keep_logits: bool,
-    budget: usize,
+    options: HeadForward,
 ) -> Result<HeadOutput<T>> {
+    let HeadForward { entropy, keep_logits, budget, inv_temperature } = options;
+    let scale = T::of(inv_temperature);
     let vocab = lm_head.weight.dim(0)?;
     if let Some(bad) = targets.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::input(format!("target id {bad} is out of range for vocabulary {vocab}")));
@@ -83,7 +106,8 @@ pub fn forward<T: Real>(
     for (c, out) in out.chunks_mut(chunk).enumerate() {
         let start = c * chunk;
         let n = out.len();
-        let (logits, u_c) = linear::forward(lm_head, &x[start * width..(start + n) * width], n)?;
+        let (mut logits, u_c) = linear::forward(lm_head, &x[start * width..(start + n) * width], n)?;
+        scale_logits(&mut logits, scale);
         u = u.or(u_c); // an adapter makes one chunk
         out.par_iter_mut().enumerate().with_min_len(16).for_each_init(
             || vec![T::of(0.0); if entropy { vocab } else { 0 }],
@@ -110,6 +134,7 @@ pub fn forward<T: Real>(
         logits,
         lse,
         entropy: entropy.clone(),
+        scale,
     };
     Ok((logprobs, entropy, record))
 }
@@ -171,7 +196,7 @@ pub fn backward<T: Real>(
     grads: &mut Grads<T>,
     dw: WeightGradient<'_, T>,
 ) -> Result<Vec<T>> {
-    let HeadRecord { rows, targets, x, u, chunk, mut logits, lse, entropy } = rec;
+    let HeadRecord { rows, targets, x, u, chunk, mut logits, lse, entropy, scale } = rec;
     let (m, vocab) = (rows.len(), lm_head.weight.dim(0)?);
     let mut d_hidden = vec![T::of(0.0); n_rows * width];
     let train_w = lm_head.weight.is_variable();
@@ -186,9 +211,14 @@ pub fn backward<T: Real>(
         // One chunk (see `chunk_rows`): the projection's own backward.
         let mut z = match logits {
             Some(all) => all,
-            None => linear::forward(lm_head, &x, m)?.0,
+            None => {
+                let mut z = linear::forward(lm_head, &x, m)?.0;
+                scale_logits(&mut z, scale);
+                z
+            }
         };
         block_to_gradient(&mut z, vocab, 0..vocab, 0, m, &grad);
+        scale_logits(&mut z, scale);
         let mut dx = None;
         linear::backward(lm_head, &x, u.as_deref(), &z, m, &mut dx, grads)?;
         dx.expect("set by the backward")
@@ -216,10 +246,17 @@ pub fn backward<T: Real>(
                     Some(all) => (&mut all[start * vocab + cols.start..(start + n - 1) * vocab + cols.end], vocab),
                     None => {
                         recomputed = linear::xwt(x_c, w_v, n, nb, width);
+                        scale_logits(&mut recomputed, scale);
                         (&mut recomputed, nb)
                     }
                 };
                 block_to_gradient(z, ld, cols.clone(), start, n, &grad);
+                if scale != T::of(1.0) {
+                    // dz with respect to the unscaled logits: times s (row i's part only).
+                    for row in z.chunks_mut(ld).take(n) {
+                        row[..nb].iter_mut().for_each(|v| *v *= scale);
+                    }
+                }
                 let dz = Mat::strided(&*z, n, nb, ld);
                 let dw_dst: Option<&mut [T]> = match whole.as_mut() {
                     Some(all) => Some(&mut all[cols.start * width..cols.end * width]),
@@ -313,6 +350,17 @@ mod tests {
     /// The head of a vocabulary of 11 and a width of 5 over 7 of 9 rows, run with `budget`
     /// logits a chunk and vocabulary blocks of `block` rows; dW whole or in blocks (`blocks`).
     fn run<T: Real + candle_core::WithDType>(keep: bool, budget: usize, block: usize, blocks: bool) -> Run<T> {
+        run_at(keep, budget, block, blocks, 1.0)
+    }
+
+    /// [`run`] at 1 / temperature `inv_t`.
+    fn run_at<T: Real + candle_core::WithDType>(
+        keep: bool,
+        budget: usize,
+        block: usize,
+        blocks: bool,
+        inv_t: f64,
+    ) -> Run<T> {
         let (vocab, width, n_rows) = (11, 5, 9);
         let w: Vec<T> = (0..vocab * width).map(|i| T::of(((i * 7 % 13) as f64 - 6.0) * 0.11)).collect();
         let weight = Var::from_tensor(&Tensor::from_vec(w, (vocab, width), &Device::Cpu).unwrap()).unwrap();
@@ -322,7 +370,8 @@ mod tests {
         let targets: Vec<u32> = vec![1, 10, 0, 4, 4, 9, 2];
         let g: Vec<T> = (0..rows.len()).map(|i| T::of(0.3 - 0.1 * i as f64)).collect();
         let g_h: Vec<T> = (0..rows.len()).map(|i| T::of(0.05 * i as f64)).collect();
-        let (lp, h, rec) = forward(&head, &hidden, width, &rows, &targets, true, keep, budget).unwrap();
+        let options = HeadForward { entropy: true, keep_logits: keep, budget, inv_temperature: inv_t };
+        let (lp, h, rec) = forward(&head, &hidden, width, &rows, &targets, options).unwrap();
         assert_eq!(rec.chunk, (budget / vocab).clamp(1, rows.len()));
         let mut grads = Grads { list: vec![] };
         let (mut dw, mut starts) = (vec![], vec![]);
@@ -361,6 +410,55 @@ mod tests {
         assert!(close(&kept.0, &whole.0) && close(&kept.1, &whole.1) && close(&kept.2, &whole.2));
         assert!(close(&kept.3, &whole.3), "blocked dW is not the one-block dW");
         assert!(kept.3.iter().any(|&x| x != 0.0) && kept.2.iter().any(|&x| x != 0.0), "nothing flowed back");
+    }
+
+    /// At a temperature the head's log-probs, entropies, dx and dW are those of candle's graph
+    /// of log_softmax(x · Wᵀ · s) (f64, 1e-12), s = 1 / temperature; recomputed blocks keep the
+    /// kept ones' bits (f32); and they differ from the untempered head's.
+    #[test]
+    fn a_temperature_scales_the_logits_in_value_and_gradient() {
+        let inv_t = 1.0 / 0.7;
+        let (chunks, block) = (3 * 11, 4);
+        let kept = run_at::<f32>(true, chunks, block, false, inv_t);
+        assert_eq!(run_at::<f32>(false, chunks, block, false, inv_t), kept, "recomputed tempered blocks differ");
+        let got = run_at::<f64>(false, chunks, block, true, inv_t);
+        assert_ne!(got.0, run::<f64>(false, chunks, block, true).0, "the temperature changed nothing");
+
+        // The reference: the same head on candle's graph (`run`'s inputs).
+        let (vocab, width, n_rows) = (11, 5, 9);
+        let w: Vec<f64> = (0..vocab * width).map(|i| ((i * 7 % 13) as f64 - 6.0) * 0.11).collect();
+        let hidden: Vec<f64> = (0..n_rows * width).map(|i| ((i * 5 % 17) as f64 - 8.0) * 0.07).collect();
+        let rows: Vec<u32> = vec![0, 2, 3, 4, 5, 7, 8];
+        let targets: Vec<u32> = vec![1, 10, 0, 4, 4, 9, 2];
+        let g: Vec<f64> = (0..rows.len()).map(|i| 0.3 - 0.1 * i as f64).collect();
+        let g_h: Vec<f64> = (0..rows.len()).map(|i| 0.05 * i as f64).collect();
+        let dev = Device::Cpu;
+        let wv = Var::from_tensor(&Tensor::from_vec(w, (vocab, width), &dev).unwrap()).unwrap();
+        let hv = Var::from_tensor(&Tensor::from_vec(hidden, (n_rows, width), &dev).unwrap()).unwrap();
+        let idx = Tensor::from_vec(rows.clone(), rows.len(), &dev).unwrap();
+        let x = hv.as_tensor().index_select(&idx, 0).unwrap();
+        let z = (x.matmul(&wv.as_tensor().t().unwrap()).unwrap() * inv_t).unwrap();
+        let max = z.max_keepdim(1).unwrap().detach();
+        let shifted = z.broadcast_sub(&max).unwrap();
+        let logp = shifted.broadcast_sub(&shifted.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap()).unwrap();
+        let tgt = Tensor::from_vec(targets, (rows.len(), 1), &dev).unwrap();
+        let lp = logp.gather(&tgt, 1).unwrap().squeeze(1).unwrap();
+        let h = (logp.exp().unwrap() * &logp).unwrap().sum(1).unwrap().neg().unwrap();
+        let loss = ((&lp * Tensor::new(g, &dev).unwrap()).unwrap().sum_all().unwrap()
+            + (&h * Tensor::new(g_h, &dev).unwrap()).unwrap().sum_all().unwrap())
+        .unwrap();
+        let grads = loss.backward().unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let close = |what: &str, a: &[f64], b: &[f64]| {
+            assert_eq!(a.len(), b.len(), "{what}");
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-12 * (1.0 + y.abs()), "{what}: {x} against the graph's {y}");
+            }
+        };
+        close("log-probs", &got.0, &flat(&lp));
+        close("entropies", &got.1, &flat(&h));
+        close("dx", &got.2, &flat(grads.get(hv.as_tensor()).unwrap()));
+        close("dW", &got.3, &flat(grads.get(wv.as_tensor()).unwrap()));
     }
 
     #[test]

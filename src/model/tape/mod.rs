@@ -284,22 +284,36 @@ impl Tape {
     /// log p(targets\[i\]) at the flattened position rows\[i\] (row-major over [B, T]) as a fresh
     /// variable: the LM head and the log-softmax run on the tape too.
     pub fn logprobs(&mut self, rows: &[u32], targets: &[u32]) -> Result<Tensor> {
-        Ok(self.head(rows, targets, false)?.0)
+        Ok(self.tempered_logprobs(rows, targets, 1.0, false)?.0)
     }
 
     /// [`Tape::logprobs`] and the entropy of each row's distribution, both fresh variables.
     pub fn logprobs_and_entropy(&mut self, rows: &[u32], targets: &[u32]) -> Result<(Tensor, Tensor)> {
-        let (lp, h) = self.head(rows, targets, true)?;
+        let (lp, h) = self.tempered_logprobs(rows, targets, 1.0, true)?;
         Ok((lp, h.expect("asked for")))
     }
 
-    fn head(&mut self, rows: &[u32], targets: &[u32], entropy: bool) -> Result<(Tensor, Option<Tensor>)> {
+    /// [`Tape::logprobs`] (and, with `entropy`, the entropies) of softmax(logits ·
+    /// `inv_temperature`): the distribution a sampler at temperature 1 / `inv_temperature` draws
+    /// from, the logits scaled in their dtype as the sampler scales them.
+    pub fn tempered_logprobs(
+        &mut self,
+        rows: &[u32],
+        targets: &[u32],
+        inv_temperature: f64,
+        entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         if rows.len() != targets.len() {
             return Err(Error::input(format!("{} rows but {} targets", rows.len(), targets.len())));
         }
+        if !(inv_temperature.is_finite() && inv_temperature > 0.0) {
+            return Err(Error::input(format!(
+                "tape: 1 / temperature must be finite and positive, not {inv_temperature}"
+            )));
+        }
         let (lp, h) = match &mut self.record {
-            Recorded::F32(r) => head_forward(r, rows, targets, entropy)?,
-            Recorded::F64(r) => head_forward(r, rows, targets, entropy)?,
+            Recorded::F32(r) => head_forward(r, rows, targets, entropy, inv_temperature)?,
+            Recorded::F64(r) => head_forward(r, rows, targets, entropy, inv_temperature)?,
         };
         self.model().release_unit(Unit::Head)?;
         let lp = Var::from_tensor(&lp)?;
@@ -471,14 +485,15 @@ fn head_forward<T: Real>(
     rows: &[u32],
     targets: &[u32],
     entropy: bool,
+    inv_temperature: f64,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let n = r.shared.dims.b * r.shared.dims.t;
     if let Some(bad) = rows.iter().find(|&&i| i as usize >= n) {
         return Err(Error::input(format!("tape: row {bad} is beyond the batch's {n} positions")));
     }
     let width = r.model.config.hidden_size;
-    let (lp, h, rec) =
-        head::forward(&r.model.lm_head, &r.out, width, rows, targets, entropy, r.keep_logits, CHUNK_LOGITS)?;
+    let options = head::HeadForward { entropy, keep_logits: r.keep_logits, budget: CHUNK_LOGITS, inv_temperature };
+    let (lp, h, rec) = head::forward(&r.model.lm_head, &r.out, width, rows, targets, options)?;
     r.head = Some(rec);
     let tensor = |v: Vec<T>| Tensor::from_vec(v, rows.len(), &Device::Cpu);
     Ok((tensor(lp)?, h.map(tensor).transpose()?))
