@@ -526,7 +526,8 @@ fn linear_node_on_cuda_gives_the_chains_bits() {
 
 /// The LM head and the log-probs as one graph node (in bf16 the log-prob op's mixed kernels)
 /// give the chain's values and gradients to the bit on CUDA (a matmul with the weight's
-/// transpose, the logits cast to f32, the fused op), in f32 and bf16.
+/// transpose, the logits cast to f32 and, at a temperature, scaled, the fused op), in f32 and
+/// bf16.
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
 fn head_node_on_cuda_gives_the_chains_bits() {
@@ -547,11 +548,14 @@ fn head_node_on_cuda_gives_the_chains_bits() {
                 |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             [bits(&lp), bits(grads.get(x.as_tensor()).unwrap()), bits(grads.get(w.as_tensor()).unwrap())]
         };
-        let node = run(head_logprobs(x.as_tensor(), w.as_tensor(), &targets).unwrap().0);
-        let logits = matmul(x.as_tensor(), &w.as_tensor().t().unwrap()).unwrap().to_dtype(DType::F32).unwrap();
-        let chain = run(logprob_lse::forward(&logits, &targets).unwrap().0);
-        for (i, what) in ["log-probs", "dh", "dW"].iter().enumerate() {
-            assert_eq!(node[i], chain[i], "{dtype:?}: the head node's {what} differs from the chain's");
+        for s in [1.0, 1.0 / 0.7] {
+            let node = run(head_logprobs(x.as_tensor(), w.as_tensor(), &targets, s).unwrap().0);
+            let logits = matmul(x.as_tensor(), &w.as_tensor().t().unwrap()).unwrap().to_dtype(DType::F32).unwrap();
+            let logits = if s == 1.0 { logits } else { (logits * s).unwrap() };
+            let chain = run(logprob_lse::forward(&logits, &targets).unwrap().0);
+            for (i, what) in ["log-probs", "dh", "dW"].iter().enumerate() {
+                assert_eq!(node[i], chain[i], "{dtype:?}, 1/T = {s}: the head node's {what} differs from the chain's");
+            }
         }
         println!("head node {dtype:?}: log-probs and gradients equal the chain's bits");
     }

@@ -121,13 +121,12 @@ pub fn model_outputs(
     let lm_head = &model.lm_head;
     let one_node = device.is_cuda()
         && !entropy
-        && inv_temperature == 1.0
         && lm_head.bias.is_none()
         && lm_head.lora.is_none()
         && lm_head.weight.dtype() == hidden.dtype()
         && head_logprobs::serves(device, hidden.dtype());
     if one_node {
-        let (logprobs, _) = head_logprobs::head_logprobs(&hidden, &lm_head.weight, &targets)?;
+        let (logprobs, _) = head_logprobs::head_logprobs(&hidden, &lm_head.weight, &targets, inv_temperature)?;
         return Ok(TokenOutputs { main: logprobs, entropy: None, lengths, tape, graph });
     }
     let mut logits = lm_head.forward(&hidden)?.to_dtype(dtype)?;

@@ -266,14 +266,33 @@ template <typename T> static void logprob_lse(unsigned block) {
     std::vector<float> of(2 * n), om(2 * n), dzf(n * v);
     std::vector<T> dzm(n * v);
     launch({(unsigned)n}, {block}, Kernels<float>::logprob_lse, zf.data(), y.data(), of.data(), v);
-    launch({(unsigned)n}, {block}, Kernels<T>::lse_mixed, (const T*)zs.data(), y.data(), om.data(), v);
+    launch({(unsigned)n}, {block}, Kernels<T>::lse_mixed, (const T*)zs.data(), y.data(), om.data(), v, 1.0f);
     launch({(unsigned)n}, {block}, Kernels<float>::logprob_lse_bwd, zf.data(), y.data(), rgf.data(), dzf.data(), v);
-    launch({(unsigned)n}, {block}, Kernels<T>::lse_bwd_mixed, (const T*)zs.data(), y.data(), rgf.data(), dzm.data(), v);
+    launch({(unsigned)n}, {block}, Kernels<T>::lse_bwd_mixed, (const T*)zs.data(), y.data(), rgf.data(), dzm.data(), v,
+           1.0f);
     const std::vector<T> dzf_rounded = cast<T>(widen(dzf));
     const bool same = om == of && std::memcmp(dzm.data(), dzf_rounded.data(), dzm.size() * sizeof(T)) == 0;
     ++checks;
     if (!same) ++failures;
     std::printf("%s %s: the f32 kernels' bits\n", same ? "ok  " : "FAIL", label<T>("logprob_lse mixed", block).c_str());
+
+    // At a temperature (scale = 1/T): the f32 kernels' bits on the logits cast and scaled in
+    // f32, dz (with respect to the scaled logits) times the scale, rounded once to T.
+    const float scale = 1.0f / 0.7f;
+    std::vector<float> zsc(n * v);
+    for (size_t i = 0; i < zsc.size(); ++i) zsc[i] = zf[i] * scale;
+    launch({(unsigned)n}, {block}, Kernels<float>::logprob_lse, zsc.data(), y.data(), of.data(), v);
+    launch({(unsigned)n}, {block}, Kernels<T>::lse_mixed, (const T*)zs.data(), y.data(), om.data(), v, scale);
+    launch({(unsigned)n}, {block}, Kernels<float>::logprob_lse_bwd, zsc.data(), y.data(), rgf.data(), dzf.data(), v);
+    launch({(unsigned)n}, {block}, Kernels<T>::lse_bwd_mixed, (const T*)zs.data(), y.data(), rgf.data(), dzm.data(), v,
+           scale);
+    std::vector<T> dz_scaled(n * v);
+    for (size_t i = 0; i < dz_scaled.size(); ++i) dz_scaled[i] = from_f32<T>(scale * dzf[i]);
+    const bool tempered = om == of && std::memcmp(dzm.data(), dz_scaled.data(), dzm.size() * sizeof(T)) == 0;
+    ++checks;
+    if (!tempered) ++failures;
+    std::printf("%s %s: the f32 kernels' bits on the scaled logits\n", tempered ? "ok  " : "FAIL",
+                label<T>("logprob_lse mixed at a temperature", block).c_str());
 }
 
 template <typename T> static void masked_softmax(unsigned block) {

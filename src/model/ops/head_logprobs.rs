@@ -15,7 +15,9 @@
 //! dh = dz · W,    dW = (hᵀ · dz)ᵀ
 //! ```
 //! the chain's backward operation by operation (candle's matmul backward, the transpose's
-//! gradient stored contiguous): its bits.
+//! gradient stored contiguous): its bits. At a temperature T the log-probs are those of
+//! z · (1/T) (the chain with the f32 logits scaled after the cast, its gradient times 1/T):
+//! the mixed kernels scale as they read, the f32 path scales z in a pass of its own.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, D};
 
@@ -37,8 +39,13 @@ pub fn serves(device: &candle_core::Device, dtype: DType) -> bool {
 
 /// (log p(targets) of shape \[N\], logsumexp of shape \[N, 1\]), in f32 (f64 for f64), from
 /// hidden states \[N, H\], the head's weight \[V, H\] (of the hidden states' dtype) and u32
-/// targets \[N\]. Call where [`serves`] says.
-pub fn head_logprobs(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+/// targets \[N\], of softmax(logits · `inv_temperature`). Call where [`serves`] says.
+pub fn head_logprobs(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    inv_temperature: f64,
+) -> Result<(Tensor, Tensor)> {
     let dtype = hidden.dtype();
     if !serves(hidden.device(), dtype) || weight.dtype() != dtype {
         return Err(Error::input(format!(
@@ -57,13 +64,21 @@ pub fn head_logprobs(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Resu
         )));
     }
     let mixed = norm_dtype(dtype) != dtype;
-    let z = matmul(&hidden.detach(), &weight.detach().t()?)?;
+    if !(inv_temperature.is_finite() && inv_temperature > 0.0) {
+        return Err(Error::input(format!("head log-probs: 1 / temperature {inv_temperature}")));
+    }
+    let mut z = matmul(&hidden.detach(), &weight.detach().t()?)?;
     let targets = targets.contiguous()?;
     let out = match mixed {
-        true => logprob_lse::forward_mixed(&z, &targets)?,
-        false => logprob_lse::forward_no_grad(&z, &targets)?,
+        true => logprob_lse::forward_mixed(&z, &targets, inv_temperature as f32)?,
+        false => {
+            if inv_temperature != 1.0 {
+                z = (z * inv_temperature)?;
+            }
+            logprob_lse::forward_no_grad(&z, &targets)?
+        }
     };
-    let node = HeadNode { out: NodeOutput::new("head log-probs", out), logits: z, targets, mixed };
+    let node = HeadNode { out: NodeOutput::new("head log-probs", out), logits: z, targets, mixed, inv_temperature };
     let out = hidden.apply_op2(weight, node)?;
     Ok((out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?, out.narrow(D::Minus1, 1, 1)?))
 }
@@ -71,11 +86,12 @@ pub fn head_logprobs(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Resu
 /// The graph node: its output (computed before the node exists) and what the backward reads.
 struct HeadNode {
     out: NodeOutput,
-    /// z [N, V] in the hidden states' dtype.
+    /// z [N, V] in the hidden states' dtype (scaled by `inv_temperature` unless `mixed`).
     logits: Tensor,
     targets: Tensor,
     /// bf16/f16 logits: the log-prob op's mixed kernels.
     mixed: bool,
+    inv_temperature: f64,
 }
 
 impl CustomOp2 for HeadNode {
@@ -113,8 +129,10 @@ impl CustomOp2 for HeadNode {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let m = |e: Error| candle_core::Error::Msg(e.to_string());
         let rg = Tensor::cat(&[&out.contiguous()?, &grad.contiguous()?], D::Minus1)?;
+        let s = self.inv_temperature;
         let dz = match self.mixed {
-            true => logprob_lse::backward_mixed(&self.logits, &self.targets, &rg).map_err(m)?,
+            true => logprob_lse::backward_mixed(&self.logits, &self.targets, &rg, s as f32).map_err(m)?,
+            false if s != 1.0 => (logprob_lse::backward(&self.logits, &self.targets, &rg)? * s)?,
             false => logprob_lse::backward(&self.logits, &self.targets, &rg)?,
         };
         let wt = weight.t()?;
@@ -137,7 +155,7 @@ mod tests {
     }
 
     /// One node gives the chain's values and gradients to the bit (both outputs carrying a
-    /// gradient), in f32 and f64.
+    /// gradient), in f32 and f64, at temperature 1 and at 0.7 (the chain's logits scaled).
     #[test]
     fn one_node_gives_the_chains_bits() {
         for dtype in [DType::F32, DType::F64] {
@@ -152,10 +170,13 @@ mod tests {
                 let grads = loss.backward().unwrap();
                 (bits(&loss), bits(grads.get(x.as_tensor()).unwrap()), bits(grads.get(w.as_tensor()).unwrap()))
             };
-            let node = run(head_logprobs(x.as_tensor(), w.as_tensor(), &targets).unwrap());
-            let logits = matmul(x.as_tensor(), &w.as_tensor().t().unwrap()).unwrap();
-            let chain = run(logprob_lse::forward(&logits, &targets).unwrap());
-            assert_eq!(node, chain, "{dtype:?}");
+            for s in [1.0, 1.0 / 0.7] {
+                let node = run(head_logprobs(x.as_tensor(), w.as_tensor(), &targets, s).unwrap());
+                let logits = matmul(x.as_tensor(), &w.as_tensor().t().unwrap()).unwrap();
+                let logits = if s == 1.0 { logits } else { (logits * s).unwrap() };
+                let chain = run(logprob_lse::forward(&logits, &targets).unwrap());
+                assert_eq!(node, chain, "{dtype:?}, 1/T = {s}");
+            }
         }
     }
 
@@ -163,6 +184,6 @@ mod tests {
     fn mismatched_shapes_are_errors() {
         let (x, w) = (var(&[3, 4], 1, DType::F32), var(&[9, 5], 2, DType::F32));
         let y = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
-        assert!(head_logprobs(x.as_tensor(), w.as_tensor(), &y).is_err());
+        assert!(head_logprobs(x.as_tensor(), w.as_tensor(), &y, 1.0).is_err());
     }
 }

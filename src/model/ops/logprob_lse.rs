@@ -165,21 +165,24 @@ pub(crate) fn forward_no_grad(z: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// The op's output [..., 2] = (log p(y), lse) in f32 from bf16/f16 logits `z` [..., V]: the f32
 /// op's values on the logits cast to f32, without the cast (CUDA's mixed kernel; no gradient:
 /// for ops that run the backward themselves, with [`backward_mixed`]).
-pub(crate) fn forward_mixed(z: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Mixed { rg: None })?)
+/// The logits are z · `scale` (1 / temperature), each product in f32.
+pub(crate) fn forward_mixed(z: &Tensor, targets: &Tensor, scale: f32) -> Result<Tensor> {
+    Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Mixed { rg: None, scale })?)
 }
 
 /// The op's backward from bf16/f16 logits `z` and `rg` = [(lp, lse) | (g_lp, g_lse)] [..., 4] in
-/// f32: dz in z's dtype, the f32 op's values rounded once (CUDA's mixed kernel).
-pub(crate) fn backward_mixed(z: &Tensor, targets: &Tensor, rg: &Tensor) -> Result<Tensor> {
-    Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Mixed { rg: Some(rg.contiguous()?) })?)
+/// f32: dz in z's dtype, the f32 op's values rounded once (CUDA's mixed kernel); with a
+/// `scale`, the gradient of [`forward_mixed`]'s scaled logits times the scale.
+pub(crate) fn backward_mixed(z: &Tensor, targets: &Tensor, rg: &Tensor, scale: f32) -> Result<Tensor> {
+    Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Mixed { rg: Some(rg.contiguous()?), scale })?)
 }
 
-/// The mixed-dtype kernels: the forward, or (with `rg`) the backward. CUDA only: the CPU
-/// computes in f32.
+/// The mixed-dtype kernels: the forward, or (with `rg`) the backward, on the logits times
+/// `scale`. CUDA only: the CPU computes in f32.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Mixed {
     rg: Option<Tensor>,
+    scale: f32,
 }
 
 impl candle_core::CustomOp2 for Mixed {
@@ -219,7 +222,7 @@ impl candle_core::CustomOp2 for Mixed {
                 cuda::dispatch_cuda!(zs, T => {
                     let z = cuda::view::<T>(zs, zl)?;
                     launch!(dev, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse_mixed"), cuda::per_row(rows);
-                        &z, &y, &out, &vi);
+                        &z, &y, &out, &vi, &self.scale);
                     Ok::<(), candle_core::Error>(())
                 })?;
                 Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(dims)))
@@ -234,7 +237,7 @@ impl candle_core::CustomOp2 for Mixed {
                     let z = cuda::view::<T>(zs, zl)?;
                     let dz = cuda::output::<T>(zs, z.len())?;
                     launch!(dev, cuda::LOGPROB_LSE, cuda::entry::<T>("logprob_lse_bwd_mixed"), cuda::per_row(rows);
-                        &z, &y, &rgv, &dz, &vi);
+                        &z, &y, &rgv, &dz, &vi, &self.scale);
                     Ok((CudaStorage::wrap_cuda_slice(dz, dev.clone()), zl.shape().clone()))
                 })
             }
