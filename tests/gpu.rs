@@ -475,6 +475,34 @@ fn transpose_and_master_rounding_on_cuda_are_candles_copies() {
     println!("transpose and master rounding: candle's bits");
 }
 
+/// The embedding as one graph node gives candle's gather and, through its kernel, candle's
+/// `index_add` table gradient to the bit on CUDA (tokens repeated, in any order, some never
+/// seen), in f32 and bf16; the table gradient written alone is the same.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn embedding_node_on_cuda_gives_candles_bits() {
+    use candle_core::Var;
+    use oxrl::model::ops::embedding::{embedding, table_gradient};
+    let dev = gpu();
+    let _kernels = KernelsOn::new();
+    let bits = |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let table = Var::from_tensor(&random(&[1000, 96], 101, 1.0, dtype, &dev)).unwrap();
+        let ids: Vec<u32> = (0..777u32).map(|i| (i * 37 + i * i) % 600).collect();
+        let c = random(&[777, 96], 102, 1.0, dtype, &dev);
+        let node = embedding(table.as_tensor(), &ids).unwrap();
+        let index = Tensor::from_slice(&ids, ids.len(), &dev).unwrap();
+        let chain = table.as_tensor().index_select(&index, 0).unwrap();
+        assert_eq!(bits(&node), bits(&chain), "{dtype:?}: rows");
+        let g = (&node * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        let want = (&chain * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        let want = want.get(table.as_tensor()).unwrap();
+        assert_eq!(bits(g.get(table.as_tensor()).unwrap()), bits(want), "{dtype:?}: the table's gradient");
+        assert_eq!(bits(&table_gradient(table.as_tensor(), &ids, &c).unwrap()), bits(want), "{dtype:?}: alone");
+    }
+    println!("embedding node: candle's gather and index_add bits");
+}
+
 /// The device's peak memory (the CUDA pool's high-water mark, as `oxrl bench train` and the SFT
 /// and RL metrics report it) counts a 256 MiB tensor made after a reset, and a reset starts it
 /// over from what is in use.

@@ -16,20 +16,23 @@
 //! The backward of Σ(y ⊙ g) hands y exactly g (the sum's gradient is ones, times g), and the
 //! recomputed block is the same graph on the same bits, so each block's gradients are the ones
 //! candle's backward of the whole graph computes. The embedding's gather is differentiated here
-//! by candle's own rules, written out (each step's gradient added to zeros; the gathered rows
-//! added into what the head's part left, row by row): a tied embedding gets the whole graph's
-//! bits too.
+//! by the rules of the graph's (each step's gradient added to zeros; where the embedding is
+//! oxrl's node, its table gradient added to what the head's part left, else candle's: the
+//! gathered rows added into the head's part row by row): a tied embedding gets the whole
+//! graph's bits too.
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
+use super::ops::embedding;
 use super::transformer::{model_norm, BlockInputs, Transformer};
 use crate::{Error, Result};
 
 /// A forward that kept only its blocks' inputs, waiting for its backward.
 pub struct GraphCheckpoint {
     model: Transformer,
-    ids: Tensor,
+    /// The batch's token ids, row after row.
+    ids: Vec<u32>,
     inputs: BlockInputs,
     /// Each block's input hᵢ, detached.
     kept: Vec<Tensor>,
@@ -47,10 +50,10 @@ impl GraphCheckpoint {
         mask: &[Vec<u8>],
     ) -> Result<(Tensor, GraphCheckpoint)> {
         model.check_whole("the graph forward")?;
-        let (b, t) = model.check_inputs(input_ids, positions, mask)?;
-        let ids = Tensor::from_vec(input_ids.concat(), (b, t), &model.device)?;
+        model.check_inputs(input_ids, positions, mask)?;
+        let ids = input_ids.concat();
         let inputs = model.block_inputs(positions, mask)?;
-        let mut h = model.embed(&ids)?.detach();
+        let mut h = model.embed(input_ids)?.detach();
         let mut kept = Vec::with_capacity(model.layers.len());
         for i in 0..model.layers.len() {
             let next = model.train_block(i, &h, &inputs)?.detach();
@@ -96,12 +99,23 @@ impl GraphCheckpoint {
             if g.dtype() != embed.dtype() {
                 g = added(g.to_dtype(embed.dtype())?)?;
             }
-            let g = added(g.reshape((self.ids.elem_count(), ()))?)?;
-            let acc = match grads.iter().position(|(p, _)| p.id() == embed.id()) {
-                Some(k) => grads.remove(k).1,
-                None => embed.zeros_like()?,
+            let g = added(g.reshape((self.ids.len(), ()))?)?;
+            let acc = grads.iter().position(|(p, _)| p.id() == embed.id()).map(|k| grads.remove(k).1);
+            let table = match (acc, embedding::serves(embed)) {
+                // The node's backward: the gather's table gradient, added to the head's part.
+                (Some(acc), true) => (acc + embedding::table_gradient(embed, &self.ids, &g)?)?,
+                (None, true) => embedding::table_gradient(embed, &self.ids, &g)?,
+                // candle's: the rows added into the head's part (or zeros) one by one.
+                (acc, false) => {
+                    let acc = match acc {
+                        Some(acc) => acc,
+                        None => embed.zeros_like()?,
+                    };
+                    let index = Tensor::from_slice(&self.ids, self.ids.len(), embed.device())?;
+                    acc.index_add(&index, &g, 0)?
+                }
             };
-            grads.push((embed.clone(), acc.index_add(&self.ids.flatten_all()?, &g, 0)?));
+            grads.push((embed.clone(), table));
         }
         Ok(grads)
     }

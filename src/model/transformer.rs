@@ -650,7 +650,6 @@ impl Transformer {
             }
         }
         let dev = &self.device;
-        let ids = Tensor::from_vec(input_ids.concat(), (b, t), dev)?;
         let cos_sin = self.rope.tables(positions, self.compute_dtype())?;
 
         let past = cache.as_ref().map_or(0, |c| c.seq_len());
@@ -664,7 +663,7 @@ impl Transformer {
             c.extend_mask(mask);
         }
 
-        let mut h = self.embed(&ids)?;
+        let mut h = self.embed(input_ids)?;
         let cfg = &self.config;
         let last = self.layers.len().saturating_sub(1);
         let mut first = 0;
@@ -709,10 +708,11 @@ impl Transformer {
         hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose()
     }
 
-    /// The embeddings [B, T, hidden] of `ids` [B, T], in the compute dtype (Gemma's scaled).
-    pub(crate) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let (b, t) = ids.dims2()?;
-        let mut h = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?;
+    /// The embeddings [B, T, hidden] of `input_ids` [B, T] (rows of equal length), in the
+    /// compute dtype (Gemma's scaled).
+    pub(crate) fn embed(&self, input_ids: &[Vec<u32>]) -> Result<Tensor> {
+        let (b, t) = (input_ids.len(), input_ids.first().map_or(0, Vec::len));
+        let mut h = super::ops::embedding::embedding(&self.embed_tokens, &input_ids.concat())?.reshape((b, t, ()))?;
         if h.dtype() != self.compute_dtype() {
             h = h.to_dtype(self.compute_dtype())?;
         }

@@ -157,6 +157,15 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
 }
 inline float __half2float(__half x) { return (float)x.value; }
 inline __half __float2half(float f) { return {(_Float16)f}; }
+// a += b rounded to the type, as cuda_bf16.h's and cuda_fp16.h's operators.
+inline __nv_bfloat16& operator+=(__nv_bfloat16& a, __nv_bfloat16 b) {
+    a = __float2bfloat16(__bfloat162float(a) + __bfloat162float(b));
+    return a;
+}
+inline __half& operator+=(__half& a, __half b) {
+    a = __float2half(__half2float(a) + __half2float(b));
+    return a;
+}
 
 // kernel<<<grid, block>>>(args...), for 1-D blocks of 32·k threads.
 template <typename... P, typename... A>

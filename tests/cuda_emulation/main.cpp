@@ -13,6 +13,7 @@
 
 #include "../../src/model/ops/cuda/adamw.cu"
 #include "../../src/model/ops/cuda/cached_attention.cu"
+#include "../../src/model/ops/cuda/embedding.cu"
 #include "../../src/model/ops/cuda/logprob_lse.cu"
 #include "../../src/model/ops/cuda/rms_norm.cu"
 #include "../../src/model/ops/cuda/rope.cu"
@@ -109,6 +110,7 @@ template <typename T> struct Kernels;
         static constexpr auto lse_bwd_mixed = logprob_lse_bwd_mixed_##sfx;      \
         static constexpr auto transpose = transpose_##sfx;                      \
         static constexpr auto round_into = round_into_##sfx;                    \
+        static constexpr auto embedding_grad = embedding_grad_##sfx;            \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -523,8 +525,35 @@ template <typename T> static void round_into(unsigned block) {
     std::printf("%s %s: the master rounded\n", same ? "ok  " : "FAIL", label<T>("round_into", block).c_str());
 }
 
+// The embedding table's gradient, the token's positions grouped on the host: candle's
+// index_add (a thread per column adding every position in turn into a zero table), bit for bit.
+template <typename T> static void embedding_grad(unsigned block) {
+    const long long vocab = 9, width = 300, n = 12;
+    const std::vector<unsigned> ids = {3, 0, 3, 8, 5, 3, 0, 7, 3, 5, 1, 3};
+    const std::vector<T> dy = cast<T>(values(n * width, 9, 2.0));
+    std::vector<T> want(vocab * width, from_f32<T>(0.0f));
+    for (long long c = 0; c < width; ++c)
+        for (long long j = 0; j < n; ++j) want[ids[j] * width + c] += dy[j * width + c];
+    std::vector<unsigned> tokens, starts, order;  // grouped by token, positions in order
+    for (unsigned tok = 0; tok < vocab; ++tok) {
+        const size_t before = order.size();
+        for (unsigned j = 0; j < n; ++j)
+            if (ids[j] == tok) order.push_back(j);
+        if (order.size() > before) tokens.push_back(tok), starts.push_back((unsigned)before);
+    }
+    starts.push_back((unsigned)order.size());
+    std::vector<T> out(vocab * width, from_f32<T>(0.0f));
+    launch({(unsigned)tokens.size()}, {block}, Kernels<T>::embedding_grad, tokens.data(), starts.data(), order.data(),
+           dy.data(), out.data(), width);
+    const bool same = std::memcmp(out.data(), want.data(), out.size() * sizeof(T)) == 0;
+    ++checks;
+    if (!same) ++failures;
+    std::printf("%s %s: index_add's bits\n", same ? "ok  " : "FAIL", label<T>("embedding_grad", block).c_str());
+}
+
 template <typename T> static void all(unsigned block) {
     transpose<T>(block);
+    embedding_grad<T>(block);
     round_into<T>(block);
     rms_norm<T>(block);
     swiglu<T>(block);
