@@ -449,11 +449,12 @@ fn attention_node_on_cuda_gives_the_reference_bits() {
 
 /// A matrix's transpose written out by the tiled kernel is candle's strided copy of the
 /// transposed view, bit for bit, in every element type, for shapes over and under a tile and a
-/// batch of matrices; and a bf16/f16 parameter set from its f32 master in one pass holds the
-/// master cast, as `Var::set` of the cast would leave it.
+/// batch of matrices; a bf16/f16 parameter set from its f32 master in one pass holds the
+/// master cast, as `Var::set` of the cast would leave it; a bf16/f16 gradient widened to f32 is
+/// candle's cast.
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
-fn transpose_and_master_rounding_on_cuda_are_candles_copies() {
+fn transpose_and_mixed_precision_casts_on_cuda_are_candles() {
     use oxrl::model::ops::transpose::transposed;
     let dev = gpu();
     let _kernels = KernelsOn::new();
@@ -471,6 +472,13 @@ fn transpose_and_master_rounding_on_cuda_are_candles_copies() {
         let param = candle_core::Var::from_tensor(&Tensor::zeros((300, 1001), dtype, &dev).unwrap()).unwrap();
         oxrl::worker::mixed_precision::round_into(&param, &master).unwrap();
         assert_eq!(bits(param.as_tensor()), bits(&master.to_dtype(dtype).unwrap()), "{dtype:?}: the master rounded");
+        // A gradient widened to its f32 accumulator (four at a time, and an odd length).
+        for n in [1000 * 301, 1000 * 301 - 1] {
+            let g = random(&[n], 93, 2.0, dtype, &dev);
+            let wide = oxrl::worker::mixed_precision::widened(&g).unwrap();
+            assert_eq!(wide.dtype(), DType::F32);
+            assert_eq!(bits(&wide), bits(&g.to_dtype(DType::F32).unwrap()), "{dtype:?}: {n} elements widened");
+        }
     }
     println!("transpose and master rounding: candle's bits");
 }

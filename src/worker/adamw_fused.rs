@@ -292,6 +292,42 @@ pub fn round_into(param: &candle_core::Var, master: &Tensor) -> Result<()> {
     Ok(param.as_tensor().inplace_op2(&master.contiguous()?, &RoundInto)?)
 }
 
+/// A bf16/f16 gradient as f32, its accumulator's dtype (on CUDA with oxrl's kernels on: a
+/// kernel that moves four elements a load; elsewhere candle's cast). The same values.
+pub fn widened(g: &Tensor) -> Result<Tensor> {
+    let kernel = g.device().is_cuda() && cuda_kernels() && matches!(g.dtype(), DType::BF16 | DType::F16);
+    if !kernel {
+        return Ok(g.to_dtype(DType::F32)?);
+    }
+    Ok(g.contiguous()?.apply_op1_no_bwd(&Widen)?)
+}
+
+/// The kernel of [`widened`].
+struct Widen;
+
+impl candle_core::CustomOp1 for Widen {
+    fn name(&self) -> &'static str {
+        "widen"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("widen: the kernel runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let n = l.shape().elem_count();
+        let out = cuda::output::<f32>(s, n)?;
+        let ni = n as i64;
+        cuda::dispatch_cuda!(s, T => {
+            let x = cuda::view::<T>(s, l)?;
+            launch!(s.device, cuda::ADAMW, cuda::entry::<T>("widen"), cuda::elementwise(n); &x, &out, &ni);
+            Ok::<(), candle_core::Error>(())
+        })?;
+        Ok((CudaStorage::wrap_cuda_slice(out, s.device.clone()), l.shape().clone()))
+    }
+}
+
 /// The kernel of [`round_into`].
 struct RoundInto;
 

@@ -32,8 +32,9 @@ use crate::Result;
 /// The checkpoint file of the f32 masters.
 pub const MASTER_FILE: &str = "master_weights.safetensors";
 
-/// A half-precision parameter set to its master, rounded (one kernel on CUDA).
-pub use super::adamw_fused::round_into;
+/// A half-precision parameter set to its master, rounded, and a half-precision gradient
+/// widened to its f32 accumulator (one kernel each on CUDA).
+pub use super::adamw_fused::{round_into, widened};
 
 /// The dtype of master weights and of the gradient accumulators that feed them.
 pub const MASTER_DTYPE: DType = DType::F32;

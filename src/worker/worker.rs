@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::adamw_fused;
@@ -22,7 +22,7 @@ use super::gradient_sum::{add_sum, agree_on_rounds};
 use super::head_stream::SharedHeadStream;
 use super::loss_fn::{needs_entropy, requirements};
 use super::micro_batch::{apply_loss, model_outputs, router_aux_loss, split, HeadOptions};
-use super::mixed_precision::{keeps_masters, masters_of, MASTER_DTYPE};
+use super::mixed_precision::{keeps_masters, masters_of, widened, MASTER_DTYPE};
 use super::packing::plan_micro_batches;
 use super::rng::WorkerRng;
 use super::sharded_step::RankExchange;
@@ -485,7 +485,10 @@ impl Worker {
         self.check_not_summed(i)?;
         // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
         // (The tape's gradients of a bf16 model are f32 already.)
-        let g = g.to_dtype(self.accumulator_dtype(i))?;
+        let g = match (self.accumulator_dtype(i), g.dtype()) {
+            (MASTER_DTYPE, DType::BF16 | DType::F16) => widened(g)?,
+            (dtype, _) => g.to_dtype(dtype)?,
+        };
         // An accumulator is the first part itself, whose storage nothing else keeps past the
         // backward; later parts are added into it.
         add_sum(&mut self.grads[i], g, true)

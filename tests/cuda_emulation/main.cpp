@@ -111,6 +111,7 @@ template <typename T> struct Kernels;
         static constexpr auto transpose = transpose_##sfx;                      \
         static constexpr auto round_into = round_into_##sfx;                    \
         static constexpr auto embedding_grad = embedding_grad_##sfx;            \
+        static constexpr auto widen = widen_##sfx;                              \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -551,8 +552,24 @@ template <typename T> static void embedding_grad(unsigned block) {
     std::printf("%s %s: index_add's bits\n", same ? "ok  " : "FAIL", label<T>("embedding_grad", block).c_str());
 }
 
+// A gradient widened to f32 is each element converted (exactly), four at a time (n = 1000) or
+// one at a time (n = 999).
+template <typename T> static void widen(unsigned block) {
+    for (long long n : {1000ll, 999ll}) {
+        const std::vector<T> x = cast<T>(values(n, 10, 4.0));
+        std::vector<float> out(n);
+        launch({3}, {block}, Kernels<T>::widen, x.data(), out.data(), n);
+        bool same = true;
+        for (long long i = 0; i < n; ++i) same = same && out[i] == to_f32(x[i]);
+        ++checks;
+        if (!same) ++failures;
+        std::printf("%s %s: %lld elements converted\n", same ? "ok  " : "FAIL", label<T>("widen", block).c_str(), n);
+    }
+}
+
 template <typename T> static void all(unsigned block) {
     transpose<T>(block);
+    widen<T>(block);
     embedding_grad<T>(block);
     round_into<T>(block);
     rms_norm<T>(block);

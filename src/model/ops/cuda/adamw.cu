@@ -7,6 +7,7 @@
 //   adamw_moment: m ← β m + (1 − β) (g·clip), or (second) v ← β v + (1 − β) (g·clip)²
 //   adamw_param:  p ← p · decay − m · (lr / bias1) / (sqrt(v · (1 / bias2)) + eps)
 //   round_into:   a half-precision parameter ← its f32 master, rounded
+//   widen:        a half-precision gradient → f32 (its accumulator's dtype), four at a time
 //
 // AdamW rounds each operation in f32 in the order written (no fused multiply-add: the _rn
 // intrinsics), as the CPU's one-pass update and candle's primitive ops do: the same bits.
@@ -75,3 +76,23 @@ __device__ void round_into_kernel(T* w, const float* p, long long n) {
 }
 #define ROUND_INTO_PARAMS(T) (T* w, const float* p, long long n)
 INSTANTIATE(round_into, ROUND_INTO_PARAMS, (w, p, n))
+
+// out = x as f32 (exact), four elements a load where the pointers allow.
+template <typename T>
+__device__ void widen_kernel(const T* x, float* out, long long n) {
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    if (fours<T>(n, x, x, out, out) && fours<float>(n, out, out, out, out)) {
+        const Four<T>* x4 = (const Four<T>*)x;
+        Four<float>* out4 = (Four<float>*)out;
+        for (long long i = start; i < n / 4; i += stride) {
+            const Four<T> a = x4[i];
+            Four<float> b;
+            for (int e = 0; e < 4; ++e) b.v[e] = to_f32(a.v[e]);
+            out4[i] = b;
+        }
+        return;
+    }
+    for (long long i = start; i < n; i += stride) out[i] = to_f32(x[i]);
+}
+#define WIDEN_PARAMS(T) (const T* x, float* out, long long n)
+INSTANTIATE(widen, WIDEN_PARAMS, (x, out, n))

@@ -52,6 +52,19 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max) {
 __device__ __forceinline__ float block_sum(float v) { return block_reduce(v, false); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, true); }
 
+// Four elements moved by one load or store (8 bytes of bf16, 16 of f32): elementwise kernels
+// bound by memory transactions take them four at a time where `fours` allows.
+template <typename T> struct alignas(4 * sizeof(T)) Four {
+    T v[4];
+};
+
+// Whether n is a multiple of 4 and every pointer is aligned for Four<T>.
+template <typename T>
+__device__ __forceinline__ bool fours(long long n, const void* a, const void* b, const void* c, const void* d) {
+    const uintptr_t any = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d;
+    return n % 4 == 0 && any % sizeof(Four<T>) == 0;
+}
+
 // extern "C" entry points <name>_f32, <name>_bf16, <name>_f16 of a kernel template
 // `name##_kernel<T>` whose parameters are PARAMS (with T standing for the element type) and
 // whose arguments are ARGS.

@@ -1,22 +1,11 @@
 // SwiGLU elementwise (see swiglu.rs): y = g · σ(g) · u; backward, into [dg | du]:
 //   dg = dy · u · σ(g) · (1 + g · (1 − σ(g))),   du = dy · g · σ(g).
 // Grid-stride loops over the n elements, four at a time where every pointer allows it (one
-// 8-byte load of four bf16 instead of four 2-byte ones: the loop is bound by memory
-// transactions), one at a time otherwise. The same arithmetic either way.
+// 8-byte load of four bf16 instead of four 2-byte ones: common.cuh's Four), one at a time
+// otherwise. The same arithmetic either way.
 #include "common.cuh"
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-template <typename T> struct alignas(4 * sizeof(T)) Four {
-    T v[4];
-};
-
-// Whether n is a multiple of 4 and every pointer is aligned for Four<T>.
-template <typename T> __device__ __forceinline__ bool fours(long long n, const void* a, const void* b, const void* c,
-                                                             const void* d) {
-    const uintptr_t any = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d;
-    return n % 4 == 0 && any % sizeof(Four<T>) == 0;
-}
 
 template <typename T> __device__ __forceinline__ T swiglu_one(T g, T u) {
     const float a = to_f32(g);
