@@ -33,6 +33,7 @@ mod env_checkers;
 mod env_episodes;
 mod env_prompts;
 mod exact_on_policy;
+mod family_runs;
 mod gemma3_runs;
 mod hub_models;
 mod model_errors;
