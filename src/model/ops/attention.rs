@@ -24,10 +24,10 @@
 //! reference's bits. Where the fused softmax does not run (CUDA with oxrl's kernels off), and
 //! where no input tracks a gradient, the reference runs itself.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use candle_core::{CustomOp3, DType, Device, Tensor};
 
 use super::matmul::matmul;
-use super::node_output::NodeOutput;
+use super::node_output::{forward_from_out, NodeOutput};
 use super::transpose::transposed;
 use super::{cached_attention, cuda_kernels, norm_dtype, softmax};
 use crate::Result;
@@ -83,30 +83,7 @@ impl CustomOp3 for AttentionNode {
         "attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
+    forward_from_out!(s1 l1, s2 l2, s3 l3);
 
     fn bwd(
         &self,

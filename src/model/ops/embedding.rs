@@ -10,10 +10,10 @@
 //! zero, so the gradient is its bits. Where the node does not serve (the CPU, candle's kernels),
 //! [`embedding`] is candle's `index_select` and [`table_gradient`] `index_add` into zeros.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Tensor};
 
 use super::fused;
-use super::node_output::NodeOutput;
+use super::node_output::{forward_from_out, NodeOutput};
 use crate::{Error, Result};
 
 /// Whether the node and its kernel serve a table: on CUDA with oxrl's kernels on.
@@ -97,18 +97,7 @@ impl CustomOp1 for EmbeddingNode {
         "embedding"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
+    forward_from_out!(s1 l1);
 
     fn bwd(&self, table: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let g = grad.to_dtype(table.dtype())?;

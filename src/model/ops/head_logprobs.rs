@@ -19,10 +19,10 @@
 //! z · (1/T) (the chain with the f32 logits scaled after the cast, its gradient times 1/T):
 //! the mixed kernels scale as they read, the f32 path scales z in a pass of its own.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, D};
+use candle_core::{CustomOp2, DType, Tensor, D};
 
 use super::matmul::matmul;
-use super::node_output::NodeOutput;
+use super::node_output::{forward_from_out, NodeOutput};
 use super::transpose::transposed;
 use super::{cuda_kernels, logprob_lse, norm_dtype};
 use crate::{Error, Result};
@@ -99,26 +99,7 @@ impl CustomOp2 for HeadNode {
         "head-logprobs"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
+    forward_from_out!(s1 l1, s2 l2);
 
     fn bwd(
         &self,

@@ -14,10 +14,10 @@
 //! gradient stored contiguous): each gradient is the chain's bits. (Where x feeds several
 //! projections, candle adds their parts in its own order, as it did before.)
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CustomOp2, Tensor};
 
 use super::matmul::matmul;
-use super::node_output::NodeOutput;
+use super::node_output::{forward_from_out, NodeOutput};
 use super::transpose::transposed;
 use crate::{Error, Result};
 
@@ -54,26 +54,7 @@ impl CustomOp2 for LinearNode {
         "linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.out.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-        _: &candle_core::cuda_backend::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        self.out.cuda()
-    }
+    forward_from_out!(s1 l1, s2 l2);
 
     fn bwd(
         &self,

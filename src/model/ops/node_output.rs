@@ -54,3 +54,28 @@ impl NodeOutput {
         }
     }
 }
+
+/// The `cpu_fwd` and `cuda_fwd` of a node whose output is its `out` field ([`NodeOutput`]), for
+/// the inputs named in pairs (storage, layout): `forward_from_out!(s1 l1, s2 l2);` in the
+/// node's `CustomOp2` impl.
+macro_rules! forward_from_out {
+    ($($s:ident $l:ident),+) => {
+        fn cpu_fwd(
+            &self,
+            $($s: &candle_core::CpuStorage, $l: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            let _ = ($($s, $l),+);
+            self.out.cpu()
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            $($s: &candle_core::cuda_backend::CudaStorage, $l: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, candle_core::Shape)> {
+            let _ = ($($s, $l),+);
+            self.out.cuda()
+        }
+    };
+}
+pub(crate) use forward_from_out;
