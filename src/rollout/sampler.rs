@@ -106,7 +106,7 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Result<(u
         let (token, _) = draw(weights.iter().enumerate().map(|(i, &w)| (i as u32, w as f64)), total, rng);
         // The distribution is softmax(z / T): report its log-prob as the trainer computes it at
         // temperature T (the model's own at T = 1).
-        return Ok((token, tempered_logprob(logits, inv_t, token)));
+        return Ok((token, tempered_logprob(logits, inv_t, token, &mut weights)));
     }
     // Tokens by decreasing probability, ties to the lower id: a total order, so a partial
     // selection gives the same leading tokens as a full sort. Sorting a 152k vocabulary for every
@@ -200,12 +200,15 @@ fn model_logprob(logits: &[f32], token: u32) -> f32 {
 
 /// [`model_logprob`] of softmax(z · inv_t): each logit times inv_t in f32, as the trainer's
 /// head scales them at temperature 1 / inv_t (`model::tape::head`), then the same row function.
-fn tempered_logprob(logits: &[f32], inv_t: f32, token: u32) -> f32 {
+/// `scratch` (the row's length) receives the scaled logits.
+fn tempered_logprob(logits: &[f32], inv_t: f32, token: u32, scratch: &mut [f32]) -> f32 {
     if inv_t == 1.0 {
         return model_logprob(logits, token);
     }
-    let scaled: Vec<f32> = logits.iter().map(|&z| z * inv_t).collect();
-    model_logprob(&scaled, token)
+    for (s, &z) in scratch.iter_mut().zip(logits) {
+        *s = z * inv_t;
+    }
+    model_logprob(scratch, token)
 }
 
 /// log softmax(z / t)\[i\]: exponentials in f32 (the precision of the logits; f64's `exp` was a
