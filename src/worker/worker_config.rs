@@ -1,5 +1,6 @@
 //! [`WorkerConfig`]: how one worker trains (every weight or LoRA adapters, its seed, a critic
-//! head, micro-batch limits, master weights, activation checkpointing, sharding and when the ranks' gradients are summed), with its defaults.
+//! head, micro-batch limits, master weights, activation checkpointing, sharding and when the
+//! ranks' gradients are summed, the temperature of its log-probs), with its defaults.
 
 use super::gradient_sum::GradientSum;
 use super::sharding::Sharding;
