@@ -250,16 +250,26 @@ fn sft_on_cuda_loss_falls_and_matches_cpu() {
     }
 }
 
+/// Sync GRPO on the GPU, sampling at temperature 1 and at 0.7: finite metrics, and the
+/// sampler's log-probs within 1e-3 of the trainer's (f32; the engine's kernels are not the
+/// trainer's, so not bits), which at 0.7 needs the trainer at the rollout temperature.
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
 fn rl_on_cuda_runs_steps() {
     gpu();
+    for temperature in [1.0, 0.7] {
+        rl_on_cuda_at(temperature);
+    }
+}
+
+fn rl_on_cuda_at(temperature: f64) {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     common::tiny_byte_model(&model, 32, 256, 7);
     let sets: Vec<String> = vec![
         format!("model.path={}", model.display()),
         "model.device=\"cuda\"".into(),
+        format!("rollout.temperature={temperature}"),
         format!("output.run_dir={}", tmp.path().join("run").display()),
         "data.synthetic_train=40".into(),
         "data.synthetic_eval=8".into(),
@@ -282,8 +292,10 @@ fn rl_on_cuda_runs_steps() {
         for k in ["reward_mean", "kl_mean", "grad_norm"] {
             assert!(v[k].as_f64().is_some_and(f64::is_finite), "{k} in {line}");
         }
+        let mismatch = v["logprob_mismatch_max"].as_f64().unwrap_or(f64::NAN);
+        assert!(mismatch < 1e-3, "T = {temperature}: the sampler's log-probs are not the trainer's: {line}");
     }
-    println!("rl on cuda: {} steps, last metrics {}", s.steps, text.lines().last().unwrap());
+    println!("rl on cuda at T = {temperature}: {} steps, last metrics {}", s.steps, text.lines().last().unwrap());
 }
 
 /// Runs in every build: device names, and a CPU-only build refusing `cuda` with an error that

@@ -7,8 +7,8 @@
 //! Only the rows the loss reads (real tokens) go through the head, in chunks of rows whose
 //! logits take at most [`CHUNK_LOGITS`] elements. The backward turns the logits in place into
 //!   dz = g_lp · (onehot(y) − p) − g_H · p · (z − Σ p·z)
-//! times s, and runs the projection's backward on it, in blocks of vocabulary rows ([`VOCAB_BLOCK`]), each
-//! over the row chunks: dW of the block accumulated chunk after chunk, dx of each chunk's rows
+//! times s, and runs the projection's backward on it, in blocks of vocabulary rows
+//! ([`VOCAB_BLOCK`]), each over the row chunks: dW of the block accumulated chunk after chunk, dx of each chunk's rows
 //! accumulated block after block. A block of dW is then final before the next is begun, and can
 //! be handed on at once (`sharding = "full"` sums it to its owner: `worker/head_stream.rs`).
 //! The logits [M, V] are kept for the backward, or, under activation checkpointing, dropped after
