@@ -292,8 +292,8 @@ pub fn round_into(param: &candle_core::Var, master: &Tensor) -> Result<()> {
     Ok(param.as_tensor().inplace_op2(&master.contiguous()?, &RoundInto)?)
 }
 
-/// A bf16/f16 gradient as f32, its accumulator's dtype (on CUDA with oxrl's kernels on: a
-/// kernel that moves four elements a load; elsewhere candle's cast). The same values.
+/// A gradient as f32, its accumulator's dtype (a bf16/f16 one on CUDA with oxrl's kernels on: a
+/// kernel that moves four elements a load; anything else candle's cast). The same values.
 pub fn widened(g: &Tensor) -> Result<Tensor> {
     let kernel = g.device().is_cuda() && cuda_kernels() && matches!(g.dtype(), DType::BF16 | DType::F16);
     if !kernel {

@@ -24,11 +24,10 @@ fn plain(t: &Tensor) -> bool {
 /// Adds `g` into `acc` in place when both are [`plain`] tensors of one dtype and shape; returns
 /// whether it did (else the caller adds out of place).
 pub fn add_in_place(acc: &Tensor, g: &Tensor) -> Result<bool> {
-    if !(plain(acc) && plain(g)) || acc.dtype() != g.dtype() || acc.dims() != g.dims() {
+    if acc.dims() != g.dims() {
         return Ok(false);
     }
-    acc.inplace_op2(g, &AddInto(0))?;
-    Ok(true)
+    add_at(acc, 0, g)
 }
 
 /// Adds `src` into `src.elem_count()` elements of `acc`, flat from `offset`, with

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{Tensor, Var};
 
 use super::adamw::{self, clip_coefficient, global_norm, AdamParams, Moments};
 use super::adamw_fused;
@@ -485,9 +485,9 @@ impl Worker {
         self.check_not_summed(i)?;
         // Mixed precision: sums of many bf16 gradients lose their small terms; add in f32.
         // (The tape's gradients of a bf16 model are f32 already.)
-        let g = match (self.accumulator_dtype(i), g.dtype()) {
-            (MASTER_DTYPE, DType::BF16 | DType::F16) => widened(g)?,
-            (dtype, _) => g.to_dtype(dtype)?,
+        let g = match self.accumulator_dtype(i) {
+            MASTER_DTYPE => widened(g)?,
+            dtype => g.to_dtype(dtype)?,
         };
         // An accumulator is the first part itself, whose storage nothing else keeps past the
         // backward; later parts are added into it.

@@ -162,10 +162,10 @@ pub(crate) fn forward_no_grad(z: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Op(LogprobLse))?)
 }
 
-/// The op's output [..., 2] = (log p(y), lse) in f32 from bf16/f16 logits `z` [..., V]: the f32
-/// op's values on the logits cast to f32, without the cast (CUDA's mixed kernel; no gradient:
-/// for ops that run the backward themselves, with [`backward_mixed`]).
-/// The logits are z · `scale` (1 / temperature), each product in f32.
+/// The op's output [..., 2] = (log p(y), lse) in f32 from bf16/f16 logits `z` [..., V] times
+/// `scale` (1 / temperature): the f32 op's values on the logits cast to f32 and scaled, without
+/// the cast's pass (CUDA's mixed kernel; no gradient: for ops that run the backward themselves,
+/// with [`backward_mixed`]).
 pub(crate) fn forward_mixed(z: &Tensor, targets: &Tensor, scale: f32) -> Result<Tensor> {
     Ok(z.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &Mixed { rg: None, scale })?)
 }
