@@ -23,7 +23,7 @@
 #
 # Files in OUT: summary.md (the table), results.jsonl (every measurement), tests_off.log,
 # tests_on.log, bench.log (the benchmarks' stderr), launches.txt, profile.txt (and the traced step's
-# kernels, train_2.tsv.xz), setup.log.
+# kernels, train_2.tsv.xz), setup.log, hangs.log (where a process that would not exit waited).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -97,6 +97,7 @@ limited() {
             if [ $ticks -gt $((EXIT_GRACE * 5)) ]; then
                 echo "[$(since)] $(basename "$1") printed a result but neither another nor its exit in ${EXIT_GRACE} s: killed" \
                     | tee -a "$OUT/bench.log"
+                hang_report $pid "$*"
                 pkill -KILL -P $pid
                 kill -KILL $pid 2>/dev/null
                 break
@@ -105,6 +106,22 @@ limited() {
         sleep 0.2
     done
     wait $pid
+}
+# Where a process that will not exit waits (into hangs.log): each thread's name, state and kernel
+# wait channel, and, where cuda-gdb is installed, every thread's stack (a stripped binary shows
+# the libraries' frames: libc's exit, the CUDA driver).
+hang_report() { # pid (of the command or a parent: its deepest first child is reported), what
+    local pid=$1 child
+    while child=$(pgrep -P "$pid" | head -1) && [ -n "$child" ]; do pid=$child; done
+    [ -d "/proc/$pid" ] || return 0
+    {
+        echo "== $2 (pid $pid), $(date -u +%T)"
+        for t in /proc/$pid/task/*; do
+            echo "$(basename "$t") $(cat "$t/comm") $(awk '{print $3}' "$t/stat") $(cat "$t/wchan" 2>/dev/null)"
+        done
+        command -v cuda-gdb >/dev/null && timeout -k 2 30 cuda-gdb -p "$pid" -batch -ex "info threads" \
+            -ex "thread apply all bt 12" 2>&1 | grep -v -E '^(\[New|Reading|Loaded|warning)' | head -200
+    } >>"$OUT/hangs.log" 2>&1
 }
 bench() { # what, limit, command...
     local what=$1 limit=$2
@@ -147,6 +164,7 @@ traced() { # trace file, time limit, command...
     return $rc
 }
 kernels() { grep -vc '^#' "$1" 2>/dev/null || true; }
+device_ms() { awk -F'\t' '!/^#/ { t += $3 - $2 } END { printf "%.3f", t / 1e6 }' "$1" 2>/dev/null || echo 0; }
 
 # 5. Kernel launches per decode step: runs of 2 and 6 new tokens differ by four decode steps.
 : >"$OUT/launches.txt"
@@ -157,8 +175,10 @@ if want launches && [ -e "$TRACE" ]; then
                 --batch "$b" --new-tokens "$n" --warmup 0 --reps 1 >/dev/null
         done
         c2=$(kernels "/tmp/trace_${b}_2.tsv") c6=$(kernels "/tmp/trace_${b}_6.tsv")
+        d2=$(device_ms "/tmp/trace_${b}_2.tsv") d6=$(device_ms "/tmp/trace_${b}_6.tsv")
         echo "decode, $b requests: ${c2:-?} kernels for 2 new tokens, ${c6:-?} for 6:" \
-            "$(((${c6:-0} - ${c2:-0}) / 4)) a decode step" >>"$OUT/launches.txt"
+            "$(((${c6:-0} - ${c2:-0}) / 4)) a decode step, $(python3 -c "print(f'{($d6 - $d2) / 4:.2f}')") ms of device time" \
+            >>"$OUT/launches.txt"
     done
     echo "[$(since)] launches counted"
 fi

@@ -5,20 +5,24 @@
 //             rg[row] = (lp, lse, g_lp, g_lse).
 #include "common.cuh"
 
-// The rows' logits are z · scale (scale = 1 / temperature; 1 leaves them as they are, exactly).
+// The rows' logits are z · scale (scale = 1 / temperature; 1 leaves them as they are, exactly),
+// rounded before any sum: the chain scales in a pass of its own, so a product fused into the
+// next addition (an FMA, which nvcc forms by default) would round once where the chain rounds twice.
+__device__ __forceinline__ float scaled(float z, float scale) { return __fmul_rn(z, scale); }
+
 template <typename T, typename O>
 __device__ void logprob_lse_rows(const T* z, const unsigned int* y, O* out, long long v, float scale) {
     const long long row = blockIdx.x;
     const T* zr = z + row * v;
     float m = -INFINITY;
-    for (long long j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, to_f32(zr[j]) * scale);
+    for (long long j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, scaled(to_f32(zr[j]), scale));
     m = block_max(m);
     float s = 0.0f;
-    for (long long j = threadIdx.x; j < v; j += blockDim.x) s += expf(to_f32(zr[j]) * scale - m);
+    for (long long j = threadIdx.x; j < v; j += blockDim.x) s += expf(scaled(to_f32(zr[j]), scale) - m);
     const float lse = m + logf(block_sum(s));
     if (threadIdx.x == 0) {
         const unsigned int target = y[row];
-        out[2 * row] = from_f32<O>(target < v ? to_f32(zr[target]) * scale - lse : NAN);
+        out[2 * row] = from_f32<O>(target < v ? scaled(to_f32(zr[target]), scale) - lse : NAN);
         out[2 * row + 1] = from_f32<O>(lse);
     }
 }
@@ -31,7 +35,7 @@ __device__ void logprob_lse_bwd_rows(const T* z, const unsigned int* y, const R*
     const float c = g_lse - g_lp;
     const long long target = y[row];
     for (long long j = threadIdx.x; j < v; j += blockDim.x) {
-        const float p = expf(to_f32(z[row * v + j]) * scale - lse);
+        const float p = expf(scaled(to_f32(z[row * v + j]), scale) - lse);
         const float d = p * c + (j == target ? g_lp : 0.0f);
         dz[row * v + j] = from_f32<T>(scale * d);
     }
