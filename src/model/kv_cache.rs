@@ -22,6 +22,14 @@
 //! C bounded by the window whatever the sequence's length. Row surgery aligns every layer on
 //! the right (the newest column); columns a windowed layer lacks are outside every window, so
 //! whatever fills them (zeros when rows are joined) is masked.
+//!
+//! Joining rows is one copy of each layer, however many rows join: the one-row caches that
+//! [`KvCache::split_rows`] hands out remember the split cache and their row in it, and
+//! [`KvCache::concat_rows`] takes consecutive rows of one split cache with one gather a layer
+//! (a copy a row was one kernel launch a row, layer and keys / values on a GPU: 12k launches to
+//! join 256 prefilled prompts to a 24-layer model's batch).
+
+use std::sync::Arc;
 
 use candle_core::{Tensor, D};
 
@@ -42,6 +50,16 @@ pub struct KvCache {
     key_mask: Vec<Vec<u8>>,
     /// Per layer, a DeltaNet layer's per-row states once it holds any.
     states: Vec<Option<StateRows>>,
+    /// A one-row cache from `split_rows`, unchanged since: the cache it was split from.
+    split_from: Option<SplitFrom>,
+}
+
+/// The layers of a cache that `split_rows` split (contiguous, shared by its rows) and the row a
+/// one-row cache is: `layers[l]` of that row is `narrow(0, row, 1)` of the split one.
+#[derive(Clone, Debug)]
+struct SplitFrom {
+    layers: Arc<Vec<Option<(Tensor, Tensor)>>>,
+    row: usize,
 }
 
 impl Clone for KvCache {
@@ -52,6 +70,7 @@ impl Clone for KvCache {
             buffers: vec![None; self.layers.len()],
             key_mask: self.key_mask.clone(),
             states: self.states.clone(),
+            split_from: self.split_from.clone(),
         }
     }
 }
@@ -62,7 +81,13 @@ impl KvCache {
     }
 
     fn from_parts(layers: Vec<Option<(Tensor, Tensor)>>, key_mask: Vec<Vec<u8>>) -> Self {
-        KvCache { buffers: vec![None; layers.len()], states: vec![None; layers.len()], layers, key_mask }
+        KvCache {
+            buffers: vec![None; layers.len()],
+            states: vec![None; layers.len()],
+            layers,
+            key_mask,
+            split_from: None,
+        }
     }
 
     /// Layer i's DeltaNet state slot (a row per batch row once a forward has filled it).
@@ -118,6 +143,7 @@ impl KvCache {
         if cols == 0 || len < cols + room {
             return Ok(());
         }
+        self.split_from = None;
         let (b, kvh, _, d) = k.dims4()?;
         let bk = Tensor::zeros((b, kvh, cols + room, d), k.dtype(), k.device())?;
         let bv = Tensor::zeros((b, kvh, cols + room, d), v.dtype(), v.device())?;
@@ -131,6 +157,7 @@ impl KvCache {
     /// Appends this step's keys and values for `layer` and returns the full cached ones.
     pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k, v) = (k.contiguous()?, v.contiguous()?);
+        self.split_from = None;
         let len = self.layers[layer].as_ref().map_or(0, |(pk, _)| pk.dim(D::Minus2).unwrap_or(0));
         if len == 0 {
             // The first append (usually a prefill, whose rows are then cut out and merged into
@@ -163,6 +190,19 @@ impl KvCache {
         self.layers[layer] = Some(out.clone());
         Ok(out)
     }
+}
+
+/// How many of `parts`, from the first, are rows of one split cache that holds layer `l`, and
+/// which rows (0 or 1 when the first is not such a row).
+fn split_run(parts: &[&KvCache], l: usize) -> (usize, Vec<u32>) {
+    let Some(first) = parts.first().and_then(|p| p.split_from.as_ref()).filter(|s| s.layers[l].is_some()) else {
+        return (parts.len().min(1), vec![]);
+    };
+    let rows: Vec<u32> = parts
+        .iter()
+        .map_while(|p| p.split_from.as_ref().filter(|s| Arc::ptr_eq(&s.layers, &first.layers)).map(|s| s.row as u32))
+        .collect();
+    (rows.len(), rows)
 }
 
 /// Row surgery for continuous batching: rows leave the batch, join it, or fan out from one
@@ -257,12 +297,36 @@ impl KvCache {
             }
             let mut ks = Vec::with_capacity(parts.len());
             let mut vs = Vec::with_capacity(parts.len());
-            for p in &parts {
-                let kv = p.layers[l].as_ref();
-                ks.push(pad(kv.map(|x| &x.0), &like.0, p, cols)?);
-                vs.push(pad(kv.map(|x| &x.1), &like.1, p, cols)?);
+            let mut i = 0;
+            while i < parts.len() {
+                let (run, rows) = split_run(&parts[i..], l);
+                if run > 1 {
+                    // Rows of one split cache: one gather of its layer, then padded once.
+                    let (k, v) = parts[i].split_from.as_ref().and_then(|s| s.layers[l].as_ref()).expect("split_run");
+                    let idx = Tensor::from_vec(rows, run, k.device())?;
+                    let part = |t: &Tensor| -> Result<Tensor> {
+                        let t = t.index_select(&idx, 0)?;
+                        Ok(match t.dim(2)? < cols {
+                            true => t.pad_with_zeros(2, cols - t.dim(2)?, 0)?,
+                            false => t,
+                        })
+                    };
+                    ks.push(part(k)?);
+                    vs.push(part(v)?);
+                } else {
+                    let (p, kv) = (parts[i], parts[i].layers[l].as_ref());
+                    ks.push(pad(kv.map(|x| &x.0), &like.0, p, cols)?);
+                    vs.push(pad(kv.map(|x| &x.1), &like.1, p, cols)?);
+                }
+                i += run.max(1);
             }
-            layers.push(Some((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?)));
+            let join = |ts: Vec<Tensor>| -> Result<Tensor> {
+                Ok(match ts.len() {
+                    1 => ts.into_iter().next().expect("one"),
+                    _ => Tensor::cat(&ts, 0)?,
+                })
+            };
+            layers.push(Some((join(ks)?, join(vs)?)));
         }
         let mut key_mask = Vec::with_capacity(parts.iter().map(|p| p.num_rows()).sum());
         for p in &parts {
@@ -298,21 +362,24 @@ impl KvCache {
                 None => None,
             });
         }
+        let layers = Arc::new(layers);
         let mut out = Vec::with_capacity(self.num_rows());
         for (r, mask) in self.key_mask.iter().enumerate() {
             let mut row = Vec::with_capacity(layers.len());
-            for l in &layers {
+            for l in layers.iter() {
                 row.push(match l {
                     Some((k, v)) => Some((k.narrow(0, r, 1)?, v.narrow(0, r, 1)?)),
                     None => None,
                 });
             }
             let mut one = Self::from_parts(row, vec![mask.clone()]);
+            one.split_from = Some(SplitFrom { layers: layers.clone(), row: r });
             for (l, slot) in one.states.iter_mut().enumerate() {
                 if let Some(s) = &self.states[l] {
                     *slot = Some(s.select(&[r], self.state_width(l)));
                 }
             }
+            // A row with leading padding is cut: it no longer has the split cache's columns.
             one.trim_left()?;
             out.push(one);
         }
@@ -327,6 +394,7 @@ impl KvCache {
         if drop == 0 {
             return Ok(());
         }
+        self.split_from = None;
         self.buffers.iter_mut().for_each(|b| *b = None);
         for slot in self.layers.iter_mut() {
             *slot = match slot.take() {
@@ -343,5 +411,79 @@ impl KvCache {
             r.drain(..drop);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::bits;
+    use candle_core::{DType, Device};
+
+    fn kv(rows: usize, cols: usize, seed: f32) -> (Tensor, Tensor) {
+        let n = rows * 2 * cols * 3;
+        let t = |s: f32| Tensor::arange(0f32, n as f32, &Device::Cpu).unwrap().affine(0.37, s as f64).unwrap();
+        let shape = (rows, 2, cols, 3);
+        (t(seed).sin().unwrap().reshape(shape).unwrap(), t(seed + 1.0).cos().unwrap().reshape(shape).unwrap())
+    }
+
+    /// Rows of split caches joined by a gather a layer (repeated rows, two split caches, a
+    /// longer batch before them so that they are padded, a padded row cut on its split) are the
+    /// bits of joining the same rows one copy each.
+    #[test]
+    fn joining_split_rows_gathers_the_bits_of_a_copy_a_row() {
+        let prompts = KvCache::from_parts(
+            vec![Some(kv(4, 5, 0.0)), None, Some(kv(4, 5, 2.0))],
+            vec![vec![1; 5], vec![1; 5], vec![0, 0, 1, 1, 1], vec![1; 5]],
+        );
+        let others = KvCache::from_parts(vec![Some(kv(2, 4, 4.0)), None, Some(kv(2, 4, 6.0))], vec![vec![1; 4]; 2]);
+        let batch =
+            KvCache::from_parts(vec![Some(kv(2, 7, 8.0)), None, Some(kv(2, 7, 10.0))], vec![vec![1; 7], vec![1; 7]]);
+        let (a, b) = (prompts.split_rows().unwrap(), others.split_rows().unwrap());
+        assert!(a[2].split_from.is_none() && a[2].seq_len() == 3, "the padded row is cut and no longer a split row");
+        let parts = [&batch, &a[0], &a[0], &a[1], &a[2], &a[3], &b[1], &b[0]];
+        assert_eq!(split_run(&parts[1..], 0), (3, vec![0, 0, 1]));
+        assert_eq!(split_run(&parts[6..], 2), (2, vec![1, 0]));
+        assert_eq!(split_run(&parts[1..], 1).0, 1, "a layer the split cache lacks is not gathered");
+        let joined = KvCache::concat_rows(&parts).unwrap();
+        let copies: Vec<KvCache> = parts
+            .iter()
+            .map(|p| {
+                let mut c = (*p).clone();
+                c.split_from = None;
+                c
+            })
+            .collect();
+        let reference = KvCache::concat_rows(&copies.iter().collect::<Vec<_>>()).unwrap();
+        assert_eq!(joined.key_mask(), reference.key_mask());
+        assert_eq!(joined.num_rows(), 9);
+        assert!(joined.layer(1).is_none());
+        for l in [0, 2] {
+            let (jk, jv) = joined.layer(l).unwrap();
+            let (rk, rv) = reference.layer(l).unwrap();
+            assert_eq!(jk.dims(), [9, 2, 7, 3]);
+            assert_eq!((bits(jk), bits(jv)), (bits(rk), bits(rv)), "layer {l}");
+        }
+        // Row 2 of the join is prompt row 0, left-padded by two zero columns.
+        let row = joined.layer(0).unwrap().0.narrow(0, 2, 1).unwrap();
+        assert_eq!(bits(&row.narrow(2, 2, 5).unwrap()), bits(&kv(4, 5, 0.0).0.narrow(0, 0, 1).unwrap()));
+        assert_eq!(
+            row.narrow(2, 0, 2)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+            0.0
+        );
+        // A split row that is appended to is a cache of its own again.
+        let mut grown = a[0].clone();
+        let (k, v) = kv(1, 1, 12.0);
+        grown.append(0, &k, &v).unwrap();
+        assert!(grown.split_from.is_none());
     }
 }

@@ -658,6 +658,9 @@ impl Transformer {
             _ => mask.to_vec(),
         };
         let bias = attention_bias(&full_mask, past, t, dev)?;
+        // A cached forward's attention takes the bias in the queries' dtype: cast once, not in
+        // every layer.
+        let bias = if cache.is_some() { bias.to_dtype(self.compute_dtype())? } else { bias };
         let local = super::gemma3::LocalLayers::new(self, positions, &full_mask, past, t)?;
         if let Some(c) = cache.as_deref_mut() {
             c.extend_mask(mask);
