@@ -19,7 +19,7 @@
 #   STEPS="launches profile" bash scripts/gpu_check.sh   # only some steps (default: all)
 #   KERNELS=1 bash scripts/gpu_check.sh   # oxrl's kernels on only (default "0 1": off, then on)
 #
-# STEPS names: tests, train, decode, launches, profile.
+# STEPS names: tests, train, decode, cli, launches, profile.
 #
 # Files in OUT: summary.md (the table), results.jsonl (every measurement), tests_off.log,
 # tests_on.log, bench.log (the benchmarks' stderr), launches.txt, profile.txt (and the traced step's
@@ -28,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 ROUNDS=${ROUNDS:-2}
-STEPS=" ${STEPS:-tests train decode launches profile} "
+STEPS=" ${STEPS:-tests train decode cli launches profile} "
 KERNELS=${KERNELS:-0 1}
 want() { [[ $STEPS == *" $1 "* ]]; }
 mkdir -p "$OUT"
@@ -51,6 +51,9 @@ OXRL=.gpu/oxrl
 [ -x $OXRL ] && [ -x .gpu/gpu-tests ] || { cat "$OUT/setup.log"; echo "no binaries in .gpu: run scripts/gpu_bundle.sh"; exit 1; }
 # Nothing outside the machine is reachable: transformers must not look for a Hub.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Every oxrl command says when it has returned and starts to exit (bench.log): a process that
+# then does not exit hangs in the exit itself.
+export OXRL_TRACE_EXIT=1
 PEERS="python3 benches/peers/gpu_peers.py"
 echo "[$(since)] setup done: $(head -2 "$OUT/setup.log" | tail -1)"
 
@@ -73,7 +76,7 @@ done
 
 # 3-4. The benchmarks on Qwen2.5-0.5B's shape.
 MODEL=runs/gpu_q05b
-if { want train || want decode || want launches || want profile; } && [ ! -e "$MODEL/config.json" ]; then
+if { want train || want decode || want launches || want profile || want cli; } && [ ! -e "$MODEL/config.json" ]; then
     $OXRL init-model --arch qwen2 --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 \
         --vocab 151936 --tie --max-position 32768 --rope-theta 1000000 --dtype bf16 --out "$MODEL" \
         >>"$OUT/bench.log" 2>&1 || echo "init-model failed"
@@ -116,9 +119,13 @@ hang_report() { # pid (of the command or a parent: its deepest first child is re
     [ -d "/proc/$pid" ] || return 0
     {
         echo "== $2 (pid $pid), $(date -u +%T)"
+        # tid, name, state, wait channel, and the system call it is in ("running": none).
         for t in /proc/$pid/task/*; do
-            echo "$(basename "$t") $(cat "$t/comm") $(awk '{print $3}' "$t/stat") $(cat "$t/wchan" 2>/dev/null)"
+            echo "$(basename "$t") $(cat "$t/comm") $(awk '{print $3}' "$t/stat") $(cat "$t/wchan" 2>/dev/null)" \
+                "$(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
         done
+        # Whether the GPU is still busy (a kernel that never ends) or idle (a host-side hang).
+        nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
         command -v cuda-gdb >/dev/null && timeout -k 2 30 cuda-gdb -p "$pid" -batch -ex "info threads" \
             -ex "thread apply all bt 12" 2>&1 | grep -v -E '^(\[New|Reading|Loaded|warning)' | head -200
     } >>"$OUT/hangs.log" 2>&1
@@ -149,6 +156,36 @@ want decode && for r in $(seq "$ROUNDS"); do
     bench "generate" 150 $PEERS decode --model "$MODEL" --batch 1,16,64,256 --warmup 1 --reps 3
     echo "[$(since)] decode round $r done"
 done
+
+# The command line on the GPU, each command timed from its start to its exit (cli.txt): a tiny
+# model's SFT run through `oxrl sft`, generation, and `bench train` of one and of two steps
+# untraced. A process that does not exit within 20 s of its last output is reported (hangs.log).
+: >"$OUT/cli.txt"
+if want cli; then
+    cli() { # what, limit, command...
+        local what=$1 limit=$2 start rc
+        shift 2
+        start=$(date +%s.%N)
+        echo "== $what" >>"$OUT/bench.log"
+        EXIT_GRACE=20 limited "$limit" /tmp/cli_out "$@"
+        rc=$?
+        echo "$what: rc $rc, $(python3 -c "import time; print(f'{time.time() - $start:.1f}')") s from start to exit;" \
+            "$(tail -c 300 /tmp/cli_out | tr '\n' ' ' | tail -c 160)" >>"$OUT/cli.txt"
+    }
+    TINY=runs/gpu_tiny
+    [ -e "$TINY/config.json" ] || $OXRL init-model --arch qwen3 --hidden 128 --layers 2 --heads 4 --kv-heads 2 \
+        --out "$TINY" >>"$OUT/bench.log" 2>&1
+    cli "oxrl sft (tiny, 1 epoch)" 120 $OXRL sft --config examples/sft_tiny.toml --set "model.path=\"$PWD/$TINY\"" \
+        --set 'model.device="cuda"' --set train.data_parallel=1 --set train.epochs=1 \
+        --set "output.run_dir=\"$PWD/runs/gpu_sft\""
+    cli "oxrl generate" 60 $OXRL generate --model tests/fixtures/hf/qwen3 --device cuda --prompt "what is 12 plus 30?" \
+        --max-tokens 12 --temperature 0
+    for n in 1 2; do
+        cli "oxrl bench train, $n steps" 120 $OXRL bench train --model "$MODEL" --device cuda --dtype bf16 --batch 8 \
+            --seq 1024 --warmup 0 --reps $n
+    done
+    echo "[$(since)] command line done"
+fi
 
 # 5-6. The kernel trace (scripts/kernel_trace.c: every kernel a process runs, with its device
 #    time, at the program's own speed) of one command, into a file.
@@ -228,7 +265,7 @@ fi
         | sed -E 's/^test [^ ]+ \.\.\. //; s/: (values|gradient [0-9]+) max relative difference/:/; s/ d=[0-9]+: max relative difference/:/' \
         | awk -F': ' '{ if (!($1 in w) || $2 + 0 > w[$1] + 0) w[$1] = $2 } END { for (k in w) printf "  %s %s\n", k, w[k] }' \
         | sort
-    cat "$OUT/launches.txt" "$OUT/profile.txt"
+    cat "$OUT/cli.txt" "$OUT/launches.txt" "$OUT/profile.txt"
     python3 benches/peers/gpu_peers.py table "$RESULTS"
 } >"$OUT/summary.md" 2>&1
 cat "$OUT/summary.md"

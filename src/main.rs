@@ -39,5 +39,11 @@ fn main() {
         // Safety: first thing in main, before any thread exists.
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
-    std::process::exit(oxrl::cli::main());
+    let code = oxrl::cli::main();
+    // Where a process that does not exit stops (scripts/gpu_check.sh sets it): before this line
+    // or in the exit itself.
+    if std::env::var_os("OXRL_TRACE_EXIT").is_some() {
+        eprintln!("oxrl: the command returned {code}; exiting");
+    }
+    std::process::exit(code);
 }

@@ -304,7 +304,11 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         r["peak_gib"] = json!(bytes as f64 / (1u64 << 30) as f64);
     }
     println!("{r}");
-    // The GPU check times each process to its exit: say how long the teardown's first part took.
+    // The GPU check times each process to its exit: say how long the last step's queued work
+    // and the teardown's first part took.
+    let waiting = std::time::Instant::now();
+    device.synchronize()?;
+    eprintln!("bench train: the device finished its queued work in {:.2} s", waiting.elapsed().as_secs_f64());
     let dropping = std::time::Instant::now();
     drop(bench);
     eprintln!("bench train: the worker dropped in {:.2} s", dropping.elapsed().as_secs_f64());
