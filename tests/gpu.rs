@@ -461,7 +461,8 @@ fn attention_node_on_cuda_gives_the_reference_bits() {
 
 /// A matrix's transpose written out by the tiled kernel is candle's strided copy of the
 /// transposed view, bit for bit, in every element type, for shapes over and under a tile and a
-/// batch of matrices; a bf16/f16 parameter set from its f32 master in one pass holds the
+/// batch of matrices, and so is the heads' transpose [A, B, C, D] → [A, C, B, D] (16 bytes a
+/// thread or an element a thread); a bf16/f16 parameter set from its f32 master in one pass holds the
 /// master cast, as `Var::set` of the cast would leave it; a bf16/f16 gradient widened to f32 is
 /// candle's cast.
 #[test]
@@ -479,6 +480,20 @@ fn transpose_and_mixed_precision_casts_on_cuda_are_candles() {
             assert_eq!(bits(&got), bits(&want), "{dtype:?} {shape:?}: the transpose moved an element wrongly");
         }
     }
+    // The heads' transpose: 16 bytes a thread (rows of 64), an element a thread (rows of 3, and
+    // rows of 64 read from one element past an aligned start).
+    use oxrl::model::ops::transpose::heads_swapped;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for shape in [[8, 14, 1024, 64], [2, 5, 7, 3]] {
+            let x = random(&shape, 96, 3.0, dtype, &dev);
+            let want = x.transpose(1, 2).unwrap().contiguous().unwrap();
+            assert_eq!(bits(&heads_swapped(&x).unwrap()), bits(&want), "{dtype:?} {shape:?}: heads swapped");
+        }
+        let n = 3 * 4 * 5 * 64;
+        let x = random(&[n + 1], 97, 3.0, dtype, &dev).narrow(0, 1, n).unwrap().reshape((3, 4, 5, 64)).unwrap();
+        let want = x.transpose(1, 2).unwrap().contiguous().unwrap();
+        assert_eq!(bits(&heads_swapped(&x).unwrap()), bits(&want), "{dtype:?}: heads swapped from an odd start");
+    }
     for dtype in [DType::BF16, DType::F16] {
         let master = random(&[300, 1001], 92, 5.0, DType::F32, &dev);
         let param = candle_core::Var::from_tensor(&Tensor::zeros((300, 1001), dtype, &dev).unwrap()).unwrap();
@@ -492,7 +507,29 @@ fn transpose_and_mixed_precision_casts_on_cuda_are_candles() {
             assert_eq!(bits(&wide), bits(&g.to_dtype(DType::F32).unwrap()), "{dtype:?}: {n} elements widened");
         }
     }
-    println!("transpose and master rounding: candle's bits");
+    println!("transpose, heads' transpose and master rounding: candle's bits");
+}
+
+/// A bias added by oxrl's kernel (no dims copied to the device) is candle's broadcast add, bit
+/// for bit, in f32, bf16 and f16, for biases of the rows' size and far smaller (where the
+/// rounding of the sum decides).
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn bias_add_on_cuda_is_candles_broadcast_add() {
+    use oxrl::model::ops::bias_add::bias_add;
+    let dev = gpu();
+    let _kernels = KernelsOn::new();
+    let bits = |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (shape, scale) in [(vec![7, 1, 896], 3.0), (vec![4096, 128], 3e-3), (vec![3, 5], 1.0)] {
+            let y = random(&shape, 94, 3.0, dtype, &dev);
+            let b = random(&[*shape.last().unwrap()], 95, scale, dtype, &dev);
+            let (got, want) = (bias_add(&y, &b).unwrap(), y.broadcast_add(&b).unwrap());
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(bits(&got), bits(&want), "{dtype:?} {shape:?}, bias scale {scale}");
+        }
+    }
+    println!("bias add: candle's broadcast add bits");
 }
 
 /// The embedding as one graph node gives candle's gather and, through its kernel, candle's

@@ -130,7 +130,7 @@ impl Linear {
             None => matmul_wt::matmul_wt(&x2, &Self::as_dtype(&self.weight, x2.dtype())?)?,
         };
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(&Self::as_dtype(b, y.dtype())?)?;
+            y = super::ops::bias_add::bias_add(&y, &Self::as_dtype(b, y.dtype())?)?;
         }
         if let Some(l) = &self.lora {
             y = (y + l.delta(&x2)?)?;

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "../../src/model/ops/cuda/adamw.cu"
+#include "../../src/model/ops/cuda/bias_add.cu"
 #include "../../src/model/ops/cuda/cached_attention.cu"
 #include "../../src/model/ops/cuda/embedding.cu"
 #include "../../src/model/ops/cuda/logprob_lse.cu"
@@ -109,9 +110,11 @@ template <typename T> struct Kernels;
         static constexpr auto lse_mixed = logprob_lse_mixed_##sfx;              \
         static constexpr auto lse_bwd_mixed = logprob_lse_bwd_mixed_##sfx;      \
         static constexpr auto transpose = transpose_##sfx;                      \
+        static constexpr auto swap_heads = swap_heads_##sfx;                    \
         static constexpr auto round_into = round_into_##sfx;                    \
         static constexpr auto embedding_grad = embedding_grad_##sfx;            \
         static constexpr auto widen = widen_##sfx;                              \
+        static constexpr auto bias_add = bias_add_##sfx;                        \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -513,6 +516,28 @@ template <typename T> static void transpose(unsigned block) {
     }
 }
 
+// The heads' transpose moves every element to its place: out[a][k][j][e] = x[a][j][k][e], bit
+// for bit, 16 bytes at a time (rows of 64, and of 8: one chunk in bf16) and one element at a time
+// (rows of 3; a row of 8 read from one element past an aligned start).
+template <typename T> static void swap_heads(unsigned block) {
+    for (auto [a, b, c, d, skip] : {std::array<long long, 5>{2, 3, 5, 64, 0}, {1, 4, 3, 3, 0}, {3, 2, 7, 8, 0},
+                                    {1, 5, 2, 8, 1}}) {
+        const std::vector<T> buffer = cast<T>(values(a * b * c * d + skip, 13, 3.0));
+        const T* x = buffer.data() + skip;
+        std::vector<T> out(a * b * c * d, from_f32<T>(NAN)), want(a * b * c * d);
+        for (long long i = 0; i < a; ++i)
+            for (long long j = 0; j < b; ++j)
+                for (long long k = 0; k < c; ++k)
+                    for (long long e = 0; e < d; ++e) want[((i * c + k) * b + j) * d + e] = x[((i * b + j) * c + k) * d + e];
+        launch({3}, {block}, Kernels<T>::swap_heads, x, out.data(), b, c, d, a * b * c * d);
+        const bool same = std::memcmp(out.data(), want.data(), out.size() * sizeof(T)) == 0;
+        ++checks;
+        if (!same) ++failures;
+        std::printf("%s %s: [%lld, %lld, %lld, %lld] (from element %lld) to [a, c, b, d]\n", same ? "ok  " : "FAIL",
+                    label<T>("swap_heads", block).c_str(), a, b, c, d, skip);
+    }
+}
+
 // A parameter set from its f32 master is the master rounded to the parameter's type.
 template <typename T> static void round_into(unsigned block) {
     const long long n = 1000;
@@ -567,8 +592,29 @@ template <typename T> static void widen(unsigned block) {
     }
 }
 
+// A bias added to every row: each output element (every one written: the output starts as NaN)
+// is x + b[column] computed in f32 and rounded once, for rows of 1 and of 300 columns.
+template <typename T> static void bias_add(unsigned block) {
+    for (auto [rows, n] : {std::array<long long, 2>{7, 300}, {5, 1}, {1, 3}}) {
+        const std::vector<T> x = cast<T>(values(rows * n, 11, 4.0)), b = cast<T>(values(n, 12, 1.0));
+        std::vector<T> out(rows * n, from_f32<T>(NAN));
+        launch({2}, {block}, Kernels<T>::bias_add, x.data(), b.data(), out.data(), rows * n, n);
+        bool same = true;
+        for (long long i = 0; i < rows * n; ++i) {
+            const T want = from_f32<T>(to_f32(x[i]) + to_f32(b[i % n]));
+            same = same && std::memcmp(&out[i], &want, sizeof(T)) == 0;
+        }
+        ++checks;
+        if (!same) ++failures;
+        std::printf("%s %s: [%lld, %lld] + [%lld]\n", same ? "ok  " : "FAIL", label<T>("bias_add", block).c_str(), rows,
+                    n, n);
+    }
+}
+
 template <typename T> static void all(unsigned block) {
+    bias_add<T>(block);
     transpose<T>(block);
+    swap_heads<T>(block);
     widen<T>(block);
     embedding_grad<T>(block);
     round_into<T>(block);

@@ -1,5 +1,6 @@
 //! candle's backward as oxrl patches it (`vendor/candle-core`): off the CPU a node's first
-//! gradient is stored as it is instead of added into a fresh zero buffer. Run here on the CPU
+//! gradient is stored as it is (a variable's made contiguous, any other kept as the view it is)
+//! instead of added into a fresh zero buffer. Run here on the CPU
 //! (`with_first_gradients_stored`), every family's graph gives the gradient values the zero
 //! buffers give (a zero's sign may differ: 0 + (−0) is +0), for full fine-tuning and LoRA, in
 //! f32, f64 and bf16: the GPU's backward computes what candle's always did.
@@ -28,7 +29,11 @@ fn first_gradients_stored_as_they_are_give_the_same_values() {
                     let w = Tensor::from_vec(values(logits.elem_count(), 9), logits.shape(), &Device::Cpu).unwrap();
                     let store = (&logits * &w.to_dtype(logits.dtype()).unwrap()).unwrap().sum_all().unwrap();
                     let store = store.backward().unwrap();
-                    vars.iter().map(|(_, v)| store.get(v.as_tensor()).map(values_of)).collect::<Vec<_>>()
+                    // A variable's gradient is contiguous however its first part came (a
+                    // transpose's gradient is kept as a view only for the node that reads it).
+                    let got: Vec<Option<&Tensor>> = vars.iter().map(|(_, v)| store.get(v.as_tensor())).collect();
+                    assert!(got.iter().flatten().all(|g| g.is_contiguous()), "a variable's gradient is a view");
+                    got.into_iter().map(|g| g.map(values_of)).collect::<Vec<_>>()
                 };
                 let zero_buffers = gradients();
                 let stored = with_first_gradients_stored(gradients);

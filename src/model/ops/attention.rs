@@ -28,7 +28,7 @@ use candle_core::{CustomOp3, DType, Device, Tensor};
 
 use super::matmul::matmul;
 use super::node_output::{forward_from_out, NodeOutput};
-use super::transpose::transposed;
+use super::transpose::{heads_swapped, transposed};
 use super::{cached_attention, cuda_kernels, norm_dtype, softmax};
 use crate::Result;
 
@@ -61,7 +61,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
         }
     };
     let folded = rounded.reshape((b, kvh, rep * t, s))?;
-    let out = matmul(&folded, &v.detach())?.reshape((b, h, t, d))?.transpose(1, 2)?.reshape((b, t, h * d))?;
+    let out = heads_swapped(&matmul(&folded, &v.detach())?.reshape((b, h, t, d))?)?.reshape((b, t, h * d))?;
     let node = AttentionNode { out: NodeOutput::new("attention", out), probs, folded, scale, mixed };
     Ok(q.apply_op3(k, v, node)?)
 }
@@ -101,7 +101,7 @@ impl CustomOp3 for AttentionNode {
         // The reference's nodes from the last back: reshape, transpose (stored contiguous),
         // reshape; the weighted sum's matmul; reshape and cast; the softmax; cast and reshape;
         // the scores' matmul; k's transpose (stored contiguous) and q's reshape.
-        let d_out = grad.contiguous()?.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?;
+        let d_out = heads_swapped(&grad.contiguous()?.reshape((b, t, h, d))?).map_err(m)?;
         let d_out = d_out.reshape((b, kvh, rep * t, d))?;
         let d_folded = matmul(&d_out, &v.t()?).map_err(m)?;
         let dv = matmul(&self.folded.t()?, &d_out).map_err(m)?;

@@ -15,6 +15,7 @@
 //! zero-filled buffer and an add in candle's backward) become one node with its chain's bits.
 
 pub mod attention;
+pub mod bias_add;
 pub mod cached_attention;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

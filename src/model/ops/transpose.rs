@@ -6,6 +6,12 @@
 //! the transposed view a row apart from its neighbour's: a memory transaction per element, and
 //! the tied LM head's gradient alone is 136 M of them. On CUDA (oxrl's kernels on) the copy is
 //! `cuda/transpose.cu`'s tiled kernel instead; elsewhere it is candle's.
+//!
+//! [`heads_swapped`]: x [A, B, C, D] → [A, C, B, D] contiguous, the values of
+//! `x.transpose(1, 2)?.contiguous()` — attention's output and its gradient between the heads'
+//! layout [B, H, T, D] and the projections' [B, T, H, D]. candle's strided copy moves an element
+//! a thread with the index arithmetic of a strided view; the kernel moves 16 bytes of a D-row a
+//! thread, whole memory lines on both sides.
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
@@ -18,6 +24,14 @@ pub fn transposed(x: &Tensor) -> Result<Tensor> {
         return Ok(x.t()?.contiguous()?);
     }
     Ok(x.contiguous()?.apply_op1_no_bwd(&Transpose)?)
+}
+
+/// x [A, B, C, D] with dimensions 1 and 2 swapped, contiguous.
+pub fn heads_swapped(x: &Tensor) -> Result<Tensor> {
+    if x.rank() != 4 || !x.device().is_cuda() || !fused(x) || x.elem_count() == 0 {
+        return Ok(x.transpose(1, 2)?.contiguous()?);
+    }
+    Ok(x.contiguous()?.apply_op1_no_bwd(&SwapHeads)?)
 }
 
 /// The CUDA kernel (use [`transposed`]).
@@ -60,6 +74,40 @@ impl CustomOp1 for Transpose {
             let out = cuda::output::<T>(s, x.len())?;
             launch!(s.device, cuda::TRANSPOSE, cuda::entry::<T>("transpose"), cfg; &x, &out, &mi, &ni);
             Ok((cuda::storage(s, out), Shape::from(out_dims)))
+        })
+    }
+}
+
+/// The CUDA kernel (use [`heads_swapped`]).
+struct SwapHeads;
+
+impl CustomOp1 for SwapHeads {
+    fn name(&self) -> &'static str {
+        "swap-heads"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("swap-heads: the kernel runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::cuda_backend::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        use super::cuda::{self, launch};
+        let &[a, b, c, d] = l.dims() else {
+            return Err(candle_core::Error::Msg(format!("swap-heads: {:?} is not [A, B, C, D]", l.dims())));
+        };
+        let total = a * b * c * d;
+        let [bi, ci, di, ti] = [b, c, d, total].map(|v| v as i64);
+        cuda::dispatch_cuda!(s, T => {
+            let x = cuda::view::<T>(s, l)?;
+            let out = cuda::output::<T>(s, total)?;
+            launch!(s.device, cuda::TRANSPOSE, cuda::entry::<T>("swap_heads"), cuda::elementwise(total);
+                &x, &out, &bi, &ci, &di, &ti);
+            Ok((cuda::storage(s, out), Shape::from((a, c, b, d))))
         })
     }
 }

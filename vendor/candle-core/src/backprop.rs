@@ -748,8 +748,9 @@ impl GradStore {
     }
 
     /// Adds `grad` to the gradient of `tensor`. (oxrl's patch, as candle PR #3822 proposes: the
-    /// first gradient of a tensor off the CPU is stored as it is, contiguous, instead of added
-    /// into a fresh zero-filled tensor: two passes over every edge of the graph saved. On the
+    /// first gradient of a tensor off the CPU is stored as it is (a variable's made contiguous)
+    /// instead of added into a fresh zero-filled tensor: two passes over every edge of the graph
+    /// saved. On the
     /// CPU the first gradient is still added into zeros, so that every stored gradient owns its
     /// storage, as code that adds into a gradient in place relies on, and is the same bits;
     /// [`with_first_gradients_stored`] stores it there too, for tests.)
@@ -762,7 +763,12 @@ impl GradStore {
             Entry::Vacant(entry) => {
                 let first = match zero_first(tensor) {
                     true => tensor.zeros_like()?.add(grad)?,
-                    false => grad.contiguous()?,
+                    // A variable's gradient is what the caller reads: contiguous. Any other
+                    // tensor's is read once, by its node's backward, which takes any layout: a
+                    // view (a transpose's gradient) is kept as it is, not copied, so that a
+                    // transpose and its inverse cost nothing.
+                    false if tensor.is_variable() => grad.contiguous()?,
+                    false => grad.clone(),
                 };
                 entry.insert(first);
             }

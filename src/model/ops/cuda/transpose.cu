@@ -24,3 +24,30 @@ __device__ void transpose_kernel(const T* x, T* out, long long m, long long n) {
 }
 #define TRANSPOSE_PARAMS(T) (const T* x, T* out, long long m, long long n)
 INSTANTIATE(transpose, TRANSPOSE_PARAMS, (x, out, m, n))
+
+// x [A, B, C, D] contiguous → out [A, C, B, D] (the heads' transpose, x.transpose(1, 2) written
+// out): a thread moves 16 bytes of a D-row at a time where rows and pointers allow (D of 64 bf16
+// is eight such chunks: a warp reads and writes whole 128-byte lines), one element otherwise.
+struct alignas(16) Chunk16 {
+    unsigned int v[4];
+};
+
+template <typename T>
+__device__ void swap_heads_kernel(const T* x, T* out, long long b, long long c, long long d, long long total) {
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    const long long per = 16 / sizeof(T);
+    const bool chunks = d % per == 0 && ((uintptr_t)x | (uintptr_t)out) % 16 == 0;
+    const long long w = chunks ? d / per : d;  // units a D-row holds
+    for (long long i = start; i < total / (chunks ? per : 1); i += stride) {
+        const long long e = i % w, r = i / w;  // r = (a · B + j) · C + k
+        const long long k = r % c, j = (r / c) % b, a = r / c / b;
+        const long long to = ((a * c + k) * b + j) * w + e;
+        if (chunks) {
+            ((Chunk16*)out)[to] = ((const Chunk16*)x)[i];
+        } else {
+            out[to] = x[i];
+        }
+    }
+}
+#define SWAP_HEADS_PARAMS(T) (const T* x, T* out, long long b, long long c, long long d, long long total)
+INSTANTIATE(swap_heads, SWAP_HEADS_PARAMS, (x, out, b, c, d, total))
