@@ -8,9 +8,10 @@
 //!
 //! Forward: the reference's operations on detached inputs; the softmax's probabilities P (f32
 //! for bf16/f16 inputs) and P in the inputs' dtype are kept for the backward. On CUDA in
-//! bf16/f16 the softmax's mixed kernels read the scores, write P in f32 and in that dtype at
-//! once, and write the gradient in that dtype: the f32 kernels' values on the casts, without
-//! the casts' passes. Backward, with the `rep` query heads that
+//! bf16/f16 the softmax's mixed kernels read the scores and write P in that dtype and each
+//! row's max and sum; the backward's kernel computes the f32 P again from the scores (kept
+//! instead of it: half the bytes) and writes the gradient in that dtype: the f32 kernels'
+//! values on the casts, without the casts' passes. Backward, with the `rep` query heads that
 //! share a kv head folded into the rows of one batched product as the forward does (′ marks
 //! that layout, dO the output's gradient):
 //! ```text
@@ -52,30 +53,39 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
     let mixed = q.device().is_cuda() && matches!(dtype, DType::BF16 | DType::F16);
     let qg = q.detach().reshape((b, kvh, rep * t, d))?;
     let scores = matmul(&qg, &k.detach().t()?)?.reshape((b, h, t, s))?;
-    let (probs, rounded) = match mixed {
-        true => softmax::masked_softmax_mixed(&scores, bias, scale)?,
+    let (softmax, rounded) = match mixed {
+        true => {
+            let (rounded, stats) = softmax::masked_softmax_mixed(&scores, bias, scale)?;
+            (Softmax::Stats { scores, bias: bias.clone(), stats }, rounded)
+        }
         false => {
             let probs = softmax::masked_softmax(&scores.to_dtype(norm_dtype(dtype))?, bias, scale)?;
             let rounded = probs.to_dtype(dtype)?;
-            (probs, rounded)
+            (Softmax::Probs(probs), rounded)
         }
     };
     let folded = rounded.reshape((b, kvh, rep * t, s))?;
     let out = heads_swapped(&matmul(&folded, &v.detach())?.reshape((b, h, t, d))?)?.reshape((b, t, h * d))?;
-    let node = AttentionNode { out: NodeOutput::new("attention", out), probs, folded, scale, mixed };
+    let node = AttentionNode { out: NodeOutput::new("attention", out), softmax, folded, scale };
     Ok(q.apply_op3(k, v, node)?)
 }
 
 /// The graph node: its output (computed before the node exists) and what the backward reads.
 struct AttentionNode {
     out: NodeOutput,
-    /// P [B, H, T, S], in the softmax's dtype.
-    probs: Tensor,
+    softmax: Softmax,
     /// P in the inputs' dtype, as [B, KV, REP·T, S]: the weighted sum's operand.
     folded: Tensor,
     scale: f64,
-    /// bf16/f16 on CUDA: the softmax's mixed kernels (the casts around the f32 ones, fused).
-    mixed: bool,
+}
+
+/// What the softmax's backward reads.
+enum Softmax {
+    /// P [B, H, T, S], in the softmax's dtype.
+    Probs(Tensor),
+    /// bf16/f16 on CUDA (the softmax's mixed kernels): the scores [B, H, T, S], the bias and each
+    /// row's max and 1 / sum, from which the backward's kernel computes the f32 P again.
+    Stats { scores: Tensor, bias: Tensor, stats: Tensor },
 }
 
 impl CustomOp3 for AttentionNode {
@@ -106,11 +116,13 @@ impl CustomOp3 for AttentionNode {
         let d_folded = matmul(&d_out, &v.t()?).map_err(m)?;
         let dv = matmul(&self.folded.t()?, &d_out).map_err(m)?;
         let d_probs = d_folded.reshape((b, h, t, s))?;
-        let d_scores = match self.mixed {
-            true => softmax::backward_mixed(&self.probs, &d_probs, self.scale).map_err(m)?,
-            false => {
-                let d_probs = d_probs.to_dtype(self.probs.dtype())?;
-                softmax::backward(&self.probs, &d_probs, self.scale).map_err(m)?.to_dtype(dtype)?
+        let d_scores = match &self.softmax {
+            Softmax::Stats { scores, bias, stats } => {
+                softmax::backward_mixed(scores, bias, stats, &d_probs, self.scale).map_err(m)?
+            }
+            Softmax::Probs(probs) => {
+                let d_probs = d_probs.to_dtype(probs.dtype())?;
+                softmax::backward(probs, &d_probs, self.scale).map_err(m)?.to_dtype(dtype)?
             }
         };
         let d_scores = d_scores.reshape((b, kvh, rep * t, s))?;

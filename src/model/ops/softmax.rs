@@ -2,7 +2,8 @@
 //!
 //! s are raw scores [B, G, T, S] (G = every query head, grouped or not), bias an additive mask
 //! [B, T, S] shared by the heads (0 or a large negative number). Forward: one pass per row
-//! (max, exp, normalise). The backward uses the saved p: ds = scale · p · (g − Σ g·p), one pass.
+//! (max, exp, normalise). The backward uses the saved p: ds = scale · p · (g − Σ g·p), one pass
+//! (the mixed-dtype kernels compute p again instead, from the scores and each row's max and sum).
 //! The primitive graph took six nodes (scale, add bias, max, subtract, exp, sum, divide), each a
 //! [B, G, T, S] buffer, and twice as many in the backward.
 
@@ -163,58 +164,61 @@ pub(crate) fn backward(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
     Ok(p.apply_op2_no_bwd(&g.contiguous()?, &Op(SoftmaxBwd { scale }))?)
 }
 
-/// [`masked_softmax`] of bf16/f16 `scores` in f32, with an f32 bias: the f32 op's values on the
-/// scores cast to f32, without the cast (CUDA's mixed kernel; no gradient: for ops that run the
-/// backward themselves, with [`backward_mixed`]). Returns p in f32 and p cast to the scores'
-/// dtype, both written by the one kernel.
+/// [`masked_softmax`] of bf16/f16 `scores` [B, G, T, S] in f32, with an f32 bias [B, T, S]: the
+/// f32 op's values on the scores cast to f32, without the cast (CUDA's mixed kernel; no
+/// gradient: for ops that run the backward themselves, with [`backward_mixed`]). Returns p
+/// rounded to the scores' dtype and each row's (max, 1 / sum) [B·G·T, 2] in f32, from which
+/// [`backward_mixed`] computes the f32 p again (the same values): the f32 p is neither written
+/// nor kept.
 pub(crate) fn masked_softmax_mixed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
     let (b, _, t, s) = scores.dims4()?;
     if bias.dims() != [b, t, s] {
         return Err(Error::input(format!("bias {:?} does not match scores {:?}", bias.dims(), scores.dims())));
     }
     let bias = bias.to_dtype(candle_core::DType::F32)?.contiguous()?;
-    let op = Mixed { scale, backward: false, rounded: Default::default() };
+    let op = MixedForward { scale, stats: Default::default() };
     let p = scores.contiguous()?.apply_op2_no_bwd(&bias, &op)?;
-    let rounded = op.take_rounded(p.shape())?;
-    Ok((p, rounded))
+    let stats = op.take_stats(scores.elem_count() / s.max(1))?;
+    Ok((p, stats))
 }
 
-/// [`backward`] from f32 `p` and a bf16/f16 gradient `g`, ds in g's dtype: the f32 op's values
-/// on g cast to f32, rounded once (CUDA's mixed kernel).
-pub(crate) fn backward_mixed(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
-    Ok(p.apply_op2_no_bwd(&g.contiguous()?, &Mixed { scale, backward: true, rounded: Default::default() })?)
+/// [`backward`] of [`masked_softmax_mixed`] for the scores' gradient-to-be `g` (bf16/f16): ds
+/// in g's dtype, the f32 op's values on g cast to f32 rounded once, p computed again from the
+/// scores, the bias and the forward's `stats` (CUDA's mixed kernel).
+pub(crate) fn backward_mixed(scores: &Tensor, bias: &Tensor, stats: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
+    let bias = bias.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    let op = MixedBackward { scale, stats: stats.contiguous()? };
+    Ok(scores.contiguous()?.apply_op3_no_bwd(&bias, &g.contiguous()?, &op)?)
 }
 
-/// The mixed-dtype kernels: forward (x: bf16/f16 scores, bias f32) → f32 p, and p in x's dtype
-/// kept in `rounded` until taken; backward (p f32, g bf16/f16) → ds of g's dtype. CUDA only:
-/// the CPU computes activations in f32.
+/// The mixed forward kernel (x: bf16/f16 scores, bias f32) → p in x's dtype, the rows' stats
+/// kept in `stats` until taken. CUDA only: the CPU computes activations in f32.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct Mixed {
+struct MixedForward {
     scale: f64,
-    backward: bool,
     #[cfg(feature = "cuda")]
-    rounded: std::sync::Mutex<Option<candle_core::cuda_backend::CudaStorage>>,
+    stats: std::sync::Mutex<Option<candle_core::cuda_backend::CudaStorage>>,
     #[cfg(not(feature = "cuda"))]
-    rounded: (),
+    stats: (),
 }
 
-impl Mixed {
-    /// The forward's second output, p in the scores' dtype, of p's shape.
+impl MixedForward {
+    /// The forward's second output, the stats of `rows` rows.
     #[cfg(feature = "cuda")]
-    fn take_rounded(&self, shape: &Shape) -> Result<Tensor> {
-        let storage = self.rounded.lock().expect("not poisoned").take();
-        let storage = storage.ok_or_else(|| Error::Other("masked-softmax-mixed: no rounded probabilities".into()))?;
+    fn take_stats(&self, rows: usize) -> Result<Tensor> {
+        let storage = self.stats.lock().expect("not poisoned").take();
+        let storage = storage.ok_or_else(|| Error::Other("masked-softmax-mixed: no row stats".into()))?;
         let none = candle_core::op::BackpropOp::none();
-        Ok(Tensor::from_storage(candle_core::Storage::Cuda(storage), shape.clone(), none, false))
+        Ok(Tensor::from_storage(candle_core::Storage::Cuda(storage), Shape::from((rows, 2)), none, false))
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn take_rounded(&self, _: &Shape) -> Result<Tensor> {
+    fn take_stats(&self, _: usize) -> Result<Tensor> {
         Err(Error::Other("the mixed-dtype softmax runs on CUDA only".into()))
     }
 }
 
-impl candle_core::CustomOp2 for Mixed {
+impl candle_core::CustomOp2 for MixedForward {
     fn name(&self) -> &'static str {
         "masked-softmax-mixed"
     }
@@ -232,43 +236,94 @@ impl candle_core::CustomOp2 for Mixed {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s1: &candle_core::cuda_backend::CudaStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::cuda_backend::CudaStorage,
-        l2: &candle_core::Layout,
+        x: &candle_core::cuda_backend::CudaStorage,
+        xl: &candle_core::Layout,
+        b: &candle_core::cuda_backend::CudaStorage,
+        bl: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
         use candle_core::cuda_backend::CudaStorage;
-        let scale = self.scale as f32;
-        // The bf16/f16 operand: the scores (forward) or the gradient (backward).
-        let (x, xl) = if self.backward { (s2, l2) } else { (s1, l1) };
         let shape = xl.shape().clone();
-        let s = *shape.dims().last().expect("softmax has a last dimension");
+        let (_, g, t, s) = shape.dims4()?;
         let n = shape.elem_count();
         let rows = n.checked_div(s).unwrap_or(0);
-        let (ri, si) = (rows as i64, s as i64);
-        if self.backward {
-            let p = cuda::view::<f32>(s1, l1)?;
-            return cuda::dispatch_cuda!(x, T => {
-                let g = cuda::view::<T>(x, xl)?;
-                let ds = cuda::output::<T>(x, n)?;
-                launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd_mixed"), cuda::per_warp_row(rows);
-                    &p, &g, &ds, &ri, &si, &scale);
-                Ok((CudaStorage::wrap_cuda_slice(ds, x.device.clone()), shape.clone()))
-            });
-        }
-        let (_, g, t, _) = shape.dims4()?;
-        let [gi, ti] = [g, t].map(|v| v as i64);
-        let bias = cuda::view::<f32>(s2, l2)?;
-        let p = cuda::output::<f32>(s1, n)?;
-        let rounded = cuda::dispatch_cuda!(x, T => {
+        let [ri, gi, ti, si] = [rows, g, t, s].map(|v| v as i64);
+        let scale = self.scale as f32;
+        let bias = cuda::view::<f32>(b, bl)?;
+        let stats = cuda::output::<f32>(x, 2 * rows)?;
+        let p = cuda::dispatch_cuda!(x, T => {
             let xs = cuda::view::<T>(x, xl)?;
             let px = cuda::output::<T>(x, n)?;
             launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_mixed"), cuda::per_warp_row(rows);
-                &xs, &bias, &p, &px, &ri, &gi, &ti, &si, &scale);
-            Ok::<CudaStorage, candle_core::Error>(CudaStorage::wrap_cuda_slice(px, x.device.clone()))
+                &xs, &bias, &px, &stats, &ri, &gi, &ti, &si, &scale);
+            Ok::<CudaStorage, candle_core::Error>(cuda::storage(x, px))
         })?;
-        *self.rounded.lock().expect("not poisoned") = Some(rounded);
-        Ok((CudaStorage::wrap_cuda_slice(p, s1.device.clone()), shape))
+        *self.stats.lock().expect("not poisoned") = Some(CudaStorage::wrap_cuda_slice(stats, x.device.clone()));
+        Ok((p, shape))
+    }
+}
+
+/// The mixed backward kernel: (scores, bias, g) with the forward's row stats → ds of g's dtype.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct MixedBackward {
+    scale: f64,
+    stats: Tensor,
+}
+
+impl candle_core::CustomOp3 for MixedBackward {
+    fn name(&self) -> &'static str {
+        "masked-softmax-mixed-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("the mixed-dtype softmax runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::cuda_backend::CudaStorage,
+        xl: &candle_core::Layout,
+        b: &candle_core::cuda_backend::CudaStorage,
+        bl: &candle_core::Layout,
+        gs: &candle_core::cuda_backend::CudaStorage,
+        gl: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        let shape = xl.shape().clone();
+        let (_, heads, t, s) = shape.dims4()?;
+        let n = shape.elem_count();
+        let rows = n.checked_div(s).unwrap_or(0);
+        if gl.shape() != xl.shape() || self.stats.dims() != [rows, 2] {
+            return Err(candle_core::Error::Msg(format!(
+                "masked-softmax-mixed backward: scores {:?}, gradient {:?}, stats {:?}",
+                xl.dims(),
+                gl.dims(),
+                self.stats.dims()
+            )));
+        }
+        let [ri, hi, ti, si] = [rows, heads, t, s].map(|v| v as i64);
+        let scale = self.scale as f32;
+        let bias = cuda::view::<f32>(b, bl)?;
+        let (stats_storage, stats_layout) = self.stats.storage_and_layout();
+        let candle_core::Storage::Cuda(stats_storage) = &*stats_storage else {
+            return Err(candle_core::Error::Msg("masked-softmax-mixed backward: the stats are not on CUDA".into()));
+        };
+        let stats = cuda::view::<f32>(stats_storage, stats_layout)?;
+        cuda::dispatch_cuda!(x, T => {
+            let xs = cuda::view::<T>(x, xl)?;
+            let g = cuda::view::<T>(gs, gl)?;
+            let ds = cuda::output::<T>(x, n)?;
+            launch!(x.device, cuda::SOFTMAX, cuda::entry::<T>("masked_softmax_bwd_mixed"), cuda::per_warp_row(rows);
+                &xs, &bias, &stats, &g, &ds, &ri, &hi, &ti, &si, &scale);
+            Ok((cuda::storage(x, ds), shape.clone()))
+        })
     }
 }
 
