@@ -7,9 +7,9 @@
 //! g ← g · clip;  p ← p · (1 − lr·wd);  m ← β1 m + (1 − β1) g;  v ← β2 v + (1 − β2) g²
 //! p ← p − (lr / (1 − β1^t)) · m / (sqrt(v · 1/(1 − β2^t)) + eps)
 //! ```
-//! The parameter is written in place, as `Var::set` would. On CUDA (f32) the same three passes
-//! are kernels (`ops/cuda/adamw.cu`), rounding each operation in f32 in the same order: the same
-//! bits as candle's primitive ops there.
+//! The parameter is written in place, as `Var::set` would. On CUDA (f32) the update is one kernel
+//! (`ops/cuda/adamw.cu`, each element's m, v and p in turn), rounding each operation in f32 in
+//! the same order: the same bits as candle's primitive ops there.
 //!
 //! The gradient norm's Σ g² is one pass too: on the CPU in chunks summed in chunk order, on
 //! CUDA per block, the blocks' sums then added by one block (candle's `sum_all` is a single
@@ -272,10 +272,77 @@ pub fn update(param: &Tensor, grad: &Tensor, clip: f64, state: &mut Moments, p: 
     // The moments are updated in place: they are the worker's own (fresh zeros, a checkpoint's
     // load or an offload's copy), and a step allocates nothing.
     let (m, v) = (flat(&state.exp_avg)?, flat(&state.exp_avg_sq)?);
+    if param.device().is_cuda() {
+        // One kernel: g, m, v and p read once (the passes below read g and the moments twice).
+        return Ok(param.inplace_op3(&m, &v, &Fused { step, grad: g })?);
+    }
     m.inplace_op2(&g, &Moment { step, second: false })?;
     v.inplace_op2(&g, &Moment { step, second: true })?;
     param.inplace_op3(&m, &v, &step)?;
     Ok(())
+}
+
+/// The whole update on CUDA in one pass: p in place, m and v (the op's inputs) written in place
+/// by the kernel too, from the gradient it holds. The same operations per element as the three
+/// passes, in the same order: the same bits.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Fused {
+    step: Step,
+    grad: Tensor,
+}
+
+impl InplaceOp3 for Fused {
+    fn name(&self) -> &'static str {
+        "adamw-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(candle_core::Error::Msg("adamw-step: the fused update runs on CUDA (the CPU takes the passes)".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        let c = self.step;
+        let n = l1.shape().elem_count();
+        let (gs, gl) = self.grad.storage_and_layout();
+        let candle_core::Storage::Cuda(gs) = &*gs else {
+            return Err(candle_core::Error::Msg("adamw-step: the gradient is not on CUDA".into()));
+        };
+        if [l2, l3, gl].iter().any(|l| l.shape().elem_count() != n) {
+            return Err(candle_core::Error::Msg("adamw-step: parameter, moments and gradient differ in size".into()));
+        }
+        let g = cuda::view::<f32>(gs, gl)?;
+        // The moments are written through their views: the kernel updates them in place, as the
+        // passes' in-place ops do (they are the worker's own, shared with no other tensor).
+        let (m, v) = (cuda::view::<f32>(s2, l2)?, cuda::view::<f32>(s3, l3)?);
+        let dev = s1.device.clone();
+        let (a, b) = contiguous(l1, "parameter")?;
+        let mut p = s1.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
+        let f = |x: f64| x as f32;
+        let (clip, beta1, one_beta1) = (f(c.clip), f(c.beta1), f(1.0 - c.beta1));
+        let (beta2, one_beta2) = (f(c.beta2), f(1.0 - c.beta2));
+        let (decay, lr_b1, inv_b2, eps) = (f(c.decay), f(c.lr_over_bias1), f(c.inv_bias2), f(c.eps));
+        let ni = n as i64;
+        launch!(dev, cuda::ADAMW, "adamw_step", cuda::elementwise(n);
+            &mut p, &m, &v, &g, &clip, &beta1, &one_beta1, &beta2, &one_beta2, &decay, &lr_b1, &inv_b2, &eps, &ni);
+        Ok(())
+    }
 }
 
 /// A half-precision parameter set in place to its f32 master, rounded (on CUDA with oxrl's

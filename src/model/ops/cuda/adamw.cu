@@ -6,6 +6,8 @@
 //     sum_partials (one block) then adds the partials in the same fixed way. Same bits every run.
 //   adamw_moment: m ← β m + (1 − β) (g·clip), or (second) v ← β v + (1 − β) (g·clip)²
 //   adamw_param:  p ← p · decay − m · (lr / bias1) / (sqrt(v · (1 / bias2)) + eps)
+//   adamw_step:   the three in one pass (each element's m, v, then p, as the CPU's loop): g, m,
+//                 v and p read once, where the passes read g and the moments twice
 //   round_into:   a half-precision parameter ← its f32 master, rounded
 //   widen:        a half-precision gradient → f32 (its accumulator's dtype), four at a time
 //
@@ -63,6 +65,20 @@ extern "C" __global__ void adamw_param(float* p, const float* m, const float* v,
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float denom = __fadd_rn(__fsqrt_rn(__fmul_rn(v[i], inv_bias2)), eps);
         p[i] = __fsub_rn(__fmul_rn(p[i], decay), __fdiv_rn(__fmul_rn(m[i], lr_over_bias1), denom));
+    }
+}
+
+extern "C" __global__ void adamw_step(float* p, float* m, float* v, const float* g, float clip, float beta1,
+                                      float one_beta1, float beta2, float one_beta2, float decay, float lr_over_bias1,
+                                      float inv_bias2, float eps, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float gj = __fmul_rn(g[i], clip);
+        const float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(gj, one_beta1));
+        const float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(gj, gj), one_beta2));
+        m[i] = mi;
+        v[i] = vi;
+        const float denom = __fadd_rn(__fsqrt_rn(__fmul_rn(vi, inv_bias2)), eps);
+        p[i] = __fsub_rn(__fmul_rn(p[i], decay), __fdiv_rn(__fmul_rn(mi, lr_over_bias1), denom));
     }
 }
 
