@@ -77,21 +77,6 @@ impl InplaceOp2 for Moment {
             _ => Err(candle_core::Error::Msg("adamw: f32 or f64 only".into())),
         }
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> candle_core::Result<()> {
-        let st = self.step;
-        let beta = if self.second { st.beta2 } else { st.beta1 };
-        let (clip, one_beta, second) = (st.clip as f32, (1.0 - beta) as f32, i32::from(self.second));
-        let (n, beta) = (l1.shape().elem_count(), beta as f32);
-        let g = cuda::view::<f32>(s2, l2)?;
-        let dev = s1.device.clone();
-        let (a, b) = contiguous(l1, "moment")?;
-        let mut m = s1.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
-        let ni = n as i64;
-        launch!(dev, cuda::ADAMW, "adamw_moment", cuda::elementwise(n); &mut m, &g, &clip, &beta, &one_beta, &second, &ni);
-        Ok(())
-    }
 }
 
 /// The start and end of a contiguous in-place operand, or an error naming it.
@@ -139,28 +124,6 @@ impl InplaceOp3 for Step {
             CpuStorage::F64(p) => run!(p, f64),
             _ => Err(candle_core::Error::Msg("adamw: f32 or f64 only".into())),
         }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &mut CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        s3: &CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<()> {
-        let c = *self;
-        let (decay, lr_b1, inv_b2, eps) = (c.decay as f32, c.lr_over_bias1 as f32, c.inv_bias2 as f32, c.eps as f32);
-        let n = l1.shape().elem_count();
-        let (m, v) = (cuda::view::<f32>(s2, l2)?, cuda::view::<f32>(s3, l3)?);
-        let dev = s1.device.clone();
-        let (a, b) = contiguous(l1, "parameter")?;
-        let mut p = s1.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
-        let ni = n as i64;
-        launch!(dev, cuda::ADAMW, "adamw_param", cuda::elementwise(n); &mut p, &m, &v, &decay, &lr_b1, &inv_b2, &eps, &ni);
-        Ok(())
     }
 }
 

@@ -486,25 +486,14 @@ static void adamw(unsigned block) {
         const float denom = std::sqrt(wv[i] * inv_b2) + eps;
         wp[i] = wp[i] * decay - wm[i] * lr_b1 / denom;
     }
-    std::vector<float> fp = p, fm = m, fv = v;  // for the one-pass kernel
-    launch({3}, {block}, adamw_moment, m.data(), (const float*)g.data(), clip, b1, one_b1, 0, n);
-    launch({3}, {block}, adamw_moment, v.data(), (const float*)g.data(), clip, b2, one_b2, 1, n);
-    launch({3}, {block}, adamw_param, p.data(), (const float*)m.data(), (const float*)v.data(), decay, lr_b1, inv_b2,
-           eps, n);
+    launch({3}, {block}, adamw_step, p.data(), m.data(), v.data(), (const float*)g.data(), clip, b1, one_b1, b2, one_b2,
+           decay, lr_b1, inv_b2, eps, n);
     const bool same = std::memcmp(p.data(), wp.data(), n * 4) == 0 && std::memcmp(m.data(), wm.data(), n * 4) == 0 &&
                       std::memcmp(v.data(), wv.data(), n * 4) == 0;
     ++checks;
     if (!same) ++failures;
     std::printf("%s adamw block %u: parameter and moments %s the f32 formulas' bits\n", same ? "ok  " : "FAIL", block,
                 same ? "equal" : "DIFFER from");
-    launch({3}, {block}, adamw_step, fp.data(), fm.data(), fv.data(), (const float*)g.data(), clip, b1, one_b1, b2,
-           one_b2, decay, lr_b1, inv_b2, eps, n);
-    const bool one_pass = std::memcmp(fp.data(), wp.data(), n * 4) == 0 &&
-                          std::memcmp(fm.data(), wm.data(), n * 4) == 0 && std::memcmp(fv.data(), wv.data(), n * 4) == 0;
-    ++checks;
-    if (!one_pass) ++failures;
-    std::printf("%s adamw in one pass block %u: parameter and moments %s the f32 formulas' bits\n",
-                one_pass ? "ok  " : "FAIL", block, one_pass ? "equal" : "DIFFER from");
 }
 
 // The transpose moves every element to its place: out[a][j][i] = x[a][i][j], bit for bit, for

@@ -4,15 +4,14 @@
 //   sum_squares: Σ x² in f64. Each block sums a grid-stride share of the n elements (each thread
 //     in f64), reduces it over the block in a fixed tree and writes partial[block];
 //     sum_partials (one block) then adds the partials in the same fixed way. Same bits every run.
-//   adamw_moment: m ← β m + (1 − β) (g·clip), or (second) v ← β v + (1 − β) (g·clip)²
-//   adamw_param:  p ← p · decay − m · (lr / bias1) / (sqrt(v · (1 / bias2)) + eps)
-//   adamw_step:   the three in one pass (each element's m, v, then p, as the CPU's loop): g, m,
-//                 v and p read once, where the passes read g and the moments twice
+//   adamw_step:   in one pass, each element's
+//                   m ← β1 m + (1 − β1) (g·clip),  v ← β2 v + (1 − β2) (g·clip)²,
+//                   p ← p · decay − m · (lr / bias1) / (sqrt(v · (1 / bias2)) + eps)
 //   round_into:   a half-precision parameter ← its f32 master, rounded
 //   widen:        a half-precision gradient → f32 (its accumulator's dtype), four at a time
 //
 // AdamW rounds each operation in f32 in the order written (no fused multiply-add: the _rn
-// intrinsics), as the CPU's one-pass update and candle's primitive ops do: the same bits.
+// intrinsics), as the CPU's passes and candle's primitive ops do: the same bits.
 #include "common.cuh"
 
 __device__ __forceinline__ double warp_sum_f64(double v) {
@@ -49,23 +48,6 @@ extern "C" __global__ void sum_partials(const double* partial, double* out, long
     for (long long i = threadIdx.x; i < n; i += blockDim.x) s += partial[i];
     s = block_sum_f64(s);
     if (threadIdx.x == 0) out[0] = s;
-}
-
-extern "C" __global__ void adamw_moment(float* m, const float* g, float clip, float beta, float one_beta, int second,
-                                        long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float gj = __fmul_rn(g[i], clip);
-        const float term = second ? __fmul_rn(__fmul_rn(gj, gj), one_beta) : __fmul_rn(gj, one_beta);
-        m[i] = __fadd_rn(__fmul_rn(m[i], beta), term);
-    }
-}
-
-extern "C" __global__ void adamw_param(float* p, const float* m, const float* v, float decay, float lr_over_bias1,
-                                       float inv_bias2, float eps, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float denom = __fadd_rn(__fsqrt_rn(__fmul_rn(v[i], inv_bias2)), eps);
-        p[i] = __fsub_rn(__fmul_rn(p[i], decay), __fdiv_rn(__fmul_rn(m[i], lr_over_bias1), denom));
-    }
 }
 
 extern "C" __global__ void adamw_step(float* p, float* m, float* v, const float* g, float clip, float beta1,
