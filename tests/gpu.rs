@@ -532,6 +532,38 @@ fn bias_add_on_cuda_is_candles_broadcast_add() {
     println!("bias add: candle's broadcast add bits");
 }
 
+/// q's and k's biases and rotations in one kernel (a step that differentiates nothing) give the
+/// bits of the bias adds and the rope kernel, with and without biases, in f32, bf16 and f16.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn rope_pair_on_cuda_is_the_bias_adds_and_rotations() {
+    use oxrl::model::ops::{bias_add::bias_add, rope};
+    let dev = gpu();
+    let _kernels = KernelsOn::new();
+    let bits = |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (b, t, hq, hk, d) = (3, 5, 14, 2, 64);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let q = random(&[b, t, hq * d], 101, 3.0, dtype, &dev);
+        let k = random(&[b, t, hk * d], 102, 3.0, dtype, &dev);
+        let (qb, kb) = (random(&[hq * d], 103, 1.0, dtype, &dev), random(&[hk * d], 104, 1.0, dtype, &dev));
+        let cos = random(&[b, 1, t, d / 2], 105, 1.0, dtype, &dev);
+        let sin = random(&[b, 1, t, d / 2], 106, 1.0, dtype, &dev);
+        for biased in [true, false] {
+            let (qbias, kbias) = if biased { (Some(&qb), Some(&kb)) } else { (None, None) };
+            let (gq, gk) = rope::rope_pair(&q, qbias, &k, kbias, (hq, hk), &cos, &sin).unwrap();
+            let one = |x: &Tensor, bias: Option<&Tensor>, h: usize| {
+                let x = bias.map_or_else(|| x.clone(), |bias| bias_add(x, bias).unwrap());
+                rope::rope(&x.reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap(), &cos, &sin).unwrap()
+            };
+            let (wq, wk) = (one(&q, qbias, hq), one(&k, kbias, hk));
+            assert_eq!((gq.dims(), gk.dims()), (wq.dims(), wk.dims()));
+            assert_eq!(bits(&gq), bits(&wq), "{dtype:?}, biases {biased}: q");
+            assert_eq!(bits(&gk), bits(&wk), "{dtype:?}, biases {biased}: k");
+        }
+    }
+    println!("rope pair: the bias adds' and rotations' bits");
+}
+
 /// The embedding as one graph node gives candle's gather and, through its kernel, candle's
 /// `index_add` table gradient to the bit on CUDA (tokens repeated, in any order, some never
 /// seen), in f32 and bf16; the table gradient written alone is the same.

@@ -121,14 +121,7 @@ impl Linear {
         let dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dimension");
         let x2 = x.reshape(((), in_dim))?;
-        let packed = match self.packed(&x2)? {
-            Some(p) => matmul_wt::matmul_wt_packed(&x2, &p)?,
-            None => None,
-        };
-        let mut y = match packed {
-            Some(y) => y,
-            None => matmul_wt::matmul_wt(&x2, &Self::as_dtype(&self.weight, x2.dtype())?)?,
-        };
+        let mut y = self.product_rows(&x2)?;
         if let Some(b) = &self.bias {
             y = super::ops::bias_add::bias_add(&y, &Self::as_dtype(b, y.dtype())?)?;
         }
@@ -138,6 +131,31 @@ impl Linear {
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = self.weight.dim(0)?;
         Ok(y.reshape(out_dims)?)
+    }
+
+    /// x·Wᵀ for rows x2 [N, in] (the product [`Linear::forward`] adds the bias and the adapter to).
+    fn product_rows(&self, x2: &Tensor) -> Result<Tensor> {
+        let packed = match self.packed(x2)? {
+            Some(p) => matmul_wt::matmul_wt_packed(x2, &p)?,
+            None => None,
+        };
+        Ok(match packed {
+            Some(y) => y,
+            None => matmul_wt::matmul_wt(x2, &Self::as_dtype(&self.weight, x2.dtype())?)?,
+        })
+    }
+
+    /// x·Wᵀ without the bias, for a layer without an adapter whose next op adds the bias itself
+    /// (`ops::rope::rope_pair`); an error with an adapter, whose delta comes after the bias.
+    pub(crate) fn product(&self, x: &Tensor) -> Result<Tensor> {
+        if self.lora.is_some() {
+            return Err(crate::Error::Other("Linear::product: a layer with an adapter".into()));
+        }
+        let mut dims = x.dims().to_vec();
+        let in_dim = *dims.last().expect("linear input has at least one dimension");
+        let y = self.product_rows(&x.reshape(((), in_dim))?)?;
+        *dims.last_mut().unwrap() = self.weight.dim(0)?;
+        Ok(y.reshape(dims)?)
     }
 
     /// W + s·B·A: the adapter folded into the base weight, for export.

@@ -219,6 +219,35 @@ impl Attention {
         let proj = |lin: &Linear, k: usize| RowAdapters::forward(ad, lin, x, first + k);
         let (h, kvh, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, d))?.transpose(1, 2)?) };
+        // A step that differentiates nothing, with no norms, gate or adapters (decoding and
+        // prefills of Qwen2 / Llama shapes): q's and k's biases and rotations in one kernel on
+        // CUDA (`ops::rope::rope_pair`; the same bits as the bias adds and rotations).
+        let plain = queries
+            && !self.output_gate
+            && self.q_norm.is_none()
+            && self.k_norm.is_none()
+            && cfg.rotary_dim == d
+            && adapters.is_none()
+            && self.q_proj.lora.is_none()
+            && self.k_proj.lora.is_none()
+            && x.device().is_cuda()
+            && !x.track_op()
+            && !self.q_proj.weight.track_op()
+            && !self.k_proj.weight.track_op();
+        if plain {
+            let bias = |lin: &Linear| lin.bias.as_ref().map(|b| b.to_dtype(x.dtype())).transpose();
+            let (q, k) = ops::rope::rope_pair(
+                &self.q_proj.product(x)?,
+                bias(&self.q_proj)?.as_ref(),
+                &self.k_proj.product(x)?,
+                bias(&self.k_proj)?.as_ref(),
+                (h, kvh),
+                &cos_sin.0,
+                &cos_sin.1,
+            )?;
+            let v = heads(proj(&self.v_proj, 2)?, kvh)?.contiguous()?;
+            return Ok((Some((q, None)), k, v));
+        }
         // Normalised in the [B, T, heads, d] layout the projection wrote (no copy), then rotated
         // and made contiguous in [B, heads, T, d] in one pass.
         let normed_rotated = |y: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {

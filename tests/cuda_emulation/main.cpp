@@ -98,6 +98,7 @@ template <typename T> struct Kernels;
         static constexpr auto swiglu = swiglu_##sfx;                            \
         static constexpr auto swiglu_bwd = swiglu_bwd_##sfx;                    \
         static constexpr auto rope = rope_##sfx;                                \
+        static constexpr auto rope_pair = rope_pair_##sfx;                      \
         static constexpr auto logprob_lse = logprob_lse_##sfx;                  \
         static constexpr auto logprob_lse_bwd = logprob_lse_bwd_##sfx;          \
         static constexpr auto masked_softmax = masked_softmax_##sfx;            \
@@ -225,6 +226,32 @@ template <typename T> static void rope(unsigned block) {
            h, d, 1);
     expect(label<T>("rope backward", block), widen(dx), numeric_grad([&](const Vec& x) { return dot(fwd(x), g); }, x),
            4 * tolerance<T>());
+
+    // q (4 heads) and k (2 heads) in one launch, each with its bias added (rounded to T) or not:
+    // the bits of the bias add (bias_add's formula) followed by the rope kernel.
+    const long long hq = 4, hk = 2, nq = b * t * hq * d, nk = b * t * hk * d;
+    const std::vector<T> q = cast<T>(values(nq, 4, 2.0)), k = cast<T>(values(nk, 5, 2.0));
+    const std::vector<T> qb = cast<T>(values(hq * d, 6, 1.0)), kb = cast<T>(values(hk * d, 7, 1.0));
+    for (int biased : {1, 0}) {
+        auto biased_rope = [&](const std::vector<T>& x, const std::vector<T>& bias, long long h) {
+            std::vector<T> y = x, out(x.size());
+            if (biased)
+                for (size_t i = 0; i < y.size(); ++i) y[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[i % (h * d)]));
+            launch({1}, {block}, Kernels<T>::rope, (const T*)y.data(), (const T*)cs.data(), (const T*)ss.data(),
+                   out.data(), b, t, h, d, 0);
+            return out;
+        };
+        std::vector<T> qo(nq, from_f32<T>(NAN)), ko(nk, from_f32<T>(NAN));
+        launch({2}, {block}, Kernels<T>::rope_pair, q.data(), qb.data(), k.data(), kb.data(), (const T*)cs.data(),
+               (const T*)ss.data(), qo.data(), ko.data(), b, t, hq, hk, d, biased, biased);
+        const std::vector<T> wq = biased_rope(q, qb, hq), wk = biased_rope(k, kb, hk);
+        const bool same = std::memcmp(qo.data(), wq.data(), nq * sizeof(T)) == 0 &&
+                          std::memcmp(ko.data(), wk.data(), nk * sizeof(T)) == 0;
+        ++checks;
+        if (!same) ++failures;
+        std::printf("%s %s: q and k %s biases, the bits of %sthe rope kernel\n", same ? "ok  " : "FAIL",
+                    label<T>("rope_pair", block).c_str(), biased ? "with" : "without", biased ? "the bias add and " : "");
+    }
 }
 
 template <typename T> static void logprob_lse(unsigned block) {

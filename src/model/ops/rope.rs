@@ -138,6 +138,151 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(x.transpose(1, 2)?.contiguous()?.apply_op3(&table(cos)?, &table(sin)?, Op(Rope { backward: false }))?)
 }
 
+/// q [B, T, HQ·D] and k [B, T, HK·D] (projection outputs, before their biases `q_bias` /
+/// `k_bias` [H·D]) → (rope(q + q_bias), rope(k + k_bias)), [B, H, T, D] each, for a step that
+/// differentiates nothing. On CUDA with oxrl's kernels on, one kernel adds both biases (rounded
+/// as the bias add writes them) and rotates both, where a decode step ran two bias adds and two
+/// rotations a layer: the same bits. Elsewhere [`super::bias_add::bias_add`] and [`rope`].
+pub fn rope_pair(
+    q: &Tensor,
+    q_bias: Option<&Tensor>,
+    k: &Tensor,
+    k_bias: Option<&Tensor>,
+    (hq, hk): (usize, usize),
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (b, t, _) = q.dims3()?;
+    let d = q.dim(2)? / hq.max(1);
+    let same = |x: Option<&Tensor>| x.is_none_or(|x| x.dtype() == q.dtype() && !x.track_op());
+    let served = q.device().is_cuda()
+        && fused(q)
+        && !q.track_op()
+        && !k.track_op()
+        && k.dtype() == q.dtype()
+        && same(q_bias)
+        && same(k_bias)
+        && cos.dtype() == q.dtype()
+        && sin.dtype() == q.dtype()
+        && hq * d == q.dim(2)?
+        && k.dims3()? == (b, t, hk * d)
+        && d % 2 == 0;
+    if !served {
+        let heads = |y: &Tensor, bias: Option<&Tensor>, h: usize| -> Result<Tensor> {
+            let y = match bias {
+                Some(bias) => super::bias_add::bias_add(y, bias)?,
+                None => y.clone(),
+            };
+            rope(&y.reshape((b, t, h, d))?.transpose(1, 2)?, cos, sin)
+        };
+        return Ok((heads(q, q_bias, hq)?, heads(k, k_bias, hk)?));
+    }
+    let table = |c: &Tensor| -> Result<Tensor> { Ok(c.reshape((b, t, d / 2))?.contiguous()?) };
+    let bias = |x: Option<&Tensor>| -> Result<Option<Tensor>> { Ok(x.map(|x| x.contiguous()).transpose()?) };
+    let op = RopePair {
+        q_bias: bias(q_bias)?,
+        k_bias: bias(k_bias)?,
+        cos: table(cos)?,
+        sin: table(sin)?,
+        heads: (hq, hk),
+        keys: Default::default(),
+    };
+    let q_out = q.contiguous()?.apply_op2_no_bwd(&k.contiguous()?, &op)?;
+    Ok((q_out, op.take_keys((b, hk, t, d))?))
+}
+
+/// The kernel of [`rope_pair`]: q's rotation its output, k's kept in `keys` until taken.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct RopePair {
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    cos: Tensor,
+    sin: Tensor,
+    heads: (usize, usize),
+    #[cfg(feature = "cuda")]
+    keys: std::sync::Mutex<Option<candle_core::cuda_backend::CudaStorage>>,
+    #[cfg(not(feature = "cuda"))]
+    keys: (),
+}
+
+impl RopePair {
+    #[cfg(feature = "cuda")]
+    fn take_keys(&self, shape: (usize, usize, usize, usize)) -> Result<Tensor> {
+        let storage = self.keys.lock().expect("not poisoned").take();
+        let storage = storage.ok_or_else(|| crate::Error::Other("rope-pair: no rotated keys".into()))?;
+        let none = candle_core::op::BackpropOp::none();
+        Ok(Tensor::from_storage(candle_core::Storage::Cuda(storage), Shape::from(shape), none, false))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn take_keys(&self, _: (usize, usize, usize, usize)) -> Result<Tensor> {
+        Err(crate::Error::Other("rope-pair runs on CUDA only".into()))
+    }
+}
+
+impl candle_core::CustomOp2 for RopePair {
+    fn name(&self) -> &'static str {
+        "rope-pair"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("rope-pair: the kernel runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::cuda_backend::CudaStorage,
+        ql: &Layout,
+        ks: &candle_core::cuda_backend::CudaStorage,
+        kl: &Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaStorage;
+        let (hq, hk) = self.heads;
+        let (b, t, qw) = ql.shape().dims3()?;
+        let d = qw / hq;
+        fn on_cuda(x: &Tensor) -> candle_core::Result<(candle_core::StorageRef<'_>, Layout)> {
+            let (s, l) = x.storage_and_layout();
+            let l = l.clone();
+            cuda_of(&s)?;
+            Ok((s, l))
+        }
+        fn cuda_of(s: &candle_core::Storage) -> candle_core::Result<&CudaStorage> {
+            match s {
+                candle_core::Storage::Cuda(c) => Ok(c),
+                _ => Err(candle_core::Error::Msg("rope-pair: an input is not on CUDA".into())),
+            }
+        }
+        let (cos_s, cos_l) = on_cuda(&self.cos)?;
+        let (sin_s, sin_l) = on_cuda(&self.sin)?;
+        let qb = self.q_bias.as_ref().map(on_cuda).transpose()?;
+        let kb = self.k_bias.as_ref().map(on_cuda).transpose()?;
+        let [bi, ti, hqi, hki, di] = [b, t, hq, hk, d].map(|v| v as i64);
+        let (q_biased, k_biased) = (i32::from(qb.is_some()), i32::from(kb.is_some()));
+        let threads = b * (hq + hk) * t * d / 2;
+        cuda::dispatch_cuda!(qs, T => {
+            let q = cuda::view::<T>(qs, ql)?;
+            let k = cuda::view::<T>(ks, kl)?;
+            let (cos, sin) = (cuda::view::<T>(cuda_of(&cos_s)?, &cos_l)?, cuda::view::<T>(cuda_of(&sin_s)?, &sin_l)?);
+            // An absent bias is never read (its flag is 0): its input stands in for the pointer.
+            let qb = match &qb { Some((s, l)) => cuda::view::<T>(cuda_of(s)?, l)?, None => cuda::view::<T>(qs, ql)? };
+            let kb = match &kb { Some((s, l)) => cuda::view::<T>(cuda_of(s)?, l)?, None => cuda::view::<T>(ks, kl)? };
+            let qo = cuda::output::<T>(qs, q.len())?;
+            let ko = cuda::output::<T>(ks, k.len())?;
+            launch!(qs.device, cuda::ROPE, cuda::entry::<T>("rope_pair"), cuda::elementwise(threads);
+                &q, &qb, &k, &kb, &cos, &sin, &qo, &ko, &bi, &ti, &hqi, &hki, &di, &q_biased, &k_biased);
+            *self.keys.lock().expect("not poisoned") = Some(cuda::storage(ks, ko));
+            Ok((cuda::storage(qs, qo), Shape::from((b, hq, t, d))))
+        })
+    }
+}
+
 /// The primitive graph: the rotate-half formula (from differentiable primitives: narrow, mul,
 /// cat), then a contiguous copy.
 pub fn reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
