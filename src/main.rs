@@ -45,5 +45,27 @@ fn main() {
     if std::env::var_os("OXRL_TRACE_EXIT").is_some() {
         eprintln!("oxrl: the command returned {code}; exiting");
     }
+    if !oxrl::model::weights::opened_cuda_devices().is_empty() {
+        end_if_exit_hangs(code);
+    }
     std::process::exit(code);
+}
+
+/// How long a process that used a GPU may take to exit once its command has returned.
+const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// On a GPU, processes were seen spinning in their exit for minutes after their work was done
+/// and their result printed (the CUDA driver's teardown; BENCHMARKS.md, cause not yet found).
+/// The command's output is flushed and a thread ends the process with the command's exit code
+/// if the exit has not within [`EXIT_GRACE`].
+fn end_if_exit_hangs(code: i32) {
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::thread::spawn(move || {
+        std::thread::sleep(EXIT_GRACE);
+        eprintln!("oxrl: the process had not exited {} s after its command returned: ending it", EXIT_GRACE.as_secs());
+        // Safety: ends the process at once; the command's work is done and its output flushed.
+        unsafe { libc::_exit(code) };
+    });
 }
