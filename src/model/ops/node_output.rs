@@ -1,6 +1,9 @@
 //! The output of a graph node whose value is computed before the node exists (candle operations
 //! on detached inputs: [`super::attention`], [`super::linear`], [`super::head_logprobs`]), handed
 //! to candle once by the node's forward, which then only records the node and its inputs.
+//!
+//! And [`SideOutput`]: a CUDA op's second output (a candle op returns one), left by its
+//! `cuda_fwd` and taken once the op has run.
 
 use std::sync::Mutex;
 
@@ -79,3 +82,29 @@ macro_rules! forward_from_out {
     };
 }
 pub(crate) use forward_from_out;
+
+/// A second output of a CUDA op: its `cuda_fwd` puts the storage, the caller takes it as a tensor
+/// once the op has run.
+#[derive(Default)]
+pub(crate) struct SideOutput {
+    #[cfg(feature = "cuda")]
+    storage: Mutex<Option<candle_core::cuda_backend::CudaStorage>>,
+}
+
+impl SideOutput {
+    #[cfg(feature = "cuda")]
+    pub fn put(&self, storage: candle_core::cuda_backend::CudaStorage) {
+        *self.storage.lock().expect("not poisoned") = Some(storage);
+    }
+
+    /// The output, of `shape`; an error naming `op` when it ran nowhere that puts it.
+    pub fn take(&self, op: &str, shape: impl Into<Shape>) -> crate::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(storage) = self.storage.lock().expect("not poisoned").take() {
+            let none = candle_core::op::BackpropOp::none();
+            return Ok(Tensor::from_storage(Storage::Cuda(storage), shape.into(), none, false));
+        }
+        let _ = shape;
+        Err(crate::Error::Other(format!("{op}: no second output (the op runs on CUDA only)")))
+    }
+}

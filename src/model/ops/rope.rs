@@ -21,6 +21,7 @@ use super::cuda::{self, launch};
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{Cpu, FusedOp, Op};
+use super::node_output::SideOutput;
 use super::{fused, Real};
 use crate::Result;
 
@@ -154,14 +155,16 @@ pub fn rope_pair(
 ) -> Result<(Tensor, Tensor)> {
     let (b, t, _) = q.dims3()?;
     let d = q.dim(2)? / hq.max(1);
-    let same = |x: Option<&Tensor>| x.is_none_or(|x| x.dtype() == q.dtype() && !x.track_op());
+    // A bias the kernel reads: q's dtype, one value per output column, nothing differentiated.
+    let plain =
+        |x: Option<&Tensor>, h: usize| x.is_none_or(|x| x.dtype() == q.dtype() && x.dims() == [h * d] && !x.track_op());
     let served = q.device().is_cuda()
         && fused(q)
         && !q.track_op()
         && !k.track_op()
         && k.dtype() == q.dtype()
-        && same(q_bias)
-        && same(k_bias)
+        && plain(q_bias, hq)
+        && plain(k_bias, hk)
         && cos.dtype() == q.dtype()
         && sin.dtype() == q.dtype()
         && hq * d == q.dim(2)?
@@ -188,10 +191,10 @@ pub fn rope_pair(
         keys: Default::default(),
     };
     let q_out = q.contiguous()?.apply_op2_no_bwd(&k.contiguous()?, &op)?;
-    Ok((q_out, op.take_keys((b, hk, t, d))?))
+    Ok((q_out, op.keys.take("rope-pair", (b, hk, t, d))?))
 }
 
-/// The kernel of [`rope_pair`]: q's rotation its output, k's kept in `keys` until taken.
+/// The kernel of [`rope_pair`]: q's rotation its output, k's its second.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct RopePair {
     q_bias: Option<Tensor>,
@@ -199,25 +202,7 @@ struct RopePair {
     cos: Tensor,
     sin: Tensor,
     heads: (usize, usize),
-    #[cfg(feature = "cuda")]
-    keys: std::sync::Mutex<Option<candle_core::cuda_backend::CudaStorage>>,
-    #[cfg(not(feature = "cuda"))]
-    keys: (),
-}
-
-impl RopePair {
-    #[cfg(feature = "cuda")]
-    fn take_keys(&self, shape: (usize, usize, usize, usize)) -> Result<Tensor> {
-        let storage = self.keys.lock().expect("not poisoned").take();
-        let storage = storage.ok_or_else(|| crate::Error::Other("rope-pair: no rotated keys".into()))?;
-        let none = candle_core::op::BackpropOp::none();
-        Ok(Tensor::from_storage(candle_core::Storage::Cuda(storage), Shape::from(shape), none, false))
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn take_keys(&self, _: (usize, usize, usize, usize)) -> Result<Tensor> {
-        Err(crate::Error::Other("rope-pair runs on CUDA only".into()))
-    }
+    keys: SideOutput,
 }
 
 impl candle_core::CustomOp2 for RopePair {
@@ -277,7 +262,7 @@ impl candle_core::CustomOp2 for RopePair {
             let ko = cuda::output::<T>(ks, k.len())?;
             launch!(qs.device, cuda::ROPE, cuda::entry::<T>("rope_pair"), cuda::elementwise(threads);
                 &q, &qb, &k, &kb, &cos, &sin, &qo, &ko, &bi, &ti, &hqi, &hki, &di, &q_biased, &k_biased);
-            *self.keys.lock().expect("not poisoned") = Some(cuda::storage(ks, ko));
+            self.keys.put(cuda::storage(ks, ko));
             Ok((cuda::storage(qs, qo), Shape::from((b, hq, t, d))))
         })
     }

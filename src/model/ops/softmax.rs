@@ -16,6 +16,7 @@ use super::cuda::{self, launch};
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{Cpu, FusedOp, Op};
+use super::node_output::SideOutput;
 use super::{dot, fused, max, par_rows, Real};
 use crate::{Error, Result};
 
@@ -178,7 +179,7 @@ pub(crate) fn masked_softmax_mixed(scores: &Tensor, bias: &Tensor, scale: f64) -
     let bias = bias.to_dtype(candle_core::DType::F32)?.contiguous()?;
     let op = MixedForward { scale, stats: Default::default() };
     let p = scores.contiguous()?.apply_op2_no_bwd(&bias, &op)?;
-    let stats = op.take_stats(scores.elem_count() / s.max(1))?;
+    let stats = op.stats.take("masked-softmax-mixed", (scores.elem_count() / s.max(1), 2))?;
     Ok((p, stats))
 }
 
@@ -192,30 +193,11 @@ pub(crate) fn backward_mixed(scores: &Tensor, bias: &Tensor, stats: &Tensor, g: 
 }
 
 /// The mixed forward kernel (x: bf16/f16 scores, bias f32) → p in x's dtype, the rows' stats
-/// kept in `stats` until taken. CUDA only: the CPU computes activations in f32.
+/// its second output. CUDA only: the CPU computes activations in f32.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct MixedForward {
     scale: f64,
-    #[cfg(feature = "cuda")]
-    stats: std::sync::Mutex<Option<candle_core::cuda_backend::CudaStorage>>,
-    #[cfg(not(feature = "cuda"))]
-    stats: (),
-}
-
-impl MixedForward {
-    /// The forward's second output, the stats of `rows` rows.
-    #[cfg(feature = "cuda")]
-    fn take_stats(&self, rows: usize) -> Result<Tensor> {
-        let storage = self.stats.lock().expect("not poisoned").take();
-        let storage = storage.ok_or_else(|| Error::Other("masked-softmax-mixed: no row stats".into()))?;
-        let none = candle_core::op::BackpropOp::none();
-        Ok(Tensor::from_storage(candle_core::Storage::Cuda(storage), Shape::from((rows, 2)), none, false))
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn take_stats(&self, _: usize) -> Result<Tensor> {
-        Err(Error::Other("the mixed-dtype softmax runs on CUDA only".into()))
-    }
+    stats: SideOutput,
 }
 
 impl candle_core::CustomOp2 for MixedForward {
@@ -257,7 +239,7 @@ impl candle_core::CustomOp2 for MixedForward {
                 &xs, &bias, &px, &stats, &ri, &gi, &ti, &si, &scale);
             Ok::<CudaStorage, candle_core::Error>(cuda::storage(x, px))
         })?;
-        *self.stats.lock().expect("not poisoned") = Some(CudaStorage::wrap_cuda_slice(stats, x.device.clone()));
+        self.stats.put(CudaStorage::wrap_cuda_slice(stats, x.device.clone()));
         Ok((p, shape))
     }
 }
