@@ -532,6 +532,29 @@ fn bias_add_on_cuda_is_candles_broadcast_add() {
     println!("bias add: candle's broadcast add bits");
 }
 
+/// A residual sum and its RMSNorm in one kernel (a step that differentiates nothing) give the
+/// bits of candle's add and the norm kernel, in f32, bf16 and f16.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn add_rms_norm_on_cuda_is_the_add_and_the_norm() {
+    use oxrl::model::ops::rms_norm::{add_rms_norm, rms_norm};
+    let dev = gpu();
+    let _kernels = KernelsOn::new();
+    let bits = |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for shape in [vec![7, 1, 896], vec![2, 33, 300]] {
+            let h = random(&shape, 111, 3.0, dtype, &dev);
+            let a = random(&shape, 112, 3.0, dtype, &dev);
+            let w = random(&[*shape.last().unwrap()], 113, 1.0, dtype, &dev);
+            let (sum, normed) = add_rms_norm(&h, &a, &w, 1e-6).unwrap();
+            let want_sum = (&h + &a).unwrap();
+            assert_eq!(bits(&sum), bits(&want_sum), "{dtype:?} {shape:?}: the sum");
+            assert_eq!(bits(&normed), bits(&rms_norm(&want_sum, &w, 1e-6).unwrap()), "{dtype:?} {shape:?}: the norm");
+        }
+    }
+    println!("add + rms norm: the add's and the norm's bits");
+}
+
 /// q's and k's biases and rotations in one kernel (a step that differentiates nothing) give the
 /// bits of the bias adds and the rope kernel, with and without biases, in f32, bf16 and f16.
 #[test]

@@ -140,6 +140,14 @@ pub fn model_norm(x: &Tensor, w: &Tensor, cfg: &ModelConfig) -> Result<Tensor> {
     rms_norm(x, &norm_weight(w, cfg, x.dtype())?, cfg.rms_norm_eps)
 }
 
+/// (h + a, [`model_norm`] of it): one kernel where nothing is differentiated on CUDA
+/// (`ops::rms_norm::add_rms_norm`), the add and the norm otherwise; the same bits either way.
+fn add_model_norm(h: &Tensor, a: &Tensor, w: &Tensor, cfg: &ModelConfig) -> Result<(Tensor, Tensor)> {
+    let w = norm_weight(w, cfg, h.dtype())?;
+    let w = if w.dtype() != h.dtype() { w.to_dtype(h.dtype())? } else { w };
+    ops::rms_norm::add_rms_norm(h, a, &w, cfg.rms_norm_eps)
+}
+
 /// Rotates the first `rotary_dim` channels of y [B, H, T, D] and passes the rest (all of them
 /// rotate unless the config says otherwise); contiguous.
 fn rotate(y: &Tensor, cfg: &ModelConfig, cos_sin: &(Tensor, Tensor)) -> Result<Tensor> {
@@ -699,8 +707,13 @@ impl Transformer {
         let cfg = &self.config;
         let last = self.layers.len().saturating_sub(1);
         let mut first = 0;
+        // The next block's normed input, when the previous block computed it with its sum.
+        let mut normed = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            let x = model_norm(&h, &layer.input_layernorm, cfg)?;
+            let x = match normed.take() {
+                Some(x) => x,
+                None => model_norm(&h, &layer.input_layernorm, cfg)?,
+            };
             let mlp_adapters = adapters.map(|a| (a, first + layer.num_linears() - 3));
             let adapters = adapters.map(|a| (a, first));
             first += layer.num_linears();
@@ -735,9 +748,16 @@ impl Transformer {
                     a
                 }
             };
-            h = self.finish_block(layer, h, a, mlp_adapters)?;
+            let next = match self.layers.get(i + 1) {
+                Some(next) => Some(&next.input_layernorm),
+                None => hidden.then_some(&self.norm),
+            };
+            (h, normed) = self.finish_block(layer, h, a, mlp_adapters, next)?;
         }
-        hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose()
+        match normed {
+            Some(x) => Ok(Some(x)),
+            None => hidden.then(|| model_norm(&h, &self.norm, cfg)).transpose(),
+        }
     }
 
     /// The embeddings [B, T, hidden] of `input_ids` [B, T] (rows of equal length), in the
@@ -755,21 +775,22 @@ impl Transformer {
     }
 
     /// A block's second half from its input `h` and its mixer's output `a`:
-    /// h' = h + post(a), out = h' + post(mlp(norm(h'))).
+    /// h' = h + post(a), out = h' + post(mlp(norm(h'))); with `next`, a norm weight, also
+    /// out's norm by it (the next block's input, or the final norm), made with the sum.
     fn finish_block(
         &self,
         layer: &Block,
         h: Tensor,
         a: Tensor,
         mlp_adapters: Option<(&RowAdapters, usize)>,
-    ) -> Result<Tensor> {
+        next: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let cfg = &self.config;
         let a = match &layer.post_norms {
             Some(n) => model_norm(&a, &n.attn, cfg)?,
             None => a,
         };
-        let h = (h + a)?;
-        let x = model_norm(&h, &layer.post_attention_layernorm, cfg)?;
+        let (h, x) = add_model_norm(&h, &a, &layer.post_attention_layernorm, cfg)?;
         let m = match &layer.mlp {
             FeedForward::Dense(mlp) => mlp.forward(&x, mlp_adapters, cfg.gemma3.is_some())?,
             FeedForward::Sparse(moe) => moe.forward(&x)?,
@@ -778,7 +799,13 @@ impl Transformer {
             Some(n) => model_norm(&m, &n.mlp, cfg)?,
             None => m,
         };
-        Ok((h + m)?)
+        Ok(match next {
+            Some(w) => {
+                let (out, normed) = add_model_norm(&h, &m, w, cfg)?;
+                (out, Some(normed))
+            }
+            None => ((h + m)?, None),
+        })
     }
 
     /// Block `i` of a training forward (no cache, no per-row adapters) on `h` [B, T, hidden]:
@@ -801,7 +828,7 @@ impl Transformer {
                 dn.forward(&x, dnc, cfg.rms_norm_eps, &inputs.mask, None, None)?
             }
         };
-        self.finish_block(layer, h.clone(), a, None)
+        Ok(self.finish_block(layer, h.clone(), a, None, None)?.0)
     }
 
     /// What every block of a training forward reads besides its input (see

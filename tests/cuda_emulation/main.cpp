@@ -99,6 +99,7 @@ template <typename T> struct Kernels;
         static constexpr auto swiglu_bwd = swiglu_bwd_##sfx;                    \
         static constexpr auto rope = rope_##sfx;                                \
         static constexpr auto rope_pair = rope_pair_##sfx;                      \
+        static constexpr auto add_rms_norm = add_rms_norm_##sfx;                \
         static constexpr auto logprob_lse = logprob_lse_##sfx;                  \
         static constexpr auto logprob_lse_bwd = logprob_lse_bwd_##sfx;          \
         static constexpr auto masked_softmax = masked_softmax_##sfx;            \
@@ -147,6 +148,24 @@ template <typename T> static void rms_norm(unsigned block) {
         launch({(unsigned)n}, {block}, Kernels<T>::rms_norm, xs.data(), ws.data(), y.data(), d, eps);
         const std::string dn = " d=" + std::to_string(d);
         expect(label<T>("rms_norm", block) + dn, widen(y), fwd(x, w), tolerance<T>());
+
+        // The residual sum and its norm in one kernel: the sum rounded as an add writes it, and
+        // the norm kernel's bits on it (every output written: both start as NaN).
+        {
+            const std::vector<T> a = cast<T>(values(n * d, 8, 3.0));
+            std::vector<T> want_sum(n * d), want_y(n * d), sum(n * d, from_f32<T>(NAN)), y2(n * d, from_f32<T>(NAN));
+            for (long long i = 0; i < n * d; ++i) want_sum[i] = from_f32<T>(to_f32(xs[i]) + to_f32(a[i]));
+            launch({(unsigned)n}, {block}, Kernels<T>::rms_norm, (const T*)want_sum.data(), ws.data(), want_y.data(), d,
+                   eps);
+            launch({(unsigned)n}, {block}, Kernels<T>::add_rms_norm, xs.data(), a.data(), ws.data(), sum.data(),
+                   y2.data(), d, eps);
+            const bool same = std::memcmp(sum.data(), want_sum.data(), n * d * sizeof(T)) == 0 &&
+                              std::memcmp(y2.data(), want_y.data(), n * d * sizeof(T)) == 0;
+            ++checks;
+            if (!same) ++failures;
+            std::printf("%s %s%s: the add's and the norm kernel's bits\n", same ? "ok  " : "FAIL",
+                        label<T>("add_rms_norm", block).c_str(), dn.c_str());
+        }
 
         std::vector<T> dx(n * d), dw(d);
         std::vector<float> r(n);

@@ -18,6 +18,7 @@ use super::cuda::{self, launch};
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{grad_for, Cpu, FusedOp, Op};
+use super::node_output::SideOutput;
 use super::{dot, dot3, fused, norm_dtype, par_rows, Real};
 use crate::Result;
 
@@ -174,6 +175,80 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         return reference(x, w, eps);
     }
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(RmsNorm { eps }))?)
+}
+
+/// (h + a, rms_norm(h + a, w)): a residual sum and its norm. Where nothing is differentiated, on
+/// CUDA with oxrl's kernels on, one kernel writes both (a decode step ran an add and a norm twice
+/// a layer): the bits of the add and [`rms_norm`]. Elsewhere those two.
+pub fn add_rms_norm(h: &Tensor, a: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let d = h.dim(D::Minus1)?;
+    let served = h.device().is_cuda()
+        && fused(h)
+        && !(h.track_op() || a.track_op() || w.track_op())
+        && a.dtype() == h.dtype()
+        && w.dtype() == h.dtype()
+        && a.dims() == h.dims()
+        && w.dims() == [d]
+        && d > 0;
+    if !served {
+        let sum = (h + a)?;
+        let normed = rms_norm(&sum, w, eps)?;
+        return Ok((sum, normed));
+    }
+    let op = AddRmsNorm { w: w.contiguous()?, eps, normed: Default::default() };
+    let sum = h.contiguous()?.apply_op2_no_bwd(&a.contiguous()?, &op)?;
+    let normed = op.normed.take("add-rms-norm", h.shape())?;
+    Ok((sum, normed))
+}
+
+/// The kernel of [`add_rms_norm`]: the sum its output, the norm its second.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct AddRmsNorm {
+    w: Tensor,
+    eps: f64,
+    normed: SideOutput,
+}
+
+impl candle_core::CustomOp2 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("add-rms-norm: the kernel runs on CUDA only".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        hs: &candle_core::cuda_backend::CudaStorage,
+        hl: &candle_core::Layout,
+        as_: &candle_core::cuda_backend::CudaStorage,
+        al: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        let (ws, wl) = self.w.storage_and_layout();
+        let candle_core::Storage::Cuda(ws) = &*ws else {
+            return Err(candle_core::Error::Msg("add-rms-norm: the weight is not on CUDA".into()));
+        };
+        let d = wl.shape().elem_count();
+        let n = hl.shape().elem_count();
+        let rows = n / d;
+        let (di, eps) = (d as i64, self.eps as f32);
+        cuda::dispatch_cuda!(hs, T => {
+            let (h, a, w) = (cuda::view::<T>(hs, hl)?, cuda::view::<T>(as_, al)?, cuda::view::<T>(ws, wl)?);
+            let (sum, normed) = (cuda::output::<T>(hs, n)?, cuda::output::<T>(hs, n)?);
+            launch!(hs.device, cuda::RMS_NORM, cuda::entry::<T>("add_rms_norm"), cuda::per_row(rows);
+                &h, &a, &w, &sum, &normed, &di, &eps);
+            self.normed.put(cuda::storage(hs, normed));
+            Ok((cuda::storage(hs, sum), hl.shape().clone()))
+        })
+    }
 }
 
 /// The primitive graph, normalising in f32 (f64 for f64): x / sqrt(mean(x²) + eps) · w.

@@ -23,6 +23,27 @@ __device__ void rms_norm_kernel(const T* x, const T* w, T* y, long long d, float
 #define RMS_NORM_PARAMS(T) (const T* x, const T* w, T* y, long long d, float eps)
 INSTANTIATE(rms_norm, RMS_NORM_PARAMS, (x, w, y, d, eps))
 
+// The residual sum and its norm in one pass (a step that differentiates nothing): s = h + a,
+// rounded to T as a bf16 / f16 add writes it, then rms_norm_kernel's operations on s, each
+// thread reading back the elements it wrote: the bits of the add and the norm kernel.
+template <typename T>
+__device__ void add_rms_norm_kernel(const T* h, const T* a, const T* w, T* s, T* y, long long d, float eps) {
+    const long long row = blockIdx.x;
+    float ss = 0.0f;
+    for (long long j = threadIdx.x; j < d; j += blockDim.x) {
+        const T sum = from_f32<T>(to_f32(h[row * d + j]) + to_f32(a[row * d + j]));
+        s[row * d + j] = sum;
+        const float v = to_f32(sum);
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss) / (float)d + eps);
+    for (long long j = threadIdx.x; j < d; j += blockDim.x) {
+        y[row * d + j] = from_f32<T>(to_f32(s[row * d + j]) * r * to_f32(w[j]));
+    }
+}
+#define ADD_RMS_NORM_PARAMS(T) (const T* h, const T* a, const T* w, T* s, T* y, long long d, float eps)
+INSTANTIATE(add_rms_norm, ADD_RMS_NORM_PARAMS, (h, a, w, s, y, d, eps))
+
 template <typename T>
 __device__ void rms_norm_bwd_rows_kernel(const T* x, const T* gy, const T* w, T* dx, float* r_out, long long d,
                                          float eps) {
