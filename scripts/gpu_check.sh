@@ -10,7 +10,9 @@
 #      alternated for ROUNDS rounds;
 #   4. decoding at 1 / 16 / 64 / 256 concurrent requests, kernels off / on / transformers'
 #      generate, alternated for ROUNDS rounds;
-#   5. kernel launches per decode step, counted by the kernel trace (scripts/kernel_trace.c);
+#   (cli) `oxrl sft`, `generate` and `bench train` run to their exit, timed (cli.txt);
+#   5. kernel launches per decode step, counted by the kernel trace (scripts/kernel_trace.c),
+#      and their device time;
 #   6. (profile) one training step's kernels by device time, against its wall time;
 # then prints the table (the last lines of stdout). Every step has its own time limit, so one
 # that hangs costs its limit and not the lease.
