@@ -23,6 +23,7 @@ use rayon::prelude::*;
 use super::adamw::{AdamParams, Moments};
 #[cfg(feature = "cuda")]
 use crate::model::ops::cuda::{self, launch};
+use crate::model::ops::custom_op::cpu_refused;
 use crate::model::ops::{cuda_kernels, data, dispatch_real};
 use crate::Result;
 
@@ -259,17 +260,7 @@ impl InplaceOp3 for Fused {
         "adamw-step"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<()> {
-        Err(candle_core::Error::Msg("adamw-step: the fused update runs on CUDA (the CPU takes the passes)".into()))
-    }
+    cpu_refused!(inplace 3);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -340,9 +331,7 @@ impl candle_core::CustomOp1 for Widen {
         "widen"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("widen: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(1);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
@@ -366,9 +355,7 @@ impl InplaceOp2 for RoundInto {
         "round-into"
     }
 
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(candle_core::Error::Msg("round-into: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(inplace 2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> candle_core::Result<()> {

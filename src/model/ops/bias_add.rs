@@ -6,8 +6,11 @@
 //! the add is `cuda/bias_add.cu`'s kernel instead, which takes the row length as an argument;
 //! elsewhere it is candle's.
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CustomOp2, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::{Layout, Shape};
 
+use super::custom_op::cpu_refused;
 use super::fused;
 use crate::Result;
 
@@ -37,15 +40,7 @@ impl CustomOp2 for BiasAdd {
         "bias-add"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("bias-add: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

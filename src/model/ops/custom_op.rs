@@ -197,3 +197,70 @@ impl<K: FusedOp<3>> CustomOp3 for Op<K> {
 pub(crate) fn grad_for(arg: &Tensor, grad: Tensor) -> Option<Tensor> {
     arg.track_op().then_some(grad)
 }
+
+/// The `cpu_fwd` of an op whose kernel runs on CUDA only (its callers take another path
+/// elsewhere): an error naming the op. `cpu_refused!(N)` in a `CustomOpN` impl (N = 1, 2, 3),
+/// `cpu_refused!(inplace N)` in an `InplaceOpN` impl (N = 2, 3).
+macro_rules! cpu_refused {
+    (@error $self:ident) => {
+        Err(candle_core::Error::Msg(format!("{}: the kernel runs on CUDA only", $self.name())))
+    };
+    (1) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            $crate::model::ops::custom_op::cpu_refused!(@error self)
+        }
+    };
+    (2) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            $crate::model::ops::custom_op::cpu_refused!(@error self)
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            $crate::model::ops::custom_op::cpu_refused!(@error self)
+        }
+    };
+    (inplace 2) => {
+        fn cpu_fwd(
+            &self,
+            _: &mut candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<()> {
+            $crate::model::ops::custom_op::cpu_refused!(@error self)
+        }
+    };
+    (inplace 3) => {
+        fn cpu_fwd(
+            &self,
+            _: &mut candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<()> {
+            $crate::model::ops::custom_op::cpu_refused!(@error self)
+        }
+    };
+}
+pub(crate) use cpu_refused;

@@ -10,8 +10,11 @@
 //! zero, so the gradient is its bits. Where the node does not serve (the CPU, candle's kernels),
 //! [`embedding`] is candle's `index_select` and [`table_gradient`] `index_add` into zeros.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::Layout;
+use candle_core::{CustomOp1, Tensor};
 
+use super::custom_op::cpu_refused;
 use super::fused;
 use super::node_output::{forward_from_out, NodeOutput};
 use crate::{Error, Result};
@@ -119,9 +122,7 @@ impl candle_core::InplaceOp2 for TableGradient {
         "embedding-gradient"
     }
 
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(candle_core::Error::Msg("embedding gradient: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(inplace 2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

@@ -13,6 +13,7 @@ use candle_core::{Shape, Tensor, D};
 
 #[cfg(feature = "cuda")]
 use super::cuda::{self, launch};
+use super::custom_op::cpu_refused;
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{Cpu, FusedOp, Op};
@@ -190,15 +191,7 @@ impl candle_core::CustomOp2 for Mixed {
         "logprob-lse-mixed"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("the mixed-dtype log-prob kernels run on CUDA only".into()))
-    }
+    cpu_refused!(2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

@@ -19,7 +19,7 @@ pub mod bias_add;
 pub mod cached_attention;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
-mod custom_op;
+pub(crate) mod custom_op;
 pub mod embedding;
 pub mod exp;
 pub mod gelu_tanh;

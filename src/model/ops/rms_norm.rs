@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 #[cfg(feature = "cuda")]
 use super::cuda::{self, launch};
+use super::custom_op::cpu_refused;
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{grad_for, Cpu, FusedOp, Op};
@@ -214,15 +215,7 @@ impl candle_core::CustomOp2 for AddRmsNorm {
         "add-rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("add-rms-norm: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 #[cfg(feature = "cuda")]
 use super::cuda::{self, launch};
+use super::custom_op::cpu_refused;
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{Cpu, FusedOp, Op};
@@ -210,15 +211,7 @@ impl candle_core::CustomOp2 for RopePair {
         "rope-pair"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("rope-pair: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

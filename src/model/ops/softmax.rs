@@ -13,6 +13,7 @@ use candle_core::{Shape, Tensor, D};
 
 #[cfg(feature = "cuda")]
 use super::cuda::{self, launch};
+use super::custom_op::cpu_refused;
 #[cfg(feature = "cuda")]
 use super::custom_op::Cuda;
 use super::custom_op::{Cpu, FusedOp, Op};
@@ -205,15 +206,7 @@ impl candle_core::CustomOp2 for MixedForward {
         "masked-softmax-mixed"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("the mixed-dtype softmax runs on CUDA only".into()))
-    }
+    cpu_refused!(2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -256,17 +249,7 @@ impl candle_core::CustomOp3 for MixedBackward {
         "masked-softmax-mixed-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("the mixed-dtype softmax runs on CUDA only".into()))
-    }
+    cpu_refused!(3);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

@@ -13,8 +13,11 @@
 //! a thread with the index arithmetic of a strided view; the kernel moves 16 bytes of a D-row a
 //! thread, whole memory lines on both sides.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CustomOp1, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::{Layout, Shape};
 
+use super::custom_op::cpu_refused;
 use super::fused;
 use crate::Result;
 
@@ -42,9 +45,7 @@ impl CustomOp1 for Transpose {
         "transpose"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("transpose: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(1);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -86,9 +87,7 @@ impl CustomOp1 for SwapHeads {
         "swap-heads"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("swap-heads: the kernel runs on CUDA only".into()))
-    }
+    cpu_refused!(1);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
