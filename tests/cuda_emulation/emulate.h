@@ -4,7 +4,9 @@
 // shuffle for the 32 lanes of its warp (so, as on a GPU, every lane must reach it). Blocks run
 // one after another, so __shared__ variables can be statics. Deterministic, and a kernel whose
 // threads can never all meet at a barrier aborts ("deadlock") instead of hanging. bf16 and f16
-// are their bit patterns, converted with round-to-nearest-even as CUDA's intrinsics do.
+// are their bit patterns, converted with round-to-nearest-even as CUDA's intrinsics do. WMMA's
+// fragments each hold their whole 16 × 16 tile (every lane the same), loaded, multiplied (in
+// double, rounded to f32) and stored whole: the kernels use them only through those calls.
 //
 // Included before the kernels (g++ -include); the kernels include common.cuh as on the GPU.
 #pragma once
@@ -16,12 +18,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -68,7 +72,7 @@ inline void entry() {
 
 // Runs `body` as `threads` fibers until all have returned.
 inline void run_block(unsigned threads) {
-    constexpr size_t STACK = 64 * 1024;
+    constexpr size_t STACK = 256 * 1024;  // WMMA fragments are 1 KiB each here
     fibers.assign(threads, Fiber{});
     stacks.resize(threads);
     for (unsigned t = 0; t < threads; ++t) {
@@ -100,6 +104,19 @@ inline void run_block(unsigned threads) {
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier.wait(); }
+
+// Whether any thread of the block passed a non-zero p (a barrier, as __syncthreads).
+inline int __syncthreads_or(int p) {
+    static int any;
+    emu::block_barrier.wait();
+    if (threadIdx.x == 0) any = 0;
+    emu::block_barrier.wait();
+    if (p) any = 1;
+    emu::block_barrier.wait();
+    return any;  // read before any thread can reach the next call's reset (fibers switch at waits)
+}
+
+inline void __syncwarp() { emu::warp_barriers[threadIdx.x / 32].wait(); }
 
 inline unsigned __float_as_uint(float f) {
     unsigned u;
@@ -166,6 +183,53 @@ inline __half& operator+=(__half& a, __half b) {
     a = __float2half(__half2float(a) + __half2float(b));
     return a;
 }
+
+namespace nvcuda::wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "16 x 16 x 16 tiles only");
+    float x[16 * 16];  // row-major
+};
+
+inline float widen(float x) { return x; }
+inline float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+inline float widen(__half x) { return __half2float(x); }
+
+template <typename Use, typename T, typename Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+    constexpr bool rows = std::is_same<Layout, row_major>::value;
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = widen(rows ? p[r * ldm + c] : p[c * ldm + r]);
+}
+
+inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
+    for (float& x : f.x) x = v;
+}
+
+template <typename T, typename LA, typename LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+    float out[16 * 16];
+    for (int r = 0; r < 16; ++r)
+        for (int j = 0; j < 16; ++j) {
+            double s = c.x[r * 16 + j];
+            for (int k = 0; k < 16; ++k) s += (double)a.x[r * 16 + k] * (double)b.x[k * 16 + j];
+            out[r * 16 + j] = (float)s;
+        }
+    std::memcpy(d.x, out, sizeof out);
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t layout) {
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * 16 + c];
+}
+}  // namespace nvcuda::wmma
 
 // kernel<<<grid, block>>>(args...), for 1-D blocks of 32·k threads.
 template <typename... P, typename... A>

@@ -15,6 +15,7 @@
 #include "../../src/model/ops/cuda/bias_add.cu"
 #include "../../src/model/ops/cuda/cached_attention.cu"
 #include "../../src/model/ops/cuda/embedding.cu"
+#include "../../src/model/ops/cuda/flash_attention.cu"
 #include "../../src/model/ops/cuda/logprob_lse.cu"
 #include "../../src/model/ops/cuda/rms_norm.cu"
 #include "../../src/model/ops/cuda/rope.cu"
@@ -656,6 +657,125 @@ template <typename T> static void bias_add(unsigned block) {
     }
 }
 
+// Flash attention (bf16/f16, blocks of 128): the forward's output, and dq, dk, dv of
+// L = Σ w ⊙ out, against attention computed here in double on the same rounded inputs. The
+// double gradients are the textbook formulas; a few of their entries are checked against
+// central differences of the double forward first, so that they are not a copy of the kernels'.
+// Queries past a block's 64 and keys past a tile's 32, kv heads shared by two query heads, a
+// causal mask with left padding, and queries after a prefix of keys (past > 0).
+template <typename T> static double flash_tolerance() { return std::is_same<T, bf16>::value ? 6e-3 : 1e-3; }
+template <typename T, int D, typename Fwd, typename Dq, typename Dkv, typename Delta>
+static void flash_attention(Fwd fwd, Dq dq_kernel, Dkv dkv_kernel, Delta delta_kernel, long long b, long long h,
+                            long long kvh, long long t, long long past) {
+    const long long s = past + t, d = D, rep = h / kvh;
+    const double scale = 1.0 / std::sqrt((double)d);
+    const Vec q = rounded<T>(values(b * h * t * d, 11, 1.5)), k = rounded<T>(values(b * kvh * s * d, 12, 1.5)),
+              v = rounded<T>(values(b * kvh * s * d, 13, 1.0)), w = rounded<T>(values(b * t * h * d, 14, 1.0));
+    // Key j visible to query i (at position past + i): itself, or an earlier real key; row 1's
+    // first three keys are padding.
+    Vec bias(b * t * s, 0.0);
+    for (long long bi = 0; bi < b; ++bi)
+        for (long long i = 0; i < t; ++i)
+            for (long long j = 0; j < s; ++j) {
+                const bool visible = j == past + i || (j < past + i && !(bi == 1 && j < 3));
+                if (!visible) bias[(bi * t + i) * s + j] = -1e30;
+            }
+    auto probs = [&](const Vec& q, const Vec& k, long long bi, long long hi, long long i) {
+        const long long gi = hi / rep;
+        Vec z(s);
+        double m = -INFINITY, sum = 0;
+        for (long long j = 0; j < s; ++j) {
+            double acc = 0;
+            for (long long e = 0; e < d; ++e) acc += q[((bi * h + hi) * t + i) * d + e] * k[((bi * kvh + gi) * s + j) * d + e];
+            z[j] = acc * scale + bias[(bi * t + i) * s + j];
+            m = std::max(m, z[j]);
+        }
+        for (long long j = 0; j < s; ++j) sum += (z[j] = std::exp(z[j] - m));
+        for (double& x : z) x /= sum;
+        return z;
+    };
+    auto forward = [&](const Vec& q, const Vec& k, const Vec& v) {
+        Vec out(b * t * h * d, 0.0);
+        for (long long bi = 0; bi < b; ++bi)
+            for (long long hi = 0; hi < h; ++hi)
+                for (long long i = 0; i < t; ++i) {
+                    const Vec p = probs(q, k, bi, hi, i);
+                    for (long long j = 0; j < s; ++j)
+                        for (long long e = 0; e < d; ++e)
+                            out[((bi * t + i) * h + hi) * d + e] += p[j] * v[((bi * kvh + hi / rep) * s + j) * d + e];
+                }
+        return out;
+    };
+    const Vec want = forward(q, k, v);
+    Vec dq(q.size(), 0.0), dk(k.size(), 0.0), dv(v.size(), 0.0);
+    for (long long bi = 0; bi < b; ++bi)
+        for (long long hi = 0; hi < h; ++hi)
+            for (long long i = 0; i < t; ++i) {
+                const long long gi = hi / rep;
+                const Vec p = probs(q, k, bi, hi, i);
+                const double* g = &w[((bi * t + i) * h + hi) * d];
+                Vec dp(s, 0.0);
+                double delta = 0;
+                for (long long j = 0; j < s; ++j) {
+                    for (long long e = 0; e < d; ++e) dp[j] += g[e] * v[((bi * kvh + gi) * s + j) * d + e];
+                    delta += p[j] * dp[j];
+                }
+                for (long long j = 0; j < s; ++j) {
+                    const double ds = p[j] * (dp[j] - delta) * scale;
+                    for (long long e = 0; e < d; ++e) {
+                        dq[((bi * h + hi) * t + i) * d + e] += ds * k[((bi * kvh + gi) * s + j) * d + e];
+                        dk[((bi * kvh + gi) * s + j) * d + e] += ds * q[((bi * h + hi) * t + i) * d + e];
+                        dv[((bi * kvh + gi) * s + j) * d + e] += p[j] * g[e];
+                    }
+                }
+            }
+    const std::string what = std::string("flash_attention ") + Kernels<T>::name + " d=" + std::to_string(d) +
+                             " t=" + std::to_string(t) + " past=" + std::to_string(past);
+    {  // the double gradients against differences, at a few entries of each input
+        Vec got, fd;
+        for (int which = 0; which < 3; ++which)
+            for (size_t n = 0; n < 4; ++n) {
+                Vec x[3] = {q, k, v};
+                const size_t at = (n * 7919 + 13) % x[which].size();
+                const double hstep = 1e-5, keep = x[which][at];
+                x[which][at] = keep + hstep;
+                const double up = dot(w, forward(x[0], x[1], x[2]));
+                x[which][at] = keep - hstep;
+                const double down = dot(w, forward(x[0], x[1], x[2]));
+                fd.push_back((up - down) / (2 * hstep));
+                got.push_back((which == 0 ? dq : which == 1 ? dk : dv)[at]);
+            }
+        expect(what + " (the double gradients against differences)", got, fd, 1e-6);
+    }
+    auto qs = cast<T>(q), ks = cast<T>(k), vs = cast<T>(v), ws = cast<T>(w);
+    std::vector<float> bs(bias.begin(), bias.end()), stats(2 * b * h * t), delta(b * t * h);
+    std::vector<T> out(b * t * h * d), gq(q.size()), gk(k.size()), gv(v.size());
+    const dim3 queries{(unsigned)((t + 63) / 64), (unsigned)h, (unsigned)b};
+    launch(queries, {128}, fwd, (const T*)qs.data(), (const T*)ks.data(), (const T*)vs.data(), (const float*)bs.data(),
+           out.data(), stats.data(), h, kvh, t, s, (float)scale);
+    expect(what + " out", widen(out), want, flash_tolerance<T>());
+    launch({(unsigned)((b * t * h + 7) / 8)}, {256}, delta_kernel, (const T*)ws.data(), (const T*)out.data(),
+           delta.data(), b * t * h, d);
+    launch(queries, {128}, dq_kernel, (const T*)qs.data(), (const T*)ks.data(), (const T*)vs.data(),
+           (const float*)bs.data(), (const float*)stats.data(), (const T*)ws.data(), (const float*)delta.data(),
+           gq.data(), h, kvh, t, s, (float)scale);
+    launch({(unsigned)((s + 63) / 64), (unsigned)kvh, (unsigned)b}, {128}, dkv_kernel, (const T*)qs.data(),
+           (const T*)ks.data(), (const T*)vs.data(), (const float*)bs.data(), (const float*)stats.data(),
+           (const T*)ws.data(), (const float*)delta.data(), gk.data(), gv.data(), h, kvh, t, s, (float)scale);
+    expect(what + " dq", widen(gq), dq, flash_tolerance<T>());
+    expect(what + " dk", widen(gk), dk, flash_tolerance<T>());
+    expect(what + " dv", widen(gv), dv, flash_tolerance<T>());
+}
+
+static void flash_attention() {
+    flash_attention<bf16, 64>(flash_attention_fwd_d64_bf16, flash_attention_dq_d64_bf16, flash_attention_dkv_d64_bf16,
+                              flash_attention_delta_bf16, 2, 4, 2, 70, 0);
+    flash_attention<f16, 64>(flash_attention_fwd_d64_f16, flash_attention_dq_d64_f16, flash_attention_dkv_d64_f16,
+                             flash_attention_delta_f16, 2, 4, 2, 70, 0);
+    flash_attention<bf16, 128>(flash_attention_fwd_d128_bf16, flash_attention_dq_d128_bf16,
+                               flash_attention_dkv_d128_bf16, flash_attention_delta_bf16, 2, 2, 1, 20, 45);
+}
+
 template <typename T> static void all(unsigned block) {
     bias_add<T>(block);
     transpose<T>(block);
@@ -680,6 +800,7 @@ int main() {
         all<f16>(block);
         adamw(block);
     }
+    flash_attention();
     std::printf("emulated kernel checks: %d, failed: %d\n", checks, failures);
     return failures == 0 ? 0 : 1;
 }

@@ -1,0 +1,388 @@
+// Flash attention for bf16/f16 (see flash_attention.rs): out = softmax(scale · q kᵀ + bias) v
+// and its gradients, the scores never in memory. q [B, H, T, D], k and v [B, KV, S, D] (query
+// head h reads kv head h / (H / KV)), bias [B, T, S] f32, out [B, T, H, D]. Products on the
+// tensor cores (WMMA 16 × 16 × 16 tiles, 16-bit operands, f32 accumulators); the softmax in f32.
+//
+// Forward, a block of 4 warps per 64 queries of one head, each warp 16 queries, two passes over
+// the key tiles (32 keys each): the first finds each row's max m and sum l of exp(x − m) (online,
+// two lanes a row), the second computes p = exp(x − m) / l, rounds it to the 16-bit type and
+// adds p · v into the accumulators. No accumulator is ever rescaled, and p is the normalised
+// probability the unfused path rounds before its weighted sum. (m, 1 / l) per row are kept for
+// the backward.
+//
+// Backward from dO: delta = Σ_d dO ⊙ O per row (= Σ_s p ⊙ dp); then, each p computed again from
+// the scores and (m, 1 / l), ds = scale · p · (dp − delta) with dp = dO · vᵀ, and
+//   dq = ds · k             a block per 64 queries of one head, looping over key tiles;
+//   dv = Σ pᵀ · dO, dk = Σ dsᵀ · q   a block per 64 keys of one kv head, looping over the query
+//                                    tiles of every query head that reads it.
+// Each gradient element is summed by one block in a fixed order: no atomics, the same bits each
+// run.
+//
+// A tile whose bias is masked everywhere (≤ MASKED_BELOW: the causal future, left padding) is
+// skipped: its keys weigh exp(−1e30 − m) = 0 exactly in a row that sees any key, and every row
+// of the model's attention bias sees its own position.
+#include "common.cuh"
+#ifdef __CUDACC__
+#include <mma.h>
+#endif
+
+namespace flash {
+using namespace nvcuda;
+
+constexpr int BQ = 64;        // queries a block of the forward and dq (16 a warp)
+constexpr int BK = 32;        // keys a tile of the forward and dq
+constexpr int BKV = 64;       // keys a block of dk, dv (16 a warp)
+constexpr int BQ2 = 32;       // queries a tile of dk, dv
+constexpr int LF = 32 + 4;    // row stride of the f32 tiles (32 columns; the padding spreads banks)
+constexpr int LH = 32 + 8;    // row stride of the 16-bit probability tiles
+constexpr float MASKED_BELOW = -1e29f;
+
+template <typename T> using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+template <typename T> using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
+// A row-major tile of rows read as the columns of the product's right operand (its transpose).
+template <typename T> using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// The softmax's argument, its product rounded before the sum as softmax.cu's.
+__device__ __forceinline__ float logit(float x, float b, float scale) { return __fadd_rn(__fmul_rn(x, scale), b); }
+
+template <typename T> __device__ __forceinline__ void copy8(T* to, const T* from) {
+#ifdef __CUDACC__
+    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+#else
+    std::memcpy(to, from, 8 * sizeof(T));
+#endif
+}
+
+// Rows r0 … r0 + ROWS of an [n, D] matrix whose rows are `stride` elements apart → `tile` (row
+// stride D + 8), zeros past row n. Eight elements a load where alignment allows.
+template <typename T, int D, int ROWS>
+__device__ void stage(T* tile, const T* src, long long stride, long long r0, long long n) {
+    constexpr int CHUNKS = D / 8;
+    const bool wide = (uintptr_t)src % 16 == 0 && stride % 8 == 0;
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += blockDim.x) {
+        const int r = i / CHUNKS, c = i % CHUNKS * 8;
+        T* to = tile + r * (D + 8) + c;
+        if (r0 + r >= n) {
+            for (int j = 0; j < 8; ++j) to[j] = from_f32<T>(0.0f);
+        } else if (wide) {
+            copy8(to, src + (r0 + r) * stride + c);
+        } else {
+            for (int j = 0; j < 8; ++j) to[j] = src[(r0 + r) * stride + c + j];
+        }
+    }
+}
+
+// Whether any (query, key) of the tile at (q0, k0) is unmasked. Every thread of the block calls
+// it (a barrier: what the block read before is read).
+template <int ROWS, int COLS>
+__device__ bool live(const float* bias, long long t, long long s, long long q0, long long k0) {
+    int any = 0;
+    for (int i = threadIdx.x; i < ROWS * COLS; i += blockDim.x) {
+        const long long q = q0 + i / COLS, key = k0 + i % COLS;
+        if (q < t && key < s && bias[q * s + key] > MASKED_BELOW) any = 1;
+    }
+    return __syncthreads_or(any) != 0;
+}
+
+// out (16 × COLS f32, row stride LF) = a (the warp's 16 rows × D) · bᵀ, b the tile's COLS rows
+// of D (row stride D + 8).
+template <typename T, int D, int COLS>
+__device__ void product_t(float* out, const FragA<T>* a, const T* b) {
+    for (int n = 0; n < COLS / 16; ++n) {
+        Acc acc;
+        wmma::fill_fragment(acc, 0.0f);
+        for (int j = 0; j < D / 16; ++j) {
+            FragBT<T> bf;
+            wmma::load_matrix_sync(bf, b + n * 16 * (D + 8) + j * 16, D + 8);
+            wmma::mma_sync(acc, a[j], bf, acc);
+        }
+        wmma::store_matrix_sync(out + n * 16, acc, LF, wmma::mem_row_major);
+    }
+}
+
+// acc (16 × D) += p (16 × K, row stride LH) · b (K rows of D, row stride D + 8).
+template <typename T, int D, int K>
+__device__ void accumulate(Acc* acc, const T* p, const T* b) {
+    for (int kk = 0; kk < K / 16; ++kk) {
+        FragA<T> pf;
+        wmma::load_matrix_sync(pf, p + kk * 16, LH);
+        for (int j = 0; j < D / 16; ++j) {
+            FragB<T> bf;
+            wmma::load_matrix_sync(bf, b + kk * 16 * (D + 8) + j * 16, D + 8);
+            wmma::mma_sync(acc[j], pf, bf, acc[j]);
+        }
+    }
+}
+
+// The warp's 16 rows × D of accumulators, rounded, to rows `stride` apart from dst (the first
+// `valid` rows), through `scratch` (16 × LF floats of the warp's own).
+template <typename T, int D>
+__device__ void write_rows(T* dst, long long stride, int valid, const Acc* acc, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    for (int j = 0; j < D / 16; ++j) {
+        wmma::store_matrix_sync(scratch, acc[j], LF, wmma::mem_row_major);
+        __syncwarp();
+        for (int i = lane; i < 256; i += 32) {
+            const int r = i / 16, c = i % 16;
+            if (r < valid) dst[r * stride + j * 16 + c] = from_f32<T>(scratch[r * LF + c]);
+        }
+        __syncwarp();
+    }
+}
+
+// The warp's 16 rows of a [16 × D] tile (row stride D + 8) as left operands.
+template <typename T, int D> __device__ void load_rows(FragA<T>* frags, const T* tile) {
+    for (int j = 0; j < D / 16; ++j) wmma::load_matrix_sync(frags[j], tile + j * 16, D + 8);
+}
+
+template <typename T, int D>
+__device__ void forward_kernel(const T* q, const T* k, const T* v, const float* bias, T* out, float* stats,
+                               long long heads, long long kv_heads, long long t, long long s, float scale) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(32) T tiles[BQ * LD];  // the queries; then a key tile and its values
+    __shared__ __align__(32) float scores[BQ * LF];
+    __shared__ __align__(32) T probs[BQ * LH];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long b = blockIdx.z, h = blockIdx.y, q0 = (long long)blockIdx.x * BQ;
+    const long long g = h / (heads / kv_heads);
+    const T* kh = k + (b * kv_heads + g) * s * D;
+    const T* vh = v + (b * kv_heads + g) * s * D;
+    const float* bb = bias + b * t * s;
+    stage<T, D, BQ>(tiles, q + (b * heads + h) * t * D, D, q0, t);
+    __syncthreads();
+    FragA<T> qf[D / 16];
+    load_rows<T, D>(qf, tiles + warp * 16 * LD);
+    // Lane → row of the warp's 16 and half of a tile's 32 keys.
+    const int row = lane >> 1, half = lane & 1;
+    const long long query = q0 + warp * 16 + row;
+    const float* brow = bb + query * s;
+    float* ws = scores + warp * 16 * LF;
+    T* wp = probs + warp * 16 * LH;
+
+    float m = -INFINITY, l = 0.0f;
+    for (long long k0 = 0; k0 < s; k0 += BK) {
+        if (!live<BQ, BK>(bb, t, s, q0, k0)) continue;
+        stage<T, D, BK>(tiles, kh, D, k0, s);
+        __syncthreads();
+        product_t<T, D, BK>(ws, qf, tiles);
+        __syncwarp();
+        for (int c = half * 16; c < half * 16 + 16 && query < t && k0 + c < s; ++c) {
+            const float x = logit(ws[row * LF + c], brow[k0 + c], scale);
+            if (x > m) {
+                l = l * expf(m - x) + 1.0f;
+                m = x;
+            } else {
+                l += expf(x - m);
+            }
+        }
+    }
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, 1), l2 = __shfl_xor_sync(0xffffffffu, l, 1);
+    const float mx = fmaxf(m, m2);
+    const float sum = (m == -INFINITY ? 0.0f : l * expf(m - mx)) + (m2 == -INFINITY ? 0.0f : l2 * expf(m2 - mx));
+    const float inv = 1.0f / sum;
+    m = mx;
+
+    Acc acc[D / 16];
+    for (int j = 0; j < D / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
+    for (long long k0 = 0; k0 < s; k0 += BK) {
+        if (!live<BQ, BK>(bb, t, s, q0, k0)) continue;
+        stage<T, D, BK>(tiles, kh, D, k0, s);
+        stage<T, D, BK>(tiles + BK * LD, vh, D, k0, s);
+        __syncthreads();
+        product_t<T, D, BK>(ws, qf, tiles);
+        __syncwarp();
+        for (int c = half * 16; c < half * 16 + 16; ++c) {
+            const bool in = query < t && k0 + c < s;
+            const float p = in ? expf(logit(ws[row * LF + c], brow[k0 + c], scale) - m) * inv : 0.0f;
+            wp[row * LH + c] = from_f32<T>(p);
+        }
+        __syncwarp();
+        accumulate<T, D, BK>(acc, wp, tiles + BK * LD);
+    }
+    const long long first = q0 + warp * 16;
+    if (first < t) write_rows<T, D>(out + ((b * t + first) * heads + h) * D, heads * D, (int)min(16LL, t - first), acc, ws);
+    if (half == 0 && query < t) {
+        stats[2 * ((b * heads + h) * t + query)] = m;
+        stats[2 * ((b * heads + h) * t + query) + 1] = inv;
+    }
+}
+
+// delta = Σ_d dO ⊙ O for each of `rows` rows of D (a warp a row), f32.
+template <typename T> __device__ void delta_kernel(const T* d_out, const T* out, float* delta, long long rows, long long d) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;  // the whole warp
+    const int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    for (long long j = lane; j < d; j += 32) acc += to_f32(d_out[row * d + j]) * to_f32(out[row * d + j]);
+    acc = warp_sum(acc);
+    if (lane == 0) delta[row] = acc;
+}
+
+template <typename T, int D>
+__device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,
+                          const float* delta, T* dq, long long heads, long long kv_heads, long long t, long long s,
+                          float scale) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(32) T tiles[BQ * LD];  // the queries, then dO; then a key tile and its values
+    __shared__ __align__(32) float scores[BQ * LF];
+    __shared__ __align__(32) float d_probs[BQ * LF];
+    __shared__ __align__(32) T d_scores[BQ * LH];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long b = blockIdx.z, h = blockIdx.y, q0 = (long long)blockIdx.x * BQ;
+    const long long g = h / (heads / kv_heads);
+    const T* kh = k + (b * kv_heads + g) * s * D;
+    const T* vh = v + (b * kv_heads + g) * s * D;
+    const float* bb = bias + b * t * s;
+    FragA<T> qf[D / 16], dof[D / 16];
+    stage<T, D, BQ>(tiles, q + (b * heads + h) * t * D, D, q0, t);
+    __syncthreads();
+    load_rows<T, D>(qf, tiles + warp * 16 * LD);
+    __syncthreads();
+    stage<T, D, BQ>(tiles, d_out + (b * t * heads + h) * D, heads * D, q0, t);
+    __syncthreads();
+    load_rows<T, D>(dof, tiles + warp * 16 * LD);
+    const int row = lane >> 1, half = lane & 1;
+    const long long query = q0 + warp * 16 + row;
+    const float* brow = bb + query * s;
+    float m = 0.0f, inv = 0.0f, dl = 0.0f;
+    if (query < t) {
+        m = stats[2 * ((b * heads + h) * t + query)];
+        inv = stats[2 * ((b * heads + h) * t + query) + 1];
+        dl = delta[(b * t + query) * heads + h];
+    }
+    float* ws = scores + warp * 16 * LF;
+    float* wdp = d_probs + warp * 16 * LF;
+    T* wds = d_scores + warp * 16 * LH;
+
+    Acc acc[D / 16];
+    for (int j = 0; j < D / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
+    for (long long k0 = 0; k0 < s; k0 += BK) {
+        if (!live<BQ, BK>(bb, t, s, q0, k0)) continue;
+        stage<T, D, BK>(tiles, kh, D, k0, s);
+        stage<T, D, BK>(tiles + BK * LD, vh, D, k0, s);
+        __syncthreads();
+        product_t<T, D, BK>(ws, qf, tiles);
+        product_t<T, D, BK>(wdp, dof, tiles + BK * LD);
+        __syncwarp();
+        for (int c = half * 16; c < half * 16 + 16; ++c) {
+            float ds = 0.0f;
+            if (query < t && k0 + c < s) {
+                const float p = expf(logit(ws[row * LF + c], brow[k0 + c], scale) - m) * inv;
+                ds = scale * p * (wdp[row * LF + c] - dl);
+            }
+            wds[row * LH + c] = from_f32<T>(ds);
+        }
+        __syncwarp();
+        accumulate<T, D, BK>(acc, wds, tiles);
+    }
+    const long long first = q0 + warp * 16;
+    if (first < t) write_rows<T, D>(dq + ((b * heads + h) * t + first) * D, D, (int)min(16LL, t - first), acc, ws);
+}
+
+template <typename T, int D>
+__device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,
+                           const float* delta, T* dk, T* dv, long long heads, long long kv_heads, long long t,
+                           long long s, float scale) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(32) T tiles[BKV * LD];  // the keys, then the values; then a query tile and its dO
+    __shared__ __align__(32) float scores[BKV * LF];
+    __shared__ __align__(32) float d_probs[BKV * LF];
+    __shared__ __align__(32) T probs[BKV * LH];
+    __shared__ __align__(32) T d_scores[BKV * LH];
+    __shared__ float row_max[BQ2], row_inv[BQ2], row_delta[BQ2];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long b = blockIdx.z, g = blockIdx.y, k0 = (long long)blockIdx.x * BKV;
+    const long long rep = heads / kv_heads;
+    const float* bb = bias + b * t * s;
+    FragA<T> kf[D / 16], vf[D / 16];
+    stage<T, D, BKV>(tiles, k + (b * kv_heads + g) * s * D, D, k0, s);
+    __syncthreads();
+    load_rows<T, D>(kf, tiles + warp * 16 * LD);
+    __syncthreads();
+    stage<T, D, BKV>(tiles, v + (b * kv_heads + g) * s * D, D, k0, s);
+    __syncthreads();
+    load_rows<T, D>(vf, tiles + warp * 16 * LD);
+    // Lane → key of the warp's 16 and half of a tile's 32 queries.
+    const int row = lane >> 1, half = lane & 1;
+    const long long key = k0 + warp * 16 + row;
+    float* ws = scores + warp * 16 * LF;
+    float* wdp = d_probs + warp * 16 * LF;
+    T* wp = probs + warp * 16 * LH;
+    T* wds = d_scores + warp * 16 * LH;
+
+    Acc dk_acc[D / 16], dv_acc[D / 16];
+    for (int j = 0; j < D / 16; ++j) {
+        wmma::fill_fragment(dk_acc[j], 0.0f);
+        wmma::fill_fragment(dv_acc[j], 0.0f);
+    }
+    for (long long h = g * rep; h < (g + 1) * rep; ++h) {
+        for (long long q0 = 0; q0 < t; q0 += BQ2) {
+            if (!live<BQ2, BKV>(bb, t, s, q0, k0)) continue;
+            stage<T, D, BQ2>(tiles, q + (b * heads + h) * t * D, D, q0, t);
+            stage<T, D, BQ2>(tiles + BQ2 * LD, d_out + (b * t * heads + h) * D, heads * D, q0, t);
+            if (threadIdx.x < BQ2) {
+                const long long qi = q0 + threadIdx.x;
+                const bool in = qi < t;
+                row_max[threadIdx.x] = in ? stats[2 * ((b * heads + h) * t + qi)] : 0.0f;
+                row_inv[threadIdx.x] = in ? stats[2 * ((b * heads + h) * t + qi) + 1] : 0.0f;
+                row_delta[threadIdx.x] = in ? delta[(b * t + qi) * heads + h] : 0.0f;
+            }
+            __syncthreads();
+            product_t<T, D, BQ2>(ws, kf, tiles);               // scoresᵀ: the warp's keys × the queries
+            product_t<T, D, BQ2>(wdp, vf, tiles + BQ2 * LD);   // dpᵀ = v · dOᵀ
+            __syncwarp();
+            for (int c = half * 16; c < half * 16 + 16; ++c) {
+                const long long qi = q0 + c;
+                float p = 0.0f, ds = 0.0f;
+                if (key < s && qi < t) {
+                    p = expf(logit(ws[row * LF + c], bb[qi * s + key], scale) - row_max[c]) * row_inv[c];
+                    ds = scale * p * (wdp[row * LF + c] - row_delta[c]);
+                }
+                wp[row * LH + c] = from_f32<T>(p);
+                wds[row * LH + c] = from_f32<T>(ds);
+            }
+            __syncwarp();
+            accumulate<T, D, BQ2>(dv_acc, wp, tiles + BQ2 * LD);  // dv += pᵀ · dO
+            accumulate<T, D, BQ2>(dk_acc, wds, tiles);           // dk += dsᵀ · q
+        }
+    }
+    const long long first = k0 + warp * 16;
+    if (first < s) {
+        const int valid = (int)min(16LL, s - first);
+        write_rows<T, D>(dk + ((b * kv_heads + g) * s + first) * D, D, valid, dk_acc, ws);
+        write_rows<T, D>(dv + ((b * kv_heads + g) * s + first) * D, D, valid, dv_acc, ws);
+    }
+}
+}  // namespace flash
+
+// Entry points `<kernel>_d<D>_<type>` for D of 64 and 128, bf16 and f16 (WMMA has no f32 tiles).
+#define FLASH_ENTRIES(D, T, SUFFIX)                                                                                    \
+    extern "C" __global__ void flash_attention_fwd_d##D##_##SUFFIX(                                                    \
+        const T* q, const T* k, const T* v, const float* bias, T* out, float* stats, long long heads,                  \
+        long long kv_heads, long long t, long long s, float scale) {                                                   \
+        flash::forward_kernel<T, D>(q, k, v, bias, out, stats, heads, kv_heads, t, s, scale);                          \
+    }                                                                                                                  \
+    extern "C" __global__ void flash_attention_dq_d##D##_##SUFFIX(                                                     \
+        const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,                     \
+        const float* delta, T* dq, long long heads, long long kv_heads, long long t, long long s, float scale) {       \
+        flash::dq_kernel<T, D>(q, k, v, bias, stats, d_out, delta, dq, heads, kv_heads, t, s, scale);                  \
+    }                                                                                                                  \
+    extern "C" __global__ void flash_attention_dkv_d##D##_##SUFFIX(                                                    \
+        const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,                     \
+        const float* delta, T* dk, T* dv, long long heads, long long kv_heads, long long t, long long s,               \
+        float scale) {                                                                                                 \
+        flash::dkv_kernel<T, D>(q, k, v, bias, stats, d_out, delta, dk, dv, heads, kv_heads, t, s, scale);             \
+    }
+FLASH_ENTRIES(64, bf16, bf16)
+FLASH_ENTRIES(64, f16, f16)
+FLASH_ENTRIES(128, bf16, bf16)
+FLASH_ENTRIES(128, f16, f16)
+
+#define FLASH_DELTA_PARAMS(T) (const T* d_out, const T* out, float* delta, long long rows, long long d)
+extern "C" __global__ void flash_attention_delta_bf16 FLASH_DELTA_PARAMS(bf16) {
+    flash::delta_kernel<bf16>(d_out, out, delta, rows, d);
+}
+extern "C" __global__ void flash_attention_delta_f16 FLASH_DELTA_PARAMS(f16) {
+    flash::delta_kernel<f16>(d_out, out, delta, rows, d);
+}
