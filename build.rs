@@ -26,6 +26,8 @@ fn main() {
         None => PathBuf::from("nvcc"),
     });
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
+    // What the kernels were built for (flash attention needs 80).
+    println!("cargo:rustc-env=OXRL_CUDA_COMPUTE_CAP={cap}");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let mut sources: Vec<PathBuf> = std::fs::read_dir(KERNELS)
         .expect("the kernels' directory")

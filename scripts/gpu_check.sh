@@ -6,7 +6,8 @@
 #      (every kernel against its reference graph, values and gradients, f32/bf16/f16) first and
 #      alone, so that a kernel that faults cannot take the other tests' context with it;
 #   3. the training step of Qwen2.5-0.5B's shape (`oxrl init-model`) in bf16 on 8 x 1024 tokens,
-#      kernels off / on / on with upstream candle's backward / PyTorch eager with autocast,
+#      kernels off / on / on with the unfused attention node (no flash attention) / on with
+#      upstream candle's backward / PyTorch eager with autocast,
 #      alternated for ROUNDS rounds;
 #   4. decoding at 1 / 16 / 64 / 256 concurrent requests, kernels off / on / transformers'
 #      generate, alternated for ROUNDS rounds;
@@ -144,6 +145,9 @@ want train && for r in $(seq "$ROUNDS"); do
         OXRL_CUDA_KERNELS=$k bench "oxrl train k=$k" 120 $OXRL bench train --model "$MODEL" --device cuda \
             --dtype bf16 --batch 8 --seq 1024 --warmup 2 --reps 5
     done
+    # Kernels on with the unfused attention node instead of flash attention.
+    OXRL_FLASH_ATTENTION=0 bench "oxrl train unfused attention" 120 $OXRL bench train --model "$MODEL" \
+        --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 2 --reps 5
     # The same with candle's backward as upstream has it (vendor/candle-core's one change undone).
     OXRL_CANDLE_ZERO_FIRST=1 bench "oxrl train upstream backward" 120 $OXRL bench train --model "$MODEL" \
         --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 2 --reps 5

@@ -459,6 +459,106 @@ fn attention_node_on_cuda_gives_the_reference_bits() {
     }
 }
 
+/// Flash attention inside a model (Qwen2's layout, heads of 64, bf16, a left-padded row): the
+/// target log-probs and every parameter's gradient against the same model with the unfused
+/// attention node, within bf16's rounding.
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn flash_attention_in_a_model_matches_the_unfused_node() {
+    use oxrl::model::init::random_model;
+    use oxrl::model::model_config::{Arch, ModelConfig, ModelShape};
+    use oxrl::model::ops::flash_attention::set_flash_attention;
+    let dev = gpu();
+    let _kernels = KernelsOn::new();
+    let shape = ModelShape {
+        vocab_size: 300,
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        rope_theta: 10000.0,
+        max_position_embeddings: 512,
+        tie_word_embeddings: true,
+    };
+    let (rows, t, pad) = (2usize, 150usize, 7usize);
+    let ids: Vec<Vec<u32>> = (0..rows).map(|r| (0..t).map(|i| ((i * 37 + r * 11) % 300) as u32).collect()).collect();
+    let mask: Vec<Vec<u8>> = (0..rows).map(|r| (0..t).map(|i| u8::from(r == 0 || i >= pad)).collect()).collect();
+    let positions: Vec<Vec<u32>> = (0..rows)
+        .map(|r| (0..t).map(|i| if r == 0 { i as u32 } else { i.saturating_sub(pad) as u32 }).collect())
+        .collect();
+    let targets = Tensor::new(ids.iter().map(|r| [&r[1..], &r[..1]].concat()).collect::<Vec<_>>(), &dev).unwrap();
+    let valid = Tensor::new(mask.clone(), &dev).unwrap().to_dtype(DType::F32).unwrap();
+    let run = |flash: bool| {
+        set_flash_attention(flash);
+        let config =
+            ModelConfig::from_value(ModelConfig::new_json(Arch::Qwen2, &shape), "config.json".as_ref()).unwrap();
+        let mut m = random_model(config, 5, DType::BF16, &dev).unwrap();
+        let vars = m.make_trainable().unwrap();
+        let logits = m.forward(&ids, &positions, &mask, None).unwrap();
+        let lp = target_logprobs(&logits, &targets).unwrap().to_dtype(DType::F32).unwrap();
+        let lp = (lp * &valid).unwrap();
+        let grads = lp.sum_all().unwrap().neg().unwrap().backward().unwrap();
+        let grads: Vec<(String, Tensor)> = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().to_dtype(DType::F32).unwrap()))
+            .collect();
+        (lp, grads)
+    };
+    let (lp, grads) = run(true);
+    let (lp_unfused, grads_unfused) = run(false);
+    set_flash_attention(true);
+    let e = max_rel(&lp, &lp_unfused);
+    println!("flash attention in a bf16 model: log-probs max relative difference {e:.2e}");
+    assert!(e < 3e-2, "log-probs differ by {e}");
+    for ((name, g), (_, want)) in grads.iter().zip(&grads_unfused) {
+        let e = rel_err(g, want);
+        assert!(e < 3e-2, "the gradient of {name} differs by {e} (relative norm)");
+    }
+}
+
+/// Flash attention against the reference graph in f32 on the same (rounded) inputs: output and
+/// gradients within the 16-bit type's rounding, in bf16 and f16, head dimensions 64 and 128, kv
+/// heads shared by two query heads, left padding, queries after a prefix of keys, rows past a
+/// tile; and the same bits on a second run (each gradient element summed by one block).
+#[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
+fn flash_attention_on_cuda_matches_the_reference_graph() {
+    use candle_core::Var;
+    use oxrl::model::ops::{cached_attention::reference, flash_attention::flash_attention};
+    let dev = gpu();
+    let _kernels = KernelsOn::new();
+    for (dtype, d, t, past, tol) in
+        [(DType::BF16, 64, 200, 0, 1.5e-2), (DType::F16, 64, 70, 0, 3e-3), (DType::BF16, 128, 40, 90, 1.5e-2)]
+    {
+        let (b, h, kvh, s) = (2, 4, 2, past + t);
+        let input = |shape: &[usize], seed| random(shape, seed, 1.5, dtype, &dev);
+        let (q, k, v) = (input(&[b, h, t, d], 71), input(&[b, kvh, s, d], 72), input(&[b, kvh, s, d], 73));
+        let mask = vec![vec![1u8; s], [vec![0u8; 5], vec![1u8; s - 5]].concat()];
+        let bias = oxrl::model::transformer::attention_bias(&mask, past, t, &dev).unwrap();
+        let w = random(&[b, t, h * d], 74, 1.0, dtype, &dev);
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = |dtype: DType, attend: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Tensor| {
+            let vars = [&q, &k, &v].map(|x| Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap());
+            let out = attend(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor());
+            let loss = (out.to_dtype(DType::F32).unwrap() * w.to_dtype(DType::F32).unwrap()).unwrap();
+            let grads = loss.sum_all().unwrap().backward().unwrap();
+            let grad = |x: &Var| grads.get(x.as_tensor()).unwrap().to_dtype(DType::F32).unwrap();
+            [out.to_dtype(DType::F32).unwrap(), grad(&vars[0]), grad(&vars[1]), grad(&vars[2])]
+        };
+        let flash = run(dtype, &|q, k, v| flash_attention(q, k, v, &bias, scale).unwrap());
+        let again = run(dtype, &|q, k, v| flash_attention(q, k, v, &bias, scale).unwrap());
+        let graph = run(DType::F32, &|q, k, v| reference(q, k, v, &bias, scale).unwrap());
+        for (i, what) in ["output", "dq", "dk", "dv"].iter().enumerate() {
+            let e = max_rel(&flash[i], &graph[i]);
+            println!("flash attention {dtype:?} d={d} t={t} past={past}: {what} max relative difference {e:.2e}");
+            assert!(e < tol, "flash attention {dtype:?} d={d}: {what} differs from the f32 reference by {e}");
+            assert_eq!(max_rel(&flash[i], &again[i]), 0.0, "flash attention {dtype:?}: {what} differs between runs");
+        }
+    }
+}
+
 /// A matrix's transpose written out by the tiled kernel is candle's strided copy of the
 /// transposed view, bit for bit, in every element type, for shapes over and under a tile and a
 /// batch of matrices, and so is the heads' transpose [A, B, C, D] → [A, C, B, D] (16 bytes a

@@ -153,7 +153,8 @@ def table(args):
     def key(r):
         if r.get("framework") == "oxrl":
             upstream = ", upstream candle backward" if r.get("candle_zero_first") else ""
-            return "oxrl kernels " + ("on" if r.get("cuda_kernels") else "off") + upstream
+            unfused = ", unfused attention" if r.get("flash_attention") is False else ""
+            return "oxrl kernels " + ("on" if r.get("cuda_kernels") else "off") + unfused + upstream
         return r.get("framework")
 
     train_rows = [r for r in rows if r["bench"] == "train"]

@@ -238,7 +238,8 @@ impl Common {
     }
 
     /// The fields every record has (on a GPU also whether oxrl's CUDA kernels ran, see
-    /// `ops::cuda_kernels`, and whether candle's backward ran as upstream has it).
+    /// `ops::cuda_kernels`, whether candle's backward ran as upstream has it, and whether flash
+    /// attention was switched off).
     fn record(&self, bench: &str, model: &str) -> serde_json::Value {
         let mut r = json!({
             "bench": bench,
@@ -253,6 +254,9 @@ impl Common {
             r["cuda_kernels"] = json!(crate::model::ops::cuda_kernels());
             if weights::upstream_backward() {
                 r["candle_zero_first"] = json!(true);
+            }
+            if !crate::model::ops::flash_attention::switched_on() {
+                r["flash_attention"] = json!(false);
             }
         }
         r

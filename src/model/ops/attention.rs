@@ -23,19 +23,24 @@
 //! These are the operations candle's backward of the reference runs, in its order, on the
 //! layouts it stores (every gradient it keeps is contiguous): the gradients are the
 //! reference's bits. Where the fused softmax does not run (CUDA with oxrl's kernels off), and
-//! where no input tracks a gradient, the reference runs itself.
+//! where no input tracks a gradient, the reference runs itself. Where flash attention serves
+//! (CUDA, bf16/f16, head dimension 64 or 128: [`flash_attention::serves`]) it runs instead,
+//! tracked or not: the scores never in memory, not these bits.
 
 use candle_core::{CustomOp3, DType, Device, Tensor};
 
 use super::matmul::matmul;
 use super::node_output::{forward_from_out, NodeOutput};
 use super::transpose::{heads_swapped, transposed};
-use super::{cached_attention, cuda_kernels, norm_dtype, softmax};
+use super::{cached_attention, cuda_kernels, flash_attention, norm_dtype, softmax};
 use crate::Result;
 
 /// The attention output [B, T, H·D] (see the module docs).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     cached_attention::check(q, k, v, bias)?;
+    if flash_attention::serves(q) {
+        return flash_attention::flash_attention(q, k, v, bias, scale);
+    }
     let tracked = q.track_op() || k.track_op() || v.track_op();
     // The fused softmax runs on the scores (f32, f64 on the CPU): its backward is this node's.
     let softmax_fused = match q.device() {

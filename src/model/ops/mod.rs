@@ -22,6 +22,7 @@ pub(crate) mod cuda;
 pub(crate) mod custom_op;
 pub mod embedding;
 pub mod exp;
+pub mod flash_attention;
 pub mod gelu_tanh;
 pub mod head_logprobs;
 pub mod linear;

@@ -26,6 +26,10 @@
 #include <mma.h>
 #endif
 
+// 16-bit WMMA tiles need compute capability 8.0 (bf16): built for less, the module has no entry
+// points, and flash_attention.rs does not serve (it knows the build's CUDA_COMPUTE_CAP).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
 namespace flash {
 using namespace nvcuda;
 
@@ -386,3 +390,4 @@ extern "C" __global__ void flash_attention_delta_bf16 FLASH_DELTA_PARAMS(bf16) {
 extern "C" __global__ void flash_attention_delta_f16 FLASH_DELTA_PARAMS(f16) {
     flash::delta_kernel<f16>(d_out, out, delta, rows, d);
 }
+#endif
