@@ -750,17 +750,37 @@ static void flash_attention(Fwd fwd, Dq dq_kernel, Dkv dkv_kernel, Delta delta_k
     auto qs = cast<T>(q), ks = cast<T>(k), vs = cast<T>(v), ws = cast<T>(w);
     std::vector<float> bs(bias.begin(), bias.end()), stats(2 * b * h * t), delta(b * t * h);
     std::vector<T> out(b * t * h * d), gq(q.size()), gk(k.size()), gv(v.size());
+    const dim3 table_tiles{(unsigned)((s + 31) / 32), (unsigned)((t + 31) / 32), (unsigned)b};
+    std::vector<unsigned char> table(table_tiles.x * table_tiles.y * b, 9);
+    launch(table_tiles, {32}, flash_attention_tiles, (const float*)bs.data(), table.data(), t, s);
+    {  // the table against the bias: 0 masked throughout, 2 zero throughout, 1 otherwise
+        Vec got, want;
+        for (long long bi = 0; bi < b; ++bi)
+            for (long long tq = 0; tq < table_tiles.y; ++tq)
+                for (long long tk = 0; tk < table_tiles.x; ++tk) {
+                    bool live = false, clear = true;
+                    for (long long i = tq * 32; i < std::min(t, tq * 32 + 32); ++i)
+                        for (long long j = tk * 32; j < std::min(s, tk * 32 + 32); ++j) {
+                            live |= bias[(bi * t + i) * s + j] == 0.0;
+                            clear &= bias[(bi * t + i) * s + j] == 0.0;
+                        }
+                    want.push_back(!live ? 0 : clear ? 2 : 1);
+                    got.push_back(table[(bi * table_tiles.y + tq) * table_tiles.x + tk]);
+                }
+        expect(what + " bias table", got, want, 0.0);
+    }
     const dim3 queries{(unsigned)((t + 63) / 64), (unsigned)h, (unsigned)b};
     launch(queries, {128}, fwd, (const T*)qs.data(), (const T*)ks.data(), (const T*)vs.data(), (const float*)bs.data(),
-           out.data(), stats.data(), h, kvh, t, s, (float)scale);
+           (const unsigned char*)table.data(), out.data(), stats.data(), h, kvh, t, s, (float)scale);
     expect(what + " out", widen(out), want, flash_tolerance<T>());
     launch({(unsigned)((b * t * h + 7) / 8)}, {256}, delta_kernel, (const T*)ws.data(), (const T*)out.data(),
            delta.data(), b * t * h, d);
     launch(queries, {128}, dq_kernel, (const T*)qs.data(), (const T*)ks.data(), (const T*)vs.data(),
-           (const float*)bs.data(), (const float*)stats.data(), (const T*)ws.data(), (const float*)delta.data(),
+           (const float*)bs.data(), (const unsigned char*)table.data(), (const float*)stats.data(), (const T*)ws.data(), (const float*)delta.data(),
            gq.data(), h, kvh, t, s, (float)scale);
     launch({(unsigned)((s + 63) / 64), (unsigned)kvh, (unsigned)b}, {128}, dkv_kernel, (const T*)qs.data(),
-           (const T*)ks.data(), (const T*)vs.data(), (const float*)bs.data(), (const float*)stats.data(),
+           (const T*)ks.data(), (const T*)vs.data(), (const float*)bs.data(), (const unsigned char*)table.data(),
+           (const float*)stats.data(),
            (const T*)ws.data(), (const float*)delta.data(), gk.data(), gv.data(), h, kvh, t, s, (float)scale);
     expect(what + " dq", widen(gq), dq, flash_tolerance<T>());
     expect(what + " dk", widen(gk), dk, flash_tolerance<T>());

@@ -15,9 +15,10 @@
 //! the same probabilities rounded at the same places (p before the weighted sum, ds before its
 //! products), so within bf16's rounding of them (`tests/gpu.rs` compares the two).
 //!
-//! Tiles whose bias is masked throughout are skipped (the causal future, left padding): their
-//! keys weigh exactly 0 in any row that sees a key, and every row of the model's attention bias
-//! sees its own position.
+//! The forward first classifies the bias's 32 × 32 tiles (a table kept for the backward): tiles
+//! masked throughout are skipped (the causal future, left padding; their keys weigh exactly 0 in
+//! any row that sees a key, and every row of the model's attention bias sees its own position),
+//! tiles of zeros are not read, and only the rest (the diagonal's, padding's edges) read the bias.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -85,29 +86,38 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale:
     cached_attention::check(q, k, v, bias)?;
     let (b, h, t, _) = q.dims4()?;
     let bias = bias.to_dtype(DType::F32)?.contiguous()?;
-    let forward = Forward { bias: bias.clone(), scale, stats: SideOutput::default() };
+    let forward = Forward { bias: bias.clone(), scale, stats: SideOutput::default(), tiles: SideOutput::default() };
     let (qc, kc, vc) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
     let out = qc.apply_op3_no_bwd(&kc, &vc, &forward)?;
     let stats = forward.stats.take("flash-attention", (b * h * t, 2))?;
+    let (_, _, s, _) = k.dims4()?;
+    let tiles = forward.tiles.take("flash-attention", (b, t.div_ceil(TILE), s.div_ceil(TILE)))?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(out);
     }
-    let node = FlashNode { out: NodeOutput::new("flash-attention", out), bias, stats, scale };
+    let node = FlashNode { out: NodeOutput::new("flash-attention", out), bias, tiles, stats, scale };
     Ok(q.apply_op3(k, v, node)?)
 }
 
-/// The forward kernel on (q, k, v): the output, each row's (max, 1 / sum) its second output.
+/// The side of the bias table's square tiles (the kernels' `G`).
+const TILE: usize = 32;
+
+/// The forward kernels on (q, k, v): the output; each row's (max, 1 / sum) and the bias table
+/// (u8 [B, ⌈T / 32⌉, ⌈S / 32⌉]) its side outputs.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Forward {
     bias: Tensor,
     scale: f64,
     stats: SideOutput,
+    tiles: SideOutput,
 }
 
 /// The graph node: its output (computed before the node exists) and what the backward reads.
 struct FlashNode {
     out: NodeOutput,
     bias: Tensor,
+    /// The bias table (see [`Forward`]).
+    tiles: Tensor,
     /// Each row's (max, 1 / sum) [B·H·T, 2], f32.
     stats: Tensor,
     scale: f64,
@@ -130,6 +140,7 @@ impl CustomOp3 for FlashNode {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let backward = Backward {
             bias: self.bias.clone(),
+            tiles: self.tiles.clone(),
             stats: self.stats.clone(),
             out: out.contiguous()?,
             d_out: grad.contiguous()?,
@@ -151,6 +162,7 @@ impl CustomOp3 for FlashNode {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Backward {
     bias: Tensor,
+    tiles: Tensor,
     stats: Tensor,
     out: Tensor,
     d_out: Tensor,
@@ -221,7 +233,7 @@ mod kernels {
     use candle_core::{Layout, Shape};
 
     use super::super::cuda::{self, launch, Elem};
-    use super::{Backward, Forward};
+    use super::{Backward, Forward, TILE};
 
     type Inputs<'a> = [(&'a CudaStorage, &'a Layout); 3];
 
@@ -264,9 +276,16 @@ mod kernels {
         let stats = cuda::output::<f32>(qs, 2 * b * h * t)?;
         let [hi, kvi, ti, si] = [h, kvh, t, s].map(|v| v as i64);
         let scale = op.scale as f32;
+        let (rows, cols) = (t.div_ceil(TILE), s.div_ceil(TILE));
+        // Safety: the table kernel writes every entry.
+        let tiles = unsafe { qs.device.alloc::<u8>((b * rows * cols).max(1)) }?;
+        let one_warp =
+            LaunchConfig { grid_dim: (cols as u32, rows as u32, b as u32), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        launch!(qs.device, cuda::FLASH_ATTENTION, "flash_attention_tiles", one_warp; &bias, &tiles, &ti, &si);
         launch!(qs.device, cuda::FLASH_ATTENTION, format!("flash_attention_fwd_d{d}_{}", T::SUFFIX), blocks(t.div_ceil(64), h, b);
-            &q, &k, &v, &bias, &out, &stats, &hi, &kvi, &ti, &si, &scale);
+            &q, &k, &v, &bias, &tiles, &out, &stats, &hi, &kvi, &ti, &si, &scale);
         op.stats.put(CudaStorage::wrap_cuda_slice(stats, qs.device.clone()));
+        op.tiles.put(CudaStorage::wrap_cuda_slice(tiles, qs.device.clone()));
         Ok((cuda::storage(qs, out), Shape::from((b, t, h * d))))
     }
 
@@ -276,17 +295,26 @@ mod kernels {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let [b, h, kvh, t, s, d] = sizes(ql, kl)?;
         let rows = b * t * h;
-        if op.stats.dims() != [b * h * t, 2] || op.out.dims() != [b, t, h * d] || op.d_out.dims() != [b, t, h * d] {
+        let table = [b, t.div_ceil(TILE), s.div_ceil(TILE)];
+        if op.stats.dims() != [b * h * t, 2]
+            || op.tiles.dims() != table
+            || op.out.dims() != [b, t, h * d]
+            || op.d_out.dims() != [b, t, h * d]
+        {
             return Err(candle_core::Error::Msg(format!(
-                "flash attention backward: q {:?}, stats {:?}, output {:?}, its gradient {:?}",
+                "flash attention backward: q {:?}, k {:?}, stats {:?}, bias table {:?}, output {:?}, its gradient {:?}",
                 ql.dims(),
+                kl.dims(),
                 op.stats.dims(),
+                op.tiles.dims(),
                 op.out.dims(),
                 op.d_out.dims()
             )));
         }
         let (bias_storage, bias_layout) = op.bias.storage_and_layout();
         let bias = cuda::view::<f32>(held(&bias_storage, "bias")?, bias_layout)?;
+        let (tiles_storage, tiles_layout) = op.tiles.storage_and_layout();
+        let tiles = cuda::view::<u8>(held(&tiles_storage, "bias table")?, tiles_layout)?;
         let (stats_storage, stats_layout) = op.stats.storage_and_layout();
         let stats = cuda::view::<f32>(held(&stats_storage, "row stats")?, stats_layout)?;
         let (out_storage, out_layout) = op.out.storage_and_layout();
@@ -301,10 +329,10 @@ mod kernels {
             &d_out, &out, &delta, &ri, &di);
         let dq = cuda::output::<T>(qs, b * h * t * d)?;
         launch!(qs.device, cuda::FLASH_ATTENTION, format!("flash_attention_dq_d{d}_{}", T::SUFFIX), blocks(t.div_ceil(64), h, b);
-            &q, &k, &v, &bias, &stats, &d_out, &delta, &dq, &hi, &kvi, &ti, &si, &scale);
+            &q, &k, &v, &bias, &tiles, &stats, &d_out, &delta, &dq, &hi, &kvi, &ti, &si, &scale);
         let (dk, dv) = (cuda::output::<T>(qs, b * kvh * s * d)?, cuda::output::<T>(qs, b * kvh * s * d)?);
         launch!(qs.device, cuda::FLASH_ATTENTION, format!("flash_attention_dkv_d{d}_{}", T::SUFFIX), blocks(s.div_ceil(64), kvh, b);
-            &q, &k, &v, &bias, &stats, &d_out, &delta, &dk, &dv, &hi, &kvi, &ti, &si, &scale);
+            &q, &k, &v, &bias, &tiles, &stats, &d_out, &delta, &dk, &dv, &hi, &kvi, &ti, &si, &scale);
         op.dk.put(cuda::storage(qs, dk));
         op.dv.put(cuda::storage(qs, dv));
         Ok((cuda::storage(qs, dq), ql.shape().clone()))

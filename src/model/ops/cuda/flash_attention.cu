@@ -18,9 +18,11 @@
 // Each gradient element is summed by one block in a fixed order: no atomics, the same bits each
 // run.
 //
-// A tile whose bias is masked everywhere (≤ MASKED_BELOW: the causal future, left padding) is
-// skipped: its keys weigh exp(−1e30 − m) = 0 exactly in a row that sees any key, and every row
-// of the model's attention bias sees its own position.
+// The bias is read through a table of its 32 × 32 tiles (one pass, `tiles_kernel`): a tile masked
+// everywhere (≤ MASKED_BELOW: the causal future, left padding) is skipped, its keys weighing
+// exp(−1e30 − m) = 0 exactly in a row that sees any key (every row of the model's attention bias
+// sees its own position); a tile whose bias is 0 everywhere is not read; only the others (the
+// diagonal's, padding's edges) are.
 #include "common.cuh"
 #ifdef __CUDACC__
 #include <mma.h>
@@ -40,6 +42,8 @@ constexpr int BQ2 = 32;       // queries a tile of dk, dv
 constexpr int LF = 32 + 4;    // row stride of the f32 tiles (32 columns; the padding spreads banks)
 constexpr int LH = 32 + 8;    // row stride of the 16-bit probability tiles
 constexpr float MASKED_BELOW = -1e29f;
+constexpr int G = 32;  // the bias table's tiles: G queries × G keys
+enum : int { DEAD = 0, MIXED = 1, CLEAR = 2 };
 
 template <typename T> using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
 template <typename T> using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
@@ -77,16 +81,37 @@ __device__ void stage(T* tile, const T* src, long long stride, long long r0, lon
     }
 }
 
-// Whether any (query, key) of the tile at (q0, k0) is unmasked. Every thread of the block calls
-// it (a barrier: what the block read before is read).
-template <int ROWS, int COLS>
-__device__ bool live(const float* bias, long long t, long long s, long long q0, long long k0) {
-    int any = 0;
-    for (int i = threadIdx.x; i < ROWS * COLS; i += blockDim.x) {
-        const long long q = q0 + i / COLS, key = k0 + i % COLS;
-        if (q < t && key < s && bias[q * s + key] > MASKED_BELOW) any = 1;
+// The bias table [B, ⌈T / G⌉, ⌈S / G⌉]: DEAD where no (query, key) of a tile is unmasked, CLEAR
+// where the bias is 0 throughout, MIXED otherwise. A warp per tile, a lane per key; grid
+// (⌈S / G⌉, ⌈T / G⌉, B).
+__device__ void tiles_kernel(const float* bias, unsigned char* table, long long t, long long s) {
+    const long long b = blockIdx.z, tq = blockIdx.y, tk = blockIdx.x;
+    const long long key = tk * G + (threadIdx.x & 31);
+    float live = 0.0f, unclear = 0.0f;
+    for (int r = 0; r < G && key < s; ++r) {
+        const long long q = tq * G + r;
+        if (q >= t) break;
+        const float x = bias[(b * t + q) * s + key];
+        live += x > MASKED_BELOW ? 1.0f : 0.0f;
+        unclear += x != 0.0f ? 1.0f : 0.0f;
     }
-    return __syncthreads_or(any) != 0;
+    live = warp_sum(live);
+    unclear = warp_sum(unclear);
+    if ((threadIdx.x & 31) == 0) table[(b * gridDim.y + tq) * gridDim.x + tk] = live == 0.0f ? DEAD : unclear == 0.0f ? CLEAR : MIXED;
+}
+
+// The class of the kernel tile spanning table rows r0 … r0 + rn and columns c0 … c0 + cn
+// (clipped to the table's `rows` × `cols`): the same for every thread.
+__device__ int tile_class(const unsigned char* table, long long rows, long long cols, long long r0, int rn,
+                          long long c0, int cn) {
+    bool live = false, clear = true;
+    for (long long r = r0; r < r0 + rn && r < rows; ++r)
+        for (long long c = c0; c < c0 + cn && c < cols; ++c) {
+            const int v = table[r * cols + c];
+            live |= v != DEAD;
+            clear &= v == CLEAR;
+        }
+    return !live ? DEAD : clear ? CLEAR : MIXED;
 }
 
 // out (16 × COLS f32, row stride LF) = a (the warp's 16 rows × D) · bᵀ, b the tile's COLS rows
@@ -141,10 +166,11 @@ template <typename T, int D> __device__ void load_rows(FragA<T>* frags, const T*
 }
 
 template <typename T, int D>
-__device__ void forward_kernel(const T* q, const T* k, const T* v, const float* bias, T* out, float* stats,
+__device__ void forward_kernel(const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles,
+                               T* out, float* stats,
                                long long heads, long long kv_heads, long long t, long long s, float scale) {
     constexpr int LD = D + 8;
-    __shared__ __align__(32) T tiles[BQ * LD];  // the queries; then a key tile and its values
+    __shared__ __align__(32) T staged[BQ * LD];  // the queries; then a key tile and its values
     __shared__ __align__(32) float scores[BQ * LF];
     __shared__ __align__(32) T probs[BQ * LH];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -153,10 +179,12 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
     const T* kh = k + (b * kv_heads + g) * s * D;
     const T* vh = v + (b * kv_heads + g) * s * D;
     const float* bb = bias + b * t * s;
-    stage<T, D, BQ>(tiles, q + (b * heads + h) * t * D, D, q0, t);
+    const long long rows = (t + G - 1) / G, cols = (s + G - 1) / G;
+    const unsigned char* tb = tiles + b * rows * cols;
+    stage<T, D, BQ>(staged, q + (b * heads + h) * t * D, D, q0, t);
     __syncthreads();
     FragA<T> qf[D / 16];
-    load_rows<T, D>(qf, tiles + warp * 16 * LD);
+    load_rows<T, D>(qf, staged + warp * 16 * LD);
     // Lane → row of the warp's 16 and half of a tile's 32 keys.
     const int row = lane >> 1, half = lane & 1;
     const long long query = q0 + warp * 16 + row;
@@ -166,13 +194,15 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
 
     float m = -INFINITY, l = 0.0f;
     for (long long k0 = 0; k0 < s; k0 += BK) {
-        if (!live<BQ, BK>(bb, t, s, q0, k0)) continue;
-        stage<T, D, BK>(tiles, kh, D, k0, s);
+        const int cls = tile_class(tb, rows, cols, q0 / G, BQ / G, k0 / G, BK / G);
+        if (cls == DEAD) continue;
+        __syncthreads();  // the block is done with the previous tile
+        stage<T, D, BK>(staged, kh, D, k0, s);
         __syncthreads();
-        product_t<T, D, BK>(ws, qf, tiles);
+        product_t<T, D, BK>(ws, qf, staged);
         __syncwarp();
         for (int c = half * 16; c < half * 16 + 16 && query < t && k0 + c < s; ++c) {
-            const float x = logit(ws[row * LF + c], brow[k0 + c], scale);
+            const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale);
             if (x > m) {
                 l = l * expf(m - x) + 1.0f;
                 m = x;
@@ -190,19 +220,21 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
     Acc acc[D / 16];
     for (int j = 0; j < D / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
     for (long long k0 = 0; k0 < s; k0 += BK) {
-        if (!live<BQ, BK>(bb, t, s, q0, k0)) continue;
-        stage<T, D, BK>(tiles, kh, D, k0, s);
-        stage<T, D, BK>(tiles + BK * LD, vh, D, k0, s);
+        const int cls = tile_class(tb, rows, cols, q0 / G, BQ / G, k0 / G, BK / G);
+        if (cls == DEAD) continue;
+        __syncthreads();  // the block is done with the previous tile
+        stage<T, D, BK>(staged, kh, D, k0, s);
+        stage<T, D, BK>(staged + BK * LD, vh, D, k0, s);
         __syncthreads();
-        product_t<T, D, BK>(ws, qf, tiles);
+        product_t<T, D, BK>(ws, qf, staged);
         __syncwarp();
         for (int c = half * 16; c < half * 16 + 16; ++c) {
             const bool in = query < t && k0 + c < s;
-            const float p = in ? expf(logit(ws[row * LF + c], brow[k0 + c], scale) - m) * inv : 0.0f;
+            const float p = in ? expf(logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) - m) * inv : 0.0f;
             wp[row * LH + c] = from_f32<T>(p);
         }
         __syncwarp();
-        accumulate<T, D, BK>(acc, wp, tiles + BK * LD);
+        accumulate<T, D, BK>(acc, wp, staged + BK * LD);
     }
     const long long first = q0 + warp * 16;
     if (first < t) write_rows<T, D>(out + ((b * t + first) * heads + h) * D, heads * D, (int)min(16LL, t - first), acc, ws);
@@ -224,11 +256,12 @@ template <typename T> __device__ void delta_kernel(const T* d_out, const T* out,
 }
 
 template <typename T, int D>
-__device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,
+__device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles,
+                          const float* stats, const T* d_out,
                           const float* delta, T* dq, long long heads, long long kv_heads, long long t, long long s,
                           float scale) {
     constexpr int LD = D + 8;
-    __shared__ __align__(32) T tiles[BQ * LD];  // the queries, then dO; then a key tile and its values
+    __shared__ __align__(32) T staged[BQ * LD];  // the queries, then dO; then a key tile and its values
     __shared__ __align__(32) float scores[BQ * LF];
     __shared__ __align__(32) float d_probs[BQ * LF];
     __shared__ __align__(32) T d_scores[BQ * LH];
@@ -238,14 +271,16 @@ __device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias,
     const T* kh = k + (b * kv_heads + g) * s * D;
     const T* vh = v + (b * kv_heads + g) * s * D;
     const float* bb = bias + b * t * s;
+    const long long rows = (t + G - 1) / G, cols = (s + G - 1) / G;
+    const unsigned char* tb = tiles + b * rows * cols;
     FragA<T> qf[D / 16], dof[D / 16];
-    stage<T, D, BQ>(tiles, q + (b * heads + h) * t * D, D, q0, t);
+    stage<T, D, BQ>(staged, q + (b * heads + h) * t * D, D, q0, t);
     __syncthreads();
-    load_rows<T, D>(qf, tiles + warp * 16 * LD);
+    load_rows<T, D>(qf, staged + warp * 16 * LD);
     __syncthreads();
-    stage<T, D, BQ>(tiles, d_out + (b * t * heads + h) * D, heads * D, q0, t);
+    stage<T, D, BQ>(staged, d_out + (b * t * heads + h) * D, heads * D, q0, t);
     __syncthreads();
-    load_rows<T, D>(dof, tiles + warp * 16 * LD);
+    load_rows<T, D>(dof, staged + warp * 16 * LD);
     const int row = lane >> 1, half = lane & 1;
     const long long query = q0 + warp * 16 + row;
     const float* brow = bb + query * s;
@@ -262,34 +297,37 @@ __device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias,
     Acc acc[D / 16];
     for (int j = 0; j < D / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
     for (long long k0 = 0; k0 < s; k0 += BK) {
-        if (!live<BQ, BK>(bb, t, s, q0, k0)) continue;
-        stage<T, D, BK>(tiles, kh, D, k0, s);
-        stage<T, D, BK>(tiles + BK * LD, vh, D, k0, s);
+        const int cls = tile_class(tb, rows, cols, q0 / G, BQ / G, k0 / G, BK / G);
+        if (cls == DEAD) continue;
+        __syncthreads();  // the block is done with the previous tile
+        stage<T, D, BK>(staged, kh, D, k0, s);
+        stage<T, D, BK>(staged + BK * LD, vh, D, k0, s);
         __syncthreads();
-        product_t<T, D, BK>(ws, qf, tiles);
-        product_t<T, D, BK>(wdp, dof, tiles + BK * LD);
+        product_t<T, D, BK>(ws, qf, staged);
+        product_t<T, D, BK>(wdp, dof, staged + BK * LD);
         __syncwarp();
         for (int c = half * 16; c < half * 16 + 16; ++c) {
             float ds = 0.0f;
             if (query < t && k0 + c < s) {
-                const float p = expf(logit(ws[row * LF + c], brow[k0 + c], scale) - m) * inv;
+                const float p = expf(logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) - m) * inv;
                 ds = scale * p * (wdp[row * LF + c] - dl);
             }
             wds[row * LH + c] = from_f32<T>(ds);
         }
         __syncwarp();
-        accumulate<T, D, BK>(acc, wds, tiles);
+        accumulate<T, D, BK>(acc, wds, staged);
     }
     const long long first = q0 + warp * 16;
     if (first < t) write_rows<T, D>(dq + ((b * heads + h) * t + first) * D, D, (int)min(16LL, t - first), acc, ws);
 }
 
 template <typename T, int D>
-__device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,
+__device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles,
+                           const float* stats, const T* d_out,
                            const float* delta, T* dk, T* dv, long long heads, long long kv_heads, long long t,
                            long long s, float scale) {
     constexpr int LD = D + 8;
-    __shared__ __align__(32) T tiles[BKV * LD];  // the keys, then the values; then a query tile and its dO
+    __shared__ __align__(32) T staged[BKV * LD];  // the keys, then the values; then a query tile and its dO
     __shared__ __align__(32) float scores[BKV * LF];
     __shared__ __align__(32) float d_probs[BKV * LF];
     __shared__ __align__(32) T probs[BKV * LH];
@@ -299,14 +337,16 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
     const long long b = blockIdx.z, g = blockIdx.y, k0 = (long long)blockIdx.x * BKV;
     const long long rep = heads / kv_heads;
     const float* bb = bias + b * t * s;
+    const long long rows = (t + G - 1) / G, cols = (s + G - 1) / G;
+    const unsigned char* tb = tiles + b * rows * cols;
     FragA<T> kf[D / 16], vf[D / 16];
-    stage<T, D, BKV>(tiles, k + (b * kv_heads + g) * s * D, D, k0, s);
+    stage<T, D, BKV>(staged, k + (b * kv_heads + g) * s * D, D, k0, s);
     __syncthreads();
-    load_rows<T, D>(kf, tiles + warp * 16 * LD);
+    load_rows<T, D>(kf, staged + warp * 16 * LD);
     __syncthreads();
-    stage<T, D, BKV>(tiles, v + (b * kv_heads + g) * s * D, D, k0, s);
+    stage<T, D, BKV>(staged, v + (b * kv_heads + g) * s * D, D, k0, s);
     __syncthreads();
-    load_rows<T, D>(vf, tiles + warp * 16 * LD);
+    load_rows<T, D>(vf, staged + warp * 16 * LD);
     // Lane → key of the warp's 16 and half of a tile's 32 queries.
     const int row = lane >> 1, half = lane & 1;
     const long long key = k0 + warp * 16 + row;
@@ -322,9 +362,11 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
     }
     for (long long h = g * rep; h < (g + 1) * rep; ++h) {
         for (long long q0 = 0; q0 < t; q0 += BQ2) {
-            if (!live<BQ2, BKV>(bb, t, s, q0, k0)) continue;
-            stage<T, D, BQ2>(tiles, q + (b * heads + h) * t * D, D, q0, t);
-            stage<T, D, BQ2>(tiles + BQ2 * LD, d_out + (b * t * heads + h) * D, heads * D, q0, t);
+            const int cls = tile_class(tb, rows, cols, q0 / G, BQ2 / G, k0 / G, BKV / G);
+            if (cls == DEAD) continue;
+            __syncthreads();  // the block is done with the previous tile
+            stage<T, D, BQ2>(staged, q + (b * heads + h) * t * D, D, q0, t);
+            stage<T, D, BQ2>(staged + BQ2 * LD, d_out + (b * t * heads + h) * D, heads * D, q0, t);
             if (threadIdx.x < BQ2) {
                 const long long qi = q0 + threadIdx.x;
                 const bool in = qi < t;
@@ -333,22 +375,23 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
                 row_delta[threadIdx.x] = in ? delta[(b * t + qi) * heads + h] : 0.0f;
             }
             __syncthreads();
-            product_t<T, D, BQ2>(ws, kf, tiles);               // scoresᵀ: the warp's keys × the queries
-            product_t<T, D, BQ2>(wdp, vf, tiles + BQ2 * LD);   // dpᵀ = v · dOᵀ
+            product_t<T, D, BQ2>(ws, kf, staged);               // scoresᵀ: the warp's keys × the queries
+            product_t<T, D, BQ2>(wdp, vf, staged + BQ2 * LD);   // dpᵀ = v · dOᵀ
             __syncwarp();
             for (int c = half * 16; c < half * 16 + 16; ++c) {
                 const long long qi = q0 + c;
                 float p = 0.0f, ds = 0.0f;
                 if (key < s && qi < t) {
-                    p = expf(logit(ws[row * LF + c], bb[qi * s + key], scale) - row_max[c]) * row_inv[c];
+                    const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : bb[qi * s + key], scale);
+                    p = expf(x - row_max[c]) * row_inv[c];
                     ds = scale * p * (wdp[row * LF + c] - row_delta[c]);
                 }
                 wp[row * LH + c] = from_f32<T>(p);
                 wds[row * LH + c] = from_f32<T>(ds);
             }
             __syncwarp();
-            accumulate<T, D, BQ2>(dv_acc, wp, tiles + BQ2 * LD);  // dv += pᵀ · dO
-            accumulate<T, D, BQ2>(dk_acc, wds, tiles);           // dk += dsᵀ · q
+            accumulate<T, D, BQ2>(dv_acc, wp, staged + BQ2 * LD);  // dv += pᵀ · dO
+            accumulate<T, D, BQ2>(dk_acc, wds, staged);           // dk += dsᵀ · q
         }
     }
     const long long first = k0 + warp * 16;
@@ -363,25 +406,30 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
 // Entry points `<kernel>_d<D>_<type>` for D of 64 and 128, bf16 and f16 (WMMA has no f32 tiles).
 #define FLASH_ENTRIES(D, T, SUFFIX)                                                                                    \
     extern "C" __global__ void flash_attention_fwd_d##D##_##SUFFIX(                                                    \
-        const T* q, const T* k, const T* v, const float* bias, T* out, float* stats, long long heads,                  \
-        long long kv_heads, long long t, long long s, float scale) {                                                   \
-        flash::forward_kernel<T, D>(q, k, v, bias, out, stats, heads, kv_heads, t, s, scale);                          \
+        const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles, T* out, float* stats,      \
+        long long heads, long long kv_heads, long long t, long long s, float scale) {                                  \
+        flash::forward_kernel<T, D>(q, k, v, bias, tiles, out, stats, heads, kv_heads, t, s, scale);                   \
     }                                                                                                                  \
     extern "C" __global__ void flash_attention_dq_d##D##_##SUFFIX(                                                     \
-        const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,                     \
-        const float* delta, T* dq, long long heads, long long kv_heads, long long t, long long s, float scale) {       \
-        flash::dq_kernel<T, D>(q, k, v, bias, stats, d_out, delta, dq, heads, kv_heads, t, s, scale);                  \
+        const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles, const float* stats,        \
+        const T* d_out, const float* delta, T* dq, long long heads, long long kv_heads, long long t, long long s,       \
+        float scale) {                                                                                                 \
+        flash::dq_kernel<T, D>(q, k, v, bias, tiles, stats, d_out, delta, dq, heads, kv_heads, t, s, scale);           \
     }                                                                                                                  \
     extern "C" __global__ void flash_attention_dkv_d##D##_##SUFFIX(                                                    \
-        const T* q, const T* k, const T* v, const float* bias, const float* stats, const T* d_out,                     \
-        const float* delta, T* dk, T* dv, long long heads, long long kv_heads, long long t, long long s,               \
-        float scale) {                                                                                                 \
-        flash::dkv_kernel<T, D>(q, k, v, bias, stats, d_out, delta, dk, dv, heads, kv_heads, t, s, scale);             \
+        const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles, const float* stats,        \
+        const T* d_out, const float* delta, T* dk, T* dv, long long heads, long long kv_heads, long long t,            \
+        long long s, float scale) {                                                                                    \
+        flash::dkv_kernel<T, D>(q, k, v, bias, tiles, stats, d_out, delta, dk, dv, heads, kv_heads, t, s, scale);      \
     }
 FLASH_ENTRIES(64, bf16, bf16)
 FLASH_ENTRIES(64, f16, f16)
 FLASH_ENTRIES(128, bf16, bf16)
 FLASH_ENTRIES(128, f16, f16)
+
+extern "C" __global__ void flash_attention_tiles(const float* bias, unsigned char* table, long long t, long long s) {
+    flash::tiles_kernel(bias, table, t, s);
+}
 
 #define FLASH_DELTA_PARAMS(T) (const T* d_out, const T* out, float* delta, long long rows, long long d)
 extern "C" __global__ void flash_attention_delta_bf16 FLASH_DELTA_PARAMS(bf16) {
