@@ -91,7 +91,10 @@ pub async fn pause(State(s): State<Arc<EngineServer>>, body: Bytes) -> Reply {
     pack(&())
 }
 
-pub async fn resume(State(s): State<Arc<EngineServer>>) -> Reply {
+/// The body (empty, or msgpack nil from the client) is read all the same: a call answered
+/// before its body arrived would have its connection closed, and a client's next call on it
+/// would find the engine gone.
+pub async fn resume(State(s): State<Arc<EngineServer>>, _body: Bytes) -> Reply {
     s.engine.resume().await.map_err(bad_request)?;
     pack(&())
 }

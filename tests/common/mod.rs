@@ -343,3 +343,49 @@ pub fn real_rows(b: &Batch) -> (Vec<u32>, Vec<u32>) {
     }
     (rows, targets)
 }
+
+/// Each POST of `calls` (path, body) to the server at `url` (`http://host:port`), its body sent
+/// 200 ms after its headers (as a client that writes them apart may send it), is answered, and a
+/// GET of `probe` on the same connection then answers 200: a call answered before its body was
+/// read had its connection closed by hyper, and a client's next call on that pooled connection
+/// found the server gone. `headers`: lines each ending in CRLF.
+pub fn late_bodies_keep_the_connection(url: &str, headers: &str, calls: &[(&str, &[u8])], probe: &str) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(url.trim_start_matches("http://")).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    // One answer: its status line, the head read up to the blank line and Content-Length bytes
+    // of body after it.
+    let answer = |stream: &mut std::net::TcpStream| -> String {
+        let mut bytes = vec![];
+        let mut byte = [0u8];
+        while !bytes.ends_with(b"\r\n\r\n") {
+            match stream.read(&mut byte) {
+                Ok(1) => bytes.push(byte[0]),
+                other => {
+                    return format!("the connection ended ({other:?}) after {:?}", String::from_utf8_lossy(&bytes))
+                }
+            }
+        }
+        let head = String::from_utf8_lossy(&bytes).to_lowercase();
+        let length: usize =
+            head.lines().find_map(|l| l.strip_prefix("content-length:")).map_or(0, |v| v.trim().parse().unwrap());
+        let mut body = vec![0u8; length];
+        stream.read_exact(&mut body).unwrap();
+        head.lines().next().unwrap().to_string()
+    };
+    for (path, body) in calls {
+        let head = format!("POST {path} HTTP/1.1\r\nhost: server\r\n{headers}content-length: {}\r\n\r\n", body.len());
+        stream.write_all(head.as_bytes()).unwrap();
+        stream.flush().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        stream.write_all(body).unwrap();
+        let status = answer(&mut stream);
+        assert!(status.starts_with("http/1.1 "), "{path}: {status}");
+        let get = format!("GET {probe} HTTP/1.1\r\nhost: server\r\n{headers}\r\n");
+        if let Err(e) = stream.write_all(get.as_bytes()) {
+            panic!("the call after {path}: its connection was closed ({e})");
+        }
+        let status = answer(&mut stream);
+        assert_eq!(status, "http/1.1 200 ok", "the call after {path} on its connection");
+    }
+}

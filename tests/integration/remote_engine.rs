@@ -44,8 +44,9 @@ impl EngineProcess {
                 break rest.split_whitespace().next().unwrap().to_string();
             }
         };
-        // Keep draining its stderr so that it never blocks on a full pipe.
-        std::thread::spawn(move || lines.for_each(drop));
+        // Keep draining its stderr so that it never blocks on a full pipe; the test's output
+        // (shown when it fails) keeps it.
+        std::thread::spawn(move || lines.map_while(|l| l.ok()).for_each(|l| eprintln!("oxrl engine: {l}")));
         EngineProcess { child, url }
     }
 }
@@ -336,4 +337,17 @@ fn a_run_goes_on_when_an_engine_stops_answering() {
     // weight push timed out ("is down").
     let fell = |e: &String| e.contains(&b.url) && e.contains("fell");
     assert!(events.iter().any(|e| fell(e) && (e.contains("stopped answering") || e.contains("is down"))), "{events:?}");
+}
+
+/// The engine's calls keep their connection for the next when a body arrives after its headers
+/// (see [`common::late_bodies_keep_the_connection`]).
+#[test]
+fn every_call_keeps_its_connection_for_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    common::tiny_byte_model(dir.path(), 32, 256, 7);
+    let process = EngineProcess::start(dir.path(), &[]);
+    // msgpack bodies: "abort" (a pause mode), nil, and a ticket no request holds.
+    let calls: [(&str, &[u8]); 3] =
+        [("/oxrl/v1/pause", b"\xa5abort"), ("/oxrl/v1/resume", b"\xc0"), ("/oxrl/v1/cancel", b"\x07")];
+    common::late_bodies_keep_the_connection(&process.url, "content-type: application/msgpack\r\n", &calls, "/health");
 }

@@ -389,6 +389,21 @@ fn protocol_ordering_errors_and_keys() {
 }
 
 /// A future pending when the server died reports an error after the restart instead of hanging.
+/// The calls whose handlers need no body keep their connection for the next when the body
+/// arrives after the headers (see [`common::late_bodies_keep_the_connection`]).
+#[test]
+fn calls_without_a_body_to_read_keep_their_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = serve(dir.path(), Duration::from_millis(300));
+    let calls: [(&str, &[u8]); 3] = [
+        ("/api/v1/client/config", b"{}"),
+        ("/api/v1/client/dynamic_config", b"{}"),
+        ("/api/v1/telemetry", b"{\"events\": []}"),
+    ];
+    let headers = "content-type: application/json\r\nx-api-key: k1\r\n";
+    common::late_bodies_keep_the_connection(&format!("127.0.0.1:{port}"), headers, &calls, "/api/v1/healthz");
+}
+
 #[test]
 fn cancel_future_ends_a_pending_sample() {
     let dir = tempfile::tempdir().unwrap();

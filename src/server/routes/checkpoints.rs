@@ -254,6 +254,7 @@ pub(super) async fn publish(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Path(path): Path<(String, String, String)>,
+    _body: Bytes,
 ) -> ApiResult<Json<Value>> {
     state.store.set_checkpoint_public(&path_checkpoint(&state, &headers, &path)?, true)?;
     Ok(Json(json!({})))

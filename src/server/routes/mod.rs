@@ -236,16 +236,19 @@ async fn readyz() -> Json<Value> {
     Json(json!({"status": "ready"}))
 }
 
-async fn empty_object() -> Json<Value> {
+// Handlers that need no body still take it (`_body`): hyper closes a connection whose request
+// was answered before its body was read, and a client's next call on that pooled connection
+// fails as if the server were gone.
+async fn empty_object(_body: Bytes) -> Json<Value> {
     Json(json!({}))
 }
 
 /// The SDK's feature flags: cancel abandoned samples (`cancel_future`); the rest default.
-async fn dynamic_config() -> Json<Value> {
+async fn dynamic_config(_body: Bytes) -> Json<Value> {
     Json(json!({"sample_cancel_enabled": true}))
 }
 
-async fn telemetry() -> Json<Value> {
+async fn telemetry(_body: Bytes) -> Json<Value> {
     Json(json!({"status": "accepted"}))
 }
 

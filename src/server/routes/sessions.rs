@@ -31,6 +31,7 @@ pub(super) async fn finish_session(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Path(id): Path<String>,
+    _body: Bytes,
 ) -> ApiResult<Json<Value>> {
     check_session(&state, &headers, &id)?;
     state.store.finish_session(&id)?;
