@@ -57,7 +57,8 @@ const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(15);
 /// On a GPU, processes were seen spinning in their exit for minutes after their work was done
 /// and their result printed (the CUDA driver's teardown; BENCHMARKS.md, cause not yet found).
 /// The command's output is flushed and a thread ends the process with the command's exit code
-/// if the exit has not within [`EXIT_GRACE`].
+/// if the exit has not within [`EXIT_GRACE`] (first printing every thread's stack where
+/// `OXRL_TRACE_EXIT` is set).
 fn end_if_exit_hangs(code: i32) {
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
@@ -65,7 +66,40 @@ fn end_if_exit_hangs(code: i32) {
     std::thread::spawn(move || {
         std::thread::sleep(EXIT_GRACE);
         eprintln!("oxrl: the process had not exited {} s after its command returned: ending it", EXIT_GRACE.as_secs());
+        if std::env::var_os("OXRL_TRACE_EXIT").is_some() {
+            print_thread_stacks();
+        }
         // Safety: ends the process at once; the command's work is done and its output flushed.
         unsafe { libc::_exit(code) };
     });
+}
+
+/// Each other thread's name and stack on stderr, each printed by the thread itself from a signal
+/// handler: where a process that does not exit spins. Not async-signal-safe (it allocates and
+/// takes stderr's lock): a diagnostic for a process that is ended right after, whatever the
+/// handlers do; each thread gets a moment and the caller goes on.
+fn print_thread_stacks() {
+    extern "C" fn print_own_stack(_: libc::c_int) {
+        // Safety: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        eprintln!("oxrl: thread {tid} at exit:\n{}", std::backtrace::Backtrace::force_capture());
+    }
+    // Safety: installs a handler for a signal nothing else in the process uses.
+    unsafe { libc::signal(libc::SIGUSR2, print_own_stack as extern "C" fn(libc::c_int) as libc::sighandler_t) };
+    // Safety: getpid and gettid have no preconditions.
+    let (pid, me) = unsafe { (libc::getpid(), libc::gettid()) };
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return };
+    for tid in tasks.flatten().filter_map(|e| e.file_name().to_str()?.parse::<libc::pid_t>().ok()) {
+        if tid == me {
+            continue;
+        }
+        let name = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
+        let state = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
+        // The state is the field after the parenthesised name.
+        let state = state.rsplit_once(") ").map_or("?", |(_, rest)| &rest[..1.min(rest.len())]);
+        eprintln!("oxrl: thread {tid} ({}), state {state}: signalled for its stack", name.trim());
+        // Safety: signals one thread of this process with the signal whose handler is set above.
+        unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGUSR2) };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
 }
