@@ -164,7 +164,7 @@ want train && for r in $(seq "$ROUNDS"); do
     # Kernels on with the unfused attention node instead of flash attention.
     OXRL_FLASH_ATTENTION=0 bench "oxrl train unfused attention" 120 $OXRL bench train --model "$MODEL" \
         --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 2 --reps 5
-    # The same with candle's backward as upstream has it (vendor/candle-core's one change undone).
+    # The same with candle's backward as upstream has it (vendor/candle-core's changes undone).
     OXRL_CANDLE_ZERO_FIRST=1 bench "oxrl train upstream backward" 120 $OXRL bench train --model "$MODEL" \
         --device cuda --dtype bf16 --batch 8 --seq 1024 --warmup 2 --reps 5
     bench "pytorch train" 120 $PEERS train --model "$MODEL" --batch 8 --seq 1024 --warmup 2 --reps 5

@@ -610,13 +610,16 @@ fn transpose_and_mixed_precision_casts_on_cuda_are_candles() {
     println!("transpose, heads' transpose and master rounding: candle's bits");
 }
 
-/// A bias added by oxrl's kernel (no dims copied to the device) is candle's broadcast add, bit
-/// for bit, in f32, bf16 and f16, for biases of the rows' size and far smaller (where the
-/// rounding of the sum decides).
+/// The adds by oxrl's kernels (no dims copied to the device) are candle's, bit for bit, in f32,
+/// bf16 and f16: a bias added to every row (biases of the rows' size and far smaller, where the
+/// rounding of the sum decides); two tensors elementwise (four elements a load, and one at a time
+/// where the size is not a multiple of four) and the backward's sum of two gradients; and,
+/// differentiated, the gradients of both adds.
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
-fn bias_add_on_cuda_is_candles_broadcast_add() {
-    use oxrl::model::ops::bias_add::bias_add;
+fn adds_on_cuda_are_candles() {
+    use candle_core::Var;
+    use oxrl::model::ops::add::{add, bias_add, gradient_add};
     let dev = gpu();
     let _kernels = KernelsOn::new();
     let bits = |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -626,10 +629,28 @@ fn bias_add_on_cuda_is_candles_broadcast_add() {
             let b = random(&[*shape.last().unwrap()], 95, scale, dtype, &dev);
             let (got, want) = (bias_add(&y, &b).unwrap(), y.broadcast_add(&b).unwrap());
             assert_eq!(got.dims(), want.dims());
-            assert_eq!(bits(&got), bits(&want), "{dtype:?} {shape:?}, bias scale {scale}");
+            assert_eq!(bits(&got), bits(&want), "bias add {dtype:?} {shape:?}, bias scale {scale}");
+            let other = random(&shape, 96, scale, dtype, &dev);
+            let want = (&y + &other).unwrap();
+            assert_eq!(bits(&add(&y, &other).unwrap()), bits(&want), "add {dtype:?} {shape:?}, scale {scale}");
+            let summed = gradient_add(&y, &other).expect("served").unwrap();
+            assert_eq!(bits(&summed), bits(&want), "gradient add {dtype:?} {shape:?}");
+        }
+        // Differentiated: y + b per row, then + z, weighted.
+        let var = |shape: &[usize], seed| Var::from_tensor(&random(shape, seed, 1.0, dtype, &dev)).unwrap();
+        let (y, b, z) = (var(&[6, 5, 896], 97), var(&[896], 98), var(&[6, 5, 896], 99));
+        let w = random(&[6, 5, 896], 100, 1.0, dtype, &dev);
+        let grads = |out: Tensor| {
+            let g = (out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            [&y, &b, &z].map(|v| bits(g.get(v.as_tensor()).expect("a gradient")))
+        };
+        let ours = grads(add(&bias_add(&y, &b).unwrap(), &z).unwrap());
+        let candles = grads((y.broadcast_add(&b).unwrap() + z.as_tensor()).unwrap());
+        for (i, what) in ["y", "the bias", "z"].iter().enumerate() {
+            assert_eq!(ours[i], candles[i], "{dtype:?}: the gradient of {what}");
         }
     }
-    println!("bias add: candle's broadcast add bits");
+    println!("adds: candle's bits, values and gradients");
 }
 
 /// A residual sum and its RMSNorm in one kernel (a step that differentiates nothing) give the
@@ -660,7 +681,7 @@ fn add_rms_norm_on_cuda_is_the_add_and_the_norm() {
 #[test]
 #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
 fn rope_pair_on_cuda_is_the_bias_adds_and_rotations() {
-    use oxrl::model::ops::{bias_add::bias_add, rope};
+    use oxrl::model::ops::{add::bias_add, rope};
     let dev = gpu();
     let _kernels = KernelsOn::new();
     let bits = |t: &Tensor| cpu(t).to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -123,7 +123,7 @@ impl Linear {
         let x2 = x.reshape(((), in_dim))?;
         let mut y = self.product_rows(&x2)?;
         if let Some(b) = &self.bias {
-            y = super::ops::bias_add::bias_add(&y, &Self::as_dtype(b, y.dtype())?)?;
+            y = super::ops::add::bias_add(&y, &Self::as_dtype(b, y.dtype())?)?;
         }
         if let Some(l) = &self.lora {
             y = (y + l.delta(&x2)?)?;

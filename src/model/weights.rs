@@ -62,8 +62,9 @@ pub fn opened_cuda_devices() -> Vec<Device> {
 }
 
 /// Whether this process runs candle's backward as upstream has it on a GPU
-/// (`OXRL_CANDLE_ZERO_FIRST=1`: each node's first gradient added into a zero buffer; see
-/// vendor/candle-core), to measure the patch against it. Read once.
+/// (`OXRL_CANDLE_ZERO_FIRST=1`: each node's first gradient added into a zero buffer, and
+/// gradients summed by candle's add; see vendor/candle-core), to measure the patch against it.
+/// Read once.
 pub fn upstream_backward() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("OXRL_CANDLE_ZERO_FIRST").as_deref() == Ok("1"))
@@ -83,6 +84,9 @@ pub fn cuda_device(ordinal: usize) -> Result<Device> {
         Error::input(format!("device `cuda:{ordinal}`: no CUDA device could be opened: {e}"))
     })?;
     candle_core::backprop::set_zero_first_gradients_off_cpu(upstream_backward());
+    if !upstream_backward() {
+        candle_core::backprop::set_gradient_add(crate::model::ops::add::gradient_add);
+    }
     opened.push((ordinal, device.clone()));
     Ok(device)
 }

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "../../src/model/ops/cuda/adamw.cu"
-#include "../../src/model/ops/cuda/bias_add.cu"
+#include "../../src/model/ops/cuda/add.cu"
 #include "../../src/model/ops/cuda/cached_attention.cu"
 #include "../../src/model/ops/cuda/embedding.cu"
 #include "../../src/model/ops/cuda/flash_attention.cu"
@@ -118,6 +118,7 @@ template <typename T> struct Kernels;
         static constexpr auto embedding_grad = embedding_grad_##sfx;            \
         static constexpr auto widen = widen_##sfx;                              \
         static constexpr auto bias_add = bias_add_##sfx;                        \
+        static constexpr auto add = add_##sfx;                                  \
     };
 KERNELS(float, f32)
 KERNELS(bf16, bf16)
@@ -640,6 +641,26 @@ template <typename T> static void widen(unsigned block) {
 
 // A bias added to every row: each output element (every one written: the output starts as NaN)
 // is x + b[column] computed in f32 and rounded once, for rows of 1 and of 300 columns.
+// The elementwise add: every sum bit for bit, four a load (sizes that are multiples of 4) and
+// one at a time (the others, and a misaligned operand).
+template <typename T> static void add(unsigned block) {
+    for (long long n : {4096ll, 1000ll, 7ll, 1ll}) {
+        for (long long offset : {0ll, 1ll}) {
+            const std::vector<T> a = cast<T>(values(n + 1, 13, 4.0)), b = cast<T>(values(n, 14, 0.01));
+            std::vector<T> out(n, from_f32<T>(NAN));
+            launch({2}, {block}, Kernels<T>::add, a.data() + offset, b.data(), out.data(), n);
+            bool same = true;
+            for (long long i = 0; i < n; ++i) {
+                const T want = from_f32<T>(to_f32(a[i + offset]) + to_f32(b[i]));
+                same = same && std::memcmp(&out[i], &want, sizeof(T)) == 0;
+            }
+            ++checks;
+            if (!same) ++failures;
+            std::printf("%s %s: %lld elements, offset %lld\n", same ? "ok  " : "FAIL", label<T>("add", block).c_str(), n, offset);
+        }
+    }
+}
+
 template <typename T> static void bias_add(unsigned block) {
     for (auto [rows, n] : {std::array<long long, 2>{7, 300}, {5, 1}, {1, 3}}) {
         const std::vector<T> x = cast<T>(values(rows * n, 11, 4.0)), b = cast<T>(values(n, 12, 1.0));
@@ -798,6 +819,7 @@ static void flash_attention() {
 
 template <typename T> static void all(unsigned block) {
     bias_add<T>(block);
+    add<T>(block);
     transpose<T>(block);
     swap_heads<T>(block);
     widen<T>(block);

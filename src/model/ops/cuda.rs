@@ -36,7 +36,7 @@ pub(crate) const SAMPLE_ROWS: Module = module!("sample_rows");
 pub(crate) const ADAMW: Module = module!("adamw");
 pub(crate) const TRANSPOSE: Module = module!("transpose");
 pub(crate) const EMBEDDING: Module = module!("embedding");
-pub(crate) const BIAS_ADD: Module = module!("bias_add");
+pub(crate) const ADD: Module = module!("add");
 pub(crate) const FLASH_ATTENTION: Module = module!("flash_attention");
 
 /// Threads per block of a row kernel (a block per row; any multiple of 32 up to 1024 works).

@@ -14,8 +14,8 @@
 //! write its backward out, operation by operation, so that the chain's many edges (each a
 //! zero-filled buffer and an add in candle's backward) become one node with its chain's bits.
 
+pub mod add;
 pub mod attention;
-pub mod bias_add;
 pub mod cached_attention;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

@@ -192,7 +192,7 @@ pub fn add_rms_norm(h: &Tensor, a: &Tensor, w: &Tensor, eps: f64) -> Result<(Ten
         && w.dims() == [d]
         && d > 0;
     if !served {
-        let sum = (h + a)?;
+        let sum = super::add::add(h, a)?;
         let normed = rms_norm(&sum, w, eps)?;
         return Ok((sum, normed));
     }

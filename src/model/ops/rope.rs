@@ -144,7 +144,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `k_bias` [H·D]) → (rope(q + q_bias), rope(k + k_bias)), [B, H, T, D] each, for a step that
 /// differentiates nothing. On CUDA with oxrl's kernels on, one kernel adds both biases (rounded
 /// as the bias add writes them) and rotates both, where a decode step ran two bias adds and two
-/// rotations a layer: the same bits. Elsewhere [`super::bias_add::bias_add`] and [`rope`].
+/// rotations a layer: the same bits. Elsewhere [`super::add::bias_add`] and [`rope`].
 pub fn rope_pair(
     q: &Tensor,
     q_bias: Option<&Tensor>,
@@ -174,7 +174,7 @@ pub fn rope_pair(
     if !served {
         let heads = |y: &Tensor, bias: Option<&Tensor>, h: usize| -> Result<Tensor> {
             let y = match bias {
-                Some(bias) => super::bias_add::bias_add(y, bias)?,
+                Some(bias) => super::add::bias_add(y, bias)?,
                 None => y.clone(),
             };
             rope(&y.reshape((b, t, h, d))?.transpose(1, 2)?, cos, sin)

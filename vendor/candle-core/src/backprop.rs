@@ -704,6 +704,26 @@ pub fn set_zero_first_gradients_off_cpu(on: bool) {
     ZERO_FIRST_OFF_CPU.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// An application's add for two gradients of one tensor (see [`set_gradient_add`]): None where
+/// it does not serve them.
+pub type GradientAdd = fn(&Tensor, &Tensor) -> Option<Result<Tensor>>;
+
+static GRADIENT_ADD: std::sync::OnceLock<GradientAdd> = std::sync::OnceLock::new();
+
+/// Sets the add the backward sums a tensor's gradients with (oxrl's patch: its CUDA kernel,
+/// candle's bits without the dims copied to the device at every add); where it returns None,
+/// `Tensor::add`. Once per process: later calls change nothing.
+pub fn set_gradient_add(add: GradientAdd) {
+    let _ = GRADIENT_ADD.set(add);
+}
+
+fn add_gradients(sum: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    match GRADIENT_ADD.get().and_then(|add| add(sum, grad)) {
+        Some(out) => out,
+        None => sum.add(grad),
+    }
+}
+
 /// Whether a tensor's first gradient is added into zeros (see [`GradStore::accumulate`]).
 fn zero_first(tensor: &Tensor) -> bool {
     match tensor.device().is_cpu() {
@@ -758,7 +778,7 @@ impl GradStore {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
                 let sum = entry.get_mut();
-                *sum = sum.add(grad)?;
+                *sum = add_gradients(sum, grad)?;
             }
             Entry::Vacant(entry) => {
                 let first = match zero_first(tensor) {
