@@ -171,6 +171,31 @@ struct Backward {
     dv: SideOutput,
 }
 
+/// The `cuda_fwd` of an op on (q, k, v) whose kernels are `kernels::$run::<T>`, for T of bf16
+/// and f16.
+macro_rules! cuda_fwd_16_bit {
+    ($run:ident) => {
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            qs: &candle_core::cuda_backend::CudaStorage,
+            ql: &candle_core::Layout,
+            ks: &candle_core::cuda_backend::CudaStorage,
+            kl: &candle_core::Layout,
+            vs: &candle_core::cuda_backend::CudaStorage,
+            vl: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, candle_core::Shape)> {
+            use candle_core::cuda_backend::CudaStorageSlice::{BF16, F16};
+            let inputs = [(qs, ql), (ks, kl), (vs, vl)];
+            match &qs.slice {
+                BF16(_) => kernels::$run::<half::bf16>(self, inputs),
+                F16(_) => kernels::$run::<half::f16>(self, inputs),
+                _ => Err(kernels::not_16_bit()),
+            }
+        }
+    };
+}
+
 impl CustomOp3 for Forward {
     fn name(&self) -> &'static str {
         "flash-attention"
@@ -178,24 +203,7 @@ impl CustomOp3 for Forward {
 
     cpu_refused!(3);
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        qs: &candle_core::cuda_backend::CudaStorage,
-        ql: &candle_core::Layout,
-        ks: &candle_core::cuda_backend::CudaStorage,
-        kl: &candle_core::Layout,
-        vs: &candle_core::cuda_backend::CudaStorage,
-        vl: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, candle_core::Shape)> {
-        use candle_core::cuda_backend::CudaStorageSlice::{BF16, F16};
-        let inputs = [(qs, ql), (ks, kl), (vs, vl)];
-        match &qs.slice {
-            BF16(_) => kernels::forward::<half::bf16>(self, inputs),
-            F16(_) => kernels::forward::<half::f16>(self, inputs),
-            _ => Err(kernels::not_16_bit()),
-        }
-    }
+    cuda_fwd_16_bit!(forward);
 }
 
 impl CustomOp3 for Backward {
@@ -205,24 +213,7 @@ impl CustomOp3 for Backward {
 
     cpu_refused!(3);
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        qs: &candle_core::cuda_backend::CudaStorage,
-        ql: &candle_core::Layout,
-        ks: &candle_core::cuda_backend::CudaStorage,
-        kl: &candle_core::Layout,
-        vs: &candle_core::cuda_backend::CudaStorage,
-        vl: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, candle_core::Shape)> {
-        use candle_core::cuda_backend::CudaStorageSlice::{BF16, F16};
-        let inputs = [(qs, ql), (ks, kl), (vs, vl)];
-        match &qs.slice {
-            BF16(_) => kernels::backward::<half::bf16>(self, inputs),
-            F16(_) => kernels::backward::<half::f16>(self, inputs),
-            _ => Err(kernels::not_16_bit()),
-        }
-    }
+    cuda_fwd_16_bit!(backward);
 }
 
 /// The launches.

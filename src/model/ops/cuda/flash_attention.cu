@@ -100,6 +100,18 @@ __device__ void tiles_kernel(const float* bias, unsigned char* table, long long 
     if ((threadIdx.x & 31) == 0) table[(b * gridDim.y + tq) * gridDim.x + tk] = live == 0.0f ? DEAD : unclear == 0.0f ? CLEAR : MIXED;
 }
 
+// A batch row's bias [T, S] and its table, and the table's size.
+struct BiasRows {
+    const float* bias;
+    const unsigned char* table;
+    long long rows, cols;
+};
+
+__device__ BiasRows bias_rows(const float* bias, const unsigned char* tiles, long long b, long long t, long long s) {
+    const long long rows = (t + G - 1) / G, cols = (s + G - 1) / G;
+    return {bias + b * t * s, tiles + b * rows * cols, rows, cols};
+}
+
 // The class of the kernel tile spanning table rows r0 … r0 + rn and columns c0 … c0 + cn
 // (clipped to the table's `rows` × `cols`): the same for every thread.
 __device__ int tile_class(const unsigned char* table, long long rows, long long cols, long long r0, int rn,
@@ -178,9 +190,7 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
     const long long g = h / (heads / kv_heads);
     const T* kh = k + (b * kv_heads + g) * s * D;
     const T* vh = v + (b * kv_heads + g) * s * D;
-    const float* bb = bias + b * t * s;
-    const long long rows = (t + G - 1) / G, cols = (s + G - 1) / G;
-    const unsigned char* tb = tiles + b * rows * cols;
+    const BiasRows br = bias_rows(bias, tiles, b, t, s);
     stage<T, D, BQ>(staged, q + (b * heads + h) * t * D, D, q0, t);
     __syncthreads();
     FragA<T> qf[D / 16];
@@ -188,13 +198,13 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
     // Lane → row of the warp's 16 and half of a tile's 32 keys.
     const int row = lane >> 1, half = lane & 1;
     const long long query = q0 + warp * 16 + row;
-    const float* brow = bb + query * s;
+    const float* brow = br.bias + query * s;
     float* ws = scores + warp * 16 * LF;
     T* wp = probs + warp * 16 * LH;
 
     float m = -INFINITY, l = 0.0f;
     for (long long k0 = 0; k0 < s; k0 += BK) {
-        const int cls = tile_class(tb, rows, cols, q0 / G, BQ / G, k0 / G, BK / G);
+        const int cls = tile_class(br.table, br.rows, br.cols, q0 / G, BQ / G, k0 / G, BK / G);
         if (cls == DEAD) continue;
         __syncthreads();  // the block is done with the previous tile
         stage<T, D, BK>(staged, kh, D, k0, s);
@@ -220,7 +230,7 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
     Acc acc[D / 16];
     for (int j = 0; j < D / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
     for (long long k0 = 0; k0 < s; k0 += BK) {
-        const int cls = tile_class(tb, rows, cols, q0 / G, BQ / G, k0 / G, BK / G);
+        const int cls = tile_class(br.table, br.rows, br.cols, q0 / G, BQ / G, k0 / G, BK / G);
         if (cls == DEAD) continue;
         __syncthreads();  // the block is done with the previous tile
         stage<T, D, BK>(staged, kh, D, k0, s);
@@ -270,9 +280,7 @@ __device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias,
     const long long g = h / (heads / kv_heads);
     const T* kh = k + (b * kv_heads + g) * s * D;
     const T* vh = v + (b * kv_heads + g) * s * D;
-    const float* bb = bias + b * t * s;
-    const long long rows = (t + G - 1) / G, cols = (s + G - 1) / G;
-    const unsigned char* tb = tiles + b * rows * cols;
+    const BiasRows br = bias_rows(bias, tiles, b, t, s);
     FragA<T> qf[D / 16], dof[D / 16];
     stage<T, D, BQ>(staged, q + (b * heads + h) * t * D, D, q0, t);
     __syncthreads();
@@ -283,7 +291,7 @@ __device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias,
     load_rows<T, D>(dof, staged + warp * 16 * LD);
     const int row = lane >> 1, half = lane & 1;
     const long long query = q0 + warp * 16 + row;
-    const float* brow = bb + query * s;
+    const float* brow = br.bias + query * s;
     float m = 0.0f, inv = 0.0f, dl = 0.0f;
     if (query < t) {
         m = stats[2 * ((b * heads + h) * t + query)];
@@ -297,7 +305,7 @@ __device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias,
     Acc acc[D / 16];
     for (int j = 0; j < D / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
     for (long long k0 = 0; k0 < s; k0 += BK) {
-        const int cls = tile_class(tb, rows, cols, q0 / G, BQ / G, k0 / G, BK / G);
+        const int cls = tile_class(br.table, br.rows, br.cols, q0 / G, BQ / G, k0 / G, BK / G);
         if (cls == DEAD) continue;
         __syncthreads();  // the block is done with the previous tile
         stage<T, D, BK>(staged, kh, D, k0, s);
@@ -336,9 +344,7 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long b = blockIdx.z, g = blockIdx.y, k0 = (long long)blockIdx.x * BKV;
     const long long rep = heads / kv_heads;
-    const float* bb = bias + b * t * s;
-    const long long rows = (t + G - 1) / G, cols = (s + G - 1) / G;
-    const unsigned char* tb = tiles + b * rows * cols;
+    const BiasRows br = bias_rows(bias, tiles, b, t, s);
     FragA<T> kf[D / 16], vf[D / 16];
     stage<T, D, BKV>(staged, k + (b * kv_heads + g) * s * D, D, k0, s);
     __syncthreads();
@@ -362,7 +368,7 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
     }
     for (long long h = g * rep; h < (g + 1) * rep; ++h) {
         for (long long q0 = 0; q0 < t; q0 += BQ2) {
-            const int cls = tile_class(tb, rows, cols, q0 / G, BQ2 / G, k0 / G, BKV / G);
+            const int cls = tile_class(br.table, br.rows, br.cols, q0 / G, BQ2 / G, k0 / G, BKV / G);
             if (cls == DEAD) continue;
             __syncthreads();  // the block is done with the previous tile
             stage<T, D, BQ2>(staged, q + (b * heads + h) * t * D, D, q0, t);
@@ -382,7 +388,7 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
                 const long long qi = q0 + c;
                 float p = 0.0f, ds = 0.0f;
                 if (key < s && qi < t) {
-                    const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : bb[qi * s + key], scale);
+                    const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : br.bias[qi * s + key], scale);
                     p = expf(x - row_max[c]) * row_inv[c];
                     ds = scale * p * (wdp[row * LF + c] - row_delta[c]);
                 }
