@@ -51,6 +51,12 @@ template <typename T> using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T
 template <typename T> using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
 using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
+// e^x by the hardware's approximate exponential (__expf: within 2 + 1.2·|x| ulp, a few 1e-6
+// relative for any probability that is not negligible, far below the 16-bit rounding each gets):
+// four exponentials a score across the kernels, which would otherwise cost more than the tile
+// products. The same function everywhere, so the backward's p is the forward's.
+__device__ __forceinline__ float exp_fast(float x) { return __expf(x); }
+
 // The softmax's argument, its product rounded before the sum as softmax.cu's.
 __device__ __forceinline__ float logit(float x, float b, float scale) { return __fadd_rn(__fmul_rn(x, scale), b); }
 
@@ -214,16 +220,16 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
         for (int c = half * 16; c < half * 16 + 16 && query < t && k0 + c < s; ++c) {
             const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale);
             if (x > m) {
-                l = l * expf(m - x) + 1.0f;
+                l = l * exp_fast(m - x) + 1.0f;
                 m = x;
             } else {
-                l += expf(x - m);
+                l += exp_fast(x - m);
             }
         }
     }
     const float m2 = __shfl_xor_sync(0xffffffffu, m, 1), l2 = __shfl_xor_sync(0xffffffffu, l, 1);
     const float mx = fmaxf(m, m2);
-    const float sum = (m == -INFINITY ? 0.0f : l * expf(m - mx)) + (m2 == -INFINITY ? 0.0f : l2 * expf(m2 - mx));
+    const float sum = (m == -INFINITY ? 0.0f : l * exp_fast(m - mx)) + (m2 == -INFINITY ? 0.0f : l2 * exp_fast(m2 - mx));
     const float inv = 1.0f / sum;
     m = mx;
 
@@ -240,7 +246,7 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
         __syncwarp();
         for (int c = half * 16; c < half * 16 + 16; ++c) {
             const bool in = query < t && k0 + c < s;
-            const float p = in ? expf(logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) - m) * inv : 0.0f;
+            const float p = in ? exp_fast(logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) - m) * inv : 0.0f;
             wp[row * LH + c] = from_f32<T>(p);
         }
         __syncwarp();
@@ -317,7 +323,7 @@ __device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias,
         for (int c = half * 16; c < half * 16 + 16; ++c) {
             float ds = 0.0f;
             if (query < t && k0 + c < s) {
-                const float p = expf(logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) - m) * inv;
+                const float p = exp_fast(logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) - m) * inv;
                 ds = scale * p * (wdp[row * LF + c] - dl);
             }
             wds[row * LH + c] = from_f32<T>(ds);
@@ -389,7 +395,7 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
                 float p = 0.0f, ds = 0.0f;
                 if (key < s && qi < t) {
                     const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : br.bias[qi * s + key], scale);
-                    p = expf(x - row_max[c]) * row_inv[c];
+                    p = exp_fast(x - row_max[c]) * row_inv[c];
                     ds = scale * p * (wdp[row * LF + c] - row_delta[c]);
                 }
                 wp[row * LH + c] = from_f32<T>(p);
