@@ -685,9 +685,9 @@ template <typename T> static void bias_add(unsigned block) {
 // Queries past a block's 64 and keys past a tile's 32, kv heads shared by two query heads, a
 // causal mask with left padding, and queries after a prefix of keys (past > 0).
 template <typename T> static double flash_tolerance() { return std::is_same<T, bf16>::value ? 6e-3 : 1e-3; }
-template <typename T, int D, typename Fwd, typename Dq, typename Dkv, typename Delta>
-static void flash_attention(Fwd fwd, Dq dq_kernel, Dkv dkv_kernel, Delta delta_kernel, long long b, long long h,
-                            long long kvh, long long t, long long past) {
+template <typename T, int D, typename Fwd, typename Dq, typename Dkv, typename Delta, typename DkvSum>
+static void flash_attention(Fwd fwd, Dq dq_kernel, Dkv dkv_kernel, Delta delta_kernel, DkvSum dkv_sum_kernel, long long b,
+                            long long h, long long kvh, long long t, long long past) {
     const long long s = past + t, d = D, rep = h / kvh;
     const double scale = 1.0 / std::sqrt((double)d);
     const Vec q = rounded<T>(values(b * h * t * d, 11, 1.5)), k = rounded<T>(values(b * kvh * s * d, 12, 1.5)),
@@ -799,10 +799,13 @@ static void flash_attention(Fwd fwd, Dq dq_kernel, Dkv dkv_kernel, Delta delta_k
     launch(queries, {128}, dq_kernel, (const T*)qs.data(), (const T*)ks.data(), (const T*)vs.data(),
            (const float*)bs.data(), (const unsigned char*)table.data(), (const float*)stats.data(), (const T*)ws.data(), (const float*)delta.data(),
            gq.data(), h, kvh, t, s, (float)scale);
-    launch({(unsigned)((s + 63) / 64), (unsigned)kvh, (unsigned)b}, {128}, dkv_kernel, (const T*)qs.data(),
+    std::vector<float> dk_part(b * h * s * d, NAN), dv_part(b * h * s * d, NAN);
+    launch({(unsigned)((s + 63) / 64), (unsigned)h, (unsigned)b}, {128}, dkv_kernel, (const T*)qs.data(),
            (const T*)ks.data(), (const T*)vs.data(), (const float*)bs.data(), (const unsigned char*)table.data(),
-           (const float*)stats.data(),
-           (const T*)ws.data(), (const float*)delta.data(), gk.data(), gv.data(), h, kvh, t, s, (float)scale);
+           (const float*)stats.data(), (const T*)ws.data(), (const float*)delta.data(), dk_part.data(), dv_part.data(),
+           h, kvh, t, s, (float)scale);
+    launch({5}, {256}, dkv_sum_kernel, (const float*)dk_part.data(), (const float*)dv_part.data(), gk.data(), gv.data(),
+           rep, s * d, b * kvh * s * d);
     expect(what + " dq", widen(gq), dq, flash_tolerance<T>());
     expect(what + " dk", widen(gk), dk, flash_tolerance<T>());
     expect(what + " dv", widen(gv), dv, flash_tolerance<T>());
@@ -810,11 +813,12 @@ static void flash_attention(Fwd fwd, Dq dq_kernel, Dkv dkv_kernel, Delta delta_k
 
 static void flash_attention() {
     flash_attention<bf16, 64>(flash_attention_fwd_d64_bf16, flash_attention_dq_d64_bf16, flash_attention_dkv_d64_bf16,
-                              flash_attention_delta_bf16, 2, 4, 2, 70, 0);
+                              flash_attention_delta_bf16, flash_attention_dkv_sum_bf16, 2, 4, 2, 70, 0);
     flash_attention<f16, 64>(flash_attention_fwd_d64_f16, flash_attention_dq_d64_f16, flash_attention_dkv_d64_f16,
-                             flash_attention_delta_f16, 2, 4, 2, 70, 0);
+                             flash_attention_delta_f16, flash_attention_dkv_sum_f16, 2, 4, 2, 70, 0);
     flash_attention<bf16, 128>(flash_attention_fwd_d128_bf16, flash_attention_dq_d128_bf16,
-                               flash_attention_dkv_d128_bf16, flash_attention_delta_bf16, 2, 2, 1, 20, 45);
+                               flash_attention_dkv_d128_bf16, flash_attention_delta_bf16, flash_attention_dkv_sum_bf16,
+                               2, 2, 1, 20, 45);
 }
 
 template <typename T> static void all(unsigned block) {

@@ -8,10 +8,10 @@
 //!           out = Σ_s round(exp(x − m) / l) · v_s       (a second pass; (m, 1 / l) kept)
 //! backward  delta = Σ_d dO ⊙ out                        (= Σ_s p ⊙ dp)
 //!           p again from x and (m, 1 / l); dp = dO · vᵀ; ds = scale · p · (dp − delta)
-//!           dq = ds · k,  dk = Σ_heads dsᵀ · q,  dv = Σ_heads pᵀ · dO
+//!           dq = ds · k,  dk = Σ_heads dsᵀ · q,  dv = Σ_heads pᵀ · dO  (per query head in f32,
+//!           then the heads sharing a kv head summed in order)
 //! ```
-//! Each gradient element is summed by one thread block in a fixed order: the same bits every
-//! run. They are not the unfused node's bits (its products and sums run in other orders), but
+//! Each gradient element is summed in a fixed order (no atomics): the same bits every run. They are not the unfused node's bits (its products and sums run in other orders), but
 //! the same probabilities rounded at the same places (p before the weighted sum, ds before its
 //! products), so within bf16's rounding of them (`tests/gpu.rs` compares the two).
 //!
@@ -321,9 +321,15 @@ mod kernels {
         let dq = cuda::output::<T>(qs, b * h * t * d)?;
         launch!(qs.device, cuda::FLASH_ATTENTION, format!("flash_attention_dq_d{d}_{}", T::SUFFIX), blocks(t.div_ceil(64), h, b);
             &q, &k, &v, &bias, &tiles, &stats, &d_out, &delta, &dq, &hi, &kvi, &ti, &si, &scale);
-        let (dk, dv) = (cuda::output::<T>(qs, b * kvh * s * d)?, cuda::output::<T>(qs, b * kvh * s * d)?);
-        launch!(qs.device, cuda::FLASH_ATTENTION, format!("flash_attention_dkv_d{d}_{}", T::SUFFIX), blocks(s.div_ceil(64), kvh, b);
-            &q, &k, &v, &bias, &tiles, &stats, &d_out, &delta, &dk, &dv, &hi, &kvi, &ti, &si, &scale);
+        // A block per 64 keys and query head, into f32 parts; then each kv head's parts summed.
+        let (dk_part, dv_part) = (cuda::output::<f32>(qs, b * h * s * d)?, cuda::output::<f32>(qs, b * h * s * d)?);
+        launch!(qs.device, cuda::FLASH_ATTENTION, format!("flash_attention_dkv_d{d}_{}", T::SUFFIX), blocks(s.div_ceil(64), h, b);
+            &q, &k, &v, &bias, &tiles, &stats, &d_out, &delta, &dk_part, &dv_part, &hi, &kvi, &ti, &si, &scale);
+        let total = b * kvh * s * d;
+        let (dk, dv) = (cuda::output::<T>(qs, total)?, cuda::output::<T>(qs, total)?);
+        let [rep, per_head, total_i] = [h / kvh, s * d, total].map(|v| v as i64);
+        launch!(qs.device, cuda::FLASH_ATTENTION, cuda::entry::<T>("flash_attention_dkv_sum"), cuda::elementwise(total);
+            &dk_part, &dv_part, &dk, &dv, &rep, &per_head, &total_i);
         op.dk.put(cuda::storage(qs, dk));
         op.dv.put(cuda::storage(qs, dv));
         Ok((cuda::storage(qs, dq), ql.shape().clone()))

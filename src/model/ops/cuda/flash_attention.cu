@@ -13,10 +13,10 @@
 // Backward from dO: delta = Σ_d dO ⊙ O per row (= Σ_s p ⊙ dp); then, each p computed again from
 // the scores and (m, 1 / l), ds = scale · p · (dp − delta) with dp = dO · vᵀ, and
 //   dq = ds · k             a block per 64 queries of one head, looping over key tiles;
-//   dv = Σ pᵀ · dO, dk = Σ dsᵀ · q   a block per 64 keys of one kv head, looping over the query
-//                                    tiles of every query head that reads it.
-// Each gradient element is summed by one block in a fixed order: no atomics, the same bits each
-// run.
+//   dv = Σ pᵀ · dO, dk = Σ dsᵀ · q   a block per 64 keys and query head, looping over its query
+//                                    tiles into f32 parts; a kv head's parts (one per query head
+//                                    sharing it) then summed in head order.
+// Each gradient element is summed in a fixed order: no atomics, the same bits each run.
 //
 // The bias is read through a table of its 32 × 32 tiles (one pass, `tiles_kernel`): a tile masked
 // everywhere (≤ MASKED_BELOW: the causal future, left padding) is skipped, its keys weighing
@@ -338,8 +338,8 @@ __device__ void dq_kernel(const T* q, const T* k, const T* v, const float* bias,
 template <typename T, int D>
 __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles,
                            const float* stats, const T* d_out,
-                           const float* delta, T* dk, T* dv, long long heads, long long kv_heads, long long t,
-                           long long s, float scale) {
+                           const float* delta, float* dk_part, float* dv_part, long long heads, long long kv_heads,
+                           long long t, long long s, float scale) {
     constexpr int LD = D + 8;
     __shared__ __align__(32) T staged[BKV * LD];  // the keys, then the values; then a query tile and its dO
     __shared__ __align__(32) float scores[BKV * LF];
@@ -348,8 +348,8 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
     __shared__ __align__(32) T d_scores[BKV * LH];
     __shared__ float row_max[BQ2], row_inv[BQ2], row_delta[BQ2];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long b = blockIdx.z, g = blockIdx.y, k0 = (long long)blockIdx.x * BKV;
-    const long long rep = heads / kv_heads;
+    const long long b = blockIdx.z, h = blockIdx.y, k0 = (long long)blockIdx.x * BKV;
+    const long long g = h / (heads / kv_heads);
     const BiasRows br = bias_rows(bias, tiles, b, t, s);
     FragA<T> kf[D / 16], vf[D / 16];
     stage<T, D, BKV>(staged, k + (b * kv_heads + g) * s * D, D, k0, s);
@@ -372,45 +372,61 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
         wmma::fill_fragment(dk_acc[j], 0.0f);
         wmma::fill_fragment(dv_acc[j], 0.0f);
     }
-    for (long long h = g * rep; h < (g + 1) * rep; ++h) {
-        for (long long q0 = 0; q0 < t; q0 += BQ2) {
-            const int cls = tile_class(br.table, br.rows, br.cols, q0 / G, BQ2 / G, k0 / G, BKV / G);
-            if (cls == DEAD) continue;
-            __syncthreads();  // the block is done with the previous tile
-            stage<T, D, BQ2>(staged, q + (b * heads + h) * t * D, D, q0, t);
-            stage<T, D, BQ2>(staged + BQ2 * LD, d_out + (b * t * heads + h) * D, heads * D, q0, t);
-            if (threadIdx.x < BQ2) {
-                const long long qi = q0 + threadIdx.x;
-                const bool in = qi < t;
-                row_max[threadIdx.x] = in ? stats[2 * ((b * heads + h) * t + qi)] : 0.0f;
-                row_inv[threadIdx.x] = in ? stats[2 * ((b * heads + h) * t + qi) + 1] : 0.0f;
-                row_delta[threadIdx.x] = in ? delta[(b * t + qi) * heads + h] : 0.0f;
-            }
-            __syncthreads();
-            product_t<T, D, BQ2>(ws, kf, staged);               // scoresᵀ: the warp's keys × the queries
-            product_t<T, D, BQ2>(wdp, vf, staged + BQ2 * LD);   // dpᵀ = v · dOᵀ
-            __syncwarp();
-            for (int c = half * 16; c < half * 16 + 16; ++c) {
-                const long long qi = q0 + c;
-                float p = 0.0f, ds = 0.0f;
-                if (key < s && qi < t) {
-                    const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : br.bias[qi * s + key], scale);
-                    p = exp_fast(x - row_max[c]) * row_inv[c];
-                    ds = scale * p * (wdp[row * LF + c] - row_delta[c]);
-                }
-                wp[row * LH + c] = from_f32<T>(p);
-                wds[row * LH + c] = from_f32<T>(ds);
-            }
-            __syncwarp();
-            accumulate<T, D, BQ2>(dv_acc, wp, staged + BQ2 * LD);  // dv += pᵀ · dO
-            accumulate<T, D, BQ2>(dk_acc, wds, staged);           // dk += dsᵀ · q
+    for (long long q0 = 0; q0 < t; q0 += BQ2) {
+        const int cls = tile_class(br.table, br.rows, br.cols, q0 / G, BQ2 / G, k0 / G, BKV / G);
+        if (cls == DEAD) continue;
+        __syncthreads();  // the block is done with the previous tile
+        stage<T, D, BQ2>(staged, q + (b * heads + h) * t * D, D, q0, t);
+        stage<T, D, BQ2>(staged + BQ2 * LD, d_out + (b * t * heads + h) * D, heads * D, q0, t);
+        if (threadIdx.x < BQ2) {
+            const long long qi = q0 + threadIdx.x;
+            const bool in = qi < t;
+            row_max[threadIdx.x] = in ? stats[2 * ((b * heads + h) * t + qi)] : 0.0f;
+            row_inv[threadIdx.x] = in ? stats[2 * ((b * heads + h) * t + qi) + 1] : 0.0f;
+            row_delta[threadIdx.x] = in ? delta[(b * t + qi) * heads + h] : 0.0f;
         }
+        __syncthreads();
+        product_t<T, D, BQ2>(ws, kf, staged);               // scoresᵀ: the warp's keys × the queries
+        product_t<T, D, BQ2>(wdp, vf, staged + BQ2 * LD);   // dpᵀ = v · dOᵀ
+        __syncwarp();
+        for (int c = half * 16; c < half * 16 + 16; ++c) {
+            const long long qi = q0 + c;
+            float p = 0.0f, ds = 0.0f;
+            if (key < s && qi < t) {
+                const float x = logit(ws[row * LF + c], cls == CLEAR ? 0.0f : br.bias[qi * s + key], scale);
+                p = exp_fast(x - row_max[c]) * row_inv[c];
+                ds = scale * p * (wdp[row * LF + c] - row_delta[c]);
+            }
+            wp[row * LH + c] = from_f32<T>(p);
+            wds[row * LH + c] = from_f32<T>(ds);
+        }
+        __syncwarp();
+        accumulate<T, D, BQ2>(dv_acc, wp, staged + BQ2 * LD);  // dv += pᵀ · dO
+        accumulate<T, D, BQ2>(dk_acc, wds, staged);           // dk += dsᵀ · q
     }
     const long long first = k0 + warp * 16;
     if (first < s) {
         const int valid = (int)min(16LL, s - first);
-        write_rows<T, D>(dk + ((b * kv_heads + g) * s + first) * D, D, valid, dk_acc, ws);
-        write_rows<T, D>(dv + ((b * kv_heads + g) * s + first) * D, D, valid, dv_acc, ws);
+        write_rows<float, D>(dk_part + ((b * heads + h) * s + first) * D, D, valid, dk_acc, ws);
+        write_rows<float, D>(dv_part + ((b * heads + h) * s + first) * D, D, valid, dv_acc, ws);
+    }
+}
+
+// dk and dv [B, KV, S, D] from the query heads' parts [B, H, S, D] (f32): each kv head's `rep`
+// parts summed in head order, rounded once. A grid-stride loop over the elements.
+template <typename T>
+__device__ void dkv_sum_kernel(const float* dk_part, const float* dv_part, T* dk, T* dv, long long rep,
+                               long long per_head, long long total) {
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = start; i < total; i += stride) {
+        const long long bg = i / per_head, e = i % per_head;  // (batch row, kv head), element
+        float k_sum = 0.0f, v_sum = 0.0f;
+        for (long long r = 0; r < rep; ++r) {
+            k_sum += dk_part[(bg * rep + r) * per_head + e];
+            v_sum += dv_part[(bg * rep + r) * per_head + e];
+        }
+        dk[i] = from_f32<T>(k_sum);
+        dv[i] = from_f32<T>(v_sum);
     }
 }
 }  // namespace flash
@@ -430,9 +446,10 @@ __device__ void dkv_kernel(const T* q, const T* k, const T* v, const float* bias
     }                                                                                                                  \
     extern "C" __global__ void flash_attention_dkv_d##D##_##SUFFIX(                                                    \
         const T* q, const T* k, const T* v, const float* bias, const unsigned char* tiles, const float* stats,        \
-        const T* d_out, const float* delta, T* dk, T* dv, long long heads, long long kv_heads, long long t,            \
-        long long s, float scale) {                                                                                    \
-        flash::dkv_kernel<T, D>(q, k, v, bias, tiles, stats, d_out, delta, dk, dv, heads, kv_heads, t, s, scale);      \
+        const T* d_out, const float* delta, float* dk_part, float* dv_part, long long heads, long long kv_heads,      \
+        long long t, long long s, float scale) {                                                                       \
+        flash::dkv_kernel<T, D>(q, k, v, bias, tiles, stats, d_out, delta, dk_part, dv_part, heads, kv_heads, t, s,    \
+                                scale);                                                                                \
     }
 FLASH_ENTRIES(64, bf16, bf16)
 FLASH_ENTRIES(64, f16, f16)
@@ -449,5 +466,14 @@ extern "C" __global__ void flash_attention_delta_bf16 FLASH_DELTA_PARAMS(bf16) {
 }
 extern "C" __global__ void flash_attention_delta_f16 FLASH_DELTA_PARAMS(f16) {
     flash::delta_kernel<f16>(d_out, out, delta, rows, d);
+}
+
+#define FLASH_DKV_SUM_PARAMS(T) \
+    (const float* dk_part, const float* dv_part, T* dk, T* dv, long long rep, long long per_head, long long total)
+extern "C" __global__ void flash_attention_dkv_sum_bf16 FLASH_DKV_SUM_PARAMS(bf16) {
+    flash::dkv_sum_kernel<bf16>(dk_part, dv_part, dk, dv, rep, per_head, total);
+}
+extern "C" __global__ void flash_attention_dkv_sum_f16 FLASH_DKV_SUM_PARAMS(f16) {
+    flash::dkv_sum_kernel<f16>(dk_part, dv_part, dk, dv, rep, per_head, total);
 }
 #endif
