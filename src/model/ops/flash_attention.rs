@@ -11,8 +11,9 @@
 //!           dq = ds · k,  dk = Σ_heads dsᵀ · q,  dv = Σ_heads pᵀ · dO  (per query head in f32,
 //!           then the heads sharing a kv head summed in order)
 //! ```
-//! Each gradient element is summed in a fixed order (no atomics): the same bits every run. They are not the unfused node's bits (its products and sums run in other orders), but
-//! the same probabilities rounded at the same places (p before the weighted sum, ds before its
+//! Each gradient element is summed in a fixed order (no atomics): the same bits every run. They
+//! are not the unfused node's bits (its products and sums run in other orders), but the same
+//! probabilities rounded at the same places (p before the weighted sum, ds before its
 //! products), so within bf16's rounding of them (`tests/gpu.rs` compares the two).
 //!
 //! The forward first classifies the bias's 32 × 32 tiles (a table kept for the backward): tiles
@@ -53,8 +54,9 @@ const fn at_least_80(digits: &[u8]) -> bool {
 }
 
 /// Whether [`flash_attention`] serves q [B, H, T, D]: on CUDA with oxrl's kernels on (built for
-/// compute capability 8.0 or later), in bf16 or f16, D one of [`HEAD_DIMS`], unless `OXRL_FLASH_ATTENTION=0` (read once) or
-/// [`set_flash_attention`]`(false)`: the switch is there to measure the unfused node against it.
+/// compute capability 8.0 or later), in bf16 or f16, D one of [`HEAD_DIMS`], unless
+/// `OXRL_FLASH_ATTENTION=0` (read once) or [`set_flash_attention`]`(false)`: the switch is
+/// there to measure the unfused node against it.
 pub fn serves(q: &Tensor) -> bool {
     BUILT
         && switched_on()

@@ -103,7 +103,8 @@ __device__ void tiles_kernel(const float* bias, unsigned char* table, long long 
     }
     live = warp_sum(live);
     unclear = warp_sum(unclear);
-    if ((threadIdx.x & 31) == 0) table[(b * gridDim.y + tq) * gridDim.x + tk] = live == 0.0f ? DEAD : unclear == 0.0f ? CLEAR : MIXED;
+    if ((threadIdx.x & 31) == 0)
+        table[(b * gridDim.y + tq) * gridDim.x + tk] = live == 0.0f ? DEAD : unclear == 0.0f ? CLEAR : MIXED;
 }
 
 // A batch row's bias [T, S] and its table, and the table's size.
@@ -229,7 +230,8 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
     }
     const float m2 = __shfl_xor_sync(0xffffffffu, m, 1), l2 = __shfl_xor_sync(0xffffffffu, l, 1);
     const float mx = fmaxf(m, m2);
-    const float sum = (m == -INFINITY ? 0.0f : l * exp_fast(m - mx)) + (m2 == -INFINITY ? 0.0f : l2 * exp_fast(m2 - mx));
+    const float sum =
+        (m == -INFINITY ? 0.0f : l * exp_fast(m - mx)) + (m2 == -INFINITY ? 0.0f : l2 * exp_fast(m2 - mx));
     const float inv = 1.0f / sum;
     m = mx;
 
@@ -246,14 +248,16 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
         __syncwarp();
         for (int c = half * 16; c < half * 16 + 16; ++c) {
             const bool in = query < t && k0 + c < s;
-            const float p = in ? exp_fast(logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) - m) * inv : 0.0f;
+            const float x = in ? logit(ws[row * LF + c], cls == CLEAR ? 0.0f : brow[k0 + c], scale) : 0.0f;
+            const float p = in ? exp_fast(x - m) * inv : 0.0f;
             wp[row * LH + c] = from_f32<T>(p);
         }
         __syncwarp();
         accumulate<T, D, BK>(acc, wp, staged + BK * LD);
     }
     const long long first = q0 + warp * 16;
-    if (first < t) write_rows<T, D>(out + ((b * t + first) * heads + h) * D, heads * D, (int)min(16LL, t - first), acc, ws);
+    if (first < t)
+        write_rows<T, D>(out + ((b * t + first) * heads + h) * D, heads * D, (int)min(16LL, t - first), acc, ws);
     if (half == 0 && query < t) {
         stats[2 * ((b * heads + h) * t + query)] = m;
         stats[2 * ((b * heads + h) * t + query) + 1] = inv;
@@ -261,7 +265,8 @@ __device__ void forward_kernel(const T* q, const T* k, const T* v, const float* 
 }
 
 // delta = Σ_d dO ⊙ O for each of `rows` rows of D (a warp a row), f32.
-template <typename T> __device__ void delta_kernel(const T* d_out, const T* out, float* delta, long long rows, long long d) {
+template <typename T>
+__device__ void delta_kernel(const T* d_out, const T* out, float* delta, long long rows, long long d) {
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;  // the whole warp
     const int lane = threadIdx.x & 31;
