@@ -574,9 +574,7 @@ impl FusedOp<3> for CachedAttention {
                 l3.stride()
             )));
         }
-        let Storage::Cuda(bias_storage) = &*bias_storage else {
-            return Err(candle_core::Error::Msg("cached-attention: the bias is not on the GPU".into()));
-        };
+        let bias_storage = cuda::held(&bias_storage, "cached-attention", "bias")?;
         let q = qs.view::<T>()?;
         let k = ks.storage.as_cuda_slice::<T>()?.slice(l2.start_offset()..);
         let v = vs.storage.as_cuda_slice::<T>()?.slice(l3.start_offset()..);

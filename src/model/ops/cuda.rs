@@ -76,6 +76,15 @@ pub(crate) fn view<'a, T: candle_core::cuda_backend::CudaDType>(
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
+/// The CUDA storage of a tensor an op holds (not one of the inputs candle hands it), for
+/// [`view`]; an error naming the op and the tensor where it is elsewhere.
+pub(crate) fn held<'a>(storage: &'a candle_core::Storage, op: &str, what: &str) -> Result<&'a CudaStorage> {
+    match storage {
+        candle_core::Storage::Cuda(s) => Ok(s),
+        _ => Err(candle_core::Error::Msg(format!("{op}: the {what} is not on the GPU"))),
+    }
+}
+
 /// A block of [`ROW_THREADS`] for each of `rows` rows.
 pub(crate) fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }

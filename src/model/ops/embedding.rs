@@ -138,13 +138,12 @@ impl candle_core::InplaceOp2 for TableGradient {
         let (t, t_l) = self.tokens.storage_and_layout();
         let (s, s_l) = self.starts.storage_and_layout();
         let (o, o_l) = self.order.storage_and_layout();
-        let (candle_core::Storage::Cuda(t), candle_core::Storage::Cuda(s), candle_core::Storage::Cuda(o)) =
-            (&*t, &*s, &*o)
-        else {
-            return Err(candle_core::Error::Msg("embedding gradient: the groups are not on the GPU".into()));
-        };
-        let (tokens, starts, order) =
-            (cuda::view::<u32>(t, t_l)?, cuda::view::<u32>(s, s_l)?, cuda::view::<u32>(o, o_l)?);
+        let group = |storage, what| cuda::held(storage, "embedding gradient", what);
+        let (tokens, starts, order) = (
+            cuda::view::<u32>(group(&t, "tokens")?, t_l)?,
+            cuda::view::<u32>(group(&s, "starts")?, s_l)?,
+            cuda::view::<u32>(group(&o, "order")?, o_l)?,
+        );
         let (a, b) = out_l
             .contiguous_offsets()
             .ok_or_else(|| candle_core::Error::Msg("embedding gradient: the table is not contiguous".into()))?;

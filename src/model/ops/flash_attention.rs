@@ -249,21 +249,13 @@ mod kernels {
         LaunchConfig { grid_dim: (tiles as u32, y as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
     }
 
-    /// The CUDA storage of a tensor an op holds (not one of its inputs).
-    fn held<'a>(storage: &'a candle_core::Storage, what: &str) -> candle_core::Result<&'a CudaStorage> {
-        match storage {
-            candle_core::Storage::Cuda(s) => Ok(s),
-            _ => Err(candle_core::Error::Msg(format!("flash attention: the {what} is not on CUDA"))),
-        }
-    }
-
     pub(super) fn forward<T: Elem>(
         op: &Forward,
         [(qs, ql), (ks, kl), (vs, vl)]: Inputs<'_>,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let [b, h, kvh, t, s, d] = sizes(ql, kl)?;
         let (bias_storage, bias_layout) = op.bias.storage_and_layout();
-        let bias = cuda::view::<f32>(held(&bias_storage, "bias")?, bias_layout)?;
+        let bias = cuda::view::<f32>(cuda::held(&bias_storage, "flash attention", "bias")?, bias_layout)?;
         let (q, k, v) = (cuda::view::<T>(qs, ql)?, cuda::view::<T>(ks, kl)?, cuda::view::<T>(vs, vl)?);
         let out = cuda::output::<T>(qs, b * t * h * d)?;
         let stats = cuda::output::<f32>(qs, 2 * b * h * t)?;
@@ -305,15 +297,15 @@ mod kernels {
             )));
         }
         let (bias_storage, bias_layout) = op.bias.storage_and_layout();
-        let bias = cuda::view::<f32>(held(&bias_storage, "bias")?, bias_layout)?;
+        let bias = cuda::view::<f32>(cuda::held(&bias_storage, "flash attention", "bias")?, bias_layout)?;
         let (tiles_storage, tiles_layout) = op.tiles.storage_and_layout();
-        let tiles = cuda::view::<u8>(held(&tiles_storage, "bias table")?, tiles_layout)?;
+        let tiles = cuda::view::<u8>(cuda::held(&tiles_storage, "flash attention", "bias table")?, tiles_layout)?;
         let (stats_storage, stats_layout) = op.stats.storage_and_layout();
-        let stats = cuda::view::<f32>(held(&stats_storage, "row stats")?, stats_layout)?;
+        let stats = cuda::view::<f32>(cuda::held(&stats_storage, "flash attention", "row stats")?, stats_layout)?;
         let (out_storage, out_layout) = op.out.storage_and_layout();
-        let out = cuda::view::<T>(held(&out_storage, "output")?, out_layout)?;
+        let out = cuda::view::<T>(cuda::held(&out_storage, "flash attention", "output")?, out_layout)?;
         let (d_out_storage, d_out_layout) = op.d_out.storage_and_layout();
-        let d_out = cuda::view::<T>(held(&d_out_storage, "output's gradient")?, d_out_layout)?;
+        let d_out = cuda::view::<T>(cuda::held(&d_out_storage, "flash attention", "output's gradient")?, d_out_layout)?;
         let (q, k, v) = (cuda::view::<T>(qs, ql)?, cuda::view::<T>(ks, kl)?, cuda::view::<T>(vs, vl)?);
         let delta = cuda::output::<f32>(qs, rows)?;
         let [ri, di, hi, kvi, ti, si] = [rows, d, h, kvh, t, s].map(|v| v as i64);

@@ -222,10 +222,7 @@ impl candle_core::CustomOp2 for Mixed {
             }
             Some(rg) => {
                 let (rg_storage, rg_layout) = rg.storage_and_layout();
-                let candle_core::Storage::Cuda(rg_storage) = &*rg_storage else {
-                    return Err(candle_core::Error::Msg("logprob-lse-mixed: rg is not on the GPU".into()));
-                };
-                let rgv = cuda::view::<f32>(rg_storage, rg_layout)?;
+                let rgv = cuda::view::<f32>(cuda::held(&rg_storage, "logprob-lse-mixed", "rg")?, rg_layout)?;
                 cuda::dispatch_cuda!(zs, T => {
                     let z = cuda::view::<T>(zs, zl)?;
                     let dz = cuda::output::<T>(zs, z.len())?;

@@ -225,10 +225,8 @@ impl candle_core::CustomOp2 for AddRmsNorm {
         as_: &candle_core::cuda_backend::CudaStorage,
         al: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
-        let (ws, wl) = self.w.storage_and_layout();
-        let candle_core::Storage::Cuda(ws) = &*ws else {
-            return Err(candle_core::Error::Msg("add-rms-norm: the weight is not on CUDA".into()));
-        };
+        let (w_storage, wl) = self.w.storage_and_layout();
+        let ws = cuda::held(&w_storage, "add-rms-norm", "weight")?;
         let d = wl.shape().elem_count();
         let n = hl.shape().elem_count();
         let rows = n / d;

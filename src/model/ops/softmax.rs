@@ -277,9 +277,7 @@ impl candle_core::CustomOp3 for MixedBackward {
         let scale = self.scale as f32;
         let bias = cuda::view::<f32>(b, bl)?;
         let (stats_storage, stats_layout) = self.stats.storage_and_layout();
-        let candle_core::Storage::Cuda(stats_storage) = &*stats_storage else {
-            return Err(candle_core::Error::Msg("masked-softmax-mixed backward: the stats are not on CUDA".into()));
-        };
+        let stats_storage = cuda::held(&stats_storage, "masked-softmax-mixed backward", "stats")?;
         let stats = cuda::view::<f32>(stats_storage, stats_layout)?;
         cuda::dispatch_cuda!(x, T => {
             let xs = cuda::view::<T>(x, xl)?;
